@@ -1,0 +1,181 @@
+# zipcached — plain GNU make, out-of-tree into $(BUILD).
+#   make          build everything into build/
+#   make run      build and start zipcached in the foreground
+#   make check    install missing packages, build, run every test
+#   make bench    build and run the benchmarks
+#   make asan     build into build/asan with ASan+UBSan and run the tests
+# `check` and `run` install their Debian packages first (see `deps`).
+
+BUILD ?= build
+CC ?= cc
+OPT ?= -O2 -g
+SANITIZE ?=
+PREFIX ?= /usr/local
+DESTDIR ?=
+
+# -ffp-contract=off: the codec promises bit-identical output on every ISA,
+# so the compiler must not fuse a*b+c into an FMA behind our back.
+ZC_CFLAGS = -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wshadow -Wstrict-prototypes \
+	-Wmissing-prototypes -Wno-unused-parameter -fPIC -ffp-contract=off \
+	-Iinclude -I$(BUILD)/gen -Iproto $(OPT) $(SANITIZE) $(CFLAGS) -MMD -MP
+ZC_LDFLAGS = $(SANITIZE) $(LDFLAGS)
+
+# Lazily expanded: pkg-config is only asked once `deps` has installed it.
+UV_LIBS = $(shell pkg-config --libs libuv)
+CHECK_CFLAGS = $(shell pkg-config --cflags check)
+CHECK_LIBS = $(shell pkg-config --libs check)
+NANOPB_LIBS = -lprotobuf-nanopb
+
+DEPS_PACKAGES = libuv1-dev nanopb libnanopb-dev protobuf-compiler python3-protobuf \
+	check pkg-config python3-numpy
+
+AVX2_FLAGS = -mavx2 -mfma -mf16c -mbmi -mbmi2
+AVX512_FLAGS = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mbmi -mbmi2
+
+CODEC_SRC = $(wildcard codec/*.c)
+PROTO_SRC = $(wildcard proto/*.c)
+CLIENT_SRC = $(wildcard client/*.c)
+SERVER_SRC = $(filter-out server/main.c,$(wildcard server/*.c))
+# A program in tools/ is tools/NAME.c with a main(); the other files there
+# (npy.c, table.c, ...) are shared by the programs.
+TOOL_MAINS = $(wildcard tools/zipcache-tool.c tools/zipcachectl.c)
+TOOL_NAMES = $(patsubst tools/%.c,%,$(TOOL_MAINS))
+TOOL_LIB_SRC = $(filter-out $(TOOL_MAINS),$(wildcard tools/*.c))
+TEST_NAMES = $(patsubst tests/%_test.c,%,$(wildcard tests/*_test.c))
+TEST_LIB_SRC = $(filter-out %_test.c,$(wildcard tests/*.c))
+BENCH_NAMES = $(patsubst bench/%_bench.c,%,$(wildcard bench/*_bench.c))
+EXAMPLE_NAMES = $(patsubst examples/%.c,%,$(wildcard examples/*.c))
+
+PROTO_GEN_C = $(BUILD)/gen/zipcache.pb.c
+PROTO_GEN_H = $(BUILD)/gen/zipcache.pb.h
+
+obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
+LIB_OBJ = $(call obj,$(CODEC_SRC) $(PROTO_SRC) $(CLIENT_SRC)) $(BUILD)/obj/gen/zipcache.pb.o
+SERVER_OBJ = $(call obj,$(SERVER_SRC))
+TOOL_LIB_OBJ = $(call obj,$(TOOL_LIB_SRC))
+TEST_LIB_OBJ = $(call obj,$(TEST_LIB_SRC))
+
+STATIC_LIB = $(BUILD)/lib/libzipcache.a
+SHARED_LIB = $(BUILD)/lib/libzipcache.so
+SERVER_LIB = $(BUILD)/lib/libzipcached.a
+DAEMON = $(if $(wildcard server/main.c),$(BUILD)/bin/zipcached)
+TOOLS = $(addprefix $(BUILD)/bin/,$(TOOL_NAMES))
+TESTS = $(addprefix $(BUILD)/tests/,$(TEST_NAMES))
+BENCHES = $(addprefix $(BUILD)/bench/,$(BENCH_NAMES))
+EXAMPLES = $(addprefix $(BUILD)/bin/,$(EXAMPLE_NAMES))
+
+.PHONY: all deps check check-run bench bench-run asan run install clean
+.DEFAULT_GOAL := all
+
+all: $(STATIC_LIB) $(SHARED_LIB) $(DAEMON) $(TOOLS) $(EXAMPLES) $(BUILD)/lib/zipcache.pc
+
+deps:
+	@missing=""; for p in $(DEPS_PACKAGES); do \
+		dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'install ok installed' \
+			|| missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo "deps: installing$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+# Generated protobuf code is a build output (never committed).
+$(PROTO_GEN_C) $(PROTO_GEN_H): proto/zipcache.proto proto/zipcache.options
+	@mkdir -p $(BUILD)/gen
+	protoc --plugin=protoc-gen-nanopb=/usr/bin/protoc-gen-nanopb -Iproto \
+		--nanopb_out=-fproto/zipcache.options:$(BUILD)/gen proto/zipcache.proto
+
+$(BUILD)/obj/gen/zipcache.pb.o: $(PROTO_GEN_C)
+	@mkdir -p $(dir $@)
+	$(CC) $(ZC_CFLAGS) -c $< -o $@
+
+# Every object may include the generated header, so it comes first.
+$(BUILD)/obj/%.o: %.c | $(PROTO_GEN_H)
+	@mkdir -p $(dir $@)
+	$(CC) $(ZC_CFLAGS) $(EXTRA_CFLAGS) -c $< -o $@
+
+$(BUILD)/obj/codec/kernels_avx2.o: EXTRA_CFLAGS = $(AVX2_FLAGS)
+$(BUILD)/obj/codec/kernels_avx512.o: EXTRA_CFLAGS = $(AVX512_FLAGS)
+$(BUILD)/obj/tests/%.o: EXTRA_CFLAGS = $(CHECK_CFLAGS) -DZC_BUILD_DIR='"$(abspath $(BUILD))"'
+$(BUILD)/obj/bench/%.o: EXTRA_CFLAGS = -DZC_BUILD_DIR='"$(abspath $(BUILD))"'
+
+$(STATIC_LIB): $(LIB_OBJ)
+	@mkdir -p $(dir $@)
+	rm -f $@ && ar rcs $@ $^
+
+# The shared library carries its own copy of the nanopb runtime, so users
+# link only -lzipcache.
+$(SHARED_LIB): $(LIB_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) -shared -Wl,-soname,libzipcache.so.0 -o $@ $^ \
+		-Wl,--whole-archive /usr/lib/x86_64-linux-gnu/libprotobuf-nanopb.a \
+		-Wl,--no-whole-archive -lm $(ZC_LDFLAGS)
+
+$(BUILD)/lib/zipcache.pc: Makefile
+	@mkdir -p $(dir $@)
+	printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: zipcache\nDescription: zipcached client library and codec\nVersion: 0.1.0\nLibs: -L$${libdir} -lzipcache\nCflags: -I$${includedir}\n' '$(PREFIX)' > $@
+
+$(SERVER_LIB): $(SERVER_OBJ)
+	@mkdir -p $(dir $@)
+	rm -f $@ && ar rcs $@ $^
+
+LINK_ALL = $(SERVER_LIB) $(TOOL_LIB_OBJ) $(STATIC_LIB)
+LINK_LIBS = $(NANOPB_LIBS) $(UV_LIBS) -lm -lpthread
+
+$(DAEMON): $(BUILD)/obj/server/main.o $(SERVER_LIB) $(STATIC_LIB)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $^ $(LINK_LIBS) $(ZC_LDFLAGS)
+
+$(BUILD)/bin/%: $(BUILD)/obj/tools/%.o $(TOOL_LIB_OBJ) $(STATIC_LIB)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $^ $(LINK_LIBS) $(ZC_LDFLAGS)
+
+$(BUILD)/bin/%: $(BUILD)/obj/examples/%.o $(STATIC_LIB)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $^ $(LINK_LIBS) $(ZC_LDFLAGS)
+
+$(BUILD)/tests/%: $(BUILD)/obj/tests/%_test.o $(TEST_LIB_OBJ) $(LINK_ALL)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $^ $(CHECK_LIBS) $(LINK_LIBS) $(ZC_LDFLAGS)
+
+$(BUILD)/bench/%: $(BUILD)/obj/bench/%_bench.o $(LINK_ALL)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $^ $(LINK_LIBS) $(ZC_LDFLAGS)
+
+check: deps
+	@$(MAKE) --no-print-directory check-run
+
+# Each suite runs on its own; the summary line at the end is what CI reads.
+check-run: all $(TESTS)
+	@pass=0; fail=0; for t in $(TESTS); do \
+		echo "== $$t"; \
+		if ZC_BUILD_DIR=$(abspath $(BUILD)) $$t; then pass=$$((pass+1)); \
+		else fail=$$((fail+1)); echo "FAILED: $$t"; fi; \
+	done; \
+	echo "suites: $$pass passed, $$fail failed"; [ $$fail -eq 0 ]
+
+bench: deps
+	@$(MAKE) --no-print-directory bench-run
+
+bench-run: all $(BENCHES)
+	@for b in $(BENCHES); do echo "== $$b"; ZC_BUILD_DIR=$(abspath $(BUILD)) $$b || exit 1; done
+
+asan: deps
+	@$(MAKE) --no-print-directory BUILD=build/asan OPT='-O1 -g -fno-omit-frame-pointer' \
+		SANITIZE='-fsanitize=address,undefined -fno-sanitize-recover=undefined' check-run
+
+run: deps
+	@$(MAKE) --no-print-directory all
+	$(DAEMON) $(RUN_ARGS)
+
+install: all
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include/zipcache
+	install -m 755 $(DAEMON) $(TOOLS) $(DESTDIR)$(PREFIX)/bin
+	install -m 644 $(STATIC_LIB) $(SHARED_LIB) $(DESTDIR)$(PREFIX)/lib
+	install -m 644 $(BUILD)/lib/zipcache.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig
+	install -m 644 include/zipcache/*.h $(DESTDIR)$(PREFIX)/include/zipcache
+
+clean:
+	rm -rf $(BUILD)
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
