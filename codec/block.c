@@ -1,0 +1,226 @@
+/*
+ * Compress and reconstruct whole [B, H, S, D] blocks: validation, the
+ * saliency split, the walk over groups, and the head payload layout of
+ * docs/CODEC.md. The arithmetic itself is in the kernel tables.
+ */
+#include "zipcache/codec.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "saliency.h"
+
+/* Rows quantized per kernel call: enough to amortise the call, small
+ * enough (with D <= 4096) that the code bytes stay in L1/L2. */
+#define QUANTIZE_CHUNK_BYTES 8192u
+
+struct compress_scratch {
+	float *norms;      /* B*H*S key norms, computed before anything is written */
+	uint32_t *rows;    /* S row indices: salient first, then the others */
+	uint8_t *codes;    /* one chunk of code bytes */
+	size_t chunk_rows;
+};
+
+static void scratch_free(struct compress_scratch *scratch)
+{
+	free(scratch->norms);
+	free(scratch->rows);
+	free(scratch->codes);
+}
+
+static int scratch_alloc(struct compress_scratch *scratch, const zc_block_layout *layout,
+			 bool keys)
+{
+	size_t dim = layout->head_dim;
+	*scratch = (struct compress_scratch){ 0 };
+	scratch->chunk_rows = dim >= QUANTIZE_CHUNK_BYTES ? 1 : QUANTIZE_CHUNK_BYTES / dim;
+	if (keys)
+		scratch->norms = malloc(layout->heads * layout->tokens * sizeof(float) + 1);
+	scratch->rows = malloc((size_t)layout->tokens * sizeof(uint32_t) + 1);
+	scratch->codes = malloc(scratch->chunk_rows * dim);
+	if ((keys && !scratch->norms) || !scratch->rows || !scratch->codes) {
+		scratch_free(scratch);
+		return -ENOMEM;
+	}
+	return 0;
+}
+
+/* Quantizes one subset (salient or other rows) of one head. */
+static void subset_compress(const struct codec_kernels *kernels, const uint16_t *head,
+			    const uint32_t *rows, uint32_t n_rows, size_t dim, int bits,
+			    size_t group_size, uint8_t *params, uint8_t *codes_stream,
+			    size_t codes_bytes, struct compress_scratch *scratch)
+{
+	uint8_t *stream_end = codes_stream + codes_bytes;
+	for (size_t first = 0; first < n_rows; first += group_size) {
+		size_t n_group = n_rows - first < group_size ? n_rows - first : group_size;
+		uint8_t *scales = params + (first / group_size) * 4 * dim;
+		uint8_t *mins = scales + 2 * dim;
+		kernels->group_params(head, rows + first, n_group, dim, bits, scales, mins);
+		for (size_t done = 0; done < n_group; done += scratch->chunk_rows) {
+			size_t n_chunk = n_group - done < scratch->chunk_rows ?
+						 n_group - done : scratch->chunk_rows;
+			kernels->group_quantize(head, rows + first + done, n_chunk, dim, bits,
+						scales, mins, scratch->codes);
+			kernels->pack(codes_stream, stream_end, (first + done) * dim * (size_t)bits,
+				      scratch->codes, n_chunk * dim, bits);
+		}
+	}
+}
+
+static void head_compress(const struct codec_kernels *kernels, const zc_block_layout *layout,
+			  const zc_codec_config *config, const uint16_t *head,
+			  const float *norms, uint8_t *payload, struct compress_scratch *scratch)
+{
+	uint32_t tokens = layout->tokens, n_hi = 0, n_lo = 0;
+	uint8_t *mask = payload + layout->mask_offset;
+	uint32_t *hi_rows = scratch->rows;
+	uint32_t *lo_rows = scratch->rows + layout->n_hi;
+
+	if (norms) {
+		saliency_select(norms, tokens, layout->n_hi, mask);
+	} else {
+		/* Values: every token takes the hi path. */
+		saliency_select(NULL, tokens, tokens, mask);
+	}
+	for (uint32_t t = 0; t < tokens; t++) {
+		if (mask[t >> 3] & (1u << (t & 7)))
+			hi_rows[n_hi++] = t;
+		else
+			lo_rows[n_lo++] = t;
+	}
+	subset_compress(kernels, head, hi_rows, n_hi, layout->head_dim, layout->hi_bits,
+			(size_t)config->group_size, payload + layout->hi_params_offset,
+			payload + layout->hi_codes_offset, layout->hi_codes_bytes, scratch);
+	subset_compress(kernels, head, lo_rows, n_lo, layout->head_dim, layout->lo_bits,
+			(size_t)config->group_size, payload + layout->lo_params_offset,
+			payload + layout->lo_codes_offset, layout->lo_codes_bytes, scratch);
+}
+
+int64_t zc_block_compress(const zc_codec_config *config, zc_tensor tensor,
+			  const zc_block_shape *shape, const uint16_t *input,
+			  void *out, size_t capacity)
+{
+	const struct codec_kernels *kernels = codec_kernels_active();
+	zc_block_layout layout;
+	struct compress_scratch scratch;
+	int rc = zc_block_layout_compute(config, tensor, shape, &layout);
+
+	if (rc < 0)
+		return rc;
+	if (capacity < layout.total_bytes)
+		return ZC_EBUFFER;
+	size_t head_elements = (size_t)layout.tokens * layout.head_dim;
+	if (layout.total_bytes == 0)
+		return 0;
+
+	if (layout.exact) {
+		rc = kernels->check_finite(input, layout.heads * head_elements);
+		if (rc < 0)
+			return rc;
+		memcpy(out, input, layout.total_bytes);
+		return (int64_t)layout.total_bytes;
+	}
+
+	bool keys = tensor == ZC_TENSOR_KEYS;
+	rc = scratch_alloc(&scratch, &layout, keys);
+	if (rc < 0)
+		return rc;
+	/* The whole block is checked before the first byte is written, so a
+	 * rejected block leaves the caller's buffer exactly as it was. */
+	if (keys)
+		rc = kernels->row_norms(input, layout.heads * layout.tokens, layout.head_dim,
+					scratch.norms);
+	else
+		rc = kernels->check_finite(input, layout.heads * head_elements);
+	if (rc < 0)
+		goto out_free;
+
+	for (size_t h = 0; h < layout.heads; h++) {
+		head_compress(kernels, &layout, config, input + h * head_elements,
+			      keys ? scratch.norms + h * layout.tokens : NULL,
+			      (uint8_t *)out + h * layout.head_bytes, &scratch);
+	}
+	rc = 0;
+out_free:
+	scratch_free(&scratch);
+	return rc < 0 ? rc : (int64_t)layout.total_bytes;
+}
+
+static void head_reconstruct(const struct codec_kernels *kernels, const zc_block_layout *layout,
+			     size_t group_size, const uint8_t *payload, const uint8_t *read_end,
+			     uint16_t *out, size_t token_stride)
+{
+	const uint8_t *mask = payload + layout->mask_offset;
+	size_t dim = layout->head_dim;
+	size_t n_hi = 0, n_lo = 0;
+
+	for (uint32_t t = 0; t < layout->tokens; t++) {
+		bool salient = mask[t >> 3] & (1u << (t & 7));
+		size_t row = salient ? n_hi++ : n_lo++;
+		int bits = salient ? layout->hi_bits : layout->lo_bits;
+		const uint8_t *params = payload + (salient ? layout->hi_params_offset :
+							      layout->lo_params_offset) +
+					(row / group_size) * 4 * dim;
+		const uint8_t *codes = payload + (salient ? layout->hi_codes_offset :
+							    layout->lo_codes_offset);
+		kernels->row_reconstruct(codes, read_end, row * dim * (size_t)bits, dim, bits,
+					 params, params + 2 * dim, out + t * token_stride);
+	}
+}
+
+/* A mask whose population is not n_hi would index past the params. */
+static bool mask_matches(const zc_block_layout *layout, const uint8_t *mask)
+{
+	size_t count = 0;
+	for (size_t i = 0; i < layout->mask_bytes; i++)
+		count += (size_t)__builtin_popcount(mask[i]);
+	return count == layout->n_hi;
+}
+
+int zc_block_reconstruct(const zc_codec_config *config, zc_tensor tensor,
+			 const zc_block_shape *shape, const void *compressed,
+			 size_t size, uint16_t *out, const zc_strides *strides)
+{
+	const struct codec_kernels *kernels = codec_kernels_active();
+	zc_block_layout layout;
+	int rc = zc_block_layout_compute(config, tensor, shape, &layout);
+
+	if (rc < 0)
+		return rc;
+	if (size != layout.total_bytes)
+		return ZC_ECORRUPT;
+	const uint8_t *bytes = compressed;
+	const uint8_t *read_end = bytes + size;
+	size_t dim = layout.head_dim;
+
+	if (!layout.exact) {
+		for (size_t h = 0; h < layout.heads; h++) {
+			if (!mask_matches(&layout, bytes + h * layout.head_bytes + layout.mask_offset))
+				return ZC_ECORRUPT;
+		}
+	}
+	for (uint32_t b = 0; b < shape->batch; b++) {
+		for (uint32_t hh = 0; hh < shape->heads; hh++) {
+			size_t h = (size_t)b * shape->heads + hh;
+			const uint8_t *payload = bytes + h * layout.head_bytes;
+			uint16_t *head_out = out + b * strides->batch + hh * strides->head;
+			if (layout.exact) {
+				for (uint32_t t = 0; t < layout.tokens; t++)
+					memcpy(head_out + t * strides->token,
+					       payload + (size_t)t * dim * 2, dim * 2);
+				continue;
+			}
+			head_reconstruct(kernels, &layout, (size_t)config->group_size, payload,
+					 read_end, head_out, strides->token);
+		}
+	}
+	return 0;
+}
+
+int zc_fp16_check_finite(const uint16_t *values, size_t n)
+{
+	return codec_kernels_active()->check_finite(values, n);
+}

@@ -1,0 +1,71 @@
+/*
+ * The codec's inner loops, one table per ISA. block.c orchestrates; a
+ * kernel only ever sees rows of one head matrix and one group's params.
+ * Every table must produce bit-identical results: docs/CODEC.md fixes
+ * the order of every floating-point operation, and the tests compare the
+ * tables against each other.
+ *
+ * Params (fp16 scales and mins) live inside the payload at any byte
+ * offset, so kernels take them as bytes and load them unaligned.
+ */
+#ifndef ZIPCACHE_KERNELS_H
+#define ZIPCACHE_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct codec_kernels {
+	const char *name;
+	/* ZC_ENONFINITE if any of the n values is NaN or Inf, else 0. */
+	int (*check_finite)(const uint16_t *values, size_t n);
+	/* L2 norm of each of n_rows contiguous rows of dim values; returns
+	 * ZC_ENONFINITE (norms then undefined) on NaN or Inf. */
+	int (*row_norms)(const uint16_t *rows, size_t n_rows, size_t dim, float *norms);
+	/* Per channel over the listed rows of one group: fp16 scale and min. */
+	void (*group_params)(const uint16_t *head, const uint32_t *rows, size_t n_rows,
+			     size_t dim, int bits, uint8_t *scales, uint8_t *mins);
+	/* One code byte per element of the listed rows: codes[r*dim + c]. */
+	void (*group_quantize)(const uint16_t *head, const uint32_t *rows, size_t n_rows,
+			       size_t dim, int bits, const uint8_t *scales,
+			       const uint8_t *mins, uint8_t *codes);
+	/* Appends n codes of `bits` bits at bit_offset of a stream whose bytes
+	 * before bit_offset are final and whose end is stream_end. */
+	void (*pack)(uint8_t *stream, const uint8_t *stream_end, size_t bit_offset,
+		     const uint8_t *codes, size_t n, int bits);
+	/* Reconstructs dim elements whose codes start at bit_offset; bytes may
+	 * be read (never used) up to read_end. */
+	void (*row_reconstruct)(const uint8_t *stream, const uint8_t *read_end,
+				size_t bit_offset, size_t dim, int bits,
+				const uint8_t *scales, const uint8_t *mins, uint16_t *out);
+};
+
+extern const struct codec_kernels codec_kernels_scalar;
+extern const struct codec_kernels codec_kernels_avx2;
+extern const struct codec_kernels codec_kernels_avx512;
+
+/* The table in use; chosen once by zc_codec_init(). */
+const struct codec_kernels *codec_kernels_active(void);
+
+/* The scalar table's packer; the BMI2 one falls back to it for the
+ * unaligned start and the last few codes of a run. */
+void codec_pack_portable(uint8_t *stream, const uint8_t *stream_end, size_t bit_offset,
+			 const uint8_t *codes, size_t n, int bits);
+
+/* Shared by the AVX2 and AVX-512 tables (both require BMI2). */
+void codec_pack_bmi2(uint8_t *stream, const uint8_t *stream_end, size_t bit_offset,
+		     const uint8_t *codes, size_t n, int bits);
+
+/* The fixed 16-lane fold of docs/CODEC.md, shared so every table folds alike. */
+static inline float codec_fold_lanes(const float lanes[16])
+{
+	float eight[8], four[4], two[2];
+	for (int j = 0; j < 8; j++)
+		eight[j] = lanes[j] + lanes[j + 8];
+	for (int j = 0; j < 4; j++)
+		four[j] = eight[j] + eight[j + 4];
+	for (int j = 0; j < 2; j++)
+		two[j] = four[j] + four[j + 2];
+	return two[0] + two[1];
+}
+
+#endif
