@@ -99,9 +99,9 @@ static void head_compress(const struct codec_kernels *kernels, const zc_block_la
 			payload + layout->lo_codes_offset, layout->lo_codes_bytes, scratch);
 }
 
-int64_t zc_block_compress(const zc_codec_config *config, zc_tensor tensor,
-			  const zc_block_shape *shape, const uint16_t *input,
-			  void *out, size_t capacity)
+int64_t zc_block_compress_strided(const zc_codec_config *config, zc_tensor tensor,
+				  const zc_block_shape *shape, const uint16_t *input,
+				  const zc_strides *input_strides, void *out, size_t capacity)
 {
 	const struct codec_kernels *kernels = codec_kernels_active();
 	zc_block_layout layout;
@@ -110,43 +110,61 @@ int64_t zc_block_compress(const zc_codec_config *config, zc_tensor tensor,
 
 	if (rc < 0)
 		return rc;
+	/* Rows must be contiguous: every kernel walks a head as rows of D. */
+	if (input_strides->token != layout.head_dim)
+		return ZC_ESHAPE;
 	if (capacity < layout.total_bytes)
 		return ZC_EBUFFER;
-	size_t head_elements = (size_t)layout.tokens * layout.head_dim;
 	if (layout.total_bytes == 0)
 		return 0;
 
-	if (layout.exact) {
-		rc = kernels->check_finite(input, layout.heads * head_elements);
-		if (rc < 0)
-			return rc;
-		memcpy(out, input, layout.total_bytes);
-		return (int64_t)layout.total_bytes;
-	}
-
-	bool keys = tensor == ZC_TENSOR_KEYS;
+	size_t head_elements = (size_t)layout.tokens * layout.head_dim;
+	bool keys = tensor == ZC_TENSOR_KEYS && !layout.exact;
 	rc = scratch_alloc(&scratch, &layout, keys);
 	if (rc < 0)
 		return rc;
 	/* The whole block is checked before the first byte is written, so a
 	 * rejected block leaves the caller's buffer exactly as it was. */
-	if (keys)
-		rc = kernels->row_norms(input, layout.heads * layout.tokens, layout.head_dim,
-					scratch.norms);
-	else
-		rc = kernels->check_finite(input, layout.heads * head_elements);
+	for (size_t h = 0; h < layout.heads && rc == 0; h++) {
+		const uint16_t *head = input + (h / shape->heads) * input_strides->batch +
+				       (h % shape->heads) * input_strides->head;
+		if (keys)
+			rc = kernels->row_norms(head, layout.tokens, layout.head_dim,
+						scratch.norms + h * layout.tokens);
+		else
+			rc = kernels->check_finite(head, head_elements);
+	}
 	if (rc < 0)
 		goto out_free;
 
 	for (size_t h = 0; h < layout.heads; h++) {
-		head_compress(kernels, &layout, config, input + h * head_elements,
-			      keys ? scratch.norms + h * layout.tokens : NULL,
-			      (uint8_t *)out + h * layout.head_bytes, &scratch);
+		const uint16_t *head = input + (h / shape->heads) * input_strides->batch +
+				       (h % shape->heads) * input_strides->head;
+		uint8_t *payload = (uint8_t *)out + h * layout.head_bytes;
+		if (layout.exact) {
+			memcpy(payload, head, layout.head_bytes);
+			continue;
+		}
+		head_compress(kernels, &layout, config, head,
+			      keys ? scratch.norms + h * layout.tokens : NULL, payload, &scratch);
 	}
 	rc = 0;
 out_free:
 	scratch_free(&scratch);
 	return rc < 0 ? rc : (int64_t)layout.total_bytes;
+}
+
+int64_t zc_block_compress(const zc_codec_config *config, zc_tensor tensor,
+			  const zc_block_shape *shape, const uint16_t *input,
+			  void *out, size_t capacity)
+{
+	size_t head = (size_t)shape->tokens * shape->head_dim;
+	zc_strides contiguous = {
+		.batch = head * shape->heads,
+		.head = head,
+		.token = shape->head_dim,
+	};
+	return zc_block_compress_strided(config, tensor, shape, input, &contiguous, out, capacity);
 }
 
 static void head_reconstruct(const struct codec_kernels *kernels, const zc_block_layout *layout,

@@ -1,8 +1,8 @@
 /*
  * zipcache codec: ZipCache-adapted saliency-routed mixed-precision
- * quantization of fp16 K/V blocks. Pure numerics: no I/O, no allocation
- * the caller cannot see, thread-safe (no shared mutable state after
- * zc_codec_init()).
+ * quantization of fp16 K/V blocks. Pure numerics: no I/O; thread-safe (no
+ * shared mutable state after zc_codec_init()). Compression allocates
+ * scratch that it frees before returning (-ENOMEM if it cannot).
  *
  * A block is [batch][heads][tokens][head_dim] fp16 (IEEE binary16 bits in
  * uint16_t), C order. Each [tokens, head_dim] head matrix is compressed on
@@ -57,7 +57,7 @@ typedef struct zc_block_shape {
 	uint32_t head_dim;
 } zc_block_shape;
 
-/* Element strides of a reconstruction target, e.g. a [B][H][max_tokens][D]
+/* Element strides of a block in memory, e.g. a reconstruction target, e.g. a [B][H][max_tokens][D]
  * view: batch = H*max_tokens*D, head = max_tokens*D, token = D. */
 typedef struct zc_strides {
 	size_t batch;
@@ -125,6 +125,13 @@ int zc_block_count_bytes(const zc_codec_config *config, zc_tensor tensor,
 int64_t zc_block_compress(const zc_codec_config *config, zc_tensor tensor,
 			  const zc_block_shape *shape, const uint16_t *input,
 			  void *out, size_t capacity);
+
+/* The same for a block whose heads are not back to back, e.g. the first
+ * S tokens of a [B][H][capacity][D] buffer. Rows must be contiguous
+ * (input_strides->token == head_dim, else ZC_ESHAPE). */
+int64_t zc_block_compress_strided(const zc_codec_config *config, zc_tensor tensor,
+				  const zc_block_shape *shape, const uint16_t *input,
+				  const zc_strides *input_strides, void *out, size_t capacity);
 
 /* Reconstructs a compressed block into out, token t of head (b, h) landing
  * at out[b*strides->batch + h*strides->head + t*strides->token]. size must
