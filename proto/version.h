@@ -1,0 +1,7 @@
+#ifndef ZIPCACHE_VERSION_H
+#define ZIPCACHE_VERSION_H
+
+#define ZIPCACHE_VERSION "0.1.0"
+#define ZIPCACHE_PROTOCOL_VERSION 1u
+
+#endif

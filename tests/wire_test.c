@@ -1,0 +1,1153 @@
+/*
+ * Wire messages: every op round-trips with every field set, inline K/V
+ * bytes are captured in place, lists of any size survive, and malformed
+ * bytes of every kind give ZC_EPROTOCOL without crashing (run under ASan).
+ */
+#include <check.h>
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "frame.h"
+#include "wire.h"
+#include "zipcache/error.h"
+
+/* Generated structs compared with memcmp: build them from zeroed memory. */
+#define ZERO(x) memset(&(x), 0, sizeof(x))
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static uint64_t rng(void)
+{
+	/* xorshift64: deterministic, so a failure reproduces. */
+	rng_state ^= rng_state << 13;
+	rng_state ^= rng_state >> 7;
+	rng_state ^= rng_state << 17;
+	return rng_state;
+}
+
+/*
+ * Encodes through the sizing and encoding entry points and checks they
+ * agree with each other and with the header. Returns the frame (malloc).
+ */
+static uint8_t *encode_request(const wire_request *req, size_t *frame_len)
+{
+	size_t size = 0, len = 0;
+	uint8_t *frame;
+
+	ck_assert_int_eq(wire_request_frame_size(req, &size), 0);
+	frame = malloc(size);
+	ck_assert_ptr_nonnull(frame);
+	ck_assert_int_eq(wire_request_encode(req, frame, size, &len), 0);
+	ck_assert_uint_eq(len, size);
+	ck_assert_uint_eq(frame_header_read(frame), size - FRAME_HEADER_BYTES);
+	*frame_len = len;
+	return frame;
+}
+
+static uint8_t *encode_response(const wire_response *resp, size_t *frame_len)
+{
+	size_t size = 0, len = 0;
+	uint8_t *frame;
+
+	ck_assert_int_eq(wire_response_frame_size(resp, &size), 0);
+	frame = malloc(size);
+	ck_assert_ptr_nonnull(frame);
+	ck_assert_int_eq(wire_response_encode(resp, frame, size, &len), 0);
+	ck_assert_uint_eq(len, size);
+	ck_assert_uint_eq(frame_header_read(frame), size - FRAME_HEADER_BYTES);
+	*frame_len = len;
+	return frame;
+}
+
+/* Round trip of a request without inline bytes: decoded == sent. */
+static void check_request_round_trip(const wire_request *req)
+{
+	size_t len;
+	uint8_t *frame = encode_request(req, &len);
+	wire_request out;
+
+	ck_assert_int_eq(wire_request_decode(frame + 4, len - 4, &out), 0);
+	ck_assert_ptr_null(out.error);
+	ck_assert_uint_eq(out.msg.which_op, req->msg.which_op);
+	ck_assert_mem_eq(&out.msg, &req->msg, sizeof(out.msg));
+	free(frame);
+}
+
+static void fill_codec(zipcache_v1_CodecConfig *c, uint32_t seed)
+{
+	c->has_hi_bits = true;
+	c->hi_bits = 4 + seed;
+	c->has_lo_bits = true;
+	c->lo_bits = 2 + seed;
+	c->has_hi_fraction = true;
+	c->hi_fraction = 0.2 + seed;
+	c->has_group_size = true;
+	c->group_size = 32 + seed;
+	c->has_quantize_values = true;
+	c->quantize_values = true;
+}
+
+static void fill_shape(zipcache_v1_SessionShape *s, uint32_t seed)
+{
+	s->layers = 32 + seed;
+	s->batch = 2 + seed;
+	s->kv_heads = 8 + seed;
+	s->head_dim_k = 128 + seed;
+	s->head_dim_v = 64 + seed;
+}
+
+static void fill_session_info(zipcache_v1_SessionInfo *s, uint32_t seed)
+{
+	s->session_id = UINT64_MAX - seed;
+	snprintf(s->name, sizeof(s->name), "session-%u", seed);
+	s->has_shape = true;
+	fill_shape(&s->shape, seed);
+	s->max_tokens = 4096 + seed;
+	s->has_codec = true;
+	fill_codec(&s->codec, seed);
+	s->policy = zipcache_v1_BlockPolicy_PER_CALL;
+	s->residual_tokens = 128 + seed;
+	s->min_tokens = 10 + seed;
+	s->max_layer_tokens = 20 + seed;
+	s->idle_ms = 1000000000000ull + seed;
+}
+
+static void fill_layer_stats(zipcache_v1_LayerStats *l, uint32_t seed)
+{
+	l->layer = seed + 1;
+	l->tokens = 1000 + seed;
+	l->residual_tokens = 7 + seed;
+	l->compressed_key_bytes = 1ull << 40 | seed;
+	l->compressed_value_bytes = 2 + seed;
+	l->baseline_key_bytes = 3 + seed;
+	l->baseline_value_bytes = 4 + seed;
+	l->fp16_key_bytes = 5 + seed;
+	l->fp16_value_bytes = 6 + seed;
+	l->compression_ratio = 4.4 + seed;
+	l->effective_avg_bits = 3.6 - seed;
+	l->blocks = 9 + seed;
+}
+
+START_TEST(request_hello)
+{
+	wire_request req;
+
+	ZERO(req);
+	req.msg.request_id = 1;
+	req.msg.which_op = zipcache_v1_Request_hello_tag;
+	req.msg.op.hello.protocol_version = 1;
+	strcpy(req.msg.op.hello.client_name, "worker-7/λ"); /* UTF-8 survives */
+	check_request_round_trip(&req);
+
+	/* The longest name that fits: 64 bytes. */
+	memset(req.msg.op.hello.client_name, 'n', 64);
+	req.msg.op.hello.client_name[64] = '\0';
+	check_request_round_trip(&req);
+}
+END_TEST
+
+START_TEST(request_open_session_all_fields)
+{
+	wire_request req;
+
+	ZERO(req);
+	req.msg.request_id = UINT64_MAX;
+	req.msg.which_op = zipcache_v1_Request_open_session_tag;
+	strcpy(req.msg.op.open_session.name, "user/model/seq-42");
+	req.msg.op.open_session.has_shape = true;
+	fill_shape(&req.msg.op.open_session.shape, 0);
+	req.msg.op.open_session.max_tokens = 32768;
+	req.msg.op.open_session.has_codec = true;
+	fill_codec(&req.msg.op.open_session.codec, 1);
+	req.msg.op.open_session.policy = zipcache_v1_BlockPolicy_PER_CALL;
+	req.msg.op.open_session.has_residual_tokens = true;
+	req.msg.op.open_session.residual_tokens = 64;
+	req.msg.op.open_session.attach = true;
+	check_request_round_trip(&req);
+}
+END_TEST
+
+/*
+ * proto3 `optional`: a field set to its zero value is still present, and
+ * an unset one stays absent, one by one.
+ */
+START_TEST(request_open_session_optional_presence)
+{
+	wire_request req;
+	zipcache_v1_CodecConfig *c = &req.msg.op.open_session.codec;
+
+	ZERO(req);
+	req.msg.which_op = zipcache_v1_Request_open_session_tag;
+	req.msg.op.open_session.has_codec = true; /* empty but present */
+	check_request_round_trip(&req);
+
+	for (int i = 0; i < 5; i++) {
+		ZERO(req);
+		req.msg.which_op = zipcache_v1_Request_open_session_tag;
+		req.msg.op.open_session.has_codec = true;
+		/* Zero values: only the has_ flag carries information. */
+		c->has_hi_bits = i == 0;
+		c->has_lo_bits = i == 1;
+		c->has_hi_fraction = i == 2;
+		c->has_group_size = i == 3;
+		c->has_quantize_values = i == 4;
+		check_request_round_trip(&req);
+	}
+
+	ZERO(req);
+	req.msg.which_op = zipcache_v1_Request_open_session_tag;
+	req.msg.op.open_session.has_residual_tokens = true; /* 0, present */
+	check_request_round_trip(&req);
+
+	/* Nothing set at all: no shape, no codec, no residual_tokens. */
+	ZERO(req);
+	req.msg.which_op = zipcache_v1_Request_open_session_tag;
+	check_request_round_trip(&req);
+}
+END_TEST
+
+START_TEST(request_small_ops)
+{
+	wire_request req;
+
+	ZERO(req);
+	req.msg.request_id = 5;
+	req.msg.which_op = zipcache_v1_Request_trim_tag;
+	req.msg.op.trim.session_id = 77;
+	req.msg.op.trim.tokens = 3;
+	check_request_round_trip(&req);
+
+	ZERO(req);
+	req.msg.request_id = 6;
+	req.msg.which_op = zipcache_v1_Request_close_session_tag;
+	req.msg.op.close_session.session_id = UINT64_MAX;
+	check_request_round_trip(&req);
+
+	ZERO(req);
+	req.msg.request_id = 7;
+	req.msg.which_op = zipcache_v1_Request_stats_tag;
+	req.msg.op.stats.session_id = 12;
+	check_request_round_trip(&req);
+
+	ZERO(req);
+	req.msg.request_id = 8;
+	req.msg.which_op = zipcache_v1_Request_list_sessions_tag;
+	check_request_round_trip(&req);
+
+	ZERO(req);
+	req.msg.request_id = 9;
+	req.msg.which_op = zipcache_v1_Request_staging_tag;
+	req.msg.op.staging.bytes = 64ull << 20;
+	check_request_round_trip(&req);
+
+	/* Staged update_and_fetch: offsets, no inline bytes. */
+	ZERO(req);
+	req.msg.request_id = 10;
+	req.msg.which_op = zipcache_v1_Request_update_and_fetch_tag;
+	req.msg.op.update_and_fetch.session_id = 3;
+	req.msg.op.update_and_fetch.layer = 31;
+	req.msg.op.update_and_fetch.tokens = 1;
+	req.msg.op.update_and_fetch.staged = true;
+	req.msg.op.update_and_fetch.keys_offset = 4096;
+	req.msg.op.update_and_fetch.values_offset = 1ull << 33;
+	check_request_round_trip(&req);
+
+	/* No op at all (which_op 0) and an empty frame decode the same. */
+	ZERO(req);
+	req.msg.request_id = 11;
+	check_request_round_trip(&req);
+	{
+		wire_request out;
+
+		ck_assert_int_eq(wire_request_decode(NULL, 0, &out), 0);
+		ck_assert_uint_eq(out.msg.which_op, 0);
+		ck_assert_uint_eq(out.msg.request_id, 0);
+	}
+}
+END_TEST
+
+/* Builds a request with inline keys and values of the given sizes. */
+static void make_inline_request(wire_request *req, uint8_t *keys, size_t n_keys,
+				uint8_t *values, size_t n_values)
+{
+	for (size_t i = 0; i < n_keys; i++)
+		keys[i] = (uint8_t)(i * 7 + 1);
+	for (size_t i = 0; i < n_values; i++)
+		values[i] = (uint8_t)(i * 13 + 5);
+	ZERO(*req);
+	req->msg.request_id = 99;
+	req->msg.which_op = zipcache_v1_Request_update_and_fetch_tag;
+	req->msg.op.update_and_fetch.session_id = 1234;
+	req->msg.op.update_and_fetch.layer = 5;
+	req->msg.op.update_and_fetch.tokens = 17;
+	req->keys = (wire_span){ keys, n_keys };
+	req->values = (wire_span){ values, n_values };
+}
+
+static int span_inside(wire_span span, const uint8_t *buf, size_t len)
+{
+	return span.data >= buf && span.data + span.len <= buf + len;
+}
+
+START_TEST(request_inline_spans_point_into_frame)
+{
+	static const size_t sizes[][2] = { { 2, 2 }, { 1000, 2000 }, { 0, 64 },
+					   { 64, 0 }, { 1 << 20, 1 << 19 } };
+
+	for (size_t t = 0; t < sizeof(sizes) / sizeof(sizes[0]); t++) {
+		uint8_t *keys = malloc(sizes[t][0] + 1), *values = malloc(sizes[t][1] + 1);
+		wire_request req, out;
+		uint8_t *frame, *body;
+		size_t len, body_len;
+
+		make_inline_request(&req, keys, sizes[t][0], values, sizes[t][1]);
+		frame = encode_request(&req, &len);
+		body = frame + 4;
+		body_len = len - 4;
+		ck_assert_int_eq(wire_request_decode(body, body_len, &out), 0);
+		ck_assert_uint_eq(out.msg.which_op, zipcache_v1_Request_update_and_fetch_tag);
+		ck_assert_uint_eq(out.msg.request_id, 99);
+		ck_assert_uint_eq(out.msg.op.update_and_fetch.session_id, 1234);
+		ck_assert_uint_eq(out.msg.op.update_and_fetch.layer, 5);
+		ck_assert_uint_eq(out.msg.op.update_and_fetch.tokens, 17);
+		ck_assert(!out.msg.op.update_and_fetch.staged);
+		/* Nothing aimed at decode's stack frame is left behind. */
+		ck_assert_ptr_null(out.msg.op.update_and_fetch.keys.funcs.decode);
+		ck_assert_ptr_null(out.msg.op.update_and_fetch.keys.arg);
+		ck_assert_ptr_null(out.msg.op.update_and_fetch.values.funcs.decode);
+
+		ck_assert_uint_eq(out.keys.len, sizes[t][0]);
+		ck_assert_uint_eq(out.values.len, sizes[t][1]);
+		if (sizes[t][0] == 0) {
+			ck_assert_ptr_null(out.keys.data); /* proto3: empty is absent */
+		} else {
+			/* Inside the frame buffer, hence not a copy. */
+			ck_assert(span_inside(out.keys, body, body_len));
+			ck_assert_mem_eq(out.keys.data, keys, sizes[t][0]);
+			/* A byte changed in the frame shows through the span. */
+			body[out.keys.data - body] ^= 0xff;
+			ck_assert_uint_eq(out.keys.data[0], (uint8_t)(keys[0] ^ 0xff));
+		}
+		if (sizes[t][1] == 0) {
+			ck_assert_ptr_null(out.values.data);
+		} else {
+			ck_assert(span_inside(out.values, body, body_len));
+			ck_assert_mem_eq(out.values.data, values, sizes[t][1]);
+		}
+		if (sizes[t][0] && sizes[t][1])
+			ck_assert(out.keys.data + out.keys.len <= out.values.data ||
+				  out.values.data + out.values.len <= out.keys.data);
+		free(frame);
+		free(keys);
+		free(values);
+	}
+}
+END_TEST
+
+/* A request taken from a frame reader: the spans point into its buffer. */
+START_TEST(request_through_frame_reader)
+{
+	uint8_t keys[300], values[500];
+	wire_request req, out;
+	frame_reader r;
+	uint8_t *frame;
+	const uint8_t *body;
+	size_t len, body_len;
+
+	make_inline_request(&req, keys, sizeof(keys), values, sizeof(values));
+	frame = encode_request(&req, &len);
+	frame_reader_init(&r, 4096);
+	for (size_t i = 0; i < len; i += 7)
+		ck_assert_int_eq(frame_reader_feed(&r, frame + i, len - i < 7 ? len - i : 7), 0);
+	ck_assert_int_eq(frame_reader_next(&r, &body, &body_len), 1);
+	ck_assert_int_eq(wire_request_decode(body, body_len, &out), 0);
+	ck_assert(out.keys.data >= r.buf && out.keys.data + out.keys.len <= r.buf + r.end);
+	ck_assert(out.values.data >= r.buf && out.values.data + out.values.len <= r.buf + r.end);
+	ck_assert_mem_eq(out.keys.data, keys, sizeof(keys));
+	ck_assert_mem_eq(out.values.data, values, sizeof(values));
+	frame_reader_consume(&r);
+	frame_reader_free(&r);
+	free(frame);
+}
+END_TEST
+
+/* Round trip of a response; lists are compared entry by entry. */
+static void check_response_round_trip(const wire_response *resp)
+{
+	size_t len;
+	uint8_t *frame = encode_response(resp, &len);
+	wire_response out;
+
+	ck_assert_int_eq(wire_response_decode(frame + 4, len - 4, &out), 0);
+	ck_assert_ptr_null(out.error);
+	ck_assert_uint_eq(out.msg.which_op, resp->msg.which_op);
+	ck_assert_mem_eq(&out.msg, &resp->msg, sizeof(out.msg));
+	if (resp->msg.which_op == zipcache_v1_Response_stats_tag) {
+		ck_assert_uint_eq(out.n_layers, resp->n_layers);
+		if (resp->n_layers > 0)
+			ck_assert_mem_eq(out.layers, resp->layers,
+					 resp->n_layers * sizeof(*out.layers));
+		else
+			ck_assert_ptr_null(out.layers);
+	} else {
+		ck_assert_uint_eq(out.n_layers, 0);
+		ck_assert_ptr_null(out.layers);
+	}
+	if (resp->msg.which_op == zipcache_v1_Response_list_sessions_tag) {
+		ck_assert_uint_eq(out.n_sessions, resp->n_sessions);
+		if (resp->n_sessions > 0)
+			ck_assert_mem_eq(out.sessions, resp->sessions,
+					 resp->n_sessions * sizeof(*out.sessions));
+		else
+			ck_assert_ptr_null(out.sessions);
+	} else {
+		ck_assert_uint_eq(out.n_sessions, 0);
+		ck_assert_ptr_null(out.sessions);
+	}
+	wire_response_free(&out);
+	ck_assert_ptr_null(out.layers);
+	wire_response_free(&out); /* twice is harmless */
+	free(frame);
+}
+
+/* Zeroed response with the header fields every response carries. */
+static void response_init(wire_response *resp, pb_size_t op)
+{
+	ZERO(*resp);
+	resp->msg.request_id = 0x123456789abcull;
+	resp->msg.status = zipcache_v1_Status_OK;
+	resp->msg.which_op = op;
+}
+
+START_TEST(response_hello)
+{
+	wire_response resp;
+	zipcache_v1_HelloResponse *h = &resp.msg.op.hello;
+
+	response_init(&resp, zipcache_v1_Response_hello_tag);
+	h->protocol_version = 1;
+	strcpy(h->server_version, "zipcached 0.1.0");
+	h->boot_epoch = 0xfeedfacecafebeefull;
+	h->max_frame_bytes = 16u << 20;
+	h->max_inline_bytes = 1u << 20;
+	h->max_sessions = 1024;
+	h->max_tokens_per_session = 1ull << 20;
+	h->memory_budget_bytes = 64ull << 30;
+	check_response_round_trip(&resp);
+}
+END_TEST
+
+START_TEST(response_open_session)
+{
+	wire_response *resp = calloc(1, sizeof(*resp));
+	zipcache_v1_OpenSessionResponse *o = &resp->msg.op.open_session;
+
+	ck_assert_ptr_nonnull(resp);
+	response_init(resp, zipcache_v1_Response_open_session_tag);
+	resp->msg.fds = 1;
+	o->has_session = true;
+	fill_session_info(&o->session, 3);
+	o->has_view = true;
+	o->view.mapping_bytes = 1ull << 36;
+	o->view.header_bytes = 4096;
+	o->view.key_offsets_count = 3;
+	o->view.value_offsets_count = 3;
+	for (int i = 0; i < 3; i++) {
+		o->view.key_offsets[i] = 4096 + (uint64_t)i * 2 * 1000000;
+		o->view.value_offsets[i] = 4096 + (uint64_t)(i * 2 + 1) * 1000000;
+	}
+	o->attached = true;
+	check_response_round_trip(resp);
+
+	/* The largest layout the options allow. */
+	o->view.key_offsets_count = 1024;
+	o->view.value_offsets_count = 1024;
+	for (int i = 0; i < 1024; i++) {
+		o->view.key_offsets[i] = (uint64_t)i << 30;
+		o->view.value_offsets[i] = ((uint64_t)i << 30) + 1;
+	}
+	check_response_round_trip(resp);
+	free(resp);
+}
+END_TEST
+
+START_TEST(response_small_ops)
+{
+	wire_response resp;
+
+	response_init(&resp, zipcache_v1_Response_update_and_fetch_tag);
+	resp.msg.op.update_and_fetch.tokens = 4097;
+	resp.msg.op.update_and_fetch.has_stats = true;
+	fill_layer_stats(&resp.msg.op.update_and_fetch.stats, 2);
+	resp.msg.op.update_and_fetch.sequence = 1ull << 50;
+	check_response_round_trip(&resp);
+
+	response_init(&resp, zipcache_v1_Response_trim_tag);
+	resp.msg.op.trim.trimmed = 5;
+	resp.msg.op.trim.tokens = 4092;
+	check_response_round_trip(&resp);
+
+	response_init(&resp, zipcache_v1_Response_close_session_tag);
+	check_response_round_trip(&resp);
+
+	response_init(&resp, zipcache_v1_Response_staging_tag);
+	resp.msg.fds = 1;
+	resp.msg.op.staging.bytes = 32ull << 20;
+	check_response_round_trip(&resp);
+
+	/* An error response: status and message, no op. */
+	response_init(&resp, 0);
+	wire_response_set_status(&resp, ZC_ENOTFOUND, "no session 42 for uid 1000");
+	check_response_round_trip(&resp);
+}
+END_TEST
+
+START_TEST(response_stats_layers)
+{
+	static const size_t counts[] = { 0, 1, 2, 3, 31, 100, 1000, 5000 };
+
+	for (size_t t = 0; t < sizeof(counts) / sizeof(counts[0]); t++) {
+		size_t n = counts[t];
+		zipcache_v1_LayerStats *layers = calloc(n + 1, sizeof(*layers));
+		wire_response resp;
+
+		ck_assert_ptr_nonnull(layers);
+		for (size_t i = 0; i < n; i++)
+			fill_layer_stats(&layers[i], (uint32_t)i);
+		response_init(&resp, zipcache_v1_Response_stats_tag);
+		resp.msg.op.stats.has_session = true;
+		fill_session_info(&resp.msg.op.stats.session, 9);
+		resp.msg.op.stats.has_total = true;
+		fill_layer_stats(&resp.msg.op.stats.total, 77);
+		resp.msg.op.stats.sessions = 12;
+		resp.msg.op.stats.connections = 34;
+		resp.msg.op.stats.memory_used_bytes = 5ull << 30;
+		resp.msg.op.stats.memory_budget_bytes = 64ull << 30;
+		resp.layers = n ? layers : NULL;
+		resp.n_layers = n;
+		check_response_round_trip(&resp);
+		free(layers);
+	}
+
+	/* An all-default layer is two bytes on the wire and still counts. */
+	{
+		zipcache_v1_LayerStats empty[4];
+		wire_response resp;
+
+		memset(empty, 0, sizeof(empty));
+		response_init(&resp, zipcache_v1_Response_stats_tag);
+		resp.layers = empty;
+		resp.n_layers = 4;
+		check_response_round_trip(&resp);
+	}
+}
+END_TEST
+
+START_TEST(response_list_sessions)
+{
+	static const size_t counts[] = { 0, 1, 2, 7, 64, 1000 };
+
+	for (size_t t = 0; t < sizeof(counts) / sizeof(counts[0]); t++) {
+		size_t n = counts[t];
+		zipcache_v1_SessionInfo *sessions = calloc(n + 1, sizeof(*sessions));
+		wire_response resp;
+
+		ck_assert_ptr_nonnull(sessions);
+		for (size_t i = 0; i < n; i++)
+			fill_session_info(&sessions[i], (uint32_t)i);
+		/* One with no shape and no codec among them. */
+		if (n > 1) {
+			sessions[1].has_shape = false;
+			ZERO(sessions[1].shape);
+			sessions[1].has_codec = false;
+			ZERO(sessions[1].codec);
+		}
+		response_init(&resp, zipcache_v1_Response_list_sessions_tag);
+		resp.sessions = n ? sessions : NULL;
+		resp.n_sessions = n;
+		check_response_round_trip(&resp);
+		free(sessions);
+	}
+}
+END_TEST
+
+START_TEST(list_limit)
+{
+	size_t n = WIRE_MAX_LIST_ITEMS;
+	zipcache_v1_LayerStats *layers = calloc(n + 1, sizeof(*layers));
+	wire_response resp, out;
+	uint8_t *frame;
+	size_t len, size;
+
+	ck_assert_ptr_nonnull(layers);
+	response_init(&resp, zipcache_v1_Response_stats_tag);
+	resp.layers = layers;
+	resp.n_layers = n;
+	frame = encode_response(&resp, &len);
+	ck_assert_int_eq(wire_response_decode(frame + 4, len - 4, &out), 0);
+	ck_assert_uint_eq(out.n_layers, n);
+	wire_response_free(&out);
+	free(frame);
+
+	/* One more is refused by the encoder... */
+	resp.n_layers = n + 1;
+	ck_assert_int_eq(wire_response_frame_size(&resp, &size), ZC_EINVALID);
+	ck_assert_int_eq(wire_response_encode(&resp, (uint8_t *)layers, 0, &len), ZC_EINVALID);
+	/* ...and by the decoder, from hand-made bytes. */
+	{
+		size_t inner = 2 * (n + 1), pos = 0;
+		uint8_t *bytes = malloc(inner + 8);
+
+		ck_assert_ptr_nonnull(bytes);
+		bytes[pos++] = (15 << 3) | 2; /* Response.stats */
+		for (size_t v = inner; ; v >>= 7) {
+			bytes[pos++] = (uint8_t)(v & 0x7f) | (v >= 0x80 ? 0x80 : 0);
+			if (v < 0x80)
+				break;
+		}
+		for (size_t i = 0; i <= n; i++) {
+			bytes[pos++] = (2 << 3) | 2; /* StatsResponse.layers, empty */
+			bytes[pos++] = 0;
+		}
+		ck_assert_int_eq(wire_response_decode(bytes, pos, &out), ZC_EPROTOCOL);
+		ck_assert_ptr_nonnull(out.error);
+		ck_assert_ptr_null(out.layers);
+		free(bytes);
+	}
+	free(layers);
+}
+END_TEST
+
+START_TEST(encode_buffer_too_small)
+{
+	uint8_t keys[100], values[100];
+	wire_request req;
+	wire_response resp;
+	zipcache_v1_SessionInfo sessions[3];
+	uint8_t *frame, buf[4096];
+	size_t len, out_len;
+
+	make_inline_request(&req, keys, sizeof(keys), values, sizeof(values));
+	frame = encode_request(&req, &len);
+	for (size_t cap = 0; cap < len; cap++)
+		ck_assert_int_eq(wire_request_encode(&req, buf, cap, &out_len), ZC_EBUFFER);
+	ck_assert_int_eq(wire_request_encode(&req, buf, len, &out_len), 0);
+	ck_assert_uint_eq(out_len, len);
+	ck_assert_mem_eq(buf, frame, len);
+	free(frame);
+
+	memset(sessions, 0, sizeof(sessions));
+	for (int i = 0; i < 3; i++)
+		fill_session_info(&sessions[i], (uint32_t)i);
+	response_init(&resp, zipcache_v1_Response_list_sessions_tag);
+	resp.sessions = sessions;
+	resp.n_sessions = 3;
+	frame = encode_response(&resp, &len);
+	for (size_t cap = 0; cap < len; cap++)
+		ck_assert_int_eq(wire_response_encode(&resp, buf, cap, &out_len), ZC_EBUFFER);
+	ck_assert_int_eq(wire_response_encode(&resp, buf, sizeof(buf), &out_len), 0);
+	ck_assert_uint_eq(out_len, len);
+	ck_assert_mem_eq(buf, frame, len);
+	free(frame);
+}
+END_TEST
+
+START_TEST(encode_invalid_struct)
+{
+	wire_request req;
+	wire_response resp;
+	uint8_t buf[512];
+	size_t len;
+
+	/* A string that fills its array with no NUL cannot be encoded. */
+	ZERO(req);
+	req.msg.which_op = zipcache_v1_Request_hello_tag;
+	memset(req.msg.op.hello.client_name, 'x', sizeof(req.msg.op.hello.client_name));
+	ck_assert_int_eq(wire_request_frame_size(&req, &len), ZC_EINVALID);
+	ck_assert_int_eq(wire_request_encode(&req, buf, sizeof(buf), &len), ZC_EINVALID);
+	ck_assert_int_eq(wire_request_encode(&req, buf, 2, &len), ZC_EINVALID);
+
+	/* A list said to have entries but no array. */
+	response_init(&resp, zipcache_v1_Response_stats_tag);
+	resp.n_layers = 2;
+	ck_assert_int_eq(wire_response_frame_size(&resp, &len), ZC_EINVALID);
+	ck_assert_int_eq(wire_response_encode(&resp, buf, sizeof(buf), &len), ZC_EINVALID);
+}
+END_TEST
+
+/* Decoding must answer 0 or ZC_EPROTOCOL, and a span never leaves the input. */
+static void decode_any_request(const uint8_t *bytes, size_t len)
+{
+	wire_request out;
+	int rc = wire_request_decode(bytes, len, &out);
+
+	ck_assert_msg(rc == 0 || rc == ZC_EPROTOCOL, "rc %d", rc);
+	if (rc == 0) {
+		ck_assert_ptr_null(out.error);
+		if (out.keys.data)
+			ck_assert(span_inside(out.keys, bytes, len));
+		if (out.values.data)
+			ck_assert(span_inside(out.values, bytes, len));
+	} else {
+		ck_assert_ptr_nonnull(out.error);
+		ck_assert_ptr_null(out.keys.data);
+	}
+}
+
+static void decode_any_response(const uint8_t *bytes, size_t len)
+{
+	wire_response out;
+	int rc = wire_response_decode(bytes, len, &out);
+
+	ck_assert_msg(rc == 0 || rc == ZC_EPROTOCOL, "rc %d", rc);
+	if (rc == 0)
+		ck_assert_ptr_null(out.error);
+	else
+		ck_assert_ptr_nonnull(out.error);
+	wire_response_free(&out);
+}
+
+START_TEST(malformed_random_garbage)
+{
+	for (int i = 0; i < 20000; i++) {
+		size_t len = rng() % 300;
+		/* Exactly len bytes on the heap, so ASan sees any overread. */
+		uint8_t *bytes = malloc(len ? len : 1);
+
+		ck_assert_ptr_nonnull(bytes);
+		for (size_t j = 0; j < len; j++)
+			bytes[j] = (uint8_t)rng();
+		/* Bias towards plausible starts so the parser goes deeper. */
+		if (len > 0 && i % 2)
+			bytes[0] = (uint8_t)((rng() % 18) << 3 | (rng() % 6));
+		decode_any_request(bytes, len);
+		decode_any_response(bytes, len);
+		free(bytes);
+	}
+}
+END_TEST
+
+/*
+ * Every prefix and every single-byte corruption of real messages: those
+ * reach deep into the parser, unlike uniform garbage.
+ */
+START_TEST(malformed_truncated_and_corrupted)
+{
+	uint8_t keys[40], values[24];
+	zipcache_v1_LayerStats layers[3];
+	zipcache_v1_SessionInfo sessions[2];
+	wire_request req;
+	wire_response resp[3];
+	uint8_t *frames[4];
+	size_t lens[4];
+
+	make_inline_request(&req, keys, sizeof(keys), values, sizeof(values));
+	frames[0] = encode_request(&req, &lens[0]);
+	memset(layers, 0, sizeof(layers));
+	memset(sessions, 0, sizeof(sessions));
+	for (int i = 0; i < 3; i++)
+		fill_layer_stats(&layers[i], (uint32_t)i);
+	for (int i = 0; i < 2; i++)
+		fill_session_info(&sessions[i], (uint32_t)i);
+	response_init(&resp[0], zipcache_v1_Response_stats_tag);
+	resp[0].layers = layers;
+	resp[0].n_layers = 3;
+	resp[0].msg.op.stats.has_session = true;
+	fill_session_info(&resp[0].msg.op.stats.session, 5);
+	response_init(&resp[1], zipcache_v1_Response_list_sessions_tag);
+	resp[1].sessions = sessions;
+	resp[1].n_sessions = 2;
+	response_init(&resp[2], zipcache_v1_Response_hello_tag);
+	strcpy(resp[2].msg.op.hello.server_version, "zipcached 0.1.0");
+	for (int i = 0; i < 3; i++)
+		frames[i + 1] = encode_response(&resp[i], &lens[i + 1]);
+
+	for (int f = 0; f < 4; f++) {
+		const uint8_t *body = frames[f] + 4;
+		size_t body_len = lens[f] - 4;
+
+		for (size_t cut = 0; cut < body_len; cut++) {
+			uint8_t *copy = malloc(cut ? cut : 1);
+
+			memcpy(copy, body, cut);
+			decode_any_request(copy, cut);
+			decode_any_response(copy, cut);
+			free(copy);
+		}
+		for (size_t pos = 0; pos < body_len; pos++) {
+			uint8_t *copy = malloc(body_len);
+
+			for (int v = 0; v < 8; v++) {
+				memcpy(copy, body, body_len);
+				copy[pos] = v < 4 ? (uint8_t)(copy[pos] ^ (1u << (v * 2))) : (uint8_t)rng();
+				decode_any_request(copy, body_len);
+				decode_any_response(copy, body_len);
+			}
+			free(copy);
+		}
+		free(frames[f]);
+	}
+}
+END_TEST
+
+/* A cut inside the inline bytes can never succeed. */
+START_TEST(malformed_truncated_inline)
+{
+	uint8_t keys[200], values[200];
+	wire_request req, out;
+	uint8_t *frame;
+	size_t len;
+
+	make_inline_request(&req, keys, sizeof(keys), values, sizeof(values));
+	req.msg.request_id = 0; /* so the op submessage is the whole message */
+	frame = encode_request(&req, &len);
+	for (size_t cut = 1; cut < len - 4; cut++) {
+		int rc = wire_request_decode(frame + 4, cut, &out);
+
+		/* Everything lives inside one submessage: any cut breaks it. */
+		ck_assert_int_eq(rc, ZC_EPROTOCOL);
+		ck_assert_ptr_nonnull(out.error);
+	}
+	free(frame);
+}
+END_TEST
+
+/* Hand-made messages with a field sent under the wrong wire type. */
+START_TEST(malformed_wrong_wire_types)
+{
+	wire_request rq;
+	wire_response rs;
+	/* Request.request_id (varint) sent length-delimited. */
+	static const uint8_t id_as_bytes[] = { 0x0a, 0x01, 0x00 };
+	/* Request.update_and_fetch { keys: varint 5 } */
+	static const uint8_t keys_as_varint[] = { 0x22, 0x02, 0x20, 0x05 };
+	/* Request.update_and_fetch { values: fixed32 } */
+	static const uint8_t values_as_fixed32[] = { 0x22, 0x05, 0x2d, 1, 2, 3, 4 };
+	/* Request.update_and_fetch { keys: fixed64 } */
+	static const uint8_t keys_as_fixed64[] = { 0x22, 0x09, 0x21, 1, 2, 3, 4, 5, 6, 7, 8 };
+	/* Request.update_and_fetch sent as a varint. */
+	static const uint8_t op_as_varint[] = { 0x20, 0x01 };
+	/* Wire types 6 and 7 do not exist. */
+	static const uint8_t wire_type_6[] = { 0x0e, 0x00 };
+	static const uint8_t wire_type_7[] = { 0x0f, 0x00 };
+	/* Request.update_and_fetch length past the end. */
+	static const uint8_t length_past_end[] = { 0x22, 0x10, 0x08, 0x01 };
+	/* Request.update_and_fetch { keys: length past the submessage } */
+	static const uint8_t keys_past_sub[] = { 0x22, 0x03, 0x22, 0x05, 0x00, 0x00, 0x00, 0x00 };
+	/* Response.stats { layers: varint 1 } */
+	static const uint8_t layers_as_varint[] = { 0x7a, 0x02, 0x10, 0x01 };
+	/* Response.list_sessions { sessions: fixed64 } */
+	static const uint8_t sessions_as_fixed64[] = {
+		0x82, 0x01, 0x09, 0x09, 1, 2, 3, 4, 5, 6, 7, 8
+	};
+	/* Response.status (enum) sent as fixed32. */
+	static const uint8_t status_as_fixed32[] = { 0x15, 0, 0, 0, 0 };
+	/* Response.message longer than its 256-byte array (declared 300). */
+	uint8_t long_message[3 + 300];
+	/* An unterminated varint. */
+	static const uint8_t endless_varint[] = { 0x08, 0xff, 0xff, 0xff };
+	static const uint8_t overlong_varint[] = { 0x08, 0xff, 0xff, 0xff, 0xff, 0xff,
+						   0xff, 0xff, 0xff, 0xff, 0xff, 0x01 };
+
+	ck_assert_int_eq(wire_request_decode(id_as_bytes, sizeof(id_as_bytes), &rq), ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_request_decode(keys_as_varint, sizeof(keys_as_varint), &rq),
+			 ZC_EPROTOCOL);
+	ck_assert_str_eq(rq.error, "inline keys/values must be length-delimited bytes");
+	ck_assert_int_eq(wire_request_decode(values_as_fixed32, sizeof(values_as_fixed32), &rq),
+			 ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_request_decode(keys_as_fixed64, sizeof(keys_as_fixed64), &rq),
+			 ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_request_decode(op_as_varint, sizeof(op_as_varint), &rq), ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_request_decode(wire_type_6, sizeof(wire_type_6), &rq), ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_request_decode(wire_type_7, sizeof(wire_type_7), &rq), ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_request_decode(length_past_end, sizeof(length_past_end), &rq),
+			 ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_request_decode(keys_past_sub, sizeof(keys_past_sub), &rq),
+			 ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_request_decode(endless_varint, sizeof(endless_varint), &rq),
+			 ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_request_decode(overlong_varint, sizeof(overlong_varint), &rq),
+			 ZC_EPROTOCOL);
+	ck_assert_ptr_nonnull(rq.error);
+
+	ck_assert_int_eq(wire_response_decode(layers_as_varint, sizeof(layers_as_varint), &rs),
+			 ZC_EPROTOCOL);
+	ck_assert_str_eq(rs.error, "repeated message field is not length-delimited");
+	ck_assert_int_eq(wire_response_decode(sessions_as_fixed64, sizeof(sessions_as_fixed64),
+					      &rs), ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_response_decode(status_as_fixed32, sizeof(status_as_fixed32), &rs),
+			 ZC_EPROTOCOL);
+	long_message[0] = 0x1a;
+	long_message[1] = 0xac; /* 300 = 0xac 0x02 */
+	long_message[2] = 0x02;
+	memset(long_message + 3, 'm', 300);
+	ck_assert_int_eq(wire_response_decode(long_message, sizeof(long_message), &rs),
+			 ZC_EPROTOCOL);
+	ck_assert_ptr_nonnull(rs.error);
+}
+END_TEST
+
+/*
+ * Repeated oneof members. Protobuf merges a repeated member and lets the
+ * last one win a switch; the zero-copy capture follows the first two rules
+ * and refuses a switch into update_and_fetch (no encoder produces one).
+ */
+START_TEST(oneof_repeated_and_switched)
+{
+	wire_request out;
+	wire_response rs;
+	/* update_and_fetch { keys "AB" } update_and_fetch { layer 3, keys "CDE" } */
+	static const uint8_t merged[] = { 0x22, 0x04, 0x22, 0x02, 'A', 'B',
+					  0x22, 0x07, 0x10, 0x03, 0x22, 0x03, 'C', 'D', 'E' };
+	/* hello { } update_and_fetch { keys "AB" } */
+	static const uint8_t switched_in[] = { 0x12, 0x00, 0x22, 0x04, 0x22, 0x02, 'A', 'B' };
+	/* update_and_fetch { keys "AB" } hello { protocol_version 1 } */
+	static const uint8_t switched_out[] = { 0x22, 0x04, 0x22, 0x02, 'A', 'B',
+						0x12, 0x02, 0x08, 0x01 };
+	/* Response: stats { layers {} } stats { layers { layer 2 } } */
+	static const uint8_t stats_merged[] = { 0x7a, 0x02, 0x12, 0x00,
+						0x7a, 0x04, 0x12, 0x02, 0x08, 0x02 };
+	/* Response: hello { } stats { layers {} } */
+	static const uint8_t stats_switched_in[] = { 0x52, 0x00, 0x7a, 0x02, 0x12, 0x00 };
+
+	ck_assert_int_eq(wire_request_decode(merged, sizeof(merged), &out), 0);
+	ck_assert_uint_eq(out.msg.which_op, zipcache_v1_Request_update_and_fetch_tag);
+	ck_assert_uint_eq(out.msg.op.update_and_fetch.layer, 3);
+	ck_assert_uint_eq(out.keys.len, 3);
+	ck_assert_ptr_eq(out.keys.data, merged + 12);
+	ck_assert_ptr_null(out.values.data);
+
+	ck_assert_int_eq(wire_request_decode(switched_in, sizeof(switched_in), &out), ZC_EPROTOCOL);
+	ck_assert_str_eq(out.error, "another op precedes update_and_fetch in the request");
+
+	ck_assert_int_eq(wire_request_decode(switched_out, sizeof(switched_out), &out), 0);
+	ck_assert_uint_eq(out.msg.which_op, zipcache_v1_Request_hello_tag);
+	ck_assert_uint_eq(out.msg.op.hello.protocol_version, 1);
+	ck_assert_ptr_null(out.keys.data);
+
+	ck_assert_int_eq(wire_response_decode(stats_merged, sizeof(stats_merged), &rs), 0);
+	ck_assert_uint_eq(rs.n_layers, 2);
+	ck_assert_uint_eq(rs.layers[0].layer, 0);
+	ck_assert_uint_eq(rs.layers[1].layer, 2);
+	wire_response_free(&rs);
+
+	ck_assert_int_eq(wire_response_decode(stats_switched_in, sizeof(stats_switched_in), &rs),
+			 ZC_EPROTOCOL);
+	ck_assert_ptr_null(rs.layers);
+}
+END_TEST
+
+/* Frames from a stream of responses, pipelined, through one reader. */
+START_TEST(responses_through_frame_reader)
+{
+	zipcache_v1_LayerStats layers[5];
+	wire_response resp, out;
+	frame_reader r;
+	uint8_t *stream = NULL;
+	size_t stream_len = 0;
+
+	memset(layers, 0, sizeof(layers));
+	for (int i = 0; i < 5; i++)
+		fill_layer_stats(&layers[i], (uint32_t)i);
+	for (int i = 0; i < 20; i++) {
+		uint8_t *frame;
+		size_t len;
+
+		response_init(&resp, zipcache_v1_Response_stats_tag);
+		resp.msg.request_id = (uint64_t)i;
+		resp.layers = layers;
+		resp.n_layers = (size_t)i % 6;
+		frame = encode_response(&resp, &len);
+		stream = realloc(stream, stream_len + len);
+		memcpy(stream + stream_len, frame, len);
+		stream_len += len;
+		free(frame);
+	}
+	frame_reader_init(&r, 1 << 16);
+	ck_assert_int_eq(frame_reader_feed(&r, stream, stream_len), 0);
+	for (int i = 0; i < 20; i++) {
+		const uint8_t *body;
+		size_t len;
+
+		ck_assert_int_eq(frame_reader_next(&r, &body, &len), 1);
+		ck_assert_int_eq(wire_response_decode(body, len, &out), 0);
+		ck_assert_uint_eq(out.msg.request_id, (uint64_t)i);
+		ck_assert_uint_eq(out.n_layers, (size_t)i % 6);
+		if (out.n_layers)
+			ck_assert_mem_eq(out.layers, layers, out.n_layers * sizeof(layers[0]));
+		wire_response_free(&out);
+		frame_reader_consume(&r);
+	}
+	frame_reader_free(&r);
+	free(stream);
+}
+END_TEST
+
+START_TEST(status_mapping)
+{
+	static const struct {
+		int error;
+		zipcache_v1_Status status;
+	} to_status[] = {
+		{ 0, zipcache_v1_Status_OK },
+		{ 7, zipcache_v1_Status_OK },
+		{ ZC_EINVALID, zipcache_v1_Status_INVALID_ARGUMENT },
+		{ ZC_EBITS, zipcache_v1_Status_INVALID_ARGUMENT },
+		{ ZC_EFRACTION, zipcache_v1_Status_INVALID_ARGUMENT },
+		{ ZC_EGROUPSIZE, zipcache_v1_Status_INVALID_ARGUMENT },
+		{ ZC_ESHAPE, zipcache_v1_Status_INVALID_ARGUMENT },
+		{ ZC_ENONFINITE, zipcache_v1_Status_INVALID_ARGUMENT },
+		{ ZC_ETENSOR, zipcache_v1_Status_INVALID_ARGUMENT },
+		{ ZC_EPROTOCOL, zipcache_v1_Status_INVALID_ARGUMENT },
+		{ ZC_ENOTFOUND, zipcache_v1_Status_NOT_FOUND },
+		{ ZC_EEXISTS, zipcache_v1_Status_ALREADY_EXISTS },
+		{ ZC_EEXHAUSTED, zipcache_v1_Status_RESOURCE_EXHAUSTED },
+		{ ZC_EFRAMESIZE, zipcache_v1_Status_RESOURCE_EXHAUSTED },
+		{ -ENOMEM, zipcache_v1_Status_RESOURCE_EXHAUSTED },
+		{ -ENOSPC, zipcache_v1_Status_RESOURCE_EXHAUSTED },
+		{ ZC_EDENIED, zipcache_v1_Status_PERMISSION_DENIED },
+		{ ZC_EPRECONDITION, zipcache_v1_Status_FAILED_PRECONDITION },
+		{ ZC_EINTERNAL, zipcache_v1_Status_INTERNAL },
+		{ ZC_ECORRUPT, zipcache_v1_Status_INTERNAL },
+		{ ZC_EBUFFER, zipcache_v1_Status_INTERNAL },
+		{ ZC_ERESTARTED, zipcache_v1_Status_INTERNAL },
+		{ -EIO, zipcache_v1_Status_INTERNAL },
+		{ -EINVAL, zipcache_v1_Status_INTERNAL },
+		{ -1, zipcache_v1_Status_INTERNAL },
+		{ INT32_MIN, zipcache_v1_Status_INTERNAL },
+	};
+	static const struct {
+		zipcache_v1_Status status;
+		int error;
+	} to_error[] = {
+		{ zipcache_v1_Status_OK, 0 },
+		{ zipcache_v1_Status_INVALID_ARGUMENT, ZC_EINVALID },
+		{ zipcache_v1_Status_NOT_FOUND, ZC_ENOTFOUND },
+		{ zipcache_v1_Status_ALREADY_EXISTS, ZC_EEXISTS },
+		{ zipcache_v1_Status_RESOURCE_EXHAUSTED, ZC_EEXHAUSTED },
+		{ zipcache_v1_Status_PERMISSION_DENIED, ZC_EDENIED },
+		{ zipcache_v1_Status_FAILED_PRECONDITION, ZC_EPRECONDITION },
+		{ zipcache_v1_Status_INTERNAL, ZC_EINTERNAL },
+		{ (zipcache_v1_Status)8, ZC_EINTERNAL },
+		{ (zipcache_v1_Status)1000, ZC_EINTERNAL },
+	};
+
+	for (size_t i = 0; i < sizeof(to_status) / sizeof(to_status[0]); i++)
+		ck_assert_msg(wire_status_from_error(to_status[i].error) == to_status[i].status,
+			      "error %d", to_status[i].error);
+	for (size_t i = 0; i < sizeof(to_error) / sizeof(to_error[0]); i++)
+		ck_assert_int_eq(wire_error_from_status(to_error[i].status), to_error[i].error);
+	/* Every status survives the round trip through its error code. */
+	for (int s = _zipcache_v1_Status_MIN; s <= _zipcache_v1_Status_MAX; s++)
+		ck_assert_int_eq(wire_status_from_error(wire_error_from_status((zipcache_v1_Status)s)),
+				 s);
+}
+END_TEST
+
+/* An unknown status from a newer daemon decodes and maps to ZC_EINTERNAL. */
+START_TEST(unknown_status_value)
+{
+	static const uint8_t bytes[] = { 0x10, 0x2a }; /* status: 42 */
+	wire_response out;
+
+	ck_assert_int_eq(wire_response_decode(bytes, sizeof(bytes), &out), 0);
+	ck_assert_int_eq(out.msg.status, 42);
+	ck_assert_int_eq(wire_error_from_status(out.msg.status), ZC_EINTERNAL);
+}
+END_TEST
+
+START_TEST(set_status_message)
+{
+	wire_response resp;
+	char msg[300];
+
+	response_init(&resp, 0);
+	wire_response_set_status(&resp, ZC_EBITS, "hi_bits must be 1..8");
+	ck_assert_int_eq(resp.msg.status, zipcache_v1_Status_INVALID_ARGUMENT);
+	ck_assert_str_eq(resp.msg.message, "hi_bits must be 1..8");
+
+	wire_response_set_status(&resp, 0, NULL);
+	ck_assert_int_eq(resp.msg.status, zipcache_v1_Status_OK);
+	ck_assert_str_eq(resp.msg.message, "");
+
+	/* 256 bytes fit exactly. */
+	memset(msg, 'a', 256);
+	msg[256] = '\0';
+	wire_response_set_status(&resp, ZC_EINTERNAL, msg);
+	ck_assert_uint_eq(strlen(resp.msg.message), 256);
+
+	/* A 2-byte character straddling the limit is dropped whole. */
+	memset(msg, 'a', 255);
+	memcpy(msg + 255, "\xc3\xa9tail", 7);
+	wire_response_set_status(&resp, ZC_EINTERNAL, msg);
+	ck_assert_uint_eq(strlen(resp.msg.message), 255);
+
+	/* A 3-byte character ending exactly at the limit is kept. */
+	memset(msg, 'a', 253);
+	memcpy(msg + 253, "\xe2\x82\xac" "more", 8);
+	wire_response_set_status(&resp, ZC_EINTERNAL, msg);
+	ck_assert_uint_eq(strlen(resp.msg.message), 256);
+	ck_assert_mem_eq(resp.msg.message + 253, "\xe2\x82\xac", 3);
+
+	/* And one cut after its first byte goes away whole. */
+	memset(msg, 'a', 255);
+	memcpy(msg + 255, "\xe2\x82\xac", 4);
+	wire_response_set_status(&resp, ZC_EINTERNAL, msg);
+	ck_assert_uint_eq(strlen(resp.msg.message), 255);
+}
+END_TEST
+
+static Suite *wire_suite(void)
+{
+	Suite *s = suite_create("wire");
+	TCase *rt = tcase_create("round_trip");
+	TCase *bad = tcase_create("malformed");
+	TCase *st = tcase_create("status");
+
+	tcase_set_timeout(rt, 60);
+	tcase_add_test(rt, request_hello);
+	tcase_add_test(rt, request_open_session_all_fields);
+	tcase_add_test(rt, request_open_session_optional_presence);
+	tcase_add_test(rt, request_small_ops);
+	tcase_add_test(rt, request_inline_spans_point_into_frame);
+	tcase_add_test(rt, request_through_frame_reader);
+	tcase_add_test(rt, response_hello);
+	tcase_add_test(rt, response_open_session);
+	tcase_add_test(rt, response_small_ops);
+	tcase_add_test(rt, response_stats_layers);
+	tcase_add_test(rt, response_list_sessions);
+	tcase_add_test(rt, list_limit);
+	tcase_add_test(rt, encode_buffer_too_small);
+	tcase_add_test(rt, encode_invalid_struct);
+	tcase_add_test(rt, responses_through_frame_reader);
+	suite_add_tcase(s, rt);
+
+	/* ASan slows the fuzz loops several-fold. */
+	tcase_set_timeout(bad, 300);
+	tcase_add_test(bad, malformed_random_garbage);
+	tcase_add_test(bad, malformed_truncated_and_corrupted);
+	tcase_add_test(bad, malformed_truncated_inline);
+	tcase_add_test(bad, malformed_wrong_wire_types);
+	tcase_add_test(bad, oneof_repeated_and_switched);
+	suite_add_tcase(s, bad);
+
+	tcase_add_test(st, status_mapping);
+	tcase_add_test(st, unknown_status_value);
+	tcase_add_test(st, set_status_message);
+	suite_add_tcase(s, st);
+	return s;
+}
+
+int main(void)
+{
+	SRunner *sr = srunner_create(wire_suite());
+	int failed;
+
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
