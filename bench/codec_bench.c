@@ -1,0 +1,670 @@
+/*
+ * Codec throughput benchmark.
+ *
+ * Measures zc_block_compress() and zc_block_reconstruct() on the K/V block
+ * shapes of one Llama-3-8B layer (B = 1, H = 8 KV heads, D = 128):
+ *
+ *   S = 128     a streaming decode block (L2-resident)
+ *   S = 4096    a prefill block that fits the last-level cache
+ *   S = 32768   a prefill block that lives in DRAM
+ *
+ * Throughput is fp16 bytes per second (2*B*H*S*D bytes, GB = 1e9 bytes)
+ * and, because this machine is shared and noisy, also a ratio to memcpy of
+ * the same number of bytes between two separate buffers, timed the same
+ * way and interleaved run by run with the codec measurement so that a
+ * noisy neighbour slows both. The ratio is the figure to compare across
+ * machines and days; the absolute GB/s is only for this run.
+ *
+ * Every figure is the median of --runs timed runs; a timed run repeats the
+ * operation enough times to last at least MIN_RUN_MS so that clock
+ * resolution and call overhead vanish for the small streaming block, and
+ * starts with one untimed operation so that the S = 4096 block really is
+ * measured cache-resident even though the other side of the interleaving
+ * ran in between (both sides alike). The process is pinned to one CPU: the codec is single-threaded per block and
+ * migration between cores would throw away the warm cache.
+ *
+ * Output: an aligned table for people, then one JSON object per
+ * measurement per line (lines starting with '{') for scripts.
+ *
+ * usage: codec [--isa scalar|avx2|avx512] [--runs N] [--cpu N] [--tokens S]
+ *              [--quick]
+ */
+#include <errno.h>
+#include <math.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "zipcache/codec.h"
+#include "zipcache/error.h"
+
+#define BATCH 1u
+#define HEADS 8u
+#define HEAD_DIM 128u
+
+#define DEFAULT_RUNS 11
+#define MIN_RUN_MS 2.0
+/* --quick only has to show that every path runs, not measure it well. */
+#define QUICK_RUNS 3
+#define QUICK_MIN_RUN_MS 0.2
+
+#define MAX_RESULTS 32
+
+/* Targets from the issue, for the cache-resident prefill block. */
+#define TARGET_TOKENS 4096u
+#define TARGET_RECONSTRUCT 0.5
+#define TARGET_COMPRESS 0.2
+
+struct options {
+	int runs;
+	double min_run_s;
+	bool quick;
+	bool isa_forced;
+	zc_isa isa;
+	int cpu;          /* -1: the first CPU we are allowed on */
+	uint32_t tokens;  /* 0: the standard shapes; else only S = tokens */
+};
+
+struct result {
+	char shape[40];
+	char op[32];
+	const char *tensor;
+	zc_isa isa;
+	double fp16_bytes;
+	double codec_s;   /* median seconds per operation */
+	double memcpy_s;  /* median seconds per memcpy of fp16_bytes */
+	int runs;
+};
+
+struct block_note {
+	char shape[40];
+	const char *tensor;
+	double fp16_bytes;
+	double compressed_bytes;
+	double rel_rmse;
+};
+
+static struct result results[MAX_RESULTS];
+static int n_results;
+static struct block_note notes[MAX_RESULTS];
+static int n_notes;
+
+/*
+ * Called through a volatile pointer so the compiler can neither inline the
+ * copy into something cleverer than what a caller gets, nor drop it because
+ * the destination is never read.
+ */
+static void *(*volatile memcpy_fn)(void *, const void *, size_t) = memcpy;
+
+/* ---- synthetic K/V data ------------------------------------------------ */
+
+/* splitmix64: tiny, fixed-seed and identical everywhere, so every run and
+ * every machine benchmarks exactly the same bytes. */
+static uint64_t rng_state;
+
+static uint64_t rng_next(void)
+{
+	uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+/* Uniform in (0, 1): never 0, so log() below is finite. */
+static double rng_uniform(void)
+{
+	return ((double)(rng_next() >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
+
+static double rng_normal(void)
+{
+	/* Box-Muller; the second variate is thrown away for simplicity, the
+	 * generator is far from being the bottleneck of setup. */
+	double u1 = rng_uniform(), u2 = rng_uniform();
+	return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+/*
+ * Keys look like real post-RoPE Llama keys in the ways that matter to the
+ * codec: per-channel scales around 1, a few outlier channels per head with
+ * a large fixed-sign offset (they stretch the per-channel min/max ranges),
+ * and a high-norm first token (the attention sink), which the saliency
+ * routing must pick. Values are plain roughly-normal data around 1 with a
+ * mild per-channel spread; they have no channel outliers in real models.
+ */
+static void fill_block(uint16_t *x, uint32_t tokens, zc_tensor tensor, uint64_t seed)
+{
+	float scale[HEAD_DIM], bias[HEAD_DIM];
+
+	rng_state = seed;
+	for (uint32_t h = 0; h < BATCH * HEADS; h++) {
+		for (uint32_t c = 0; c < HEAD_DIM; c++) {
+			scale[c] = (float)(0.5 + rng_uniform());
+			bias[c] = (float)(0.1 * rng_normal());
+		}
+		if (tensor == ZC_TENSOR_KEYS) {
+			/* Four outlier channels per head, 8..16 in magnitude. */
+			for (int k = 0; k < 4; k++) {
+				uint32_t c = (uint32_t)(rng_next() % HEAD_DIM);
+				double sign = (rng_next() & 1) ? 1.0 : -1.0;
+				bias[c] = (float)(sign * (8.0 + 8.0 * rng_uniform()));
+				scale[c] = (float)(2.0 + 2.0 * rng_uniform());
+			}
+		}
+		uint16_t *head = x + (size_t)h * tokens * HEAD_DIM;
+		for (uint32_t t = 0; t < tokens; t++) {
+			/* Token-to-token norm variation, plus the sink at t = 0. */
+			double tok = 0.8 + 0.4 * rng_uniform();
+			if (tensor == ZC_TENSOR_KEYS && t == 0)
+				tok = 6.0;
+			for (uint32_t c = 0; c < HEAD_DIM; c++) {
+				double v = bias[c] + scale[c] * tok * rng_normal();
+				head[(size_t)t * HEAD_DIM + c] = zc_float_to_fp16((float)v);
+			}
+		}
+	}
+}
+
+/* ---- timing ------------------------------------------------------------ */
+
+struct op {
+	/* One operation; returns < 0 on a codec error. */
+	int (*run)(struct op *op);
+	const zc_codec_config *config;
+	zc_tensor tensor;
+	const zc_block_shape *shape;
+	const uint16_t *input;
+	void *compressed;
+	size_t compressed_size;   /* exact layout size */
+	uint16_t *output;
+	const zc_strides *strides;
+	/* memcpy */
+	void *dst;
+	const void *src;
+	size_t bytes;
+};
+
+static int op_compress(struct op *op)
+{
+	int64_t n = zc_block_compress(op->config, op->tensor, op->shape, op->input,
+				      op->compressed, op->compressed_size);
+	if (n < 0)
+		return (int)n;
+	return (size_t)n == op->compressed_size ? 0 : ZC_ECORRUPT;
+}
+
+static int op_reconstruct(struct op *op)
+{
+	return zc_block_reconstruct(op->config, op->tensor, op->shape, op->compressed,
+				    op->compressed_size, op->output, op->strides);
+}
+
+static int op_memcpy(struct op *op)
+{
+	memcpy_fn(op->dst, op->src, op->bytes);
+	return 0;
+}
+
+static double now_s(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/*
+ * Seconds per operation over reps back-to-back operations, after one
+ * untimed operation: the other side of the interleaving has just run and
+ * evicted part of the last-level cache, and without this re-warm a
+ * cache-resident block would be measured half cold, unfairly so for
+ * whichever side repeats fewer times per run.
+ */
+static int time_op(struct op *op, unsigned reps, double *per_op)
+{
+	int rc = op->run(op);
+	if (rc < 0)
+		return rc;
+	double t0 = now_s();
+	for (unsigned i = 0; i < reps; i++)
+		if ((rc = op->run(op)) < 0)
+			return rc;
+	*per_op = (now_s() - t0) / reps;
+	return 0;
+}
+
+/* Repetitions that make one timed run last at least min_run_s, judged
+ * from one (already warm) operation. */
+static int calibrate(struct op *op, double min_run_s, unsigned *reps)
+{
+	double one;
+	int rc = time_op(op, 1, &one);
+	if (rc < 0)
+		return rc;
+	double want = ceil(1.2 * min_run_s / (one > 1e-9 ? one : 1e-9));
+	*reps = want < 1.0 ? 1u : want > 1e6 ? 1000000u : (unsigned)want;
+	return 0;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+	qsort(v, (size_t)n, sizeof *v, cmp_double);
+	return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/*
+ * Times codec and memcpy in alternation, run r codec first and run r+1
+ * memcpy first, so a burst of noise from a neighbour lands on both sides
+ * and neither is systematically the one that runs right after it.
+ */
+static int measure(struct op *codec, struct op *copy, const struct options *opt,
+		   double *codec_s, double *memcpy_s)
+{
+	unsigned reps_c, reps_m;
+	int rc;
+
+	/* Warm-up: page-in, cache fill, branch predictors, lazy init. */
+	if ((rc = codec->run(codec)) < 0 || (rc = copy->run(copy)) < 0)
+		return rc;
+	if ((rc = calibrate(codec, opt->min_run_s, &reps_c)) < 0 ||
+	    (rc = calibrate(copy, opt->min_run_s, &reps_m)) < 0)
+		return rc;
+	double *tc = malloc(2 * sizeof(double) * (size_t)opt->runs);
+	if (!tc)
+		return -ENOMEM;
+	double *tm = tc + opt->runs;
+	for (int r = 0; r < opt->runs; r++) {
+		if (r % 2 == 0) {
+			if ((rc = time_op(codec, reps_c, &tc[r])) < 0 ||
+			    (rc = time_op(copy, reps_m, &tm[r])) < 0)
+				break;
+		} else {
+			if ((rc = time_op(copy, reps_m, &tm[r])) < 0 ||
+			    (rc = time_op(codec, reps_c, &tc[r])) < 0)
+				break;
+		}
+	}
+	if (rc >= 0) {
+		*codec_s = median(tc, opt->runs);
+		*memcpy_s = median(tm, opt->runs);
+	}
+	free(tc);
+	return rc < 0 ? rc : 0;
+}
+
+/* ---- reporting --------------------------------------------------------- */
+
+static double gbps(double bytes, double s)
+{
+	return bytes / s / 1e9;
+}
+
+static void print_header(void)
+{
+	printf("%-18s %-20s %-7s %9s %10s %9s %12s %7s\n", "shape", "op", "isa",
+	       "fp16 MiB", "median ms", "GB/s", "memcpy GB/s", "ratio");
+}
+
+static void print_row(const struct result *r)
+{
+	printf("%-18s %-20s %-7s %9.3f %10.4f %9.3f %12.3f %7.3f\n", r->shape, r->op,
+	       zc_isa_name(r->isa), r->fp16_bytes / (1024.0 * 1024.0), r->codec_s * 1e3,
+	       gbps(r->fp16_bytes, r->codec_s), gbps(r->fp16_bytes, r->memcpy_s),
+	       r->memcpy_s / r->codec_s);
+	fflush(stdout);
+}
+
+static void print_json(const struct result *r)
+{
+	/* ratio is the ratio of the two medians, so that it always equals
+	 * gbps / memcpy_gbps for a reader who recomputes it. */
+	printf("{\"bench\":\"codec\",\"shape\":\"%s\",\"op\":\"%s\",\"gbps\":%.4f,"
+	       "\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"isa\":\"%s\",\"tensor\":\"%s\","
+	       "\"median_ms\":%.5f,\"runs\":%d}\n",
+	       r->shape, r->op, gbps(r->fp16_bytes, r->codec_s),
+	       gbps(r->fp16_bytes, r->memcpy_s), r->memcpy_s / r->codec_s,
+	       zc_isa_name(r->isa), r->tensor, r->codec_s * 1e3, r->runs);
+}
+
+static const struct result *find_result(uint32_t tokens, const char *op, zc_isa isa)
+{
+	char shape[40];
+	snprintf(shape, sizeof shape, "B%uxH%uxS%uxD%u", BATCH, HEADS, tokens, HEAD_DIM);
+	for (int i = 0; i < n_results; i++)
+		if (!strcmp(results[i].shape, shape) && !strcmp(results[i].op, op) &&
+		    results[i].isa == isa)
+			return &results[i];
+	return NULL;
+}
+
+/* ---- one shape --------------------------------------------------------- */
+
+static void *alloc_touched(size_t bytes)
+{
+	/* 64-byte aligned like any real tensor allocation, and written once
+	 * so page faults are not part of the first timed run. */
+	size_t rounded = (bytes + 63) & ~(size_t)63;
+	void *p = aligned_alloc(64, rounded ? rounded : 64);
+	if (p)
+		memset(p, 0x5a, rounded);
+	return p;
+}
+
+static double rel_rmse(const uint16_t *x, const uint16_t *y, size_t n)
+{
+	double err = 0.0, ref = 0.0;
+	for (size_t i = 0; i < n; i++) {
+		double a = zc_fp16_to_float(x[i]), b = zc_fp16_to_float(y[i]);
+		err += (a - b) * (a - b);
+		ref += a * a;
+	}
+	return ref > 0.0 ? sqrt(err / ref) : 0.0;
+}
+
+/*
+ * Benchmarks compress and reconstruct of one tensor kind at one shape.
+ * which: bit 0 compress, bit 1 reconstruct.
+ */
+static int bench_tensor(const struct options *opt, uint32_t tokens, zc_tensor tensor,
+			int which, bool note)
+{
+	zc_codec_config config;
+	zc_block_shape shape = {BATCH, HEADS, tokens, HEAD_DIM};
+	zc_block_layout layout;
+	const char *tname = tensor == ZC_TENSOR_KEYS ? "keys" : "values";
+	size_t n = (size_t)BATCH * HEADS * tokens * HEAD_DIM;
+	size_t bytes = 2 * n;
+	int rc;
+
+	zc_codec_config_default(&config);
+	if ((rc = zc_block_layout_compute(&config, tensor, &shape, &layout)) < 0) {
+		fprintf(stderr, "codec: layout S=%u %s: %s\n", tokens, tname, zc_strerror(rc));
+		return rc;
+	}
+
+	uint16_t *input = alloc_touched(bytes);
+	uint16_t *output = alloc_touched(bytes);
+	void *compressed = alloc_touched(layout.total_bytes);
+	void *copy_src = alloc_touched(bytes);
+	void *copy_dst = alloc_touched(bytes);
+	if (!input || !output || !compressed || !copy_src || !copy_dst) {
+		fprintf(stderr, "codec: out of memory at S=%u\n", tokens);
+		rc = -ENOMEM;
+		goto out;
+	}
+	fill_block(input, tokens, tensor, 0x5eed0000u + tokens * 2u + (unsigned)tensor);
+	memcpy(copy_src, input, bytes);
+
+	zc_strides strides = {(size_t)HEADS * tokens * HEAD_DIM, (size_t)tokens * HEAD_DIM,
+			      HEAD_DIM};
+	struct op compress = {.run = op_compress, .config = &config, .tensor = tensor,
+			      .shape = &shape, .input = input, .compressed = compressed,
+			      .compressed_size = layout.total_bytes};
+	struct op reconstruct = {.run = op_reconstruct, .config = &config, .tensor = tensor,
+				 .shape = &shape, .compressed = compressed,
+				 .compressed_size = layout.total_bytes, .output = output,
+				 .strides = &strides};
+	struct op copy = {.run = op_memcpy, .dst = copy_dst, .src = copy_src, .bytes = bytes};
+
+	/* Reconstruct needs a real payload, and a benchmark of a codec that
+	 * returns garbage is worthless: check both directions once first. */
+	if ((rc = op_compress(&compress)) < 0 || (rc = op_reconstruct(&reconstruct)) < 0) {
+		fprintf(stderr, "codec: S=%u %s on %s: %s\n", tokens, tname,
+			zc_isa_name(zc_codec_isa()), zc_strerror(rc));
+		goto out;
+	}
+	if (note && n_notes < MAX_RESULTS) {
+		struct block_note *b = &notes[n_notes++];
+		snprintf(b->shape, sizeof b->shape, "B%uxH%uxS%uxD%u", BATCH, HEADS, tokens,
+			 HEAD_DIM);
+		b->tensor = tname;
+		b->fp16_bytes = (double)bytes;
+		b->compressed_bytes = (double)layout.total_bytes;
+		b->rel_rmse = rel_rmse(input, output, n);
+	}
+
+	for (int k = 0; k < 2; k++) {
+		if (!(which & (1 << k)) || n_results >= MAX_RESULTS)
+			continue;
+		struct result *r = &results[n_results];
+		snprintf(r->shape, sizeof r->shape, "B%uxH%uxS%uxD%u", BATCH, HEADS, tokens,
+			 HEAD_DIM);
+		snprintf(r->op, sizeof r->op, "%s_%s", k == 0 ? "compress" : "reconstruct",
+			 tname);
+		r->tensor = tname;
+		r->isa = zc_codec_isa();
+		r->fp16_bytes = (double)bytes;
+		r->runs = opt->runs;
+		rc = measure(k == 0 ? &compress : &reconstruct, &copy, opt, &r->codec_s,
+			     &r->memcpy_s);
+		if (rc < 0) {
+			fprintf(stderr, "codec: %s S=%u: %s\n", r->op, tokens, zc_strerror(rc));
+			goto out;
+		}
+		n_results++;
+		print_row(r);
+	}
+	rc = 0;
+out:
+	free(input);
+	free(output);
+	free(compressed);
+	free(copy_src);
+	free(copy_dst);
+	return rc;
+}
+
+/* ---- main -------------------------------------------------------------- */
+
+static void usage(FILE *f)
+{
+	fprintf(f, "usage: codec [--isa scalar|avx2|avx512] [--runs N] [--cpu N] [--tokens S]\n"
+		   "             [--quick]\n"
+		   "  --isa     force a kernel set (default: the best this CPU has)\n"
+		   "  --runs    timed runs per figure, median reported (default %d)\n"
+		   "  --cpu     CPU to pin to (default: the first one allowed)\n"
+		   "  --tokens  only the block of S tokens (e.g. to profile one shape)\n"
+		   "  --quick   smoke test: %d runs, short runs, no DRAM-sized block\n",
+		DEFAULT_RUNS, QUICK_RUNS);
+}
+
+static int parse_args(int argc, char **argv, struct options *opt)
+{
+	bool runs_set = false;
+
+	*opt = (struct options){.runs = DEFAULT_RUNS, .min_run_s = MIN_RUN_MS * 1e-3,
+				.cpu = -1};
+	for (int i = 1; i < argc; i++) {
+		const char *a = argv[i];
+		const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+		if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+			usage(stdout);
+			exit(0);
+		} else if (!strcmp(a, "--quick")) {
+			opt->quick = true;
+		} else if (!strcmp(a, "--isa") && v) {
+			i++;
+			if (!strcmp(v, "scalar"))
+				opt->isa = ZC_ISA_SCALAR;
+			else if (!strcmp(v, "avx2"))
+				opt->isa = ZC_ISA_AVX2;
+			else if (!strcmp(v, "avx512"))
+				opt->isa = ZC_ISA_AVX512;
+			else
+				return -1;
+			opt->isa_forced = true;
+		} else if (!strcmp(a, "--runs") && v) {
+			char *end;
+			long n = strtol(v, &end, 10);
+			i++;
+			if (*end || n < 1 || n > 100000)
+				return -1;
+			opt->runs = (int)n;
+			runs_set = true;
+		} else if (!strcmp(a, "--cpu") && v) {
+			char *end;
+			long n = strtol(v, &end, 10);
+			i++;
+			if (*end || n < 0 || n >= CPU_SETSIZE)
+				return -1;
+			opt->cpu = (int)n;
+		} else if (!strcmp(a, "--tokens") && v) {
+			char *end;
+			long n = strtol(v, &end, 10);
+			i++;
+			if (*end || n < 1 || n > (1L << 20))
+				return -1;
+			opt->tokens = (uint32_t)n;
+		} else {
+			return -1;
+		}
+	}
+	if (opt->quick) {
+		if (!runs_set)
+			opt->runs = QUICK_RUNS;
+		opt->min_run_s = QUICK_MIN_RUN_MS * 1e-3;
+	}
+	return 0;
+}
+
+/* Pins to one CPU; returns it, or -1 if pinning failed (we still run). */
+static int pin_cpu(int want)
+{
+	cpu_set_t set;
+
+	if (want < 0) {
+		if (sched_getaffinity(0, sizeof set, &set) != 0)
+			return -1;
+		for (int c = 0; c < CPU_SETSIZE; c++)
+			if (CPU_ISSET(c, &set)) {
+				want = c;
+				break;
+			}
+		if (want < 0)
+			return -1;
+	}
+	CPU_ZERO(&set);
+	CPU_SET(want, &set);
+	if (sched_setaffinity(0, sizeof set, &set) != 0) {
+		fprintf(stderr, "codec: cannot pin to CPU %d: %s (running unpinned)\n", want,
+			strerror(errno));
+		return -1;
+	}
+	return want;
+}
+
+static void print_targets(zc_isa isa)
+{
+	static const struct {
+		const char *op;
+		double target;
+	} t[] = {
+		{"compress_keys", TARGET_COMPRESS},
+		{"reconstruct_keys", TARGET_RECONSTRUCT},
+		{"compress_values", TARGET_COMPRESS},
+		{"reconstruct_values", TARGET_RECONSTRUCT},
+	};
+
+	printf("\ntargets at S=%u (%s, ratio to memcpy):\n", TARGET_TOKENS, zc_isa_name(isa));
+	for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
+		const struct result *r = find_result(TARGET_TOKENS, t[i].op, isa);
+		if (!r)
+			continue;
+		double ratio = r->memcpy_s / r->codec_s;
+		printf("  %-20s %6.3f  >= %.1f  %s\n", t[i].op, ratio, t[i].target,
+		       ratio >= t[i].target ? "met" : "MISSED");
+	}
+}
+
+int main(int argc, char **argv)
+{
+	struct options opt;
+	static const uint32_t all_tokens[] = {128, 4096, 32768};
+	static const uint32_t quick_tokens[] = {128, 4096};
+	const uint32_t *tokens = all_tokens;
+	size_t n_tokens = sizeof all_tokens / sizeof all_tokens[0];
+
+	if (parse_args(argc, argv, &opt) < 0) {
+		usage(stderr);
+		return 2;
+	}
+	if (opt.tokens) {
+		tokens = &opt.tokens;
+		n_tokens = 1;
+	} else if (opt.quick) {
+		tokens = quick_tokens;
+		n_tokens = sizeof quick_tokens / sizeof quick_tokens[0];
+	}
+
+	int cpu = pin_cpu(opt.cpu);
+	zc_codec_init();
+	if (opt.isa_forced) {
+		int rc = zc_codec_set_isa(opt.isa);
+		if (rc < 0) {
+			fprintf(stderr, "codec: isa %s: %s\n", zc_isa_name(opt.isa),
+				zc_strerror(rc));
+			return 1;
+		}
+	}
+	zc_isa best = zc_codec_isa();
+
+	printf("codec benchmark: isa %s, cpu %d, %d runs per figure (median), "
+	       ">= %.1f ms per run%s\n",
+	       zc_isa_name(best), cpu, opt.runs, opt.min_run_s * 1e3,
+	       opt.quick ? ", QUICK (smoke test, not a measurement)" : "");
+	printf("GB/s = 1e9 fp16 bytes (2*B*H*S*D) per second; ratio = codec GB/s / memcpy "
+	       "GB/s, same bytes, interleaved\n\n");
+	print_header();
+
+	for (size_t i = 0; i < n_tokens; i++)
+		for (int t = 0; t < 2; t++)
+			if (bench_tensor(&opt, tokens[i], (zc_tensor)t, 3, true) < 0)
+				return 1;
+
+	/* The scalar path at the cache-resident shape, so the SIMD speedup is
+	 * visible in every default run without a second invocation. */
+	bool scalar_ref = !opt.isa_forced && best != ZC_ISA_SCALAR &&
+			  (!opt.tokens || opt.tokens == TARGET_TOKENS);
+	if (scalar_ref) {
+		if (zc_codec_set_isa(ZC_ISA_SCALAR) < 0 ||
+		    bench_tensor(&opt, TARGET_TOKENS, ZC_TENSOR_KEYS, 3, false) < 0)
+			return 1;
+		zc_codec_set_isa(best);
+	}
+
+	printf("\nblocks (default config):\n");
+	printf("  %-18s %-7s %10s %12s %7s %9s\n", "shape", "tensor", "fp16 B",
+	       "compressed B", "x", "rel RMSE");
+	for (int i = 0; i < n_notes; i++) {
+		const struct block_note *b = &notes[i];
+		printf("  %-18s %-7s %10.0f %12.0f %7.2f %9.4f\n", b->shape, b->tensor,
+		       b->fp16_bytes, b->compressed_bytes, b->fp16_bytes / b->compressed_bytes,
+		       b->rel_rmse);
+	}
+
+	if (scalar_ref) {
+		printf("\n%s speedup over scalar at S=%u keys:", zc_isa_name(best), TARGET_TOKENS);
+		static const char *const ops[] = {"compress_keys", "reconstruct_keys"};
+		for (int k = 0; k < 2; k++) {
+			const struct result *s = find_result(TARGET_TOKENS, ops[k], ZC_ISA_SCALAR);
+			const struct result *v = find_result(TARGET_TOKENS, ops[k], best);
+			if (s && v)
+				printf("  %s %.2fx", ops[k], s->codec_s / v->codec_s);
+		}
+		printf("\n");
+	}
+	print_targets(best);
+
+	printf("\n");
+	for (int i = 0; i < n_results; i++)
+		print_json(&results[i]);
+	return 0;
+}
