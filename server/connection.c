@@ -1,0 +1,343 @@
+/*
+ * One client connection's I/O: reading frames into the frame reader,
+ * handing each to dispatch, and writing reply frames (with descriptors)
+ * with sendmsg. See connection.h for the states.
+ */
+#include "connection.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "dispatch.h"
+#include "log.h"
+#include "server.h"
+#include "staging.h"
+
+/* Requests a connection may have in flight before we stop reading it:
+ * deep enough for a 128-layer pipelined step, small enough that one
+ * client cannot queue unbounded work. */
+#define MAX_IN_FLIGHT 512u
+
+/* Reply bytes queued before we stop reading (a client not reading its
+ * replies must not make us buffer without bound). */
+#define MAX_OUT_BYTES (16u << 20)
+
+/* Reads per readiness event, so one busy client cannot starve others. */
+#define READS_PER_EVENT 16
+
+#define MAX_FDS_PER_FRAME 4
+
+struct out_frame {
+	struct out_frame *next;
+	uint8_t *data;
+	size_t len, sent;
+	int fds[MAX_FDS_PER_FRAME];
+	int n_fds;
+};
+
+static uint64_t next_connection_id = 1;
+
+static void out_frame_free(struct out_frame *frame)
+{
+	for (int i = 0; i < frame->n_fds; i++)
+		close(frame->fds[i]);
+	free(frame->data);
+	free(frame);
+}
+
+void connection_ref(struct connection *connection)
+{
+	connection->refs++;
+}
+
+void connection_unref(struct connection *connection)
+{
+	if (--connection->refs > 0)
+		return;
+	frame_reader_free(&connection->reader);
+	free(connection);
+}
+
+static void on_close(uv_handle_t *handle)
+{
+	struct connection *connection = handle->data;
+	close(connection->fd);
+	connection_unref(connection);
+}
+
+void connection_close(struct connection *connection)
+{
+	struct server *server = connection->server;
+	if (connection->state == CONNECTION_CLOSING)
+		return;
+	connection->state = CONNECTION_CLOSING;
+	if (connection->prev)
+		connection->prev->next = connection->next;
+	else
+		server->connections = connection->next;
+	if (connection->next)
+		connection->next->prev = connection->prev;
+	server->n_connections--;
+	while (connection->out_head) {
+		struct out_frame *frame = connection->out_head;
+		connection->out_head = frame->next;
+		out_frame_free(frame);
+	}
+	connection->out_tail = NULL;
+	connection->out_bytes = 0;
+	staging_unref(connection->staging);
+	connection->staging = NULL;
+	log_debug("connection", "closed", "connection=%llu uid=%u pid=%d",
+		  (unsigned long long)connection->id, connection->uid, connection->pid);
+	uv_close((uv_handle_t *)&connection->poll, on_close);
+	dispatch_connection_closed(server);
+}
+
+static void on_poll(uv_poll_t *handle, int status, int events);
+
+/* Keeps the poll watcher in line with the state and the reply queue. */
+static void poll_update(struct connection *connection)
+{
+	int events = 0;
+	if (connection->state == CONNECTION_CLOSING)
+		return;
+	if (connection->state == CONNECTION_DRAINING && !connection->out_head &&
+	    connection->in_flight == 0) {
+		connection_close(connection);
+		return;
+	}
+	if (connection->state == CONNECTION_OPEN)
+		events |= UV_READABLE;
+	if (connection->out_head)
+		events |= UV_WRITABLE;
+	if (events == connection->poll_events)
+		return;
+	connection->poll_events = events;
+	if (events == 0)
+		uv_poll_stop(&connection->poll);
+	else
+		uv_poll_start(&connection->poll, events, on_poll);
+}
+
+static void flow_update(struct connection *connection)
+{
+	bool busy = connection->in_flight >= MAX_IN_FLIGHT || connection->out_bytes >= MAX_OUT_BYTES;
+	if (connection->state == CONNECTION_OPEN && busy)
+		connection->state = CONNECTION_PAUSED;
+	else if (connection->state == CONNECTION_PAUSED && !busy)
+		connection->state = CONNECTION_OPEN;
+	poll_update(connection);
+}
+
+/* Writes queued replies until the socket would block. Returns -1 if the
+ * connection was closed. */
+static int flush(struct connection *connection)
+{
+	while (connection->out_head) {
+		struct out_frame *frame = connection->out_head;
+		struct iovec iov = { frame->data + frame->sent, frame->len - frame->sent };
+		union {
+			struct cmsghdr header;
+			char bytes[CMSG_SPACE(sizeof(int) * MAX_FDS_PER_FRAME)];
+		} control;
+		struct msghdr message = { .msg_iov = &iov, .msg_iovlen = 1 };
+
+		if (frame->sent == 0 && frame->n_fds > 0) {
+			/* Descriptors ride on the first byte of their frame. */
+			memset(&control, 0, sizeof(control));
+			message.msg_control = control.bytes;
+			message.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)frame->n_fds);
+			struct cmsghdr *cmsg = CMSG_FIRSTHDR(&message);
+			cmsg->cmsg_level = SOL_SOCKET;
+			cmsg->cmsg_type = SCM_RIGHTS;
+			cmsg->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)frame->n_fds);
+			memcpy(CMSG_DATA(cmsg), frame->fds, sizeof(int) * (size_t)frame->n_fds);
+		}
+		ssize_t n = sendmsg(connection->fd, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
+		if (n < 0) {
+			if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+				return 0;
+			log_debug("connection", "send failed", "connection=%llu error=%s",
+				  (unsigned long long)connection->id, strerror(errno));
+			connection_close(connection);
+			return -1;
+		}
+		if (frame->n_fds > 0 && n > 0) {
+			for (int i = 0; i < frame->n_fds; i++)
+				close(frame->fds[i]);
+			frame->n_fds = 0;
+		}
+		frame->sent += (size_t)n;
+		connection->out_bytes -= (size_t)n;
+		if (frame->sent < frame->len)
+			return 0;
+		connection->out_head = frame->next;
+		if (!connection->out_head)
+			connection->out_tail = NULL;
+		out_frame_free(frame);
+	}
+	return 0;
+}
+
+void connection_send(struct connection *connection, uint8_t *data, size_t len,
+		     const int *fds, int n_fds)
+{
+	struct out_frame *frame;
+
+	if (connection->state == CONNECTION_CLOSING || n_fds > MAX_FDS_PER_FRAME)
+		goto out_drop;
+	frame = calloc(1, sizeof(*frame));
+	if (!frame)
+		goto out_drop;
+	frame->data = data;
+	frame->len = len;
+	frame->n_fds = n_fds;
+	for (int i = 0; i < n_fds; i++)
+		frame->fds[i] = fds[i];
+	if (connection->out_tail)
+		connection->out_tail->next = frame;
+	else
+		connection->out_head = frame;
+	connection->out_tail = frame;
+	connection->out_bytes += len;
+	/* Most replies fit the socket buffer: send now, no extra loop turn. */
+	if (flush(connection) < 0)
+		return;
+	flow_update(connection);
+	return;
+
+out_drop:
+	for (int i = 0; i < n_fds; i++)
+		close(fds[i]);
+	free(data);
+}
+
+void connection_request_done(struct connection *connection)
+{
+	connection->in_flight--;
+	if (connection->state != CONNECTION_CLOSING)
+		flow_update(connection);
+}
+
+void connection_drain(struct connection *connection)
+{
+	if (connection->state == CONNECTION_CLOSING)
+		return;
+	connection->state = CONNECTION_DRAINING;
+	poll_update(connection);
+}
+
+/* Hands every complete frame to dispatch; stops early if the connection
+ * was closed or paused meanwhile. */
+static void frames_dispatch(struct connection *connection)
+{
+	const uint8_t *frame;
+	size_t len;
+	int rc;
+
+	while (connection->state == CONNECTION_OPEN &&
+	       (rc = frame_reader_next(&connection->reader, &frame, &len)) == 1) {
+		connection->in_flight++;
+		dispatch_request(connection, frame, len);
+		if (connection->state == CONNECTION_CLOSING)
+			return;
+		frame_reader_consume(&connection->reader);
+		flow_update(connection);
+	}
+	if (connection->state == CONNECTION_OPEN && rc < 0) {
+		/* The stream cannot be resynchronised after an oversized frame:
+		 * say why, then close once the reply is out. */
+		dispatch_reject_frame(connection, rc);
+		connection_drain(connection);
+	}
+}
+
+static void read_some(struct connection *connection)
+{
+	for (int i = 0; i < READS_PER_EVENT && connection->state == CONNECTION_OPEN; i++) {
+		uint8_t *buffer;
+		size_t room;
+		int rc = frame_reader_buffer(&connection->reader, &buffer, &room);
+		if (rc < 0) {
+			frames_dispatch(connection);
+			return;
+		}
+		ssize_t n = recv(connection->fd, buffer, room, MSG_DONTWAIT);
+		if (n == 0) {
+			connection_drain(connection);
+			return;
+		}
+		if (n < 0) {
+			if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+				return;
+			connection_close(connection);
+			return;
+		}
+		frame_reader_commit(&connection->reader, (size_t)n);
+		frames_dispatch(connection);
+		if ((size_t)n < room)
+			return;
+	}
+}
+
+static void on_poll(uv_poll_t *handle, int status, int events)
+{
+	struct connection *connection = handle->data;
+	if (status < 0) {
+		connection_close(connection);
+		return;
+	}
+	if ((events & UV_WRITABLE) && flush(connection) < 0)
+		return;
+	if ((events & UV_READABLE) && connection->state == CONNECTION_OPEN)
+		read_some(connection);
+	if (connection->state != CONNECTION_CLOSING)
+		flow_update(connection);
+}
+
+void connection_accept(struct server *server, int fd)
+{
+	struct ucred credentials;
+	socklen_t length = sizeof(credentials);
+	struct connection *connection;
+
+	if (server->n_connections >= server->options.max_connections || server->stopping) {
+		server->counters.connections_refused++;
+		log_warn("connection", "refused: connection limit reached", "limit=%u",
+			 server->options.max_connections);
+		close(fd);
+		return;
+	}
+	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) < 0) {
+		log_warn("connection", "refused: no peer credentials", "error=%s", strerror(errno));
+		close(fd);
+		return;
+	}
+	connection = calloc(1, sizeof(*connection));
+	if (!connection || uv_poll_init(server->loop, &connection->poll, fd) < 0) {
+		free(connection);
+		close(fd);
+		return;
+	}
+	connection->poll.data = connection;
+	connection->fd = fd;
+	connection->id = next_connection_id++;
+	connection->uid = credentials.uid;
+	connection->pid = credentials.pid;
+	connection->server = server;
+	connection->refs = 1;
+	connection->state = CONNECTION_OPEN;
+	frame_reader_init(&connection->reader, server->options.max_frame_bytes);
+	connection->next = server->connections;
+	if (server->connections)
+		server->connections->prev = connection;
+	server->connections = connection;
+	server->n_connections++;
+	server->counters.connections_accepted++;
+	log_debug("connection", "accepted", "connection=%llu uid=%u pid=%d",
+		  (unsigned long long)connection->id, connection->uid, connection->pid);
+	poll_update(connection);
+}

@@ -1,0 +1,75 @@
+/*
+ * One client connection: a non-blocking Unix socket driven by a uv_poll_t
+ * (libuv's stream handles cannot send our shared-memory descriptors), a
+ * frame reader, and a queue of reply frames with the descriptors that go
+ * with their first byte.
+ *
+ * States, advanced by connection_on_poll():
+ *   OPEN      reading frames and dispatching them; writing when replies wait
+ *   PAUSED    too many requests in flight or replies unsent: not reading
+ *   DRAINING  peer sent EOF or the server is stopping: no more reads,
+ *             replies still flushed, closed when nothing is left
+ *   CLOSING   handle closing; freed when the last job releases it
+ */
+#ifndef ZIPCACHE_CONNECTION_H
+#define ZIPCACHE_CONNECTION_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "frame.h"
+
+struct server;
+struct staging;
+struct out_frame;
+
+enum connection_state {
+	CONNECTION_OPEN,
+	CONNECTION_PAUSED,
+	CONNECTION_DRAINING,
+	CONNECTION_CLOSING
+};
+
+struct connection {
+	uv_poll_t poll;
+	int fd;
+	uint64_t id;
+	uint32_t uid;
+	int32_t pid;
+	enum connection_state state;
+	int poll_events;
+	struct server *server;
+	frame_reader reader;
+	struct out_frame *out_head, *out_tail;
+	size_t out_bytes;
+	unsigned in_flight;        /* requests dispatched, not yet answered */
+	unsigned refs;             /* the handle itself, plus each job */
+	struct staging *staging;
+	struct connection *prev, *next;
+};
+
+/* Takes over an accepted socket; closes it on failure. */
+void connection_accept(struct server *server, int fd);
+
+/*
+ * Queues one reply frame (ownership of `frame`, a malloc'd buffer, passes
+ * here) and the descriptors to send with it (closed once sent or dropped).
+ * Replies to a closing connection are dropped.
+ */
+void connection_send(struct connection *connection, uint8_t *frame, size_t len,
+		     const int *fds, int n_fds);
+
+/* A request finished (its reply was queued): may resume reading. */
+void connection_request_done(struct connection *connection);
+
+void connection_ref(struct connection *connection);
+void connection_unref(struct connection *connection);
+
+/* Starts closing now (protocol error, server stop). */
+void connection_close(struct connection *connection);
+
+/* Stop reading; close once every reply is out. */
+void connection_drain(struct connection *connection);
+
+#endif

@@ -1,0 +1,840 @@
+/*
+ * Request handlers. Each checks the request against the session before
+ * anything changes, then either answers at once (hello, open, list,
+ * staging) or queues a job on the session (update_and_fetch, trim, stats,
+ * close) so that work on one session stays in order.
+ */
+#include "dispatch.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "connection.h"
+#include "log.h"
+#include "server.h"
+#include "session.h"
+#include "staging.h"
+#include "store.h"
+#include "version.h"
+#include "wire.h"
+
+enum job_kind {
+	JOB_UPDATE,
+	JOB_TRIM,
+	JOB_STATS,
+	JOB_CLOSE
+};
+
+struct request_job {
+	struct job job;               /* first: session.c sees only this */
+	enum job_kind kind;
+	struct connection *connection;
+	uint64_t request_id;
+	/* update */
+	uint32_t layer, tokens;
+	const uint16_t *keys, *values;
+	uint8_t *inline_copy;         /* owns keys/values when they came inline */
+	struct staging *staging;      /* holds keys/values when staged */
+	/* trim */
+	uint32_t trim_tokens, trimmed;
+	/* results */
+	int rc;
+	char message[200];
+	uint32_t layer_tokens_before;
+	struct store_layer_stats stats;
+	uint64_t sequence;
+	struct store_layer_stats *layer_stats; /* JOB_STATS: one per layer */
+};
+
+/* Encodes and queues a reply; the frame buffer passes to the connection. */
+static void reply_send(struct connection *connection, wire_response *response,
+		       const int *fds, int n_fds)
+{
+	size_t size, len;
+	uint8_t *frame = NULL;
+	int rc;
+
+	response->msg.fds = (uint32_t)n_fds;
+	rc = wire_response_frame_size(response, &size);
+	if (rc == 0) {
+		frame = malloc(size);
+		rc = frame ? wire_response_encode(response, frame, size, &len) : -ENOMEM;
+	}
+	if (rc < 0) {
+		log_error("dispatch", "reply encoding failed", "connection=%llu error=%s",
+			  (unsigned long long)connection->id, zc_strerror(rc));
+		free(frame);
+		for (int i = 0; i < n_fds; i++)
+			close(fds[i]);
+		connection_close(connection);
+		return;
+	}
+	connection_send(connection, frame, len, fds, n_fds);
+}
+
+static void response_init(wire_response *response, uint64_t request_id)
+{
+	memset(response, 0, sizeof(*response));
+	response->msg.request_id = request_id;
+}
+
+/* An error reply with a formatted message; also counts and logs it. */
+static void reply_error(struct connection *connection, uint64_t request_id, int error,
+			const char *format, ...) __attribute__((format(printf, 4, 5)));
+
+static void reply_error(struct connection *connection, uint64_t request_id, int error,
+			const char *format, ...)
+{
+	wire_response response;
+	char message[256];
+	va_list args;
+
+	va_start(args, format);
+	vsnprintf(message, sizeof(message), format, args);
+	va_end(args);
+	response_init(&response, request_id);
+	wire_response_set_status(&response, error, message);
+	connection->server->counters.request_errors++;
+	log_debug("dispatch", "request refused", "connection=%llu request=%llu error=%s message=\"%s\"",
+		  (unsigned long long)connection->id, (unsigned long long)request_id,
+		  zc_error_name(error), message);
+	reply_send(connection, &response, NULL, 0);
+}
+
+static void session_info_fill(const struct session *session, zipcache_v1_SessionInfo *info)
+{
+	const struct store_header *h = store_header(session->store);
+	uint32_t low = 0, high = 0;
+
+	memset(info, 0, sizeof(*info));
+	store_token_range(session->store, &low, &high);
+	info->session_id = session->id;
+	snprintf(info->name, sizeof(info->name), "%s", session->name);
+	info->has_shape = true;
+	info->shape = (zipcache_v1_SessionShape){ h->layers, h->batch, h->kv_heads, h->head_dim_k,
+						  h->head_dim_v };
+	info->max_tokens = h->max_tokens;
+	info->has_codec = true;
+	info->codec = (zipcache_v1_CodecConfig){
+		.has_hi_bits = true, .hi_bits = (uint32_t)h->hi_bits,
+		.has_lo_bits = true, .lo_bits = (uint32_t)h->lo_bits,
+		.has_hi_fraction = true, .hi_fraction = h->hi_fraction,
+		.has_group_size = true, .group_size = (uint32_t)h->group_size,
+		.has_quantize_values = true, .quantize_values = h->quantize_values != 0,
+	};
+	info->policy = h->policy == STORE_POLICY_PER_CALL ? zipcache_v1_BlockPolicy_PER_CALL :
+							    zipcache_v1_BlockPolicy_STREAMING;
+	info->residual_tokens = h->residual_tokens;
+	info->min_tokens = low;
+	info->max_layer_tokens = high;
+	info->idle_ms = session_now_ms() - session->last_used_ms;
+}
+
+static void layer_stats_fill(const struct store_layer_stats *s, zipcache_v1_LayerStats *out)
+{
+	memset(out, 0, sizeof(*out));
+	out->layer = s->layer;
+	out->tokens = s->tokens;
+	out->residual_tokens = s->residual_tokens;
+	out->blocks = s->blocks;
+	out->compressed_key_bytes = s->key.compressed;
+	out->compressed_value_bytes = s->value.compressed;
+	out->baseline_key_bytes = s->key.baseline;
+	out->baseline_value_bytes = s->value.baseline;
+	out->fp16_key_bytes = s->key.fp16;
+	out->fp16_value_bytes = s->value.fp16;
+	/* The seed's two figures, key side. */
+	out->compression_ratio = s->key.compressed ? (double)s->key.fp16 / (double)s->key.compressed : 0.0;
+	out->effective_avg_bits = s->key.fp16 ? 16.0 * (double)s->key.compressed / (double)s->key.fp16 : 0.0;
+}
+
+static void request_finish(struct connection *connection)
+{
+	connection_request_done(connection);
+}
+
+/* ---- hello ---- */
+
+static void handle_hello(struct connection *connection, const wire_request *request)
+{
+	struct server *server = connection->server;
+	wire_response response;
+	zipcache_v1_HelloResponse *hello = &response.msg.op.hello;
+
+	response_init(&response, request->msg.request_id);
+	response.msg.which_op = zipcache_v1_Response_hello_tag;
+	hello->protocol_version = ZIPCACHE_PROTOCOL_VERSION;
+	snprintf(hello->server_version, sizeof(hello->server_version), "%s", ZIPCACHE_VERSION);
+	hello->boot_epoch = server->boot_epoch;
+	hello->max_frame_bytes = server->options.max_frame_bytes;
+	hello->max_inline_bytes = server->options.max_inline_bytes;
+	hello->max_sessions = server->options.max_sessions;
+	hello->max_tokens_per_session = server->options.max_tokens;
+	hello->memory_budget_bytes = server->options.memory_budget;
+	reply_send(connection, &response, NULL, 0);
+}
+
+/* ---- open_session ---- */
+
+static void reply_open(struct connection *connection, uint64_t request_id,
+		       struct session *session, bool attached)
+{
+	wire_response response;
+	zipcache_v1_OpenSessionResponse *open = &response.msg.op.open_session;
+	const struct store_header *h = store_header(session->store);
+	int fd = store_open_readonly(session->store);
+
+	if (fd < 0) {
+		reply_error(connection, request_id, ZC_EINTERNAL,
+			    "cannot open the view of session %llu: %s",
+			    (unsigned long long)session->id, strerror(-fd));
+		return;
+	}
+	response_init(&response, request_id);
+	response.msg.which_op = zipcache_v1_Response_open_session_tag;
+	open->has_session = true;
+	session_info_fill(session, &open->session);
+	open->has_view = true;
+	open->view.mapping_bytes = h->views_bytes;
+	open->view.header_bytes = h->header_bytes;
+	open->view.key_offsets_count = (pb_size_t)h->layers;
+	open->view.value_offsets_count = (pb_size_t)h->layers;
+	for (uint32_t i = 0; i < h->layers; i++) {
+		open->view.key_offsets[i] = store_key_view_offset(session->store, i);
+		open->view.value_offsets[i] = store_value_view_offset(session->store, i);
+	}
+	open->attached = attached;
+	reply_send(connection, &response, &fd, 1);
+}
+
+static bool shape_matches(const zipcache_v1_SessionShape *shape, const struct store_header *h)
+{
+	return shape->layers == h->layers && shape->batch == h->batch &&
+	       shape->kv_heads == h->kv_heads && shape->head_dim_k == h->head_dim_k &&
+	       shape->head_dim_v == h->head_dim_v;
+}
+
+static void handle_open(struct connection *connection, const wire_request *request)
+{
+	struct server *server = connection->server;
+	const zipcache_v1_OpenSessionRequest *open = &request->msg.op.open_session;
+	uint64_t id = request->msg.request_id;
+	struct session *session;
+	struct store *store;
+	char name[STORE_NAME_BYTES];
+	int rc;
+
+	if (open->name[0]) {
+		snprintf(name, sizeof(name), "%s", open->name);
+		session = session_find_name(&server->sessions, name, connection->uid);
+		if (session && !open->attach) {
+			reply_error(connection, id, ZC_EEXISTS, "session '%s' already exists (id %llu)",
+				    name, (unsigned long long)session->id);
+			return;
+		}
+		if (session) {
+			if (open->has_shape && !shape_matches(&open->shape, store_header(session->store))) {
+				reply_error(connection, id, ZC_EINVALID,
+					    "session '%s' exists with a different shape", name);
+				return;
+			}
+			rc = store_rebuild_views(session->store);
+			if (rc < 0) {
+				reply_error(connection, id, rc, "cannot rebuild the views of '%s': %s", name,
+					    zc_strerror(rc));
+				return;
+			}
+			session->last_used_ms = session_now_ms();
+			reply_open(connection, id, session, true);
+			return;
+		}
+	}
+	if (!open->has_shape) {
+		reply_error(connection, id, ZC_EINVALID, "open_session needs a shape");
+		return;
+	}
+	if (open->max_tokens == 0 || open->max_tokens > server->options.max_tokens) {
+		reply_error(connection, id, open->max_tokens ? ZC_EEXHAUSTED : ZC_EINVALID,
+			    "max_tokens %u is outside 1..%u", open->max_tokens,
+			    server->options.max_tokens);
+		return;
+	}
+	if (open->shape.layers > 1024) {
+		reply_error(connection, id, ZC_EINVALID, "layers %u is above the limit of 1024",
+			    open->shape.layers);
+		return;
+	}
+	if (server->sessions.count >= server->options.max_sessions) {
+		reply_error(connection, id, ZC_EEXHAUSTED, "session limit of %u reached",
+			    server->options.max_sessions);
+		return;
+	}
+	if (open->policy != zipcache_v1_BlockPolicy_STREAMING &&
+	    open->policy != zipcache_v1_BlockPolicy_PER_CALL) {
+		reply_error(connection, id, ZC_EINVALID, "unknown block policy %d", (int)open->policy);
+		return;
+	}
+
+	struct store_params params = {
+		.session_id = server->sessions.next_id,
+		.boot_epoch = server->boot_epoch,
+		.owner_uid = connection->uid,
+		.name = name,
+		.layers = open->shape.layers,
+		.batch = open->shape.batch,
+		.kv_heads = open->shape.kv_heads,
+		.head_dim_k = open->shape.head_dim_k,
+		.head_dim_v = open->shape.head_dim_v,
+		.max_tokens = open->max_tokens,
+		.policy = open->policy == zipcache_v1_BlockPolicy_PER_CALL ? STORE_POLICY_PER_CALL :
+									 STORE_POLICY_STREAMING,
+		.residual_tokens = open->has_residual_tokens ? open->residual_tokens : 128,
+	};
+	if (!open->name[0])
+		snprintf(name, sizeof(name), "session-%llu", (unsigned long long)params.session_id);
+	zc_codec_config_default(&params.codec);
+	if (open->has_codec) {
+		const zipcache_v1_CodecConfig *c = &open->codec;
+		/* Bits arrive unsigned; out-of-range values must fail validation,
+		 * not wrap into range. */
+		if (c->has_hi_bits)
+			params.codec.hi_bits = c->hi_bits > 64 ? 64 : (int)c->hi_bits;
+		if (c->has_lo_bits)
+			params.codec.lo_bits = c->lo_bits > 64 ? 64 : (int)c->lo_bits;
+		if (c->has_hi_fraction)
+			params.codec.hi_fraction = c->hi_fraction;
+		if (c->has_group_size)
+			params.codec.group_size = c->group_size > (1u << 24) ? 0 : (int)c->group_size;
+		if (c->has_quantize_values)
+			params.codec.quantize_values = c->quantize_values;
+	}
+	rc = store_create(server->options.shm_dir, &params, &store);
+	if (rc < 0) {
+		reply_error(connection, id, rc == ZC_ESHAPE ? ZC_EINVALID : rc,
+			    "cannot open session '%s': %s", name, zc_strerror(rc));
+		return;
+	}
+	server->sessions.next_id++;
+	rc = session_table_add(&server->sessions, store, &session);
+	if (rc < 0) {
+		store_close(store, true);
+		reply_error(connection, id, rc, "cannot open session '%s': %s", name, zc_strerror(rc));
+		return;
+	}
+	server->counters.sessions_opened++;
+	log_info("session", "opened", "session=%llu name=%s uid=%u layers=%u batch=%u kv_heads=%u "
+		 "head_dim_k=%u head_dim_v=%u max_tokens=%u policy=%s",
+		 (unsigned long long)session->id, session->name, session->owner_uid, params.layers,
+		 params.batch, params.kv_heads, params.head_dim_k, params.head_dim_v,
+		 params.max_tokens, params.policy == STORE_POLICY_PER_CALL ? "per_call" : "streaming");
+	reply_open(connection, id, session, false);
+}
+
+/* ---- jobs: update_and_fetch, trim, stats, close ---- */
+
+static void job_free(struct request_job *job)
+{
+	free(job->inline_copy);
+	staging_unref(job->staging);
+	free(job->layer_stats);
+	connection_unref(job->connection);
+	free(job);
+}
+
+static void job_fail(struct request_job *job, int rc, const char *format, ...)
+	__attribute__((format(printf, 3, 4)));
+
+static void job_fail(struct request_job *job, int rc, const char *format, ...)
+{
+	va_list args;
+	job->rc = rc;
+	va_start(args, format);
+	vsnprintf(job->message, sizeof(job->message), format, args);
+	va_end(args);
+}
+
+static void update_run(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct store *store = base->session->store;
+	const struct store_header *h = store_header(store);
+	uint64_t heads = (uint64_t)h->batch * h->kv_heads;
+	int rc;
+
+	if (base->session->closed) {
+		job_fail(job, ZC_ENOTFOUND, "session %llu was closed", (unsigned long long)base->session->id);
+		return;
+	}
+	job->layer_tokens_before = h->layer[job->layer].tokens;
+	rc = store_update(store, job->layer, job->tokens, job->keys, job->values);
+	if (rc == ZC_ENONFINITE) {
+		/* Which tensor is bad is worth saying; only a failure pays for it. */
+		bool keys_bad = zc_fp16_check_finite(job->keys, heads * job->tokens * h->head_dim_k) < 0;
+		job_fail(job, rc, "%s contain NaN or Inf; nothing was stored", keys_bad ? "keys" : "values");
+		return;
+	}
+	if (rc == ZC_EEXHAUSTED && job->layer_tokens_before + (uint64_t)job->tokens > h->max_tokens) {
+		job_fail(job, rc, "layer %u holds %u tokens; %u more exceed max_tokens %u; nothing was stored",
+			 job->layer, job->layer_tokens_before, job->tokens, h->max_tokens);
+		return;
+	}
+	if (rc < 0) {
+		job_fail(job, rc, "update of layer %u failed: %s; nothing was stored", job->layer,
+			 zc_strerror(rc));
+		return;
+	}
+	store_layer_stats(store, job->layer, &job->stats);
+	job->sequence = __atomic_load_n(&h->layer[job->layer].sequence, __ATOMIC_ACQUIRE);
+}
+
+static void update_done(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct connection *connection = job->connection;
+
+	if (job->rc < 0) {
+		reply_error(connection, job->request_id, job->rc, "%s", job->message);
+	} else {
+		wire_response response;
+		response_init(&response, job->request_id);
+		response.msg.which_op = zipcache_v1_Response_update_and_fetch_tag;
+		response.msg.op.update_and_fetch.tokens = job->stats.tokens;
+		response.msg.op.update_and_fetch.has_stats = true;
+		layer_stats_fill(&job->stats, &response.msg.op.update_and_fetch.stats);
+		response.msg.op.update_and_fetch.sequence = job->sequence;
+		connection->server->counters.tokens_appended += job->tokens;
+		reply_send(connection, &response, NULL, 0);
+	}
+	request_finish(connection);
+	job_free(job);
+}
+
+static struct request_job *job_new(struct connection *connection, struct session *session,
+				   uint64_t request_id, enum job_kind kind)
+{
+	struct request_job *job = calloc(1, sizeof(*job));
+	if (!job)
+		return NULL;
+	job->kind = kind;
+	job->request_id = request_id;
+	job->connection = connection;
+	connection_ref(connection);
+	job->job.session = session;
+	return job;
+}
+
+/* Returns true when a job was queued (it finishes the request). */
+static bool handle_update(struct connection *connection, const wire_request *request)
+{
+	struct server *server = connection->server;
+	const zipcache_v1_UpdateAndFetchRequest *update = &request->msg.op.update_and_fetch;
+	uint64_t id = request->msg.request_id;
+	struct session *session = session_find(&server->sessions, update->session_id, connection->uid);
+
+	if (!session) {
+		reply_error(connection, id, ZC_ENOTFOUND, "no session %llu",
+			    (unsigned long long)update->session_id);
+		return false;
+	}
+	const struct store_header *h = store_header(session->store);
+	if (update->layer >= h->layers) {
+		reply_error(connection, id, ZC_EINVALID, "layer %u out of range: session has %u layers",
+			    update->layer, h->layers);
+		return false;
+	}
+	if (update->tokens == 0) {
+		reply_error(connection, id, ZC_EINVALID, "a block needs at least one token");
+		return false;
+	}
+	if (update->tokens > h->max_tokens) {
+		reply_error(connection, id, ZC_EEXHAUSTED,
+			    "a block of %u tokens exceeds max_tokens %u; nothing was stored",
+			    update->tokens, h->max_tokens);
+		return false;
+	}
+	uint64_t heads = (uint64_t)h->batch * h->kv_heads;
+	uint64_t key_bytes = heads * update->tokens * h->head_dim_k * 2;
+	uint64_t value_bytes = heads * update->tokens * h->head_dim_v * 2;
+	struct request_job *job = NULL;
+
+	if (update->staged) {
+		struct staging *staging = connection->staging;
+		if (!staging) {
+			reply_error(connection, id, ZC_EPRECONDITION,
+				    "staged update without a staging buffer: request one first");
+			return false;
+		}
+		if (request->keys.len || request->values.len) {
+			reply_error(connection, id, ZC_EINVALID, "a staged update carries no inline bytes");
+			return false;
+		}
+		if ((update->keys_offset | update->values_offset) & 1 ||
+		    update->keys_offset > staging->bytes || key_bytes > staging->bytes - update->keys_offset ||
+		    update->values_offset > staging->bytes ||
+		    value_bytes > staging->bytes - update->values_offset) {
+			reply_error(connection, id, ZC_EINVALID,
+				    "staging offsets out of range: keys %llu+%llu, values %llu+%llu bytes "
+				    "in a %llu-byte buffer (offsets must be even)",
+				    (unsigned long long)update->keys_offset, (unsigned long long)key_bytes,
+				    (unsigned long long)update->values_offset,
+				    (unsigned long long)value_bytes, (unsigned long long)staging->bytes);
+			return false;
+		}
+		job = job_new(connection, session, id, JOB_UPDATE);
+		if (!job)
+			goto out_nomem;
+		job->staging = staging;
+		staging_ref(staging);
+		job->keys = (const uint16_t *)(staging->base + update->keys_offset);
+		job->values = (const uint16_t *)(staging->base + update->values_offset);
+	} else {
+		if (request->keys.len != key_bytes || request->values.len != value_bytes) {
+			reply_error(connection, id, ZC_EINVALID,
+				    "byte lengths do not match the shape: keys %zu and values %zu bytes, "
+				    "but [batch %u, kv_heads %u, tokens %u] with head dims %u/%u needs %llu and %llu",
+				    request->keys.len, request->values.len, h->batch, h->kv_heads,
+				    update->tokens, h->head_dim_k, h->head_dim_v,
+				    (unsigned long long)key_bytes, (unsigned long long)value_bytes);
+			return false;
+		}
+		job = job_new(connection, session, id, JOB_UPDATE);
+		if (!job)
+			goto out_nomem;
+		/* The frame is consumed when we return; the job keeps a copy,
+		 * which is also suitably aligned for uint16_t. */
+		job->inline_copy = malloc(key_bytes + value_bytes);
+		if (!job->inline_copy)
+			goto out_nomem;
+		memcpy(job->inline_copy, request->keys.data, key_bytes);
+		memcpy(job->inline_copy + key_bytes, request->values.data, value_bytes);
+		job->keys = (const uint16_t *)job->inline_copy;
+		job->values = (const uint16_t *)(job->inline_copy + key_bytes);
+	}
+	job->layer = update->layer;
+	job->tokens = update->tokens;
+	job->job.run = update_run;
+	job->job.done = update_done;
+	job->job.offload = heads * update->tokens * (h->head_dim_k + h->head_dim_v) >
+			   server->options.offload_elements;
+	session_submit(&server->sessions, &job->job);
+	return true;
+
+out_nomem:
+	if (job)
+		job_free(job);
+	reply_error(connection, id, -ENOMEM, "out of memory");
+	return false;
+}
+
+static void trim_run(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	uint32_t low, high;
+	if (base->session->closed) {
+		job_fail(job, ZC_ENOTFOUND, "session %llu was closed", (unsigned long long)base->session->id);
+		return;
+	}
+	job->rc = store_trim(base->session->store, job->trim_tokens, &job->trimmed);
+	store_token_range(base->session->store, &low, &high);
+	job->stats.tokens = high;
+}
+
+static void trim_done(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	if (job->rc < 0) {
+		reply_error(job->connection, job->request_id, job->rc, "%s", job->message);
+	} else {
+		wire_response response;
+		response_init(&response, job->request_id);
+		response.msg.which_op = zipcache_v1_Response_trim_tag;
+		response.msg.op.trim.trimmed = job->trimmed;
+		response.msg.op.trim.tokens = job->stats.tokens;
+		reply_send(job->connection, &response, NULL, 0);
+	}
+	request_finish(job->connection);
+	job_free(job);
+}
+
+static void stats_run(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	const struct store_header *h = store_header(base->session->store);
+	if (base->session->closed) {
+		job_fail(job, ZC_ENOTFOUND, "session %llu was closed", (unsigned long long)base->session->id);
+		return;
+	}
+	job->layer_stats = calloc(h->layers, sizeof(*job->layer_stats));
+	if (!job->layer_stats) {
+		job_fail(job, -ENOMEM, "out of memory");
+		return;
+	}
+	for (uint32_t i = 0; i < h->layers; i++)
+		store_layer_stats(base->session->store, i, &job->layer_stats[i]);
+}
+
+static void stats_done(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct connection *connection = job->connection;
+	const struct store_header *h = store_header(base->session->store);
+	struct server *server = connection->server;
+	zipcache_v1_LayerStats *layers = NULL;
+
+	if (job->rc < 0) {
+		reply_error(connection, job->request_id, job->rc, "%s", job->message);
+		goto out;
+	}
+	layers = calloc(h->layers, sizeof(*layers));
+	if (!layers) {
+		reply_error(connection, job->request_id, -ENOMEM, "out of memory");
+		goto out;
+	}
+	struct store_layer_stats total = { .layer = h->layers };
+	for (uint32_t i = 0; i < h->layers; i++) {
+		const struct store_layer_stats *s = &job->layer_stats[i];
+		layer_stats_fill(s, &layers[i]);
+		total.tokens += s->tokens;
+		total.residual_tokens += s->residual_tokens;
+		total.blocks += s->blocks;
+		total.key.compressed += s->key.compressed;
+		total.key.baseline += s->key.baseline;
+		total.key.fp16 += s->key.fp16;
+		total.value.compressed += s->value.compressed;
+		total.value.baseline += s->value.baseline;
+		total.value.fp16 += s->value.fp16;
+	}
+	wire_response response;
+	response_init(&response, job->request_id);
+	response.msg.which_op = zipcache_v1_Response_stats_tag;
+	zipcache_v1_StatsResponse *stats = &response.msg.op.stats;
+	stats->has_session = true;
+	session_info_fill(base->session, &stats->session);
+	stats->has_total = true;
+	layer_stats_fill(&total, &stats->total);
+	stats->sessions = (uint32_t)server->sessions.count;
+	stats->connections = server->n_connections;
+	stats->memory_used_bytes = server_memory_bytes(server);
+	stats->memory_budget_bytes = server->options.memory_budget;
+	response.layers = layers;
+	response.n_layers = h->layers;
+	reply_send(connection, &response, NULL, 0);
+out:
+	free(layers);
+	request_finish(connection);
+	job_free(job);
+}
+
+static void close_run(struct job *base)
+{
+	(void)base;   /* the queue ahead of it has drained: nothing left to do */
+}
+
+static void close_done(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct server *server = job->connection->server;
+	struct session *session = base->session;
+
+	if (session->closed) {
+		reply_error(job->connection, job->request_id, ZC_ENOTFOUND, "session %llu was closed",
+			    (unsigned long long)session->id);
+	} else {
+		session_retire(&server->sessions, session, true);
+		server->counters.sessions_closed++;
+		log_info("session", "closed", "session=%llu name=%s", (unsigned long long)session->id,
+			 session->name);
+		wire_response response;
+		response_init(&response, job->request_id);
+		response.msg.which_op = zipcache_v1_Response_close_session_tag;
+		reply_send(job->connection, &response, NULL, 0);
+	}
+	request_finish(job->connection);
+	job_free(job);
+}
+
+static bool handle_session_job(struct connection *connection, const wire_request *request,
+			       enum job_kind kind, uint64_t session_id)
+{
+	struct server *server = connection->server;
+	uint64_t id = request->msg.request_id;
+	struct session *session = session_find(&server->sessions, session_id, connection->uid);
+
+	if (!session) {
+		reply_error(connection, id, ZC_ENOTFOUND, "no session %llu",
+			    (unsigned long long)session_id);
+		return false;
+	}
+	struct request_job *job = job_new(connection, session, id, kind);
+	if (!job) {
+		reply_error(connection, id, -ENOMEM, "out of memory");
+		return false;
+	}
+	switch (kind) {
+	case JOB_TRIM:
+		job->trim_tokens = request->msg.op.trim.tokens;
+		job->job.run = trim_run;
+		job->job.done = trim_done;
+		break;
+	case JOB_STATS:
+		job->job.run = stats_run;
+		job->job.done = stats_done;
+		break;
+	case JOB_CLOSE:
+		job->job.run = close_run;
+		job->job.done = close_done;
+		break;
+	case JOB_UPDATE:
+		break;
+	}
+	session_submit(&server->sessions, &job->job);
+	return true;
+}
+
+/* ---- stats without a session, list, staging ---- */
+
+static void handle_server_stats(struct connection *connection, const wire_request *request)
+{
+	struct server *server = connection->server;
+	wire_response response;
+	response_init(&response, request->msg.request_id);
+	response.msg.which_op = zipcache_v1_Response_stats_tag;
+	response.msg.op.stats.sessions = (uint32_t)server->sessions.count;
+	response.msg.op.stats.connections = server->n_connections;
+	response.msg.op.stats.memory_used_bytes = server_memory_bytes(server);
+	response.msg.op.stats.memory_budget_bytes = server->options.memory_budget;
+	reply_send(connection, &response, NULL, 0);
+}
+
+static void handle_list(struct connection *connection, const wire_request *request)
+{
+	struct server *server = connection->server;
+	struct session_table *table = &server->sessions;
+	zipcache_v1_SessionInfo *infos = calloc(table->count + 1, sizeof(*infos));
+	size_t count = 0;
+
+	if (!infos) {
+		reply_error(connection, request->msg.request_id, -ENOMEM, "out of memory");
+		return;
+	}
+	for (size_t i = 0; i < table->count; i++) {
+		if (table->items[i]->owner_uid == connection->uid && !table->items[i]->closed)
+			session_info_fill(table->items[i], &infos[count++]);
+	}
+	wire_response response;
+	response_init(&response, request->msg.request_id);
+	response.msg.which_op = zipcache_v1_Response_list_sessions_tag;
+	response.sessions = infos;
+	response.n_sessions = count;
+	reply_send(connection, &response, NULL, 0);
+	free(infos);
+}
+
+static void handle_staging(struct connection *connection, const wire_request *request)
+{
+	struct server *server = connection->server;
+	uint64_t bytes = request->msg.op.staging.bytes;
+	uint64_t id = request->msg.request_id;
+	struct staging *staging;
+
+	if (bytes == 0 || bytes > server->options.max_staging_bytes) {
+		reply_error(connection, id, bytes ? ZC_EEXHAUSTED : ZC_EINVALID,
+			    "staging buffer of %llu bytes is outside 1..%llu",
+			    (unsigned long long)bytes, (unsigned long long)server->options.max_staging_bytes);
+		return;
+	}
+	int rc = staging_create(bytes, &staging);
+	if (rc < 0) {
+		reply_error(connection, id, rc, "cannot create a staging buffer: %s", zc_strerror(rc));
+		return;
+	}
+	int fd = dup(staging->fd);
+	if (fd < 0) {
+		rc = -errno;
+		staging_unref(staging);
+		reply_error(connection, id, rc, "cannot share the staging buffer: %s", zc_strerror(rc));
+		return;
+	}
+	/* Jobs still reading the old buffer keep it alive. */
+	staging_unref(connection->staging);
+	connection->staging = staging;
+	wire_response response;
+	response_init(&response, id);
+	response.msg.which_op = zipcache_v1_Response_staging_tag;
+	response.msg.op.staging.bytes = staging->bytes;
+	reply_send(connection, &response, &fd, 1);
+}
+
+void dispatch_request(struct connection *connection, const uint8_t *frame, size_t len)
+{
+	struct server *server = connection->server;
+	wire_request request;
+	int rc = wire_request_decode(frame, len, &request);
+
+	server->counters.requests++;
+	if (rc < 0) {
+		/* Framing is intact, so the connection stays usable. */
+		reply_error(connection, 0, ZC_EINVALID, "malformed request: %s",
+			    request.error ? request.error : zc_strerror(rc));
+		request_finish(connection);
+		return;
+	}
+	bool queued = false;
+	switch (request.msg.which_op) {
+	case zipcache_v1_Request_hello_tag:
+		handle_hello(connection, &request);
+		break;
+	case zipcache_v1_Request_open_session_tag:
+		handle_open(connection, &request);
+		break;
+	case zipcache_v1_Request_update_and_fetch_tag:
+		queued = handle_update(connection, &request);
+		break;
+	case zipcache_v1_Request_trim_tag:
+		queued = handle_session_job(connection, &request, JOB_TRIM,
+					    request.msg.op.trim.session_id);
+		break;
+	case zipcache_v1_Request_close_session_tag:
+		queued = handle_session_job(connection, &request, JOB_CLOSE,
+					    request.msg.op.close_session.session_id);
+		break;
+	case zipcache_v1_Request_stats_tag:
+		if (request.msg.op.stats.session_id == 0)
+			handle_server_stats(connection, &request);
+		else
+			queued = handle_session_job(connection, &request, JOB_STATS,
+						    request.msg.op.stats.session_id);
+		break;
+	case zipcache_v1_Request_list_sessions_tag:
+		handle_list(connection, &request);
+		break;
+	case zipcache_v1_Request_staging_tag:
+		handle_staging(connection, &request);
+		break;
+	default:
+		reply_error(connection, request.msg.request_id, ZC_EINVALID,
+			    "request carries no known operation");
+		break;
+	}
+	/* A queued job finishes the request when it replies. */
+	if (!queued)
+		request_finish(connection);
+}
+
+void dispatch_reject_frame(struct connection *connection, int error)
+{
+	connection->in_flight++;
+	reply_error(connection, 0, error, "frame exceeds the limit of %u bytes; closing the connection",
+		    connection->server->options.max_frame_bytes);
+	request_finish(connection);
+}
+
+void dispatch_connection_closed(struct server *server)
+{
+	server_stop_progress(server);
+}

@@ -1,0 +1,41 @@
+/* zipcached: parse flags, start the server, run the loop until stopped. */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "log.h"
+#include "options.h"
+#include "server.h"
+#include "version.h"
+#include "zipcache/codec.h"
+
+int main(int argc, char **argv)
+{
+	struct options options;
+	struct server server;
+	int rc;
+
+	options_default(&options);
+	rc = options_parse(&options, argc, argv);
+	if (rc != 0)
+		return rc > 0 ? 0 : 2;
+	log_set_level(options.log_level);
+	/* Replies use MSG_NOSIGNAL; this covers any other write to a dead peer. */
+	signal(SIGPIPE, SIG_IGN);
+	zc_codec_init();
+
+	uv_loop_t *loop = uv_default_loop();
+	rc = server_start(&server, loop, &options);
+	if (rc < 0)
+		return 1;
+	log_info("server", "listening", "socket=%s mode=%04o shm_dir=%s version=%s codec=%s sessions=%zu",
+		 options.socket_path, options.socket_mode, options.shm_dir, ZIPCACHE_VERSION,
+		 zc_isa_name(zc_codec_isa()), server.sessions.count);
+	printf("zipcached %s listening on %s\n", ZIPCACHE_VERSION, options.socket_path);
+	fflush(stdout);
+	uv_run(loop, UV_RUN_DEFAULT);
+	server_free(&server);
+	uv_loop_close(loop);
+	log_info("server", "stopped", "socket=%s", options.socket_path);
+	return 0;
+}

@@ -1,0 +1,35 @@
+/* zipcached's flags: defaults, parsing, --help. */
+#ifndef ZIPCACHE_OPTIONS_H
+#define ZIPCACHE_OPTIONS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "log.h"
+
+struct options {
+	char socket_path[108];     /* sun_path's size */
+	unsigned socket_mode;
+	char shm_dir[4096];
+	uint32_t max_frame_bytes;
+	uint32_t max_inline_bytes;
+	uint32_t max_connections;
+	uint32_t max_sessions;
+	uint32_t max_tokens;       /* per session */
+	uint64_t max_staging_bytes;
+	uint64_t memory_budget;    /* 0: no budget */
+	uint64_t idle_ttl_seconds; /* 0: sessions never expire */
+	uint32_t offload_elements; /* blocks larger than this go to the thread pool */
+	enum log_level log_level;
+	bool adopt;
+};
+
+void options_default(struct options *options);
+
+/* 0 to run; 1 when --help/--version was printed; -EINVAL after printing
+ * what was wrong to stderr. */
+int options_parse(struct options *options, int argc, char **argv);
+
+void options_print_help(const char *program);
+
+#endif

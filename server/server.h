@@ -1,0 +1,65 @@
+/*
+ * The daemon's state: its loop, listener, connections and sessions, and
+ * the counters stats (and later metrics) report. One per process; every
+ * field is touched on the loop thread only.
+ */
+#ifndef ZIPCACHE_SERVER_H
+#define ZIPCACHE_SERVER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "options.h"
+#include "session.h"
+
+struct connection;
+
+struct server_counters {
+	uint64_t connections_accepted;
+	uint64_t connections_refused;
+	uint64_t requests;
+	uint64_t request_errors;
+	uint64_t sessions_opened;
+	uint64_t sessions_closed;
+	uint64_t sessions_expired;
+	uint64_t sessions_adopted;
+	uint64_t tokens_appended;
+};
+
+struct server {
+	uv_loop_t *loop;
+	struct options options;
+	uint64_t boot_epoch;
+	int listen_fd;
+	uv_poll_t listener;
+	bool listening;
+	uv_signal_t sigterm, sigint;
+	uv_timer_t ttl_timer;
+	uv_timer_t stop_timer;
+	int lock_fd;
+	struct session_table sessions;
+	struct connection *connections;
+	uint32_t n_connections;
+	bool stopping;
+	uint64_t stop_deadline_ms;
+	struct server_counters counters;
+};
+
+/* Binds the socket, adopts (or clears) old sessions, starts serving on loop. */
+int server_start(struct server *server, uv_loop_t *loop, const struct options *options);
+
+/* Graceful stop: no new connections or requests; in-flight work finishes,
+ * replies are flushed, then the loop ends. Idempotent. */
+void server_stop(struct server *server);
+
+/* While stopping: ends the loop once no connection or job is left. */
+void server_stop_progress(struct server *server);
+
+/* Frees what server_start made; call after the loop has returned. */
+void server_free(struct server *server);
+
+/* Shared memory in use by all sessions, bytes. */
+uint64_t server_memory_bytes(const struct server *server);
+
+#endif

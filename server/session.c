@@ -1,0 +1,180 @@
+/* The session table and each session's serial job queue. */
+#include "session.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "log.h"
+
+uint64_t session_now_ms(void)
+{
+	struct timespec now;
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	return (uint64_t)now.tv_sec * 1000 + (uint64_t)now.tv_nsec / 1000000;
+}
+
+void session_table_init(struct session_table *table, uv_loop_t *loop)
+{
+	memset(table, 0, sizeof(*table));
+	table->loop = loop;
+	table->next_id = 1;
+}
+
+static void session_free(struct session *session, bool remove_file)
+{
+	store_close(session->store, remove_file);
+	free(session);
+}
+
+void session_table_free(struct session_table *table)
+{
+	for (size_t i = 0; i < table->count; i++)
+		session_free(table->items[i], false);
+	free(table->items);
+	memset(table, 0, sizeof(*table));
+}
+
+int session_table_add(struct session_table *table, struct store *store, struct session **out)
+{
+	const struct store_header *h = store_header(store);
+	if (table->count == table->capacity) {
+		size_t capacity = table->capacity ? table->capacity * 2 : 16;
+		struct session **items = realloc(table->items, capacity * sizeof(*items));
+		if (!items)
+			return -ENOMEM;
+		table->items = items;
+		table->capacity = capacity;
+	}
+	struct session *session = calloc(1, sizeof(*session));
+	if (!session)
+		return -ENOMEM;
+	session->id = h->session_id;
+	session->owner_uid = h->owner_uid;
+	memcpy(session->name, h->name, sizeof(session->name));
+	session->store = store;
+	session->last_used_ms = session_now_ms();
+	table->items[table->count++] = session;
+	if (session->id >= table->next_id)
+		table->next_id = session->id + 1;
+	*out = session;
+	return 0;
+}
+
+struct session *session_find(struct session_table *table, uint64_t id, uint32_t uid)
+{
+	for (size_t i = 0; i < table->count; i++) {
+		struct session *s = table->items[i];
+		if (s->id == id && s->owner_uid == uid && !s->closed)
+			return s;
+	}
+	return NULL;
+}
+
+struct session *session_find_name(struct session_table *table, const char *name, uint32_t uid)
+{
+	for (size_t i = 0; i < table->count; i++) {
+		struct session *s = table->items[i];
+		if (s->owner_uid == uid && !s->closed && strcmp(s->name, name) == 0)
+			return s;
+	}
+	return NULL;
+}
+
+bool session_idle(const struct session *session)
+{
+	return !session->running && !session->queue_head;
+}
+
+void session_retire(struct session_table *table, struct session *session, bool remove_file)
+{
+	session->closed = true;
+	for (size_t i = 0; i < table->count; i++) {
+		if (table->items[i] == session) {
+			table->items[i] = table->items[--table->count];
+			break;
+		}
+	}
+	if (remove_file)
+		unlink(store_path(session->store));
+}
+
+bool session_release_if_unused(struct session *session)
+{
+	if (!session->closed || !session_idle(session) || session->refs > 0)
+		return false;
+	session_free(session, false);
+	return true;
+}
+
+static void session_start_next(struct session_table *table, struct session *session);
+
+/* Bookkeeping after a job's run, on the loop thread. Returns true when the
+ * job was the last holder of a closed session, which is now freed. */
+static bool job_complete(struct session_table *table, struct job *job)
+{
+	struct session *session = job->session;
+	session->running = false;
+	session->last_used_ms = session_now_ms();
+	table->jobs_in_flight--;
+	session->refs--;
+	job->done(job);
+	/* Jobs queued behind a close still run (and answer NOT_FOUND). */
+	return session_release_if_unused(session);
+}
+
+static void job_work(uv_work_t *work)
+{
+	struct job *job = (struct job *)work;
+	job->run(job);
+}
+
+static void job_after_work(uv_work_t *work, int status)
+{
+	struct job *job = (struct job *)work;
+	struct session_table *table = job->table;
+	struct session *session = job->session;
+	(void)status;   /* work is never cancelled: a job always runs */
+	if (!job_complete(table, job))
+		session_start_next(table, session);
+}
+
+/* Runs queued jobs until one goes to the thread pool or the queue is
+ * empty; a loop, not recursion, so a long queue cannot grow the stack. */
+static void session_start_next(struct session_table *table, struct session *session)
+{
+	while (!session->running && session->queue_head) {
+		struct job *job = session->queue_head;
+		session->queue_head = job->next;
+		if (!session->queue_head)
+			session->queue_tail = NULL;
+		job->next = NULL;
+		session->running = true;
+		if (job->offload) {
+			int rc = uv_queue_work(table->loop, &job->work, job_work, job_after_work);
+			if (rc == 0)
+				return;
+			log_warn("session", "thread pool refused job; running inline",
+				 "session=%llu error=%s", (unsigned long long)session->id, uv_strerror(rc));
+		}
+		job->run(job);
+		if (job_complete(table, job))
+			return;
+	}
+}
+
+void session_submit(struct session_table *table, struct job *job)
+{
+	struct session *session = job->session;
+	job->next = NULL;
+	job->table = table;
+	session->refs++;
+	table->jobs_in_flight++;
+	if (session->queue_tail)
+		session->queue_tail->next = job;
+	else
+		session->queue_head = job;
+	session->queue_tail = job;
+	session_start_next(table, session);
+}

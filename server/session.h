@@ -1,0 +1,78 @@
+/*
+ * Sessions and their work queues. A session is one sequence's store plus
+ * a FIFO of jobs; its jobs run one at a time, in order (so requests on one
+ * (session, layer) can never overtake each other), either right away on
+ * the loop thread or, when large, on libuv's thread pool so a prefill does
+ * not stall other sessions' decode steps.
+ */
+#ifndef ZIPCACHE_SESSION_H
+#define ZIPCACHE_SESSION_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "store.h"
+
+struct session;
+
+struct job {
+	uv_work_t work;
+	struct job *next;
+	struct session *session;
+	struct session_table *table;  /* set by session_submit */
+	bool offload;                 /* run on the thread pool */
+	/* Runs with the session to itself (loop or worker thread). */
+	void (*run)(struct job *job);
+	/* Runs on the loop thread after run; owns and frees the job. */
+	void (*done)(struct job *job);
+};
+
+struct session {
+	uint64_t id;
+	uint32_t owner_uid;
+	char name[STORE_NAME_BYTES];
+	struct store *store;
+	uint64_t last_used_ms;
+	struct job *queue_head, *queue_tail;
+	bool running;                 /* a job of this session is executing */
+	bool closed;                  /* closed: no new work, freed when idle */
+	unsigned refs;                /* jobs and lookups holding it */
+};
+
+struct session_table {
+	struct session **items;
+	size_t count, capacity;
+	uint64_t next_id;
+	uv_loop_t *loop;
+	uint64_t jobs_in_flight;
+};
+
+void session_table_init(struct session_table *table, uv_loop_t *loop);
+/* Closes every store (keeping the files) and frees the table. */
+void session_table_free(struct session_table *table);
+
+/* Adds a session that owns `store`; the id comes from the store's header. */
+int session_table_add(struct session_table *table, struct store *store, struct session **out);
+
+/* The session with this id if `uid` owns it (NULL otherwise: another
+ * user's session does not exist for the caller). */
+struct session *session_find(struct session_table *table, uint64_t id, uint32_t uid);
+struct session *session_find_name(struct session_table *table, const char *name, uint32_t uid);
+
+/* Marks a session closed and takes it out of the table (its name and id
+ * are free again); remove_file deletes its shared memory. The memory
+ * itself goes with session_release_if_unused(). */
+void session_retire(struct session_table *table, struct session *session, bool remove_file);
+
+/* Frees a retired session once no job holds it; true if it was freed. */
+bool session_release_if_unused(struct session *session);
+
+/* Queues a job behind the session's others and starts it if it is first. */
+void session_submit(struct session_table *table, struct job *job);
+
+bool session_idle(const struct session *session);
+
+uint64_t session_now_ms(void);
+
+#endif

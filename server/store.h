@@ -1,0 +1,92 @@
+/*
+ * One session's store: a sparse shared-memory file holding the fp16 views
+ * the client maps, and the compressed blocks and exact residual behind
+ * them (layout in store_format.h). Not thread-safe: the session's work
+ * queue guarantees one caller at a time.
+ */
+#ifndef ZIPCACHE_STORE_H
+#define ZIPCACHE_STORE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "zipcache/codec.h"
+#include "store_format.h"
+
+enum store_policy {
+	STORE_POLICY_STREAMING = 0,
+	STORE_POLICY_PER_CALL = 1
+};
+
+struct store_params {
+	uint64_t session_id;
+	uint64_t boot_epoch;
+	uint32_t owner_uid;
+	const char *name;
+	uint32_t layers, batch, kv_heads, head_dim_k, head_dim_v;
+	uint32_t max_tokens;
+	zc_codec_config codec;
+	enum store_policy policy;
+	uint32_t residual_tokens;
+};
+
+/* The seed's accounting for one layer, residual included. */
+struct store_layer_stats {
+	uint32_t layer;
+	uint32_t tokens;
+	uint32_t residual_tokens;
+	uint64_t blocks;
+	zc_byte_count key;
+	zc_byte_count value;
+};
+
+struct store;
+
+/* Validates params (ZC_EINVALID / codec codes), creates dir/NAME.zcs. */
+int store_create(const char *dir, const struct store_params *params, struct store **out);
+
+/* Maps an existing store file after a daemon restart; checks that it is
+ * self-consistent (ZC_ECORRUPT otherwise). */
+int store_adopt(const char *path, struct store **out);
+
+/* Unmaps; with remove_file the file is deleted (closed sessions). */
+void store_close(struct store *store, bool remove_file);
+
+const struct store_header *store_header(const struct store *store);
+const char *store_path(const struct store *store);
+
+/* A fresh read-only descriptor of the file for a client (caller closes). */
+int store_open_readonly(const struct store *store);
+
+uint64_t store_key_view_offset(const struct store *store, uint32_t layer);
+uint64_t store_value_view_offset(const struct store *store, uint32_t layer);
+
+/* Bytes of memory the file really holds (what has been reserved). */
+uint64_t store_memory_bytes(const struct store *store);
+
+/*
+ * Appends a [batch, kv_heads, tokens, D] block of keys and values (fp16,
+ * contiguous) to one layer and brings the layer's views up to date.
+ * Either everything is stored or nothing is: ZC_EINVALID (layer, zero
+ * tokens), ZC_EEXHAUSTED (max_tokens or space), ZC_ENONFINITE.
+ */
+int store_update(struct store *store, uint32_t layer, uint32_t tokens,
+		 const uint16_t *keys, const uint16_t *values);
+
+/* Drops the last `tokens` tokens of every layer (fewer where a layer is
+ * shorter); *trimmed is what the longest layer lost. */
+int store_trim(struct store *store, uint32_t tokens, uint32_t *trimmed);
+
+void store_layer_stats(const struct store *store, uint32_t layer, struct store_layer_stats *out);
+
+/* Tokens of the shortest and the longest layer. */
+void store_token_range(const struct store *store, uint32_t *min_tokens, uint32_t *max_tokens);
+
+/* Memory pressure: give back the views' pages (not the compressed data). */
+int store_drop_views(struct store *store);
+bool store_views_dropped(const struct store *store);
+
+/* Rebuilds every dropped layer view from blocks and residual. */
+int store_rebuild_views(struct store *store);
+
+#endif
