@@ -87,6 +87,7 @@ static void avx2_group_params(const uint16_t *head, const uint32_t *rows, size_t
 {
 	const __m256 levels = _mm256_set1_ps((float)((1 << bits) - 1));
 	const __m256 tiny = _mm256_set1_ps(1e-8f);
+	const __m256 largest = _mm256_set1_ps(65504.0f);
 
 	for (size_t c = 0; c < dim; c += 8) {
 		size_t count = dim - c;
@@ -99,6 +100,7 @@ static void avx2_group_params(const uint16_t *head, const uint32_t *rows, size_t
 		}
 		__m256 scale = _mm256_div_ps(_mm256_sub_ps(hi, lo), levels);
 		scale = _mm256_max_ps(scale, tiny);
+		scale = _mm256_min_ps(scale, largest);
 		store_fp16x8(scales + 2 * c, _mm256_cvtps_ph(scale, ROUND_NEAREST), count);
 		store_fp16x8(mins + 2 * c, _mm256_cvtps_ph(lo, ROUND_NEAREST), count);
 	}

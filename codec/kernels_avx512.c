@@ -89,6 +89,7 @@ static void avx512_group_params(const uint16_t *head, const uint32_t *rows, size
 {
 	const __m512 levels = _mm512_set1_ps((float)((1 << bits) - 1));
 	const __m512 tiny = _mm512_set1_ps(1e-8f);
+	const __m512 largest = _mm512_set1_ps(65504.0f);
 
 	for (size_t c0 = 0; c0 < dim; c0 += 16 * PARAMS_VECTORS) {
 		/* A fixed count keeps lo/hi in registers; vectors past the row
@@ -116,6 +117,7 @@ static void avx512_group_params(const uint16_t *head, const uint32_t *rows, size
 			size_t c = c0 + 16 * (size_t)v;
 			__m512 scale = _mm512_div_ps(_mm512_sub_ps(hi[v], lo[v]), levels);
 			scale = _mm512_max_ps(scale, tiny);
+			scale = _mm512_min_ps(scale, largest);
 			_mm256_mask_storeu_epi16(scales + 2 * c, mask[v],
 						 _mm512_cvtps_ph(scale, ROUND_NEAREST));
 			_mm256_mask_storeu_epi16(mins + 2 * c, mask[v],

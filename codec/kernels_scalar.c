@@ -72,6 +72,8 @@ static void scalar_group_params(const uint16_t *head, const uint32_t *rows, size
 		}
 		float scale = (hi - lo) / levels;
 		scale = max_keep(scale, 1e-8f);
+		/* A range wider than fp16 allows would round the scale to Inf. */
+		scale = min_keep(scale, 65504.0f);
 		store_u16(scales + 2 * c, zc_float_to_fp16(scale));
 		store_u16(mins + 2 * c, zc_float_to_fp16(lo));
 	}
