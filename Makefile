@@ -66,6 +66,8 @@ EXAMPLES = $(addprefix $(BUILD)/bin/,$(EXAMPLE_NAMES))
 
 .PHONY: all deps check check-run bench bench-run asan run install clean
 .DEFAULT_GOAL := all
+# Keep objects make considers intermediate, so a second `make` relinks nothing.
+.SECONDARY:
 
 all: $(STATIC_LIB) $(SHARED_LIB) $(DAEMON) $(TOOLS) $(EXAMPLES) $(BUILD)/lib/zipcache.pc
 
