@@ -107,9 +107,9 @@ $(STATIC_LIB): $(LIB_OBJ)
 
 # The shared library carries its own copy of the nanopb runtime, so users
 # link only -lzipcache.
-$(SHARED_LIB): $(LIB_OBJ)
+$(SHARED_LIB): $(LIB_OBJ) client/libzipcache.map
 	@mkdir -p $(dir $@)
-	$(CC) -shared -Wl,-soname,libzipcache.so.0 -o $@ $^ \
+	$(CC) -shared -Wl,-soname,libzipcache.so.0 -Wl,--version-script=client/libzipcache.map -o $@ $(LIB_OBJ) \
 		-Wl,--whole-archive /usr/lib/x86_64-linux-gnu/libprotobuf-nanopb.a \
 		-Wl,--no-whole-archive -lm $(ZC_LDFLAGS)
 

@@ -1,0 +1,627 @@
+/*
+ * libzipcache: requests, replies and the read-only view mappings. One
+ * request is in flight at a time (the API is blocking), so the next reply
+ * on the socket is always the one we wait for.
+ */
+#include "zipcache/client.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "store_format.h"
+#include "transport.h"
+#include "version.h"
+#include "wire.h"
+
+/* Below this many K+V bytes a block goes inline: a copy into the frame is
+ * cheaper than the staging round trip's bookkeeping. */
+#define INLINE_LIMIT_BYTES (256u << 10)
+
+struct zc_session {
+	zc_client *client;
+	zc_session_info info;
+	const uint8_t *mapping;
+	size_t mapping_bytes;
+	uint64_t header_bytes;
+	uint64_t *key_offsets;
+	uint64_t *value_offsets;
+	zc_session *prev, *next;
+};
+
+struct zc_client {
+	struct transport transport;
+	char socket_path[108];
+	int timeout_ms;
+	uint64_t next_request_id;
+	zc_server_info server;
+	char last_error[257];
+	uint8_t *send_buffer;
+	size_t send_capacity;
+	uint8_t *staging;
+	size_t staging_bytes;
+	zc_session *sessions;
+};
+
+static int error_set(zc_client *client, int rc, const char *message)
+{
+	snprintf(client->last_error, sizeof(client->last_error), "%s", message ? message : "");
+	return rc;
+}
+
+/* Sends one request and waits for its reply; on success *response holds
+ * it (free with wire_response_free) and any descriptors it carried are in
+ * fds[0..n_fds). */
+static int call(zc_client *client, wire_request *request, wire_response *response,
+		int *fds, int max_fds)
+{
+	size_t size, len;
+	const uint8_t *frame;
+	int rc;
+
+	client->last_error[0] = '\0';
+	request->msg.request_id = client->next_request_id++;
+	rc = wire_request_frame_size(request, &size);
+	if (rc < 0)
+		return error_set(client, rc, "request cannot be encoded");
+	if (size > client->send_capacity) {
+		uint8_t *buffer = realloc(client->send_buffer, size);
+		if (!buffer)
+			return error_set(client, -ENOMEM, "out of memory");
+		client->send_buffer = buffer;
+		client->send_capacity = size;
+	}
+	rc = wire_request_encode(request, client->send_buffer, client->send_capacity, &len);
+	if (rc == 0)
+		rc = transport_send(&client->transport, client->send_buffer, len);
+	if (rc < 0)
+		return error_set(client, rc, "cannot send the request");
+	rc = transport_receive(&client->transport, &frame, &len);
+	if (rc < 0)
+		return error_set(client, rc, "no reply from the daemon");
+	rc = wire_response_decode(frame, len, response);
+	transport_consume(&client->transport);
+	if (rc < 0)
+		return error_set(client, rc, "malformed reply from the daemon");
+	if (response->msg.request_id != request->msg.request_id) {
+		wire_response_free(response);
+		return error_set(client, ZC_EPROTOCOL, "reply to another request");
+	}
+	int n_fds = (int)response->msg.fds;
+	if (n_fds > max_fds || transport_take_fds(&client->transport, fds, n_fds) < 0) {
+		wire_response_free(response);
+		return error_set(client, ZC_EPROTOCOL, "reply carried unexpected descriptors");
+	}
+	if (response->msg.status != zipcache_v1_Status_OK) {
+		rc = wire_error_from_status(response->msg.status);
+		error_set(client, rc, response->msg.message);
+		for (int i = 0; i < n_fds; i++)
+			close(fds[i]);
+		wire_response_free(response);
+		return rc;
+	}
+	return n_fds;
+}
+
+static int hello(zc_client *client)
+{
+	wire_request request = { 0 };
+	wire_response response;
+	request.msg.which_op = zipcache_v1_Request_hello_tag;
+	request.msg.op.hello.protocol_version = ZIPCACHE_PROTOCOL_VERSION;
+	snprintf(request.msg.op.hello.client_name, sizeof(request.msg.op.hello.client_name),
+		 "libzipcache/%s", ZIPCACHE_VERSION);
+	int rc = call(client, &request, &response, NULL, 0);
+	if (rc < 0)
+		return rc;
+	const zipcache_v1_HelloResponse *h = &response.msg.op.hello;
+	if (response.msg.which_op != zipcache_v1_Response_hello_tag ||
+	    h->protocol_version != ZIPCACHE_PROTOCOL_VERSION) {
+		wire_response_free(&response);
+		return error_set(client, ZC_EPROTOCOL, "daemon speaks another protocol version");
+	}
+	client->server.protocol_version = h->protocol_version;
+	memcpy(client->server.server_version, h->server_version, sizeof(client->server.server_version));
+	client->server.boot_epoch = h->boot_epoch;
+	client->server.max_frame_bytes = h->max_frame_bytes;
+	client->server.max_inline_bytes = h->max_inline_bytes;
+	client->server.max_sessions = h->max_sessions;
+	client->server.max_tokens_per_session = h->max_tokens_per_session;
+	client->server.memory_budget_bytes = h->memory_budget_bytes;
+	wire_response_free(&response);
+	return 0;
+}
+
+int zc_client_connect(const char *socket_path, int timeout_ms, zc_client **out)
+{
+	zc_client *client = calloc(1, sizeof(*client));
+	int rc;
+
+	if (!client)
+		return -ENOMEM;
+	if (strlen(socket_path) >= sizeof(client->socket_path)) {
+		free(client);
+		return -ENAMETOOLONG;
+	}
+	snprintf(client->socket_path, sizeof(client->socket_path), "%s", socket_path);
+	client->timeout_ms = timeout_ms;
+	client->next_request_id = 1;
+	rc = transport_connect(&client->transport, socket_path, timeout_ms);
+	if (rc == 0)
+		rc = hello(client);
+	if (rc < 0) {
+		transport_close(&client->transport);
+		free(client->send_buffer);
+		free(client);
+		return rc;
+	}
+	*out = client;
+	return 0;
+}
+
+static void staging_unmap(zc_client *client)
+{
+	if (client->staging)
+		munmap(client->staging, client->staging_bytes);
+	client->staging = NULL;
+	client->staging_bytes = 0;
+}
+
+void zc_client_close(zc_client *client)
+{
+	if (!client)
+		return;
+	while (client->sessions)
+		zc_session_release(client->sessions);
+	staging_unmap(client);
+	transport_close(&client->transport);
+	free(client->send_buffer);
+	free(client);
+}
+
+int zc_client_reconnect(zc_client *client)
+{
+	uint64_t epoch = client->server.boot_epoch;
+	transport_close(&client->transport);
+	/* The daemon's staging buffer belonged to the old connection. */
+	staging_unmap(client);
+	int rc = transport_connect(&client->transport, client->socket_path, client->timeout_ms);
+	if (rc == 0)
+		rc = hello(client);
+	if (rc < 0)
+		return rc;
+	if (client->server.boot_epoch != epoch)
+		return error_set(client, ZC_ERESTARTED, "the daemon restarted: reopen sessions with attach");
+	return 0;
+}
+
+const zc_server_info *zc_client_server_info(const zc_client *client)
+{
+	return &client->server;
+}
+
+const char *zc_client_last_error(const zc_client *client)
+{
+	return client->last_error;
+}
+
+void zc_session_config_default(zc_session_config *config)
+{
+	memset(config, 0, sizeof(*config));
+	config->batch = 1;
+	zc_codec_config_default(&config->codec);
+	config->policy = ZC_POLICY_STREAMING;
+}
+
+static void info_from_wire(zc_session_info *info, const zipcache_v1_SessionInfo *w)
+{
+	memset(info, 0, sizeof(*info));
+	info->id = w->session_id;
+	memcpy(info->name, w->name, sizeof(info->name));
+	info->layers = w->shape.layers;
+	info->batch = w->shape.batch;
+	info->kv_heads = w->shape.kv_heads;
+	info->head_dim_k = w->shape.head_dim_k;
+	info->head_dim_v = w->shape.head_dim_v;
+	info->max_tokens = w->max_tokens;
+	info->codec.hi_bits = (int)w->codec.hi_bits;
+	info->codec.lo_bits = (int)w->codec.lo_bits;
+	info->codec.hi_fraction = w->codec.hi_fraction;
+	info->codec.group_size = (int)w->codec.group_size;
+	info->codec.quantize_values = w->codec.quantize_values;
+	info->policy = w->policy == zipcache_v1_BlockPolicy_PER_CALL ? ZC_POLICY_PER_CALL :
+								       ZC_POLICY_STREAMING;
+	info->residual_tokens = w->residual_tokens;
+	info->min_tokens = w->min_tokens;
+	info->max_layer_tokens = w->max_layer_tokens;
+	info->idle_ms = w->idle_ms;
+}
+
+static void stats_from_wire(zc_layer_stats *stats, const zipcache_v1_LayerStats *w)
+{
+	stats->layer = w->layer;
+	stats->tokens = w->tokens;
+	stats->residual_tokens = w->residual_tokens;
+	stats->blocks = w->blocks;
+	stats->compressed_key_bytes = w->compressed_key_bytes;
+	stats->compressed_value_bytes = w->compressed_value_bytes;
+	stats->baseline_key_bytes = w->baseline_key_bytes;
+	stats->baseline_value_bytes = w->baseline_value_bytes;
+	stats->fp16_key_bytes = w->fp16_key_bytes;
+	stats->fp16_value_bytes = w->fp16_value_bytes;
+	stats->compression_ratio = w->compression_ratio;
+	stats->effective_avg_bits = w->effective_avg_bits;
+}
+
+/* Maps the views and records where each layer's K and V live; checks the
+ * layout against the mapping so a bad reply cannot send us out of it. */
+static int session_map(zc_session *session, int fd, const zipcache_v1_ViewLayout *view)
+{
+	const zc_session_info *info = &session->info;
+	uint64_t heads = (uint64_t)info->batch * info->kv_heads;
+	uint64_t key_bytes = heads * info->max_tokens * info->head_dim_k * 2;
+	uint64_t value_bytes = heads * info->max_tokens * info->head_dim_v * 2;
+
+	if (view->key_offsets_count != info->layers || view->value_offsets_count != info->layers ||
+	    info->layers == 0 || view->header_bytes > view->mapping_bytes ||
+	    sizeof(struct store_header) + info->layers * sizeof(struct store_layer_header) >
+		    view->header_bytes)
+		return ZC_EPROTOCOL;
+	for (uint32_t i = 0; i < info->layers; i++) {
+		if (view->key_offsets[i] > view->mapping_bytes ||
+		    key_bytes > view->mapping_bytes - view->key_offsets[i] ||
+		    view->value_offsets[i] > view->mapping_bytes ||
+		    value_bytes > view->mapping_bytes - view->value_offsets[i] ||
+		    (view->key_offsets[i] | view->value_offsets[i]) & 1)
+			return ZC_EPROTOCOL;
+	}
+	session->key_offsets = calloc(info->layers, sizeof(uint64_t));
+	session->value_offsets = calloc(info->layers, sizeof(uint64_t));
+	if (!session->key_offsets || !session->value_offsets)
+		return -ENOMEM;
+	memcpy(session->key_offsets, view->key_offsets, info->layers * sizeof(uint64_t));
+	memcpy(session->value_offsets, view->value_offsets, info->layers * sizeof(uint64_t));
+	/* PROT_READ on a read-only descriptor: the mapping can never become
+	 * writable, not even with mprotect(). */
+	void *mapping = mmap(NULL, view->mapping_bytes, PROT_READ, MAP_SHARED, fd, 0);
+	if (mapping == MAP_FAILED)
+		return -errno;
+	session->mapping = mapping;
+	session->mapping_bytes = view->mapping_bytes;
+	session->header_bytes = view->header_bytes;
+	return 0;
+}
+
+static void session_free(zc_session *session)
+{
+	if (session->mapping)
+		munmap((void *)session->mapping, session->mapping_bytes);
+	free(session->key_offsets);
+	free(session->value_offsets);
+	free(session);
+}
+
+int zc_session_open(zc_client *client, const zc_session_config *config, zc_session **out)
+{
+	wire_request request = { 0 };
+	wire_response response;
+	zipcache_v1_OpenSessionRequest *open = &request.msg.op.open_session;
+	int fd = -1, rc;
+
+	if (config->name && strlen(config->name) >= sizeof(open->name))
+		return error_set(client, ZC_EINVALID, "session name longer than 64 bytes");
+	request.msg.which_op = zipcache_v1_Request_open_session_tag;
+	if (config->name)
+		snprintf(open->name, sizeof(open->name), "%s", config->name);
+	open->has_shape = true;
+	open->shape = (zipcache_v1_SessionShape){ config->layers, config->batch, config->kv_heads,
+						  config->head_dim_k, config->head_dim_v };
+	open->max_tokens = config->max_tokens;
+	open->has_codec = true;
+	/* Negative widths must fail validation in the daemon, not wrap. */
+	open->codec = (zipcache_v1_CodecConfig){
+		.has_hi_bits = true, .hi_bits = config->codec.hi_bits < 0 ? 0 : (uint32_t)config->codec.hi_bits,
+		.has_lo_bits = true, .lo_bits = config->codec.lo_bits < 0 ? 0 : (uint32_t)config->codec.lo_bits,
+		.has_hi_fraction = true, .hi_fraction = config->codec.hi_fraction,
+		.has_group_size = true,
+		.group_size = config->codec.group_size < 0 ? 0 : (uint32_t)config->codec.group_size,
+		.has_quantize_values = true, .quantize_values = config->codec.quantize_values,
+	};
+	open->policy = config->policy == ZC_POLICY_PER_CALL ? zipcache_v1_BlockPolicy_PER_CALL :
+							      zipcache_v1_BlockPolicy_STREAMING;
+	if (config->residual_tokens) {
+		open->has_residual_tokens = true;
+		open->residual_tokens = config->residual_tokens;
+	}
+	open->attach = config->attach;
+
+	rc = call(client, &request, &response, &fd, 1);
+	if (rc < 0)
+		return rc;
+	if (rc != 1 || response.msg.which_op != zipcache_v1_Response_open_session_tag ||
+	    !response.msg.op.open_session.has_view) {
+		if (rc == 1)
+			close(fd);
+		wire_response_free(&response);
+		return error_set(client, ZC_EPROTOCOL, "open reply without a view");
+	}
+	zc_session *session = calloc(1, sizeof(*session));
+	if (!session) {
+		rc = -ENOMEM;
+		goto out_close;
+	}
+	session->client = client;
+	info_from_wire(&session->info, &response.msg.op.open_session.session);
+	rc = session_map(session, fd, &response.msg.op.open_session.view);
+	if (rc < 0) {
+		session_free(session);
+		error_set(client, rc, "cannot map the session's views");
+		goto out_close;
+	}
+	session->next = client->sessions;
+	if (client->sessions)
+		client->sessions->prev = session;
+	client->sessions = session;
+	*out = session;
+	rc = 0;
+out_close:
+	close(fd);
+	wire_response_free(&response);
+	return rc;
+}
+
+void zc_session_release(zc_session *session)
+{
+	if (!session)
+		return;
+	zc_client *client = session->client;
+	if (session->prev)
+		session->prev->next = session->next;
+	else
+		client->sessions = session->next;
+	if (session->next)
+		session->next->prev = session->prev;
+	session_free(session);
+}
+
+int zc_session_close(zc_session *session)
+{
+	wire_request request = { 0 };
+	wire_response response;
+	request.msg.which_op = zipcache_v1_Request_close_session_tag;
+	request.msg.op.close_session.session_id = session->info.id;
+	int rc = call(session->client, &request, &response, NULL, 0);
+	if (rc >= 0)
+		wire_response_free(&response);
+	zc_session_release(session);
+	return rc < 0 ? rc : 0;
+}
+
+const zc_session_info *zc_session_get_info(const zc_session *session)
+{
+	return &session->info;
+}
+
+/* Fills a view of one layer; tokens as the reply (or the header) says. */
+static void view_fill(const zc_session *session, uint32_t layer, uint32_t tokens,
+		      uint64_t sequence, zc_view *view)
+{
+	const zc_session_info *info = &session->info;
+	view->keys = (const uint16_t *)(session->mapping + session->key_offsets[layer]);
+	view->values = (const uint16_t *)(session->mapping + session->value_offsets[layer]);
+	view->tokens = tokens;
+	view->batch = info->batch;
+	view->kv_heads = info->kv_heads;
+	view->head_dim_k = info->head_dim_k;
+	view->head_dim_v = info->head_dim_v;
+	view->max_tokens = info->max_tokens;
+	view->key_strides = (zc_strides){ (size_t)info->kv_heads * info->max_tokens * info->head_dim_k,
+					  (size_t)info->max_tokens * info->head_dim_k, info->head_dim_k };
+	view->value_strides = (zc_strides){ (size_t)info->kv_heads * info->max_tokens * info->head_dim_v,
+					    (size_t)info->max_tokens * info->head_dim_v, info->head_dim_v };
+	view->sequence = sequence;
+}
+
+static int update_call(zc_session *session, wire_request *request, uint32_t layer,
+		       zc_view *view, zc_layer_stats *stats)
+{
+	wire_response response;
+	int rc = call(session->client, request, &response, NULL, 0);
+	if (rc < 0)
+		return rc;
+	const zipcache_v1_UpdateAndFetchResponse *reply = &response.msg.op.update_and_fetch;
+	if (response.msg.which_op != zipcache_v1_Response_update_and_fetch_tag ||
+	    reply->tokens > session->info.max_tokens) {
+		wire_response_free(&response);
+		return error_set(session->client, ZC_EPROTOCOL, "bad update_and_fetch reply");
+	}
+	if (view)
+		view_fill(session, layer, reply->tokens, reply->sequence, view);
+	if (stats)
+		stats_from_wire(stats, &reply->stats);
+	wire_response_free(&response);
+	return 0;
+}
+
+static int block_bytes(const zc_session *session, uint32_t tokens, uint64_t *key_bytes,
+		       uint64_t *value_bytes)
+{
+	const zc_session_info *info = &session->info;
+	uint64_t heads = (uint64_t)info->batch * info->kv_heads;
+	*key_bytes = heads * tokens * info->head_dim_k * 2;
+	*value_bytes = heads * tokens * info->head_dim_v * 2;
+	return 0;
+}
+
+int zc_update_and_fetch_staged(zc_session *session, uint32_t layer, uint32_t tokens,
+			       size_t keys_offset, size_t values_offset, zc_view *view,
+			       zc_layer_stats *stats)
+{
+	wire_request request = { 0 };
+	zipcache_v1_UpdateAndFetchRequest *update = &request.msg.op.update_and_fetch;
+	request.msg.which_op = zipcache_v1_Request_update_and_fetch_tag;
+	update->session_id = session->info.id;
+	update->layer = layer;
+	update->tokens = tokens;
+	update->staged = true;
+	update->keys_offset = keys_offset;
+	update->values_offset = values_offset;
+	return update_call(session, &request, layer, view, stats);
+}
+
+int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
+			const uint16_t *keys, const uint16_t *values, zc_view *view,
+			zc_layer_stats *stats)
+{
+	zc_client *client = session->client;
+	uint64_t key_bytes, value_bytes;
+	block_bytes(session, tokens, &key_bytes, &value_bytes);
+	uint64_t limit = client->server.max_inline_bytes < INLINE_LIMIT_BYTES ?
+				 client->server.max_inline_bytes : INLINE_LIMIT_BYTES;
+
+	if (key_bytes + value_bytes > limit) {
+		void *buffer;
+		int rc = zc_client_staging(client, key_bytes + value_bytes, &buffer);
+		if (rc < 0)
+			return rc;
+		memcpy(buffer, keys, key_bytes);
+		memcpy((uint8_t *)buffer + key_bytes, values, value_bytes);
+		return zc_update_and_fetch_staged(session, layer, tokens, 0, key_bytes, view, stats);
+	}
+	wire_request request = { 0 };
+	zipcache_v1_UpdateAndFetchRequest *update = &request.msg.op.update_and_fetch;
+	request.msg.which_op = zipcache_v1_Request_update_and_fetch_tag;
+	update->session_id = session->info.id;
+	update->layer = layer;
+	update->tokens = tokens;
+	request.keys = (wire_span){ (const uint8_t *)keys, key_bytes };
+	request.values = (wire_span){ (const uint8_t *)values, value_bytes };
+	return update_call(session, &request, layer, view, stats);
+}
+
+int zc_client_staging(zc_client *client, size_t bytes, void **buffer)
+{
+	if (client->staging && client->staging_bytes >= bytes) {
+		*buffer = client->staging;
+		return 0;
+	}
+	wire_request request = { 0 };
+	wire_response response;
+	int fd = -1;
+	request.msg.which_op = zipcache_v1_Request_staging_tag;
+	request.msg.op.staging.bytes = bytes;
+	int rc = call(client, &request, &response, &fd, 1);
+	if (rc < 0)
+		return rc;
+	uint64_t granted = response.msg.op.staging.bytes;
+	wire_response_free(&response);
+	if (rc != 1 || granted < bytes) {
+		if (rc == 1)
+			close(fd);
+		return error_set(client, ZC_EPROTOCOL, "staging reply without a buffer");
+	}
+	void *mapping = mmap(NULL, granted, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	close(fd);
+	if (mapping == MAP_FAILED)
+		return error_set(client, -errno, "cannot map the staging buffer");
+	staging_unmap(client);
+	client->staging = mapping;
+	client->staging_bytes = granted;
+	*buffer = mapping;
+	return 0;
+}
+
+int zc_session_view(zc_session *session, uint32_t layer, zc_view *view)
+{
+	if (layer >= session->info.layers)
+		return error_set(session->client, ZC_EINVALID, "layer out of range");
+	const struct store_header *header = (const struct store_header *)session->mapping;
+	const struct store_layer_header *l = &header->layer[layer];
+	/* The layer's seqlock: odd while the daemon writes; a read is good
+	 * when the counter was even and unchanged around it. */
+	for (;;) {
+		uint64_t before = __atomic_load_n(&l->sequence, __ATOMIC_ACQUIRE);
+		if (before & 1) {
+			sched_yield();
+			continue;
+		}
+		uint32_t tokens = __atomic_load_n(&l->tokens, __ATOMIC_ACQUIRE);
+		__atomic_thread_fence(__ATOMIC_ACQUIRE);
+		if (__atomic_load_n(&l->sequence, __ATOMIC_ACQUIRE) == before) {
+			view_fill(session, layer, tokens, before, view);
+			return 0;
+		}
+	}
+}
+
+int zc_session_trim(zc_session *session, uint32_t tokens, uint32_t *trimmed)
+{
+	wire_request request = { 0 };
+	wire_response response;
+	request.msg.which_op = zipcache_v1_Request_trim_tag;
+	request.msg.op.trim.session_id = session->info.id;
+	request.msg.op.trim.tokens = tokens;
+	int rc = call(session->client, &request, &response, NULL, 0);
+	if (rc < 0)
+		return rc;
+	if (trimmed)
+		*trimmed = response.msg.op.trim.trimmed;
+	wire_response_free(&response);
+	return 0;
+}
+
+int zc_session_stats(zc_session *session, zc_layer_stats *layers, size_t capacity,
+		     zc_layer_stats *total)
+{
+	wire_request request = { 0 };
+	wire_response response;
+	request.msg.which_op = zipcache_v1_Request_stats_tag;
+	request.msg.op.stats.session_id = session->info.id;
+	int rc = call(session->client, &request, &response, NULL, 0);
+	if (rc < 0)
+		return rc;
+	for (size_t i = 0; layers && i < capacity && i < response.n_layers; i++)
+		stats_from_wire(&layers[i], &response.layers[i]);
+	if (total)
+		stats_from_wire(total, &response.msg.op.stats.total);
+	if (response.msg.op.stats.has_session)
+		info_from_wire(&session->info, &response.msg.op.stats.session);
+	wire_response_free(&response);
+	return 0;
+}
+
+int zc_client_list_sessions(zc_client *client, zc_session_info *sessions, size_t capacity,
+			    size_t *count)
+{
+	wire_request request = { 0 };
+	wire_response response;
+	request.msg.which_op = zipcache_v1_Request_list_sessions_tag;
+	int rc = call(client, &request, &response, NULL, 0);
+	if (rc < 0)
+		return rc;
+	for (size_t i = 0; sessions && i < capacity && i < response.n_sessions; i++)
+		info_from_wire(&sessions[i], &response.sessions[i]);
+	*count = response.n_sessions;
+	wire_response_free(&response);
+	return 0;
+}
+
+int zc_client_stats(zc_client *client, zc_server_stats *stats)
+{
+	wire_request request = { 0 };
+	wire_response response;
+	request.msg.which_op = zipcache_v1_Request_stats_tag;
+	int rc = call(client, &request, &response, NULL, 0);
+	if (rc < 0)
+		return rc;
+	stats->sessions = response.msg.op.stats.sessions;
+	stats->connections = response.msg.op.stats.connections;
+	stats->memory_used_bytes = response.msg.op.stats.memory_used_bytes;
+	stats->memory_budget_bytes = response.msg.op.stats.memory_budget_bytes;
+	wire_response_free(&response);
+	return 0;
+}

@@ -1,0 +1,208 @@
+/* The client's side of the socket: blocking I/O with timeouts and SCM_RIGHTS. */
+#include "transport.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "zipcache/error.h"
+
+/* Replies can carry a stats list for every layer; allow them room. */
+#define MAX_REPLY_BYTES (64u << 20)
+
+static int64_t now_ms(void)
+{
+	struct timespec now;
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	return (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
+}
+
+/* Waits for `events` until the deadline (-1: none). */
+static int wait_for(int fd, short events, int64_t deadline)
+{
+	for (;;) {
+		int timeout = -1;
+		if (deadline >= 0) {
+			int64_t left = deadline - now_ms();
+			if (left <= 0)
+				return -ETIMEDOUT;
+			timeout = (int)left;
+		}
+		struct pollfd p = { .fd = fd, .events = events };
+		int rc = poll(&p, 1, timeout);
+		if (rc > 0)
+			return 0;
+		if (rc == 0)
+			return -ETIMEDOUT;
+		if (errno != EINTR)
+			return -errno;
+	}
+}
+
+static int64_t deadline_of(const struct transport *transport)
+{
+	return transport->timeout_ms > 0 ? now_ms() + transport->timeout_ms : -1;
+}
+
+int transport_connect(struct transport *transport, const char *path, int timeout_ms)
+{
+	struct sockaddr_un address = { .sun_family = AF_UNIX };
+	int rc;
+
+	memset(transport, 0, sizeof(*transport));
+	transport->fd = -1;
+	transport->timeout_ms = timeout_ms;
+	if (strlen(path) >= sizeof(address.sun_path))
+		return -ENAMETOOLONG;
+	memcpy(address.sun_path, path, strlen(path) + 1);
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return -errno;
+	rc = connect(fd, (const struct sockaddr *)&address, sizeof(address));
+	if (rc < 0 && (errno == EAGAIN || errno == EINPROGRESS)) {
+		/* A full backlog: wait, within the timeout, for the daemon to accept. */
+		int error = 0;
+		socklen_t length = sizeof(error);
+		rc = wait_for(fd, POLLOUT, deadline_of(transport));
+		if (rc == 0 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0 && error)
+			rc = -error;
+		if (rc < 0) {
+			close(fd);
+			return rc;
+		}
+	} else if (rc < 0) {
+		rc = -errno;
+		close(fd);
+		return rc;
+	}
+	transport->fd = fd;
+	frame_reader_init(&transport->reader, MAX_REPLY_BYTES);
+	return 0;
+}
+
+void transport_close(struct transport *transport)
+{
+	for (int i = 0; i < transport->n_fds; i++)
+		close(transport->fds[i]);
+	transport->n_fds = 0;
+	if (transport->fd >= 0)
+		close(transport->fd);
+	transport->fd = -1;
+	frame_reader_free(&transport->reader);
+}
+
+int transport_send(struct transport *transport, const uint8_t *data, size_t len)
+{
+	int64_t deadline = deadline_of(transport);
+	if (transport->fd < 0)
+		return -ENOTCONN;
+	while (len > 0) {
+		ssize_t n = send(transport->fd, data, len, MSG_NOSIGNAL);
+		if (n < 0) {
+			if (errno == EINTR)
+				continue;
+			if (errno == EAGAIN || errno == EWOULDBLOCK) {
+				int rc = wait_for(transport->fd, POLLOUT, deadline);
+				if (rc < 0)
+					return rc;
+				continue;
+			}
+			return -errno;
+		}
+		data += n;
+		len -= (size_t)n;
+	}
+	return 0;
+}
+
+/* One recvmsg: bytes into the frame reader, descriptors into the FIFO. */
+static int receive_some(struct transport *transport, int64_t deadline)
+{
+	uint8_t *buffer;
+	size_t room;
+	int rc = frame_reader_buffer(&transport->reader, &buffer, &room);
+	if (rc < 0)
+		return rc;
+	for (;;) {
+		union {
+			struct cmsghdr header;
+			char bytes[CMSG_SPACE(sizeof(int) * TRANSPORT_MAX_FDS)];
+		} control;
+		struct iovec iov = { buffer, room };
+		struct msghdr message = {
+			.msg_iov = &iov,
+			.msg_iovlen = 1,
+			.msg_control = control.bytes,
+			.msg_controllen = sizeof(control.bytes),
+		};
+		ssize_t n = recvmsg(transport->fd, &message, MSG_CMSG_CLOEXEC);
+		if (n < 0) {
+			if (errno == EINTR)
+				continue;
+			if (errno == EAGAIN || errno == EWOULDBLOCK) {
+				rc = wait_for(transport->fd, POLLIN, deadline);
+				if (rc < 0)
+					return rc;
+				continue;
+			}
+			return -errno;
+		}
+		for (struct cmsghdr *c = CMSG_FIRSTHDR(&message); c; c = CMSG_NXTHDR(&message, c)) {
+			if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+				continue;
+			int count = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+			const unsigned char *data = CMSG_DATA(c);
+			for (int i = 0; i < count; i++) {
+				int fd;
+				memcpy(&fd, data + i * sizeof(int), sizeof(int));
+				if (transport->n_fds < TRANSPORT_MAX_FDS)
+					transport->fds[transport->n_fds++] = fd;
+				else
+					close(fd);
+			}
+		}
+		if (message.msg_flags & MSG_CTRUNC)
+			return ZC_EPROTOCOL;
+		if (n == 0)
+			return -ECONNRESET;
+		frame_reader_commit(&transport->reader, (size_t)n);
+		return 0;
+	}
+}
+
+int transport_receive(struct transport *transport, const uint8_t **frame, size_t *len)
+{
+	int64_t deadline = deadline_of(transport);
+	if (transport->fd < 0)
+		return -ENOTCONN;
+	for (;;) {
+		int rc = frame_reader_next(&transport->reader, frame, len);
+		if (rc == 1)
+			return 0;
+		if (rc < 0)
+			return rc;
+		rc = receive_some(transport, deadline);
+		if (rc < 0)
+			return rc;
+	}
+}
+
+void transport_consume(struct transport *transport)
+{
+	frame_reader_consume(&transport->reader);
+}
+
+int transport_take_fds(struct transport *transport, int *fds, int n)
+{
+	if (n > transport->n_fds)
+		return ZC_EPROTOCOL;
+	memcpy(fds, transport->fds, sizeof(int) * (size_t)n);
+	memmove(transport->fds, transport->fds + n, sizeof(int) * (size_t)(transport->n_fds - n));
+	transport->n_fds -= n;
+	return 0;
+}

@@ -1,0 +1,38 @@
+/*
+ * The client's socket: connect with a timeout, send whole frames, and
+ * receive reply frames together with the descriptors that arrive beside
+ * them (kept in arrival order until a reply claims them).
+ */
+#ifndef ZIPCACHE_TRANSPORT_H
+#define ZIPCACHE_TRANSPORT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "frame.h"
+
+#define TRANSPORT_MAX_FDS 16
+
+struct transport {
+	int fd;
+	int timeout_ms;            /* 0: wait forever */
+	frame_reader reader;
+	int fds[TRANSPORT_MAX_FDS];/* received, not yet claimed */
+	int n_fds;
+};
+
+int transport_connect(struct transport *transport, const char *path, int timeout_ms);
+void transport_close(struct transport *transport);
+
+/* Writes all len bytes (a whole frame). */
+int transport_send(struct transport *transport, const uint8_t *data, size_t len);
+
+/* Blocks until a whole frame is buffered; *frame stays valid until
+ * transport_consume(). */
+int transport_receive(struct transport *transport, const uint8_t **frame, size_t *len);
+void transport_consume(struct transport *transport);
+
+/* Takes the oldest n received descriptors (ZC_EPROTOCOL if fewer came). */
+int transport_take_fds(struct transport *transport, int *fds, int n);
+
+#endif
