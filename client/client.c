@@ -622,6 +622,11 @@ int zc_client_stats(zc_client *client, zc_server_stats *stats)
 	stats->connections = response.msg.op.stats.connections;
 	stats->memory_used_bytes = response.msg.op.stats.memory_used_bytes;
 	stats->memory_budget_bytes = response.msg.op.stats.memory_budget_bytes;
+	stats->requests = response.msg.op.stats.requests;
+	stats->request_errors = response.msg.op.stats.request_errors;
+	stats->tokens_appended = response.msg.op.stats.tokens_appended;
+	stats->uptime_ms = response.msg.op.stats.uptime_ms;
+	stats->boot_epoch = response.msg.op.stats.boot_epoch;
 	wire_response_free(&response);
 	return 0;
 }

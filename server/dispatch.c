@@ -153,6 +153,15 @@ static void layer_stats_fill(const struct store_layer_stats *s, zipcache_v1_Laye
 	out->effective_avg_bits = s->key.fp16 ? 16.0 * (double)s->key.compressed / (double)s->key.fp16 : 0.0;
 }
 
+static void server_counters_fill(const struct server *server, zipcache_v1_StatsResponse *stats)
+{
+	stats->requests = server->counters.requests;
+	stats->request_errors = server->counters.request_errors;
+	stats->tokens_appended = server->counters.tokens_appended;
+	stats->uptime_ms = uv_now(server->loop) - server->started_ms;
+	stats->boot_epoch = server->boot_epoch;
+}
+
 static void request_finish(struct connection *connection)
 {
 	connection_request_done(connection);
@@ -621,6 +630,7 @@ static void stats_done(struct job *base)
 	stats->connections = server->n_connections;
 	stats->memory_used_bytes = server_memory_bytes(server);
 	stats->memory_budget_bytes = server->options.memory_budget;
+	server_counters_fill(server, stats);
 	response.layers = layers;
 	response.n_layers = h->layers;
 	reply_send(connection, &response, NULL, 0);
@@ -708,6 +718,7 @@ static void handle_server_stats(struct connection *connection, const wire_reques
 	response.msg.op.stats.connections = server->n_connections;
 	response.msg.op.stats.memory_used_bytes = server_memory_bytes(server);
 	response.msg.op.stats.memory_budget_bytes = server->options.memory_budget;
+	server_counters_fill(server, &response.msg.op.stats);
 	reply_send(connection, &response, NULL, 0);
 }
 

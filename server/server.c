@@ -281,6 +281,7 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	server->listen_fd = -1;
 	server->lock_fd = -1;
 	loop->data = server;
+	server->started_ms = uv_now(loop);
 	session_table_init(&server->sessions, loop);
 	rc = boot_epoch_make(&server->boot_epoch);
 	if (rc < 0)

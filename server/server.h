@@ -31,6 +31,7 @@ struct server {
 	uv_loop_t *loop;
 	struct options options;
 	uint64_t boot_epoch;
+	uint64_t started_ms;   /* uv_now() at start */
 	int listen_fd;
 	uv_poll_t listener;
 	bool listening;

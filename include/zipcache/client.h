@@ -135,6 +135,11 @@ typedef struct zc_server_stats {
 	uint32_t connections;
 	uint64_t memory_used_bytes;
 	uint64_t memory_budget_bytes;
+	uint64_t requests;         /* since the daemon started */
+	uint64_t request_errors;
+	uint64_t tokens_appended;
+	uint64_t uptime_ms;
+	uint64_t boot_epoch;
 } zc_server_stats;
 
 /* Connects and says hello; timeout_ms bounds the connect and every reply
