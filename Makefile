@@ -25,9 +25,10 @@ UV_LIBS = $(shell pkg-config --libs libuv)
 CHECK_CFLAGS = $(shell pkg-config --cflags check)
 CHECK_LIBS = $(shell pkg-config --libs check)
 NANOPB_LIBS = -lprotobuf-nanopb
+SERVER_LIBS = $(shell pkg-config --libs libmicrohttpd libsystemd)
 
 DEPS_PACKAGES = libuv1-dev nanopb libnanopb-dev protobuf-compiler python3-protobuf \
-	check pkg-config python3-numpy
+	check pkg-config python3-numpy libmicrohttpd-dev libsystemd-dev prometheus
 
 AVX2_FLAGS = -mavx2 -mfma -mf16c -mbmi -mbmi2
 AVX512_FLAGS = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mbmi -mbmi2
@@ -122,7 +123,7 @@ $(SERVER_LIB): $(SERVER_OBJ)
 	rm -f $@ && ar rcs $@ $^
 
 LINK_ALL = $(SERVER_LIB) $(TOOL_LIB_OBJ) $(STATIC_LIB)
-LINK_LIBS = $(NANOPB_LIBS) $(UV_LIBS) -lm -lpthread
+LINK_LIBS = $(NANOPB_LIBS) $(SERVER_LIBS) $(UV_LIBS) -lm -lpthread
 
 $(DAEMON): $(BUILD)/obj/server/main.o $(SERVER_LIB) $(STATIC_LIB)
 	@mkdir -p $(dir $@)

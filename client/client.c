@@ -87,6 +87,13 @@ static int call(zc_client *client, wire_request *request, wire_response *respons
 	transport_consume(&client->transport);
 	if (rc < 0)
 		return error_set(client, rc, "malformed reply from the daemon");
+	if (response->msg.request_id == 0 && response->msg.status != zipcache_v1_Status_OK) {
+		/* About the connection, not a request: a limit, a stop, a bad frame. */
+		rc = wire_error_from_status(response->msg.status);
+		error_set(client, rc, response->msg.message);
+		wire_response_free(response);
+		return rc;
+	}
 	if (response->msg.request_id != request->msg.request_id) {
 		wire_response_free(response);
 		return error_set(client, ZC_EPROTOCOL, "reply to another request");
@@ -541,6 +548,13 @@ int zc_session_view(zc_session *session, uint32_t layer, zc_view *view)
 		return error_set(session->client, ZC_EINVALID, "layer out of range");
 	const struct store_header *header = (const struct store_header *)session->mapping;
 	const struct store_layer_header *l = &header->layer[layer];
+	/* Views the daemon dropped under memory pressure come back with any
+	 * request that touches the session; stats is the cheapest. */
+	if (!__atomic_load_n(&l->view_valid, __ATOMIC_ACQUIRE)) {
+		int rc = zc_session_stats(session, NULL, 0, NULL);
+		if (rc < 0)
+			return rc;
+	}
 	/* The layer's seqlock: odd while the daemon writes; a read is good
 	 * when the counter was even and unchanged around it. */
 	for (;;) {

@@ -306,8 +306,10 @@ void connection_accept(struct server *server, int fd)
 
 	if (server->n_connections >= server->options.max_connections || server->stopping) {
 		server->counters.connections_refused++;
-		log_warn("connection", "refused: connection limit reached", "limit=%u",
-			 server->options.max_connections);
+		metrics_error_reason(&server->metrics, METRICS_REASON_CONNECTION_REFUSED);
+		log_warn("connection", "refused", "reason=%s limit=%u",
+			 server->stopping ? "stopping" : "connection limit", server->options.max_connections);
+		dispatch_refuse_connection(server, fd);
 		close(fd);
 		return;
 	}

@@ -19,6 +19,7 @@
 #include <uv.h>
 
 #include "frame.h"
+#include "metrics.h"
 
 struct server;
 struct staging;
@@ -46,6 +47,7 @@ struct connection {
 	unsigned in_flight;        /* requests dispatched, not yet answered */
 	unsigned refs;             /* the handle itself, plus each job */
 	struct staging *staging;
+	struct request_meta current;   /* the request being dispatched */
 	struct connection *prev, *next;
 };
 

@@ -12,10 +12,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "connection.h"
 #include "log.h"
+#include "metrics.h"
 #include "server.h"
 #include "session.h"
 #include "staging.h"
@@ -33,10 +35,12 @@ enum job_kind {
 struct request_job {
 	struct job job;               /* first: session.c sees only this */
 	enum job_kind kind;
+	struct request_meta meta;     /* for the latency histogram */
 	struct connection *connection;
 	uint64_t request_id;
 	/* update */
 	uint32_t layer, tokens;
+	bool retried;                 /* once, after freeing memory */
 	const uint16_t *keys, *values;
 	uint8_t *inline_copy;         /* owns keys/values when they came inline */
 	struct staging *staging;      /* holds keys/values when staged */
@@ -52,8 +56,8 @@ struct request_job {
 };
 
 /* Encodes and queues a reply; the frame buffer passes to the connection. */
-static void reply_send(struct connection *connection, wire_response *response,
-		       const int *fds, int n_fds)
+static void reply_send(struct connection *connection, const struct request_meta *meta,
+		       wire_response *response, const int *fds, int n_fds)
 {
 	size_t size, len;
 	uint8_t *frame = NULL;
@@ -74,6 +78,8 @@ static void reply_send(struct connection *connection, wire_response *response,
 		connection_close(connection);
 		return;
 	}
+	metrics_request_done(&connection->server->metrics, meta->op, response->msg.status,
+			     uv_hrtime() - meta->start_ns);
 	connection_send(connection, frame, len, fds, n_fds);
 }
 
@@ -84,11 +90,12 @@ static void response_init(wire_response *response, uint64_t request_id)
 }
 
 /* An error reply with a formatted message; also counts and logs it. */
-static void reply_error(struct connection *connection, uint64_t request_id, int error,
-			const char *format, ...) __attribute__((format(printf, 4, 5)));
+static void reply_error(struct connection *connection, const struct request_meta *meta,
+			uint64_t request_id, int error, const char *format, ...)
+	__attribute__((format(printf, 5, 6)));
 
-static void reply_error(struct connection *connection, uint64_t request_id, int error,
-			const char *format, ...)
+static void reply_error(struct connection *connection, const struct request_meta *meta,
+			uint64_t request_id, int error, const char *format, ...)
 {
 	wire_response response;
 	char message[256];
@@ -103,7 +110,8 @@ static void reply_error(struct connection *connection, uint64_t request_id, int 
 	log_debug("dispatch", "request refused", "connection=%llu request=%llu error=%s message=\"%s\"",
 		  (unsigned long long)connection->id, (unsigned long long)request_id,
 		  zc_error_name(error), message);
-	reply_send(connection, &response, NULL, 0);
+	metrics_error(&connection->server->metrics, error);
+	reply_send(connection, meta, &response, NULL, 0);
 }
 
 static void session_info_fill(const struct session *session, zipcache_v1_SessionInfo *info)
@@ -185,7 +193,7 @@ static void handle_hello(struct connection *connection, const wire_request *requ
 	hello->max_sessions = server->options.max_sessions;
 	hello->max_tokens_per_session = server->options.max_tokens;
 	hello->memory_budget_bytes = server->options.memory_budget;
-	reply_send(connection, &response, NULL, 0);
+	reply_send(connection, &connection->current, &response, NULL, 0);
 }
 
 /* ---- open_session ---- */
@@ -199,7 +207,7 @@ static void reply_open(struct connection *connection, uint64_t request_id,
 	int fd = store_open_readonly(session->store);
 
 	if (fd < 0) {
-		reply_error(connection, request_id, ZC_EINTERNAL,
+		reply_error(connection, &connection->current, request_id, ZC_EINTERNAL,
 			    "cannot open the view of session %llu: %s",
 			    (unsigned long long)session->id, strerror(-fd));
 		return;
@@ -218,7 +226,7 @@ static void reply_open(struct connection *connection, uint64_t request_id,
 		open->view.value_offsets[i] = store_value_view_offset(session->store, i);
 	}
 	open->attached = attached;
-	reply_send(connection, &response, &fd, 1);
+	reply_send(connection, &connection->current, &response, &fd, 1);
 }
 
 static bool shape_matches(const zipcache_v1_SessionShape *shape, const struct store_header *h)
@@ -242,19 +250,25 @@ static void handle_open(struct connection *connection, const wire_request *reque
 		snprintf(name, sizeof(name), "%s", open->name);
 		session = session_find_name(&server->sessions, name, connection->uid);
 		if (session && !open->attach) {
-			reply_error(connection, id, ZC_EEXISTS, "session '%s' already exists (id %llu)",
+			reply_error(connection, &connection->current, id, ZC_EEXISTS, "session '%s' already exists (id %llu)",
 				    name, (unsigned long long)session->id);
 			return;
 		}
 		if (session) {
 			if (open->has_shape && !shape_matches(&open->shape, store_header(session->store))) {
-				reply_error(connection, id, ZC_EINVALID,
+				reply_error(connection, &connection->current, id, ZC_EINVALID,
 					    "session '%s' exists with a different shape", name);
 				return;
 			}
-			rc = store_rebuild_views(session->store);
+			/* A running job owns the store; the layers it does not touch
+			 * are rebuilt by the next stats or update instead. */
+			rc = session_idle(session) ? store_rebuild_views(session->store) : 0;
+			if (rc == STORE_EBUDGET && server_relieve_memory(server, 1u << 20, session) > 0)
+				rc = store_rebuild_views(session->store);
+			if (rc == STORE_EBUDGET)
+				rc = ZC_EEXHAUSTED;
 			if (rc < 0) {
-				reply_error(connection, id, rc, "cannot rebuild the views of '%s': %s", name,
+				reply_error(connection, &connection->current, id, rc, "cannot rebuild the views of '%s': %s", name,
 					    zc_strerror(rc));
 				return;
 			}
@@ -264,28 +278,28 @@ static void handle_open(struct connection *connection, const wire_request *reque
 		}
 	}
 	if (!open->has_shape) {
-		reply_error(connection, id, ZC_EINVALID, "open_session needs a shape");
+		reply_error(connection, &connection->current, id, ZC_EINVALID, "open_session needs a shape");
 		return;
 	}
 	if (open->max_tokens == 0 || open->max_tokens > server->options.max_tokens) {
-		reply_error(connection, id, open->max_tokens ? ZC_EEXHAUSTED : ZC_EINVALID,
+		reply_error(connection, &connection->current, id, open->max_tokens ? ZC_EEXHAUSTED : ZC_EINVALID,
 			    "max_tokens %u is outside 1..%u", open->max_tokens,
 			    server->options.max_tokens);
 		return;
 	}
 	if (open->shape.layers > 1024) {
-		reply_error(connection, id, ZC_EINVALID, "layers %u is above the limit of 1024",
+		reply_error(connection, &connection->current, id, ZC_EINVALID, "layers %u is above the limit of 1024",
 			    open->shape.layers);
 		return;
 	}
 	if (server->sessions.count >= server->options.max_sessions) {
-		reply_error(connection, id, ZC_EEXHAUSTED, "session limit of %u reached",
+		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED, "session limit of %u reached",
 			    server->options.max_sessions);
 		return;
 	}
 	if (open->policy != zipcache_v1_BlockPolicy_STREAMING &&
 	    open->policy != zipcache_v1_BlockPolicy_PER_CALL) {
-		reply_error(connection, id, ZC_EINVALID, "unknown block policy %d", (int)open->policy);
+		reply_error(connection, &connection->current, id, ZC_EINVALID, "unknown block policy %d", (int)open->policy);
 		return;
 	}
 
@@ -322,9 +336,18 @@ static void handle_open(struct connection *connection, const wire_request *reque
 		if (c->has_quantize_values)
 			params.codec.quantize_values = c->quantize_values;
 	}
-	rc = store_create(server->options.shm_dir, &params, &store);
+	rc = store_create(server->options.shm_dir, &params, &server->budget, &store);
+	if (rc == STORE_EBUDGET && server_relieve_memory(server, 1u << 20, NULL) > 0)
+		rc = store_create(server->options.shm_dir, &params, &server->budget, &store);
+	if (rc == STORE_EBUDGET) {
+		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED,
+			    "memory budget of %llu bytes is exhausted (%llu in use)",
+			    (unsigned long long)server->budget.limit,
+			    (unsigned long long)server_memory_bytes(server));
+		return;
+	}
 	if (rc < 0) {
-		reply_error(connection, id, rc == ZC_ESHAPE ? ZC_EINVALID : rc,
+		reply_error(connection, &connection->current, id, rc == ZC_ESHAPE ? ZC_EINVALID : rc,
 			    "cannot open session '%s': %s", name, zc_strerror(rc));
 		return;
 	}
@@ -332,7 +355,7 @@ static void handle_open(struct connection *connection, const wire_request *reque
 	rc = session_table_add(&server->sessions, store, &session);
 	if (rc < 0) {
 		store_close(store, true);
-		reply_error(connection, id, rc, "cannot open session '%s': %s", name, zc_strerror(rc));
+		reply_error(connection, &connection->current, id, rc, "cannot open session '%s': %s", name, zc_strerror(rc));
 		return;
 	}
 	server->counters.sessions_opened++;
@@ -392,6 +415,11 @@ static void update_run(struct job *base)
 			 job->layer, job->layer_tokens_before, job->tokens, h->max_tokens);
 		return;
 	}
+	if (rc == STORE_EBUDGET) {
+		/* update_done may free memory and run the job again. */
+		job->rc = rc;
+		return;
+	}
 	if (rc < 0) {
 		job_fail(job, rc, "update of layer %u failed: %s; nothing was stored", job->layer,
 			 zc_strerror(rc));
@@ -405,9 +433,28 @@ static void update_done(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
 	struct connection *connection = job->connection;
+	struct server *server = connection->server;
+
+	if (job->rc == STORE_EBUDGET) {
+		const struct store_header *h = store_header(base->session->store);
+		/* Room for this block's views and compressed bytes, and a chunk. */
+		uint64_t wanted = 2 * ((uint64_t)h->batch * h->kv_heads * job->tokens *
+				       (h->head_dim_k + h->head_dim_v) * 2) + (2u << 20);
+		if (!job->retried && server_relieve_memory(server, wanted, base->session) > 0) {
+			job->retried = true;
+			job->rc = 0;
+			session_submit_front(&server->sessions, base);
+			return;
+		}
+		server->metrics.budget_refusals++;
+		job_fail(job, ZC_EEXHAUSTED,
+			 "memory budget of %llu bytes is exhausted (%llu in use); nothing was stored",
+			 (unsigned long long)server->budget.limit,
+			 (unsigned long long)server_memory_bytes(server));
+	}
 
 	if (job->rc < 0) {
-		reply_error(connection, job->request_id, job->rc, "%s", job->message);
+		reply_error(connection, &job->meta, job->request_id, job->rc, "%s", job->message);
 	} else {
 		wire_response response;
 		response_init(&response, job->request_id);
@@ -417,7 +464,8 @@ static void update_done(struct job *base)
 		layer_stats_fill(&job->stats, &response.msg.op.update_and_fetch.stats);
 		response.msg.op.update_and_fetch.sequence = job->sequence;
 		connection->server->counters.tokens_appended += job->tokens;
-		reply_send(connection, &response, NULL, 0);
+		session_account_layer(&connection->server->sessions, base->session, &job->stats);
+		reply_send(connection, &job->meta, &response, NULL, 0);
 	}
 	request_finish(connection);
 	job_free(job);
@@ -430,6 +478,7 @@ static struct request_job *job_new(struct connection *connection, struct session
 	if (!job)
 		return NULL;
 	job->kind = kind;
+	job->meta = connection->current;
 	job->request_id = request_id;
 	job->connection = connection;
 	connection_ref(connection);
@@ -446,22 +495,22 @@ static bool handle_update(struct connection *connection, const wire_request *req
 	struct session *session = session_find(&server->sessions, update->session_id, connection->uid);
 
 	if (!session) {
-		reply_error(connection, id, ZC_ENOTFOUND, "no session %llu",
+		reply_error(connection, &connection->current, id, ZC_ENOTFOUND, "no session %llu",
 			    (unsigned long long)update->session_id);
 		return false;
 	}
 	const struct store_header *h = store_header(session->store);
 	if (update->layer >= h->layers) {
-		reply_error(connection, id, ZC_EINVALID, "layer %u out of range: session has %u layers",
+		reply_error(connection, &connection->current, id, ZC_EINVALID, "layer %u out of range: session has %u layers",
 			    update->layer, h->layers);
 		return false;
 	}
 	if (update->tokens == 0) {
-		reply_error(connection, id, ZC_EINVALID, "a block needs at least one token");
+		reply_error(connection, &connection->current, id, ZC_EINVALID, "a block needs at least one token");
 		return false;
 	}
 	if (update->tokens > h->max_tokens) {
-		reply_error(connection, id, ZC_EEXHAUSTED,
+		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED,
 			    "a block of %u tokens exceeds max_tokens %u; nothing was stored",
 			    update->tokens, h->max_tokens);
 		return false;
@@ -474,19 +523,19 @@ static bool handle_update(struct connection *connection, const wire_request *req
 	if (update->staged) {
 		struct staging *staging = connection->staging;
 		if (!staging) {
-			reply_error(connection, id, ZC_EPRECONDITION,
+			reply_error(connection, &connection->current, id, ZC_EPRECONDITION,
 				    "staged update without a staging buffer: request one first");
 			return false;
 		}
 		if (request->keys.len || request->values.len) {
-			reply_error(connection, id, ZC_EINVALID, "a staged update carries no inline bytes");
+			reply_error(connection, &connection->current, id, ZC_EINVALID, "a staged update carries no inline bytes");
 			return false;
 		}
 		if ((update->keys_offset | update->values_offset) & 1 ||
 		    update->keys_offset > staging->bytes || key_bytes > staging->bytes - update->keys_offset ||
 		    update->values_offset > staging->bytes ||
 		    value_bytes > staging->bytes - update->values_offset) {
-			reply_error(connection, id, ZC_EINVALID,
+			reply_error(connection, &connection->current, id, ZC_EINVALID,
 				    "staging offsets out of range: keys %llu+%llu, values %llu+%llu bytes "
 				    "in a %llu-byte buffer (offsets must be even)",
 				    (unsigned long long)update->keys_offset, (unsigned long long)key_bytes,
@@ -503,7 +552,7 @@ static bool handle_update(struct connection *connection, const wire_request *req
 		job->values = (const uint16_t *)(staging->base + update->values_offset);
 	} else {
 		if (request->keys.len != key_bytes || request->values.len != value_bytes) {
-			reply_error(connection, id, ZC_EINVALID,
+			reply_error(connection, &connection->current, id, ZC_EINVALID,
 				    "byte lengths do not match the shape: keys %zu and values %zu bytes, "
 				    "but [batch %u, kv_heads %u, tokens %u] with head dims %u/%u needs %llu and %llu",
 				    request->keys.len, request->values.len, h->batch, h->kv_heads,
@@ -536,8 +585,30 @@ static bool handle_update(struct connection *connection, const wire_request *req
 out_nomem:
 	if (job)
 		job_free(job);
-	reply_error(connection, id, -ENOMEM, "out of memory");
+	reply_error(connection, &connection->current, id, -ENOMEM, "out of memory");
 	return false;
+}
+
+/* Every layer's accounting, taken while the job owns the session. */
+static void stats_snapshot(struct request_job *job)
+{
+	struct store *store = job->job.session->store;
+	uint32_t layers = store_header(store)->layers;
+	job->layer_stats = calloc(layers, sizeof(*job->layer_stats));
+	if (!job->layer_stats)
+		return;
+	for (uint32_t i = 0; i < layers; i++)
+		store_layer_stats(store, i, &job->layer_stats[i]);
+}
+
+/* On the loop thread: the snapshot moves the daemon-wide totals. */
+static void stats_account(struct request_job *job)
+{
+	struct session *session = job->job.session;
+	if (!job->layer_stats)
+		return;
+	for (uint32_t i = 0; i < store_header(session->store)->layers; i++)
+		session_account_layer(&job->connection->server->sessions, session, &job->layer_stats[i]);
 }
 
 static void trim_run(struct job *base)
@@ -551,20 +622,22 @@ static void trim_run(struct job *base)
 	job->rc = store_trim(base->session->store, job->trim_tokens, &job->trimmed);
 	store_token_range(base->session->store, &low, &high);
 	job->stats.tokens = high;
+	stats_snapshot(job);
 }
 
 static void trim_done(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
+	stats_account(job);
 	if (job->rc < 0) {
-		reply_error(job->connection, job->request_id, job->rc, "%s", job->message);
+		reply_error(job->connection, &job->meta, job->request_id, job->rc, "%s", job->message);
 	} else {
 		wire_response response;
 		response_init(&response, job->request_id);
 		response.msg.which_op = zipcache_v1_Response_trim_tag;
 		response.msg.op.trim.trimmed = job->trimmed;
 		response.msg.op.trim.tokens = job->stats.tokens;
-		reply_send(job->connection, &response, NULL, 0);
+		reply_send(job->connection, &job->meta, &response, NULL, 0);
 	}
 	request_finish(job->connection);
 	job_free(job);
@@ -573,18 +646,21 @@ static void trim_done(struct job *base)
 static void stats_run(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
-	const struct store_header *h = store_header(base->session->store);
 	if (base->session->closed) {
 		job_fail(job, ZC_ENOTFOUND, "session %llu was closed", (unsigned long long)base->session->id);
 		return;
 	}
-	job->layer_stats = calloc(h->layers, sizeof(*job->layer_stats));
-	if (!job->layer_stats) {
-		job_fail(job, -ENOMEM, "out of memory");
+	/* A session whose views were dropped is being looked at again. */
+	int rc = store_rebuild_views(base->session->store);
+	if (rc == STORE_EBUDGET)
+		rc = ZC_EEXHAUSTED;
+	if (rc < 0) {
+		job_fail(job, rc, "cannot rebuild the views: %s", zc_strerror(rc));
 		return;
 	}
-	for (uint32_t i = 0; i < h->layers; i++)
-		store_layer_stats(base->session->store, i, &job->layer_stats[i]);
+	stats_snapshot(job);
+	if (!job->layer_stats)
+		job_fail(job, -ENOMEM, "out of memory");
 }
 
 static void stats_done(struct job *base)
@@ -596,12 +672,13 @@ static void stats_done(struct job *base)
 	zipcache_v1_LayerStats *layers = NULL;
 
 	if (job->rc < 0) {
-		reply_error(connection, job->request_id, job->rc, "%s", job->message);
+		reply_error(connection, &job->meta, job->request_id, job->rc, "%s", job->message);
 		goto out;
 	}
+	stats_account(job);
 	layers = calloc(h->layers, sizeof(*layers));
 	if (!layers) {
-		reply_error(connection, job->request_id, -ENOMEM, "out of memory");
+		reply_error(connection, &job->meta, job->request_id, -ENOMEM, "out of memory");
 		goto out;
 	}
 	struct store_layer_stats total = { .layer = h->layers };
@@ -633,7 +710,7 @@ static void stats_done(struct job *base)
 	server_counters_fill(server, stats);
 	response.layers = layers;
 	response.n_layers = h->layers;
-	reply_send(connection, &response, NULL, 0);
+	reply_send(connection, &job->meta, &response, NULL, 0);
 out:
 	free(layers);
 	request_finish(connection);
@@ -652,7 +729,7 @@ static void close_done(struct job *base)
 	struct session *session = base->session;
 
 	if (session->closed) {
-		reply_error(job->connection, job->request_id, ZC_ENOTFOUND, "session %llu was closed",
+		reply_error(job->connection, &job->meta, job->request_id, ZC_ENOTFOUND, "session %llu was closed",
 			    (unsigned long long)session->id);
 	} else {
 		session_retire(&server->sessions, session, true);
@@ -662,7 +739,7 @@ static void close_done(struct job *base)
 		wire_response response;
 		response_init(&response, job->request_id);
 		response.msg.which_op = zipcache_v1_Response_close_session_tag;
-		reply_send(job->connection, &response, NULL, 0);
+		reply_send(job->connection, &job->meta, &response, NULL, 0);
 	}
 	request_finish(job->connection);
 	job_free(job);
@@ -676,13 +753,13 @@ static bool handle_session_job(struct connection *connection, const wire_request
 	struct session *session = session_find(&server->sessions, session_id, connection->uid);
 
 	if (!session) {
-		reply_error(connection, id, ZC_ENOTFOUND, "no session %llu",
+		reply_error(connection, &connection->current, id, ZC_ENOTFOUND, "no session %llu",
 			    (unsigned long long)session_id);
 		return false;
 	}
 	struct request_job *job = job_new(connection, session, id, kind);
 	if (!job) {
-		reply_error(connection, id, -ENOMEM, "out of memory");
+		reply_error(connection, &connection->current, id, -ENOMEM, "out of memory");
 		return false;
 	}
 	switch (kind) {
@@ -719,7 +796,7 @@ static void handle_server_stats(struct connection *connection, const wire_reques
 	response.msg.op.stats.memory_used_bytes = server_memory_bytes(server);
 	response.msg.op.stats.memory_budget_bytes = server->options.memory_budget;
 	server_counters_fill(server, &response.msg.op.stats);
-	reply_send(connection, &response, NULL, 0);
+	reply_send(connection, &connection->current, &response, NULL, 0);
 }
 
 static void handle_list(struct connection *connection, const wire_request *request)
@@ -730,7 +807,7 @@ static void handle_list(struct connection *connection, const wire_request *reque
 	size_t count = 0;
 
 	if (!infos) {
-		reply_error(connection, request->msg.request_id, -ENOMEM, "out of memory");
+		reply_error(connection, &connection->current, request->msg.request_id, -ENOMEM, "out of memory");
 		return;
 	}
 	for (size_t i = 0; i < table->count; i++) {
@@ -742,7 +819,7 @@ static void handle_list(struct connection *connection, const wire_request *reque
 	response.msg.which_op = zipcache_v1_Response_list_sessions_tag;
 	response.sessions = infos;
 	response.n_sessions = count;
-	reply_send(connection, &response, NULL, 0);
+	reply_send(connection, &connection->current, &response, NULL, 0);
 	free(infos);
 }
 
@@ -754,21 +831,21 @@ static void handle_staging(struct connection *connection, const wire_request *re
 	struct staging *staging;
 
 	if (bytes == 0 || bytes > server->options.max_staging_bytes) {
-		reply_error(connection, id, bytes ? ZC_EEXHAUSTED : ZC_EINVALID,
+		reply_error(connection, &connection->current, id, bytes ? ZC_EEXHAUSTED : ZC_EINVALID,
 			    "staging buffer of %llu bytes is outside 1..%llu",
 			    (unsigned long long)bytes, (unsigned long long)server->options.max_staging_bytes);
 		return;
 	}
 	int rc = staging_create(bytes, &staging);
 	if (rc < 0) {
-		reply_error(connection, id, rc, "cannot create a staging buffer: %s", zc_strerror(rc));
+		reply_error(connection, &connection->current, id, rc, "cannot create a staging buffer: %s", zc_strerror(rc));
 		return;
 	}
 	int fd = dup(staging->fd);
 	if (fd < 0) {
 		rc = -errno;
 		staging_unref(staging);
-		reply_error(connection, id, rc, "cannot share the staging buffer: %s", zc_strerror(rc));
+		reply_error(connection, &connection->current, id, rc, "cannot share the staging buffer: %s", zc_strerror(rc));
 		return;
 	}
 	/* Jobs still reading the old buffer keep it alive. */
@@ -778,19 +855,23 @@ static void handle_staging(struct connection *connection, const wire_request *re
 	response_init(&response, id);
 	response.msg.which_op = zipcache_v1_Response_staging_tag;
 	response.msg.op.staging.bytes = staging->bytes;
-	reply_send(connection, &response, &fd, 1);
+	reply_send(connection, &connection->current, &response, &fd, 1);
 }
 
 void dispatch_request(struct connection *connection, const uint8_t *frame, size_t len)
 {
 	struct server *server = connection->server;
 	wire_request request;
+	connection->current.start_ns = uv_hrtime();
+	connection->current.op = METRICS_OP_INVALID;
 	int rc = wire_request_decode(frame, len, &request);
 
 	server->counters.requests++;
+	if (rc == 0)
+		connection->current.op = metrics_op_of(request.msg.which_op);
 	if (rc < 0) {
 		/* Framing is intact, so the connection stays usable. */
-		reply_error(connection, 0, ZC_EINVALID, "malformed request: %s",
+		reply_error(connection, &connection->current, 0, ZC_EPROTOCOL, "malformed request: %s",
 			    request.error ? request.error : zc_strerror(rc));
 		request_finish(connection);
 		return;
@@ -828,7 +909,7 @@ void dispatch_request(struct connection *connection, const uint8_t *frame, size_
 		handle_staging(connection, &request);
 		break;
 	default:
-		reply_error(connection, request.msg.request_id, ZC_EINVALID,
+		reply_error(connection, &connection->current, request.msg.request_id, ZC_EINVALID,
 			    "request carries no known operation");
 		break;
 	}
@@ -840,9 +921,26 @@ void dispatch_request(struct connection *connection, const uint8_t *frame, size_
 void dispatch_reject_frame(struct connection *connection, int error)
 {
 	connection->in_flight++;
-	reply_error(connection, 0, error, "frame exceeds the limit of %u bytes; closing the connection",
+	connection->current.start_ns = uv_hrtime();
+	connection->current.op = METRICS_OP_INVALID;
+	reply_error(connection, &connection->current, 0, error, "frame exceeds the limit of %u bytes; closing the connection",
 		    connection->server->options.max_frame_bytes);
 	request_finish(connection);
+}
+
+void dispatch_refuse_connection(struct server *server, int fd)
+{
+	wire_response response;
+	uint8_t frame[512];
+	size_t len;
+	char message[128];
+
+	response_init(&response, 0);
+	snprintf(message, sizeof(message), server->stopping ? "the daemon is stopping" :
+		 "connection limit of %u reached", server->options.max_connections);
+	wire_response_set_status(&response, ZC_EEXHAUSTED, message);
+	if (wire_response_encode(&response, frame, sizeof(frame), &len) == 0)
+		(void)!send(fd, frame, len, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
 void dispatch_connection_closed(struct server *server)

@@ -3,6 +3,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <systemd/sd-daemon.h>
+
 #include "log.h"
 #include "options.h"
 #include "server.h"
@@ -33,6 +35,8 @@ int main(int argc, char **argv)
 		 zc_isa_name(zc_codec_isa()), server.sessions.count);
 	printf("zipcached %s listening on %s\n", ZIPCACHE_VERSION, options.socket_path);
 	fflush(stdout);
+	/* Under systemd (Type=notify) this is readiness; elsewhere a no-op. */
+	sd_notifyf(0, "READY=1\nSTATUS=listening on %s", options.socket_path);
 	uv_run(loop, UV_RUN_DEFAULT);
 	server_free(&server);
 	uv_loop_close(loop);

@@ -45,6 +45,7 @@ void options_default(struct options *options)
 	options->offload_elements = 1u << 16;
 	options->log_level = LOG_INFO;
 	options->adopt = true;
+	snprintf(options->metrics_listen, sizeof(options->metrics_listen), "127.0.0.1:9464");
 }
 
 void options_print_help(const char *program)
@@ -69,14 +70,16 @@ void options_print_help(const char *program)
 	       "  --idle-ttl SECONDS       close sessions idle this long, 0 = never (default %llu)\n"
 	       "  --offload-elements N     blocks above this many elements run on worker threads (default %u)\n"
 	       "  --no-adopt               delete session files left by an earlier run instead of adopting them\n"
+	       "  --metrics-listen ADDR    HTTP /metrics and /healthz on HOST:PORT, or off (default %s)\n"
 	       "  --log-level LEVEL        error|warn|info|debug (default info)\n"
+	       "  --config FILE            read flags from FILE first: `flag-name = value` per line, # comments\n"
 	       "  --help                   this text\n"
 	       "  --version                the version\n"
 	       "Sizes accept a K, M or G suffix (powers of 1024).\n",
 	       program, d.socket_path, d.socket_mode, d.shm_dir, d.max_frame_bytes,
 	       d.max_inline_bytes, d.max_connections, d.max_sessions, d.max_tokens,
 	       (unsigned long long)d.max_staging_bytes, (unsigned long long)d.idle_ttl_seconds,
-	       d.offload_elements);
+	       d.offload_elements, d.metrics_listen);
 }
 
 /* A non-negative integer with an optional K/M/G suffix, nothing else. */
@@ -107,7 +110,8 @@ static int parse_size(const char *text, uint64_t max, uint64_t *out)
 enum option_id {
 	OPT_SOCKET = 1000, OPT_SOCKET_MODE, OPT_SHM_DIR, OPT_MAX_FRAME, OPT_MAX_INLINE,
 	OPT_MAX_CONNECTIONS, OPT_MAX_SESSIONS, OPT_MAX_TOKENS, OPT_MAX_STAGING, OPT_BUDGET,
-	OPT_TTL, OPT_OFFLOAD, OPT_NO_ADOPT, OPT_LOG_LEVEL, OPT_HELP, OPT_VERSION
+	OPT_TTL, OPT_OFFLOAD, OPT_NO_ADOPT, OPT_LOG_LEVEL, OPT_METRICS, OPT_CONFIG, OPT_HELP,
+	OPT_VERSION
 };
 
 static const struct option long_options[] = {
@@ -125,6 +129,8 @@ static const struct option long_options[] = {
 	{ "offload-elements", required_argument, NULL, OPT_OFFLOAD },
 	{ "no-adopt", no_argument, NULL, OPT_NO_ADOPT },
 	{ "log-level", required_argument, NULL, OPT_LOG_LEVEL },
+	{ "metrics-listen", required_argument, NULL, OPT_METRICS },
+	{ "config", required_argument, NULL, OPT_CONFIG },
 	{ "help", no_argument, NULL, OPT_HELP },
 	{ "version", no_argument, NULL, OPT_VERSION },
 	{ NULL, 0, NULL, 0 }
@@ -154,7 +160,16 @@ static int option_apply(struct options *o, int id, const char *arg)
 		snprintf(o->shm_dir, sizeof(o->shm_dir), "%s", arg);
 		return 0;
 	case OPT_NO_ADOPT:
+		if (arg && strcmp(arg, "true") != 0 && strcmp(arg, "yes") != 0 && strcmp(arg, "1") != 0)
+			return -EINVAL;
 		o->adopt = false;
+		return 0;
+	case OPT_METRICS:
+		if (strlen(arg) >= sizeof(o->metrics_listen))
+			return -ENAMETOOLONG;
+		if (strcmp(arg, "off") != 0 && !strchr(arg, ':'))
+			return -EINVAL;
+		snprintf(o->metrics_listen, sizeof(o->metrics_listen), "%s", arg);
 		return 0;
 	case OPT_LOG_LEVEL:
 		return log_level_parse(arg, &o->log_level);
@@ -202,11 +217,82 @@ static int option_apply(struct options *o, int id, const char *arg)
 	return -EINVAL;
 }
 
+static const char *option_name(int id)
+{
+	for (const struct option *o = long_options; o->name; o++)
+		if (o->val == id)
+			return o->name;
+	return "?";
+}
+
+static char *trim(char *text)
+{
+	while (*text == ' ' || *text == '\t')
+		text++;
+	size_t len = strlen(text);
+	while (len && (text[len - 1] == ' ' || text[len - 1] == '\t' || text[len - 1] == '\r' ||
+		       text[len - 1] == '\n'))
+		text[--len] = '\0';
+	return text;
+}
+
+int options_load_file(struct options *options, const char *path)
+{
+	char line[4352];
+	unsigned number = 0;
+	FILE *file = fopen(path, "re");
+	int rc = 0;
+
+	if (!file) {
+		fprintf(stderr, "zipcached: cannot read config %s: %s\n", path, strerror(errno));
+		return -EINVAL;
+	}
+	while (rc == 0 && fgets(line, sizeof(line), file)) {
+		number++;
+		char *text = trim(line);
+		if (!*text || *text == '#')
+			continue;
+		char *equals = strchr(text, '=');
+		if (!equals) {
+			fprintf(stderr, "zipcached: %s:%u: expected `flag-name = value`\n", path, number);
+			rc = -EINVAL;
+			break;
+		}
+		*equals = '\0';
+		char *key = trim(text), *value = trim(equals + 1);
+		const struct option *found = NULL;
+		for (const struct option *o = long_options; o->name; o++)
+			if (strcmp(o->name, key) == 0)
+				found = o;
+		if (!found || found->val == OPT_CONFIG || found->val == OPT_HELP ||
+		    found->val == OPT_VERSION) {
+			fprintf(stderr, "zipcached: %s:%u: unknown setting '%s'\n", path, number, key);
+			rc = -EINVAL;
+			break;
+		}
+		rc = option_apply(options, found->val, value);
+		if (rc < 0) {
+			fprintf(stderr, "zipcached: %s:%u: bad value for %s: '%s' (%s)\n", path, number,
+				key, value, strerror(-rc));
+			rc = -EINVAL;
+		}
+	}
+	fclose(file);
+	return rc;
+}
+
 int options_parse(struct options *options, int argc, char **argv)
 {
 	int id;
+
+	/* The file first, so that flags on the command line win. */
 	optind = 1;
 	opterr = 0;
+	while ((id = getopt_long(argc, argv, "", long_options, NULL)) != -1) {
+		if (id == OPT_CONFIG && options_load_file(options, optarg) < 0)
+			return -EINVAL;
+	}
+	optind = 1;
 	while ((id = getopt_long(argc, argv, "", long_options, NULL)) != -1) {
 		if (id == OPT_HELP) {
 			options_print_help(argv[0]);
@@ -221,10 +307,12 @@ int options_parse(struct options *options, int argc, char **argv)
 				argv[optind - 1]);
 			return -EINVAL;
 		}
+		if (id == OPT_CONFIG)
+			continue;
 		int rc = option_apply(options, id, optarg);
 		if (rc < 0) {
-			fprintf(stderr, "zipcached: bad value for %s: '%s' (%s)\n", argv[optind - 2 >= 0 ? optind - 2 : 0],
-				optarg, strerror(-rc));
+			fprintf(stderr, "zipcached: bad value for --%s: '%s' (%s)\n", option_name(id),
+				optarg ? optarg : "", strerror(-rc));
 			return -EINVAL;
 		}
 	}
@@ -232,9 +320,8 @@ int options_parse(struct options *options, int argc, char **argv)
 		fprintf(stderr, "zipcached: unexpected argument: %s (see --help)\n", argv[optind]);
 		return -EINVAL;
 	}
-	if (options->max_inline_bytes > options->max_frame_bytes - 1024) {
-		fprintf(stderr, "zipcached: --max-inline-bytes must be at least 1K below --max-frame-bytes\n");
-		return -EINVAL;
-	}
+	/* Inline K/V must fit a frame with room for the rest of the message. */
+	if (options->max_inline_bytes > options->max_frame_bytes - 1024)
+		options->max_inline_bytes = options->max_frame_bytes - 1024;
 	return 0;
 }

@@ -22,13 +22,19 @@ struct options {
 	uint32_t offload_elements; /* blocks larger than this go to the thread pool */
 	enum log_level log_level;
 	bool adopt;
+	char metrics_listen[272]; /* HOST:PORT, or "off" */
 };
 
 void options_default(struct options *options);
 
 /* 0 to run; 1 when --help/--version was printed; -EINVAL after printing
- * what was wrong to stderr. */
+ * what was wrong to stderr. A --config FILE is read first, wherever it
+ * stands, so the command line overrides the file. */
 int options_parse(struct options *options, int argc, char **argv);
+
+/* Applies a config file: one `flag-name = value` per line (the long flag
+ * without its dashes), `#` comments, blank lines; `no-adopt = true`. */
+int options_load_file(struct options *options, const char *path);
 
 void options_print_help(const char *program);
 

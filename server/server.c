@@ -17,7 +17,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <systemd/sd-daemon.h>
+
 #include "connection.h"
+#include "http.h"
 #include "log.h"
 #include "store.h"
 
@@ -164,7 +167,7 @@ static void sessions_adopt(struct server *server)
 		}
 		struct store *store;
 		struct session *session;
-		int rc = store_adopt(path, &store);
+		int rc = store_adopt(path, &server->budget, &store);
 		if (rc == 0 && session_find(&server->sessions, store_header(store)->session_id,
 					    store_header(store)->owner_uid)) {
 			store_close(store, false);
@@ -248,6 +251,7 @@ void server_stop(struct server *server)
 	if (server->stopping)
 		return;
 	server->stopping = true;
+	sd_notify(0, "STOPPING=1");
 	server->stop_deadline_ms = uv_now(server->loop) + STOP_GRACE_MS;
 	if (server->listening) {
 		server->listening = false;
@@ -282,6 +286,7 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	server->lock_fd = -1;
 	loop->data = server;
 	server->started_ms = uv_now(loop);
+	server->budget.limit = options->memory_budget;
 	session_table_init(&server->sessions, loop);
 	rc = boot_epoch_make(&server->boot_epoch);
 	if (rc < 0)
@@ -298,6 +303,16 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 		log_error("server", "cannot listen", "socket=%s error=%s", options->socket_path,
 			  rc == -EADDRINUSE ? "a live zipcached already listens there" : strerror(-rc));
 		return rc;
+	}
+	if (strcmp(options->metrics_listen, "off") != 0) {
+		rc = http_start(server, options->metrics_listen, &server->http);
+		if (rc < 0)
+			/* The cache still works without its metrics; say so loudly. */
+			log_error("server", "metrics endpoint disabled", "listen=%s error=%s",
+				  options->metrics_listen, strerror(-rc));
+		else
+			log_info("server", "metrics endpoint", "listen=%s port=%u", options->metrics_listen,
+				 http_port(server->http));
 	}
 	uv_signal_init(loop, &server->sigterm);
 	uv_signal_init(loop, &server->sigint);
@@ -336,6 +351,8 @@ void server_free(struct server *server)
 	}
 	while (server->connections)
 		connection_close(server->connections);
+	http_stop(server->http);
+	server->http = NULL;
 	/* Let the close callbacks run, then release what they released. */
 	uv_run(server->loop, UV_RUN_DEFAULT);
 	session_table_free(&server->sessions);
@@ -345,8 +362,43 @@ void server_free(struct server *server)
 
 uint64_t server_memory_bytes(const struct server *server)
 {
-	uint64_t total = 0;
-	for (size_t i = 0; i < server->sessions.count; i++)
-		total += store_memory_bytes(server->sessions.items[i]->store);
-	return total;
+	return __atomic_load_n(&server->budget.used, __ATOMIC_RELAXED);
+}
+
+static int by_last_use(const void *a, const void *b)
+{
+	const struct session *x = *(struct session *const *)a, *y = *(struct session *const *)b;
+	return x->last_used_ms < y->last_used_ms ? -1 : x->last_used_ms > y->last_used_ms;
+}
+
+uint64_t server_relieve_memory(struct server *server, uint64_t wanted, const struct session *keep)
+{
+	struct session_table *table = &server->sessions;
+	struct session **candidates = calloc(table->count + 1, sizeof(*candidates));
+	size_t count = 0;
+	uint64_t freed = 0;
+
+	if (!candidates)
+		return 0;
+	for (size_t i = 0; i < table->count; i++) {
+		struct session *s = table->items[i];
+		if (s != keep && session_idle(s))
+			candidates[count++] = s;
+	}
+	qsort(candidates, count, sizeof(*candidates), by_last_use);
+	for (size_t i = 0; i < count && freed < wanted; i++) {
+		uint64_t bytes = 0;
+		int rc = store_drop_views(candidates[i]->store, &bytes);
+		if (rc < 0)
+			log_warn("server", "cannot drop views", "session=%llu error=%s",
+				 (unsigned long long)candidates[i]->id, zc_strerror(rc));
+		if (bytes == 0)
+			continue;
+		freed += bytes;
+		server->metrics.view_drops++;
+		log_info("server", "dropped idle views", "session=%llu bytes=%llu",
+			 (unsigned long long)candidates[i]->id, (unsigned long long)bytes);
+	}
+	free(candidates);
+	return freed;
 }

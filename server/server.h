@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "metrics.h"
 #include "options.h"
 #include "session.h"
 
@@ -40,11 +41,14 @@ struct server {
 	uv_timer_t stop_timer;
 	int lock_fd;
 	struct session_table sessions;
+	struct store_budget budget;
 	struct connection *connections;
 	uint32_t n_connections;
 	bool stopping;
 	uint64_t stop_deadline_ms;
 	struct server_counters counters;
+	struct metrics metrics;
+	struct http_endpoint *http;
 };
 
 /* Binds the socket, adopts (or clears) old sessions, starts serving on loop. */
@@ -62,5 +66,10 @@ void server_free(struct server *server);
 
 /* Shared memory in use by all sessions, bytes. */
 uint64_t server_memory_bytes(const struct server *server);
+
+/* Under memory pressure: drops the fp16 views of idle sessions, least
+ * recently used first (never `keep`'s), until `wanted` bytes came back
+ * or no candidate is left. Returns the bytes freed. */
+uint64_t server_relieve_memory(struct server *server, uint64_t wanted, const struct session *keep);
 
 #endif

@@ -25,7 +25,42 @@ void session_table_init(struct session_table *table, uv_loop_t *loop)
 static void session_free(struct session *session, bool remove_file)
 {
 	store_close(session->store, remove_file);
+	free(session->accounted);
 	free(session);
+}
+
+static void totals_add(struct session_totals *totals, const struct store_layer_stats *s, int sign)
+{
+	/* Unsigned wrap-around makes subtraction by adding the negation exact. */
+	uint64_t k = (uint64_t)(int64_t)sign;
+	totals->tokens += k * s->tokens;
+	totals->key.compressed += k * s->key.compressed;
+	totals->key.baseline += k * s->key.baseline;
+	totals->key.fp16 += k * s->key.fp16;
+	totals->value.compressed += k * s->value.compressed;
+	totals->value.baseline += k * s->value.baseline;
+	totals->value.fp16 += k * s->value.fp16;
+}
+
+void session_account_layer(struct session_table *table, struct session *session,
+			   const struct store_layer_stats *now)
+{
+	if (!session->accounted || session->closed)
+		return;
+	struct store_layer_stats *before = &session->accounted[now->layer];
+	totals_add(&table->totals, before, -1);
+	totals_add(&table->totals, now, 1);
+	*before = *now;
+}
+
+void session_account_all(struct session_table *table, struct session *session)
+{
+	uint32_t layers = store_header(session->store)->layers;
+	for (uint32_t i = 0; i < layers; i++) {
+		struct store_layer_stats now;
+		store_layer_stats(session->store, i, &now);
+		session_account_layer(table, session, &now);
+	}
 }
 
 void session_table_free(struct session_table *table)
@@ -55,9 +90,17 @@ int session_table_add(struct session_table *table, struct store *store, struct s
 	memcpy(session->name, h->name, sizeof(session->name));
 	session->store = store;
 	session->last_used_ms = session_now_ms();
+	session->accounted = calloc(h->layers, sizeof(*session->accounted));
+	if (!session->accounted) {
+		free(session);
+		return -ENOMEM;
+	}
+	for (uint32_t i = 0; i < h->layers; i++)
+		session->accounted[i].layer = i;
 	table->items[table->count++] = session;
 	if (session->id >= table->next_id)
 		table->next_id = session->id + 1;
+	session_account_all(table, session);
 	*out = session;
 	return 0;
 }
@@ -89,6 +132,9 @@ bool session_idle(const struct session *session)
 
 void session_retire(struct session_table *table, struct session *session, bool remove_file)
 {
+	uint32_t layers = store_header(session->store)->layers;
+	for (uint32_t i = 0; i < layers; i++)
+		totals_add(&table->totals, &session->accounted[i], -1);
 	session->closed = true;
 	for (size_t i = 0; i < table->count; i++) {
 		if (table->items[i] == session) {
@@ -176,5 +222,18 @@ void session_submit(struct session_table *table, struct job *job)
 	else
 		session->queue_head = job;
 	session->queue_tail = job;
+	session_start_next(table, session);
+}
+
+void session_submit_front(struct session_table *table, struct job *job)
+{
+	struct session *session = job->session;
+	job->table = table;
+	session->refs++;
+	table->jobs_in_flight++;
+	job->next = session->queue_head;
+	session->queue_head = job;
+	if (!session->queue_tail)
+		session->queue_tail = job;
 	session_start_next(table, session);
 }

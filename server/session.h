@@ -28,6 +28,13 @@ struct job {
 	void (*done)(struct job *job);
 };
 
+/* Bytes and tokens summed over every session's layers, for metrics. */
+struct session_totals {
+	uint64_t tokens;
+	zc_byte_count key;
+	zc_byte_count value;
+};
+
 struct session {
 	uint64_t id;
 	uint32_t owner_uid;
@@ -38,6 +45,8 @@ struct session {
 	bool running;                 /* a job of this session is executing */
 	bool closed;                  /* closed: no new work, freed when idle */
 	unsigned refs;                /* jobs and lookups holding it */
+	/* Each layer's accounting as last added to the table's totals. */
+	struct store_layer_stats *accounted;
 };
 
 struct session_table {
@@ -46,6 +55,7 @@ struct session_table {
 	uint64_t next_id;
 	uv_loop_t *loop;
 	uint64_t jobs_in_flight;
+	struct session_totals totals;
 };
 
 void session_table_init(struct session_table *table, uv_loop_t *loop);
@@ -71,7 +81,18 @@ bool session_release_if_unused(struct session *session);
 /* Queues a job behind the session's others and starts it if it is first. */
 void session_submit(struct session_table *table, struct job *job);
 
+/* Queues a job ahead of the others: a retry keeps its place in line. */
+void session_submit_front(struct session_table *table, struct job *job);
+
 bool session_idle(const struct session *session);
+
+/* Moves the table's totals from what a layer was last counted as to `now`
+ * (a snapshot a job took). Loop thread only. */
+void session_account_layer(struct session_table *table, struct session *session,
+			   const struct store_layer_stats *now);
+
+/* Re-counts every layer from the store; only while no job runs on it. */
+void session_account_all(struct session_table *table, struct session *session);
 
 uint64_t session_now_ms(void);
 

@@ -32,6 +32,8 @@
 #define ARENA_TOKEN_FACTOR 2u
 
 struct store {
+	struct store_budget *budget;
+	uint64_t charged;         /* bytes of budget.used that are this file's */
 	int fd;
 	uint8_t *base;
 	size_t file_bytes;
@@ -116,21 +118,66 @@ static zc_codec_config header_codec(const struct store_header *h)
 	};
 }
 
+static uint64_t view_rebuilds;
+
+uint64_t store_view_rebuilds_total(void)
+{
+	return __atomic_load_n(&view_rebuilds, __ATOMIC_RELAXED);
+}
+
+static uint64_t file_allocated(const struct store *store)
+{
+	struct stat st;
+	return fstat(store->fd, &st) == 0 ? (uint64_t)st.st_blocks * 512 : 0;
+}
+
+/* Takes `bytes` of the budget, or fails without taking any. */
+static int budget_take(struct store_budget *budget, uint64_t bytes)
+{
+	if (!budget)
+		return 0;
+	uint64_t used = __atomic_load_n(&budget->used, __ATOMIC_RELAXED);
+	do {
+		if (budget->limit && used + bytes > budget->limit)
+			return STORE_EBUDGET;
+	} while (!__atomic_compare_exchange_n(&budget->used, &used, used + bytes, true,
+					      __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+	return 0;
+}
+
+static void budget_give(struct store_budget *budget, uint64_t bytes)
+{
+	if (budget)
+		__atomic_fetch_sub(&budget->used, bytes, __ATOMIC_RELAXED);
+}
+
 /* Makes pages real before they are written, so that a full tmpfs is an
- * error we can report instead of a SIGBUS on the next store. */
+ * error we can report instead of a SIGBUS on the next store. The budget
+ * is charged what the file really grew by (a range may overlap pages
+ * that exist already). */
 static int reserve_range(struct store *store, uint64_t offset, uint64_t bytes)
 {
 	if (bytes == 0)
 		return 0;
 	uint64_t start = offset / PAGE_BYTES * PAGE_BYTES;
 	uint64_t end = round_up(offset + bytes, PAGE_BYTES);
+	int rc = budget_take(store->budget, end - start);
+	if (rc < 0)
+		return rc;
+	uint64_t before = file_allocated(store);
 	if (fallocate(store->fd, 0, (off_t)start, (off_t)(end - start)) < 0) {
 		int err = errno;
+		budget_give(store->budget, end - start);
 		log_warn("store", "fallocate failed", "path=%s offset=%llu bytes=%llu error=%s",
 			 store->path, (unsigned long long)start,
 			 (unsigned long long)(end - start), strerror(err));
 		return err == ENOSPC || err == ENOMEM ? ZC_EEXHAUSTED : -err;
 	}
+	uint64_t grown = file_allocated(store) - before;
+	if (grown > end - start)
+		grown = end - start;
+	budget_give(store->budget, end - start - grown);
+	store->charged += grown;
 	return 0;
 }
 
@@ -290,7 +337,8 @@ static int store_map(struct store *store, size_t bytes)
 	return 0;
 }
 
-int store_create(const char *dir, const struct store_params *params, struct store **out)
+int store_create(const char *dir, const struct store_params *params,
+		 struct store_budget *budget, struct store **out)
 {
 	struct store_header layout = { 0 };
 	struct store *store;
@@ -317,6 +365,7 @@ int store_create(const char *dir, const struct store_params *params, struct stor
 	store = calloc(1, sizeof(*store));
 	if (!store)
 		return -ENOMEM;
+	store->budget = budget;
 	snprintf(store->path, sizeof(store->path), "%s/session-%016llx.zcs", dir,
 		 (unsigned long long)params->session_id);
 	store->fd = open(store->path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
@@ -357,6 +406,7 @@ int store_create(const char *dir, const struct store_params *params, struct stor
 	return 0;
 
 out_unlink:
+	budget_give(store->budget, store->charged);
 	unlink(store->path);
 	close(store->fd);
 out_free:
@@ -463,7 +513,7 @@ static int layer_recover(struct store *store, uint32_t layer)
 	return 0;
 }
 
-int store_adopt(const char *path, struct store **out)
+int store_adopt(const char *path, struct store_budget *budget, struct store **out)
 {
 	struct stat st;
 	struct store *store = calloc(1, sizeof(*store));
@@ -505,6 +555,13 @@ int store_adopt(const char *path, struct store **out)
 			l->sequence++;
 		l->view_valid = 0;
 	}
+	/* What an adopted file holds counts, even past the budget: refusing
+	 * it would lose acknowledged tokens. New reservations then wait
+	 * until views are dropped or sessions close. */
+	store->budget = budget;
+	store->charged = file_allocated(store);
+	if (budget)
+		__atomic_fetch_add(&budget->used, store->charged, __ATOMIC_RELAXED);
 	*out = store;
 	return 0;
 
@@ -521,6 +578,7 @@ void store_close(struct store *store, bool remove_file)
 {
 	if (!store)
 		return;
+	budget_give(store->budget, store->charged);
 	munmap(store->base, store->file_bytes);
 	close(store->fd);
 	if (remove_file)
@@ -861,10 +919,13 @@ void store_token_range(const struct store *store, uint32_t *min_tokens, uint32_t
 	*max_tokens = high;
 }
 
-int store_drop_views(struct store *store)
+int store_drop_views(struct store *store, uint64_t *freed)
 {
 	struct store_header *h = store->header;
-	for (uint32_t i = 0; i < h->layers; i++) {
+	uint64_t before = file_allocated(store);
+	int rc = 0;
+
+	for (uint32_t i = 0; i < h->layers && rc == 0; i++) {
 		struct store_layer_header *l = &h->layer[i];
 		uint64_t start = store_key_view_offset(store, i);
 		uint64_t bytes = view_bytes(h, h->head_dim_k) + view_bytes(h, h->head_dim_v);
@@ -873,15 +934,21 @@ int store_drop_views(struct store *store)
 		sequence_begin(l);
 		if (fallocate(store->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)start,
 			      (off_t)bytes) < 0) {
-			int err = errno;
-			sequence_end(l);
-			return -err;
+			rc = -errno;
+		} else {
+			l->reserved_view_tokens = 0;
+			l->view_valid = 0;
 		}
-		l->reserved_view_tokens = 0;
-		l->view_valid = 0;
 		sequence_end(l);
 	}
-	return 0;
+	uint64_t after = file_allocated(store);
+	uint64_t released = before > after ? before - after : 0;
+	if (released > store->charged)
+		released = store->charged;
+	store->charged -= released;
+	budget_give(store->budget, released);
+	*freed = released;
+	return rc;
 }
 
 bool store_views_dropped(const struct store *store)
@@ -964,8 +1031,10 @@ static int views_rebuild_layer(struct store *store, uint32_t layer)
 			}
 		}
 	}
-	if (rc == 0)
+	if (rc == 0) {
 		l->view_valid = 1;
+		__atomic_fetch_add(&view_rebuilds, 1, __ATOMIC_RELAXED);
+	}
 	sequence_end(l);
 	return rc;
 }

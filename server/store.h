@@ -40,14 +40,30 @@ struct store_layer_stats {
 	zc_byte_count value;
 };
 
+/*
+ * Shared memory charged to all stores together. Reservations are taken
+ * with a compare-and-swap before the pages are allocated, so `used`
+ * never passes `limit` (0: no limit), even with jobs on several threads.
+ */
+struct store_budget {
+	uint64_t used;   /* atomic */
+	uint64_t limit;
+};
+
+/* A reservation that would pass the budget: the caller may free memory
+ * (drop idle views) and retry; clients see ZC_EEXHAUSTED. */
+#define STORE_EBUDGET (ZC_ERROR_BASE - 100)
+
 struct store;
 
-/* Validates params (ZC_EINVALID / codec codes), creates dir/NAME.zcs. */
-int store_create(const char *dir, const struct store_params *params, struct store **out);
+/* Validates params (ZC_EINVALID / codec codes), creates dir/NAME.zcs;
+ * its memory is charged to budget (which may be NULL). */
+int store_create(const char *dir, const struct store_params *params,
+		 struct store_budget *budget, struct store **out);
 
 /* Maps an existing store file after a daemon restart; checks that it is
- * self-consistent (ZC_ECORRUPT otherwise). */
-int store_adopt(const char *path, struct store **out);
+ * self-consistent (ZC_ECORRUPT otherwise) and charges what it holds. */
+int store_adopt(const char *path, struct store_budget *budget, struct store **out);
 
 /* Unmaps; with remove_file the file is deleted (closed sessions). */
 void store_close(struct store *store, bool remove_file);
@@ -82,11 +98,15 @@ void store_layer_stats(const struct store *store, uint32_t layer, struct store_l
 /* Tokens of the shortest and the longest layer. */
 void store_token_range(const struct store *store, uint32_t *min_tokens, uint32_t *max_tokens);
 
-/* Memory pressure: give back the views' pages (not the compressed data). */
-int store_drop_views(struct store *store);
+/* Memory pressure: give back the views' pages (not the compressed data);
+ * *freed is what the budget got back. */
+int store_drop_views(struct store *store, uint64_t *freed);
 bool store_views_dropped(const struct store *store);
 
 /* Rebuilds every dropped layer view from blocks and residual. */
 int store_rebuild_views(struct store *store);
+
+/* Layer views rebuilt since the process started (all stores). */
+uint64_t store_view_rebuilds_total(void);
 
 #endif

@@ -1,0 +1,281 @@
+/*
+ * Metrics: what the daemon counts and how it prints it in Prometheus's
+ * text format 0.0.4. One HELP and TYPE per family with all its samples
+ * together, counters ending in _total, cumulative histogram buckets with
+ * +Inf equal to _count. Per-session detail stays in `stats`, never in
+ * labels: a label per session would grow without bound.
+ */
+#include "metrics.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server.h"
+#include "store.h"
+#include "version.h"
+#include "wire.h"
+#include "zipcache/codec.h"
+
+static const char *const op_names[METRICS_OP_COUNT] = {
+	"hello", "open_session", "update_and_fetch", "trim", "close_session",
+	"stats", "list_sessions", "staging", "invalid",
+};
+
+static const char *const status_names[METRICS_STATUS_COUNT] = {
+	"ok", "invalid_argument", "not_found", "already_exists", "resource_exhausted",
+	"permission_denied", "failed_precondition", "internal",
+};
+
+static const char *const reason_names[METRICS_REASON_COUNT] = {
+	"invalid_argument", "malformed_request", "frame_too_large", "nonfinite_input",
+	"not_found", "already_exists", "resource_exhausted", "permission_denied",
+	"failed_precondition", "internal", "connection_refused",
+};
+
+/* Upper bounds in seconds: a decode step is tens of microseconds, a
+ * 4096-token prefill of one layer a few milliseconds. */
+static const double bucket_bounds[METRICS_BUCKETS] = {
+	0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
+	0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+};
+
+enum metrics_op metrics_op_of(pb_size_t which_op)
+{
+	switch (which_op) {
+	case zipcache_v1_Request_hello_tag:
+		return METRICS_OP_HELLO;
+	case zipcache_v1_Request_open_session_tag:
+		return METRICS_OP_OPEN_SESSION;
+	case zipcache_v1_Request_update_and_fetch_tag:
+		return METRICS_OP_UPDATE_AND_FETCH;
+	case zipcache_v1_Request_trim_tag:
+		return METRICS_OP_TRIM;
+	case zipcache_v1_Request_close_session_tag:
+		return METRICS_OP_CLOSE_SESSION;
+	case zipcache_v1_Request_stats_tag:
+		return METRICS_OP_STATS;
+	case zipcache_v1_Request_list_sessions_tag:
+		return METRICS_OP_LIST_SESSIONS;
+	case zipcache_v1_Request_staging_tag:
+		return METRICS_OP_STAGING;
+	}
+	return METRICS_OP_INVALID;
+}
+
+void metrics_request_done(struct metrics *metrics, uint8_t op, zipcache_v1_Status status,
+			  uint64_t elapsed_ns)
+{
+	double seconds = (double)elapsed_ns * 1e-9;
+	if (op >= METRICS_OP_COUNT)
+		op = METRICS_OP_INVALID;
+	if ((unsigned)status >= METRICS_STATUS_COUNT)
+		status = zipcache_v1_Status_INTERNAL;
+	metrics->requests[op][status]++;
+	metrics->latency_count[op]++;
+	metrics->latency_sum[op] += seconds;
+	for (int i = 0; i < METRICS_BUCKETS; i++) {
+		if (seconds <= bucket_bounds[i]) {
+			metrics->latency_buckets[op][i]++;
+			break;
+		}
+	}
+}
+
+void metrics_error_reason(struct metrics *metrics, enum metrics_reason reason)
+{
+	metrics->errors[reason]++;
+}
+
+void metrics_error(struct metrics *metrics, int error)
+{
+	enum metrics_reason reason;
+	switch (error) {
+	case ZC_EPROTOCOL:
+		reason = METRICS_REASON_MALFORMED_REQUEST;
+		break;
+	case ZC_EFRAMESIZE:
+		reason = METRICS_REASON_FRAME_TOO_LARGE;
+		break;
+	case ZC_ENONFINITE:
+		reason = METRICS_REASON_NONFINITE_INPUT;
+		break;
+	default:
+		switch (wire_status_from_error(error)) {
+		case zipcache_v1_Status_INVALID_ARGUMENT:
+			reason = METRICS_REASON_INVALID_ARGUMENT;
+			break;
+		case zipcache_v1_Status_NOT_FOUND:
+			reason = METRICS_REASON_NOT_FOUND;
+			break;
+		case zipcache_v1_Status_ALREADY_EXISTS:
+			reason = METRICS_REASON_ALREADY_EXISTS;
+			break;
+		case zipcache_v1_Status_RESOURCE_EXHAUSTED:
+			reason = METRICS_REASON_RESOURCE_EXHAUSTED;
+			break;
+		case zipcache_v1_Status_PERMISSION_DENIED:
+			reason = METRICS_REASON_PERMISSION_DENIED;
+			break;
+		case zipcache_v1_Status_FAILED_PRECONDITION:
+			reason = METRICS_REASON_FAILED_PRECONDITION;
+			break;
+		default:
+			reason = METRICS_REASON_INTERNAL;
+			break;
+		}
+	}
+	metrics->errors[reason]++;
+}
+
+struct text {
+	char *data;
+	size_t len, capacity;
+	int error;
+};
+
+static void text_printf(struct text *text, const char *format, ...)
+	__attribute__((format(printf, 2, 3)));
+
+static void text_printf(struct text *text, const char *format, ...)
+{
+	va_list args;
+	if (text->error)
+		return;
+	for (;;) {
+		size_t room = text->capacity - text->len;
+		va_start(args, format);
+		int n = vsnprintf(text->data + text->len, room, format, args);
+		va_end(args);
+		if (n < 0) {
+			text->error = -EINVAL;
+			return;
+		}
+		if ((size_t)n < room) {
+			text->len += (size_t)n;
+			return;
+		}
+		size_t capacity = text->capacity * 2 + (size_t)n + 1;
+		char *data = realloc(text->data, capacity);
+		if (!data) {
+			text->error = -ENOMEM;
+			return;
+		}
+		text->data = data;
+		text->capacity = capacity;
+	}
+}
+
+static void family(struct text *text, const char *name, const char *type, const char *help)
+{
+	text_printf(text, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static void gauge(struct text *text, const char *name, const char *help, double value)
+{
+	family(text, name, "gauge", help);
+	text_printf(text, "%s %.17g\n", name, value);
+}
+
+static void counter(struct text *text, const char *name, const char *help, uint64_t value)
+{
+	family(text, name, "counter", help);
+	text_printf(text, "%s %llu\n", name, (unsigned long long)value);
+}
+
+static double ratio(uint64_t fp16, uint64_t stored)
+{
+	return stored ? (double)fp16 / (double)stored : 0.0;
+}
+
+int metrics_render(const struct server *server, char **out, size_t *out_len)
+{
+	const struct metrics *m = &server->metrics;
+	const struct session_totals *t = &server->sessions.totals;
+	struct text text = { .capacity = 16384 };
+
+	text.data = malloc(text.capacity);
+	if (!text.data)
+		return -ENOMEM;
+
+	family(&text, "zipcache_build_info", "gauge", "Version and codec kernels of this zipcached.");
+	text_printf(&text, "zipcache_build_info{version=\"%s\",codec_isa=\"%s\",protocol=\"%u\"} 1\n",
+		    ZIPCACHE_VERSION, zc_isa_name(zc_codec_isa()), ZIPCACHE_PROTOCOL_VERSION);
+
+	family(&text, "zipcache_requests_total", "counter", "Requests answered, by operation and status.");
+	for (int op = 0; op < METRICS_OP_COUNT; op++)
+		for (int status = 0; status < METRICS_STATUS_COUNT; status++)
+			if (m->requests[op][status] || status == 0)
+				text_printf(&text, "zipcache_requests_total{op=\"%s\",status=\"%s\"} %llu\n",
+					    op_names[op], status_names[status],
+					    (unsigned long long)m->requests[op][status]);
+
+	family(&text, "zipcache_request_duration_seconds", "histogram",
+	       "Time from a request's arrival to its reply, by operation.");
+	for (int op = 0; op < METRICS_OP_COUNT; op++) {
+		uint64_t cumulative = 0;
+		for (int i = 0; i < METRICS_BUCKETS; i++) {
+			cumulative += m->latency_buckets[op][i];
+			text_printf(&text, "zipcache_request_duration_seconds_bucket{op=\"%s\",le=\"%g\"} %llu\n",
+				    op_names[op], bucket_bounds[i], (unsigned long long)cumulative);
+		}
+		text_printf(&text, "zipcache_request_duration_seconds_bucket{op=\"%s\",le=\"+Inf\"} %llu\n",
+			    op_names[op], (unsigned long long)m->latency_count[op]);
+		text_printf(&text, "zipcache_request_duration_seconds_sum{op=\"%s\"} %.9g\n", op_names[op],
+			    m->latency_sum[op]);
+		text_printf(&text, "zipcache_request_duration_seconds_count{op=\"%s\"} %llu\n",
+			    op_names[op], (unsigned long long)m->latency_count[op]);
+	}
+
+	family(&text, "zipcache_errors_total", "counter", "Refused requests and connections, by reason.");
+	for (int r = 0; r < METRICS_REASON_COUNT; r++)
+		text_printf(&text, "zipcache_errors_total{reason=\"%s\"} %llu\n", reason_names[r],
+			    (unsigned long long)m->errors[r]);
+
+	gauge(&text, "zipcache_sessions", "Open sessions.", (double)server->sessions.count);
+	gauge(&text, "zipcache_stored_tokens", "Tokens held, summed over sessions and layers.",
+	      (double)t->tokens);
+
+	family(&text, "zipcache_stored_bytes", "gauge",
+	       "K/V bytes held (compressed), their uniform lo-bit baseline, and their fp16 size.");
+	const zc_byte_count *tensors[2] = { &t->key, &t->value };
+	const char *tensor_names[2] = { "key", "value" };
+	for (int i = 0; i < 2; i++) {
+		text_printf(&text, "zipcache_stored_bytes{tensor=\"%s\",kind=\"compressed\"} %llu\n",
+			    tensor_names[i], (unsigned long long)tensors[i]->compressed);
+		text_printf(&text, "zipcache_stored_bytes{tensor=\"%s\",kind=\"baseline\"} %llu\n",
+			    tensor_names[i], (unsigned long long)tensors[i]->baseline);
+		text_printf(&text, "zipcache_stored_bytes{tensor=\"%s\",kind=\"fp16\"} %llu\n",
+			    tensor_names[i], (unsigned long long)tensors[i]->fp16);
+	}
+	family(&text, "zipcache_compression_ratio", "gauge", "fp16 bytes over stored bytes, by tensor.");
+	for (int i = 0; i < 2; i++)
+		text_printf(&text, "zipcache_compression_ratio{tensor=\"%s\"} %.17g\n", tensor_names[i],
+			    ratio(tensors[i]->fp16, tensors[i]->compressed));
+
+	gauge(&text, "zipcache_memory_used_bytes", "Shared memory the session files hold.",
+	      (double)server_memory_bytes(server));
+	gauge(&text, "zipcache_memory_budget_bytes", "The memory budget (0: none).",
+	      (double)server->options.memory_budget);
+	counter(&text, "zipcache_view_rebuilds_total", "fp16 views rebuilt from compressed stores.",
+		store_view_rebuilds_total());
+	counter(&text, "zipcache_evictions_total",
+		"fp16 views of idle sessions dropped under memory pressure.", m->view_drops);
+	gauge(&text, "zipcache_connections", "Open client connections.", (double)server->n_connections);
+	counter(&text, "zipcache_connections_total", "Client connections accepted.",
+		server->counters.connections_accepted);
+	counter(&text, "zipcache_tokens_appended_total", "Tokens appended by update_and_fetch.",
+		server->counters.tokens_appended);
+	gauge(&text, "zipcache_uptime_seconds", "Seconds since the daemon started.",
+	      (double)(uv_now(server->loop) - server->started_ms) / 1000.0);
+
+	if (text.error) {
+		free(text.data);
+		return text.error;
+	}
+	*out = text.data;
+	*out_len = text.len;
+	return 0;
+}
