@@ -28,7 +28,7 @@ NANOPB_LIBS = -lprotobuf-nanopb
 SERVER_LIBS = $(shell pkg-config --libs libmicrohttpd libsystemd)
 
 DEPS_PACKAGES = libuv1-dev nanopb libnanopb-dev protobuf-compiler python3-protobuf \
-	check pkg-config python3-numpy libmicrohttpd-dev libsystemd-dev prometheus
+	check pkg-config python3-numpy libmicrohttpd-dev libsystemd-dev prometheus python3-yaml
 
 AVX2_FLAGS = -mavx2 -mfma -mf16c -mbmi -mbmi2
 AVX512_FLAGS = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mbmi -mbmi2
@@ -39,7 +39,7 @@ CLIENT_SRC = $(wildcard client/*.c)
 SERVER_SRC = $(filter-out server/main.c,$(wildcard server/*.c))
 # A program in tools/ is tools/NAME.c with a main(); the other files there
 # (npy.c, table.c, ...) are shared by the programs.
-TOOL_MAINS = $(wildcard tools/zipcache-tool.c tools/zipcachectl.c)
+TOOL_MAINS = $(wildcard tools/zipcache-tool.c tools/zipcachectl.c tools/zipcache-load.c)
 TOOL_NAMES = $(patsubst tools/%.c,%,$(TOOL_MAINS))
 TOOL_LIB_SRC = $(filter-out $(TOOL_MAINS),$(wildcard tools/*.c))
 TEST_NAMES = $(patsubst tests/%_test.c,%,$(wildcard tests/*_test.c))

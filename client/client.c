@@ -397,15 +397,9 @@ void zc_session_release(zc_session *session)
 
 int zc_session_close(zc_session *session)
 {
-	wire_request request = { 0 };
-	wire_response response;
-	request.msg.which_op = zipcache_v1_Request_close_session_tag;
-	request.msg.op.close_session.session_id = session->info.id;
-	int rc = call(session->client, &request, &response, NULL, 0);
-	if (rc >= 0)
-		wire_response_free(&response);
+	int rc = zc_client_close_session(session->client, session->info.id);
 	zc_session_release(session);
-	return rc < 0 ? rc : 0;
+	return rc;
 }
 
 const zc_session_info *zc_session_get_info(const zc_session *session)
@@ -588,22 +582,52 @@ int zc_session_trim(zc_session *session, uint32_t tokens, uint32_t *trimmed)
 	return 0;
 }
 
-int zc_session_stats(zc_session *session, zc_layer_stats *layers, size_t capacity,
-		     zc_layer_stats *total)
+/* One stats request; `use` rebuilds dropped views and counts as a use. */
+static int stats_call(zc_client *client, uint64_t session_id, bool use, zc_layer_stats *layers,
+		      size_t capacity, zc_layer_stats *total, zc_session_info *info)
 {
 	wire_request request = { 0 };
 	wire_response response;
 	request.msg.which_op = zipcache_v1_Request_stats_tag;
-	request.msg.op.stats.session_id = session->info.id;
-	int rc = call(session->client, &request, &response, NULL, 0);
+	request.msg.op.stats.session_id = session_id;
+	request.msg.op.stats.use = use;
+	int rc = call(client, &request, &response, NULL, 0);
 	if (rc < 0)
 		return rc;
 	for (size_t i = 0; layers && i < capacity && i < response.n_layers; i++)
 		stats_from_wire(&layers[i], &response.layers[i]);
 	if (total)
 		stats_from_wire(total, &response.msg.op.stats.total);
-	if (response.msg.op.stats.has_session)
-		info_from_wire(&session->info, &response.msg.op.stats.session);
+	if (info && response.msg.op.stats.has_session)
+		info_from_wire(info, &response.msg.op.stats.session);
+	wire_response_free(&response);
+	return 0;
+}
+
+int zc_session_stats(zc_session *session, zc_layer_stats *layers, size_t capacity,
+		     zc_layer_stats *total)
+{
+	return stats_call(session->client, session->info.id, true, layers, capacity, total,
+			  &session->info);
+}
+
+int zc_client_session_stats(zc_client *client, uint64_t session_id, zc_layer_stats *layers,
+			    size_t capacity, zc_layer_stats *total, zc_session_info *info)
+{
+	if (session_id == 0)
+		return error_set(client, ZC_EINVALID, "session id 0 names no session");
+	return stats_call(client, session_id, false, layers, capacity, total, info);
+}
+
+int zc_client_close_session(zc_client *client, uint64_t session_id)
+{
+	wire_request request = { 0 };
+	wire_response response;
+	request.msg.which_op = zipcache_v1_Request_close_session_tag;
+	request.msg.op.close_session.session_id = session_id;
+	int rc = call(client, &request, &response, NULL, 0);
+	if (rc < 0)
+		return rc;
 	wire_response_free(&response);
 	return 0;
 }

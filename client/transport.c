@@ -201,6 +201,8 @@ int transport_take_fds(struct transport *transport, int *fds, int n)
 {
 	if (n > transport->n_fds)
 		return ZC_EPROTOCOL;
+	if (n == 0)
+		return 0;
 	memcpy(fds, transport->fds, sizeof(int) * (size_t)n);
 	memmove(transport->fds, transport->fds + n, sizeof(int) * (size_t)(transport->n_fds - n));
 	transport->n_fds -= n;

@@ -650,8 +650,8 @@ static void stats_run(struct job *base)
 		job_fail(job, ZC_ENOTFOUND, "session %llu was closed", (unsigned long long)base->session->id);
 		return;
 	}
-	/* A session whose views were dropped is being looked at again. */
-	int rc = store_rebuild_views(base->session->store);
+	/* A session whose views were dropped is being used again. */
+	int rc = job->job.observe_only ? 0 : store_rebuild_views(base->session->store);
 	if (rc == STORE_EBUDGET)
 		rc = ZC_EEXHAUSTED;
 	if (rc < 0) {
@@ -771,6 +771,7 @@ static bool handle_session_job(struct connection *connection, const wire_request
 	case JOB_STATS:
 		job->job.run = stats_run;
 		job->job.done = stats_done;
+		job->job.observe_only = !request->msg.op.stats.use;
 		break;
 	case JOB_CLOSE:
 		job->job.run = close_run;

@@ -162,7 +162,8 @@ static bool job_complete(struct session_table *table, struct job *job)
 {
 	struct session *session = job->session;
 	session->running = false;
-	session->last_used_ms = session_now_ms();
+	if (!job->observe_only)
+		session->last_used_ms = session_now_ms();
 	table->jobs_in_flight--;
 	session->refs--;
 	job->done(job);

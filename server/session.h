@@ -22,6 +22,7 @@ struct job {
 	struct session *session;
 	struct session_table *table;  /* set by session_submit */
 	bool offload;                 /* run on the thread pool */
+	bool observe_only;            /* looking is not using: idle time keeps running */
 	/* Runs with the session to itself (loop or worker thread). */
 	void (*run)(struct job *job);
 	/* Runs on the loop thread after run; owns and frees the job. */

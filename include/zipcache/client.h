@@ -201,6 +201,15 @@ int zc_session_trim(zc_session *session, uint32_t tokens, uint32_t *trimmed);
 int zc_session_stats(zc_session *session, zc_layer_stats *layers, size_t capacity,
 		     zc_layer_stats *total);
 
+/* A session's accounting by id, without a handle and without counting as
+ * a use of it (monitoring: idle expiry and memory relief go on). info may
+ * be NULL. */
+int zc_client_session_stats(zc_client *client, uint64_t session_id, zc_layer_stats *layers,
+			    size_t capacity, zc_layer_stats *total, zc_session_info *info);
+
+/* Closes a session by id (no handle needed). */
+int zc_client_close_session(zc_client *client, uint64_t session_id);
+
 /* The caller's sessions: up to capacity into sessions, *count = how many exist. */
 int zc_client_list_sessions(zc_client *client, zc_session_info *sessions, size_t capacity,
 			    size_t *count);
