@@ -28,7 +28,7 @@ NANOPB_LIBS = -lprotobuf-nanopb
 SERVER_LIBS = $(shell pkg-config --libs libmicrohttpd libsystemd)
 
 DEPS_PACKAGES = libuv1-dev nanopb libnanopb-dev protobuf-compiler python3-protobuf \
-	check pkg-config python3-numpy libmicrohttpd-dev libsystemd-dev prometheus python3-yaml
+	check pkg-config python3-numpy python3-pytest libmicrohttpd-dev libsystemd-dev prometheus python3-yaml
 
 AVX2_FLAGS = -mavx2 -mfma -mf16c -mbmi -mbmi2
 AVX512_FLAGS = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mbmi -mbmi2
@@ -148,9 +148,13 @@ $(BUILD)/bench/%: $(BUILD)/obj/bench/%_bench.o $(LINK_ALL)
 check: deps
 	@$(MAKE) --no-print-directory check-run
 
+# The Python client's pytest suite; not under sanitizers, whose runtime
+# cannot load into an uninstrumented python3.
+PYTHON_SUITES = $(if $(SANITIZE),,python/run_tests.sh)
+
 # Each suite runs on its own; the summary line at the end is what CI reads.
 check-run: all $(TESTS)
-	@pass=0; fail=0; for t in $(TESTS); do \
+	@pass=0; fail=0; for t in $(TESTS) $(PYTHON_SUITES); do \
 		echo "== $$t"; \
 		if ZC_BUILD_DIR=$(abspath $(BUILD)) $$t; then pass=$$((pass+1)); \
 		else fail=$$((fail+1)); echo "FAILED: $$t"; fi; \

@@ -1,0 +1,333 @@
+"""ctypes bindings of libzipcache: structs, prototypes and loading.
+
+Everything here mirrors include/zipcache/{client,codec,error}.h one to
+one; the friendly API lives in client.py and cache.py. Keep the field
+order exactly as in the headers: ctypes lays structs out with the C ABI,
+so a missing or reordered field silently shifts every later one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from ctypes import (
+    POINTER,
+    Structure,
+    c_bool,
+    c_char,
+    c_char_p,
+    c_double,
+    c_int,
+    c_int64,
+    c_size_t,
+    c_uint16,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
+from pathlib import Path
+
+__all__ = ["lib", "library_path"]
+
+# --- error.h -----------------------------------------------------------------
+
+ZC_ERROR_BASE = -4000
+ZC_EBITS = ZC_ERROR_BASE - 1
+ZC_EFRACTION = ZC_ERROR_BASE - 2
+ZC_EGROUPSIZE = ZC_ERROR_BASE - 3
+ZC_ESHAPE = ZC_ERROR_BASE - 4
+ZC_ENONFINITE = ZC_ERROR_BASE - 5
+ZC_EBUFFER = ZC_ERROR_BASE - 6
+ZC_ECORRUPT = ZC_ERROR_BASE - 7
+ZC_ETENSOR = ZC_ERROR_BASE - 8
+ZC_EPROTOCOL = ZC_ERROR_BASE - 9
+ZC_EFRAMESIZE = ZC_ERROR_BASE - 10
+ZC_ENOTFOUND = ZC_ERROR_BASE - 11
+ZC_EEXISTS = ZC_ERROR_BASE - 12
+ZC_EEXHAUSTED = ZC_ERROR_BASE - 13
+ZC_EDENIED = ZC_ERROR_BASE - 14
+ZC_EPRECONDITION = ZC_ERROR_BASE - 15
+ZC_EINTERNAL = ZC_ERROR_BASE - 16
+ZC_EINVALID = ZC_ERROR_BASE - 17
+ZC_ERESTARTED = ZC_ERROR_BASE - 18
+
+# --- codec.h -----------------------------------------------------------------
+
+ZC_TENSOR_KEYS = 0
+ZC_TENSOR_VALUES = 1
+
+
+class zc_codec_config(Structure):
+    _fields_ = [
+        ("hi_bits", c_int),
+        ("lo_bits", c_int),
+        ("hi_fraction", c_double),
+        ("group_size", c_int),
+        ("quantize_values", c_bool),
+    ]
+
+
+class zc_block_shape(Structure):
+    _fields_ = [
+        ("batch", c_uint32),
+        ("heads", c_uint32),
+        ("tokens", c_uint32),
+        ("head_dim", c_uint32),
+    ]
+
+
+class zc_strides(Structure):
+    _fields_ = [("batch", c_size_t), ("head", c_size_t), ("token", c_size_t)]
+
+
+class zc_block_layout(Structure):
+    _fields_ = [
+        ("tokens", c_uint32),
+        ("head_dim", c_uint32),
+        ("n_hi", c_uint32),
+        ("n_lo", c_uint32),
+        ("groups_hi", c_uint32),
+        ("groups_lo", c_uint32),
+        ("hi_bits", c_int),
+        ("lo_bits", c_int),
+        ("exact", c_bool),
+        ("mask_offset", c_size_t),
+        ("mask_bytes", c_size_t),
+        ("hi_params_offset", c_size_t),
+        ("lo_params_offset", c_size_t),
+        ("hi_codes_offset", c_size_t),
+        ("hi_codes_bytes", c_size_t),
+        ("lo_codes_offset", c_size_t),
+        ("lo_codes_bytes", c_size_t),
+        ("head_bytes", c_size_t),
+        ("heads", c_size_t),
+        ("total_bytes", c_size_t),
+    ]
+
+
+class zc_byte_count(Structure):
+    _fields_ = [("compressed", c_uint64), ("baseline", c_uint64), ("fp16", c_uint64)]
+
+
+# --- client.h ----------------------------------------------------------------
+
+ZC_POLICY_STREAMING = 0
+ZC_POLICY_PER_CALL = 1
+
+
+class zc_session_config(Structure):
+    _fields_ = [
+        ("name", c_char_p),
+        ("layers", c_uint32),
+        ("batch", c_uint32),
+        ("kv_heads", c_uint32),
+        ("head_dim_k", c_uint32),
+        ("head_dim_v", c_uint32),
+        ("max_tokens", c_uint32),
+        ("codec", zc_codec_config),
+        ("policy", c_int),
+        ("residual_tokens", c_uint32),
+        ("attach", c_bool),
+    ]
+
+
+class zc_view(Structure):
+    _fields_ = [
+        ("keys", POINTER(c_uint16)),
+        ("values", POINTER(c_uint16)),
+        ("tokens", c_uint32),
+        ("batch", c_uint32),
+        ("kv_heads", c_uint32),
+        ("head_dim_k", c_uint32),
+        ("head_dim_v", c_uint32),
+        ("max_tokens", c_uint32),
+        ("key_strides", zc_strides),
+        ("value_strides", zc_strides),
+        ("sequence", c_uint64),
+    ]
+
+
+class zc_layer_stats(Structure):
+    _fields_ = [
+        ("layer", c_uint32),
+        ("tokens", c_uint32),
+        ("residual_tokens", c_uint32),
+        ("blocks", c_uint64),
+        ("compressed_key_bytes", c_uint64),
+        ("compressed_value_bytes", c_uint64),
+        ("baseline_key_bytes", c_uint64),
+        ("baseline_value_bytes", c_uint64),
+        ("fp16_key_bytes", c_uint64),
+        ("fp16_value_bytes", c_uint64),
+        ("compression_ratio", c_double),
+        ("effective_avg_bits", c_double),
+    ]
+
+
+class zc_session_info(Structure):
+    _fields_ = [
+        ("id", c_uint64),
+        ("name", c_char * 65),
+        ("layers", c_uint32),
+        ("batch", c_uint32),
+        ("kv_heads", c_uint32),
+        ("head_dim_k", c_uint32),
+        ("head_dim_v", c_uint32),
+        ("max_tokens", c_uint32),
+        ("codec", zc_codec_config),
+        ("policy", c_int),
+        ("residual_tokens", c_uint32),
+        ("min_tokens", c_uint32),
+        ("max_layer_tokens", c_uint32),
+        ("idle_ms", c_uint64),
+    ]
+
+
+class zc_server_info(Structure):
+    _fields_ = [
+        ("protocol_version", c_uint32),
+        ("server_version", c_char * 33),
+        ("boot_epoch", c_uint64),
+        ("max_frame_bytes", c_uint32),
+        ("max_inline_bytes", c_uint32),
+        ("max_sessions", c_uint32),
+        ("max_tokens_per_session", c_uint64),
+        ("memory_budget_bytes", c_uint64),
+    ]
+
+
+class zc_server_stats(Structure):
+    _fields_ = [
+        ("sessions", c_uint32),
+        ("connections", c_uint32),
+        ("memory_used_bytes", c_uint64),
+        ("memory_budget_bytes", c_uint64),
+        ("requests", c_uint64),
+        ("request_errors", c_uint64),
+        ("tokens_appended", c_uint64),
+        ("uptime_ms", c_uint64),
+        ("boot_epoch", c_uint64),
+    ]
+
+
+# Opaque handles: only ever passed back to the library.
+zc_client_p = c_void_p
+zc_session_p = c_void_p
+
+_u16p = POINTER(c_uint16)
+
+# name: (restype, argtypes)
+_PROTOTYPES: dict[str, tuple[object, list[object]]] = {
+    # error.h
+    "zc_strerror": (c_char_p, [c_int]),
+    "zc_error_name": (c_char_p, [c_int]),
+    # codec.h
+    "zc_codec_config_default": (None, [POINTER(zc_codec_config)]),
+    "zc_codec_config_validate": (c_int, [POINTER(zc_codec_config)]),
+    "zc_block_layout_compute": (
+        c_int,
+        [POINTER(zc_codec_config), c_int, POINTER(zc_block_shape), POINTER(zc_block_layout)],
+    ),
+    "zc_block_count_bytes": (
+        c_int,
+        [POINTER(zc_codec_config), c_int, POINTER(zc_block_shape), POINTER(zc_byte_count)],
+    ),
+    "zc_block_compress": (
+        c_int64,
+        [POINTER(zc_codec_config), c_int, POINTER(zc_block_shape), _u16p, c_void_p, c_size_t],
+    ),
+    "zc_block_reconstruct": (
+        c_int,
+        [
+            POINTER(zc_codec_config),
+            c_int,
+            POINTER(zc_block_shape),
+            c_void_p,
+            c_size_t,
+            _u16p,
+            POINTER(zc_strides),
+        ],
+    ),
+    # client.h
+    "zc_client_connect": (c_int, [c_char_p, c_int, POINTER(zc_client_p)]),
+    "zc_client_close": (None, [zc_client_p]),
+    "zc_client_reconnect": (c_int, [zc_client_p]),
+    "zc_client_server_info": (POINTER(zc_server_info), [zc_client_p]),
+    "zc_client_last_error": (c_char_p, [zc_client_p]),
+    "zc_session_config_default": (None, [POINTER(zc_session_config)]),
+    "zc_session_open": (c_int, [zc_client_p, POINTER(zc_session_config), POINTER(zc_session_p)]),
+    "zc_session_close": (c_int, [zc_session_p]),
+    "zc_session_release": (None, [zc_session_p]),
+    "zc_session_get_info": (POINTER(zc_session_info), [zc_session_p]),
+    # K/V input as void*: an address (ndarray.ctypes.data) passes without
+    # building a ctypes pointer object on every decode step.
+    "zc_update_and_fetch": (
+        c_int,
+        [
+            zc_session_p,
+            c_uint32,
+            c_uint32,
+            c_void_p,
+            c_void_p,
+            POINTER(zc_view),
+            POINTER(zc_layer_stats),
+        ],
+    ),
+    "zc_session_view": (c_int, [zc_session_p, c_uint32, POINTER(zc_view)]),
+    "zc_session_trim": (c_int, [zc_session_p, c_uint32, POINTER(c_uint32)]),
+    "zc_session_stats": (
+        c_int,
+        [zc_session_p, POINTER(zc_layer_stats), c_size_t, POINTER(zc_layer_stats)],
+    ),
+    "zc_client_close_session": (c_int, [zc_client_p, c_uint64]),
+    "zc_client_list_sessions": (
+        c_int,
+        [zc_client_p, POINTER(zc_session_info), c_size_t, POINTER(c_size_t)],
+    ),
+    "zc_client_stats": (c_int, [zc_client_p, POINTER(zc_server_stats)]),
+}
+
+
+def _candidates() -> list[str]:
+    """Where to look for libzipcache.so, most explicit first.
+
+    ZIPCACHE_LIBRARY wins so a test or a deployment can pin one build; then
+    the build tree this package sits in (python/ next to build/), so a
+    checkout works without installing; then the system's search path.
+    """
+    found: list[str] = []
+    env = os.environ.get("ZIPCACHE_LIBRARY")
+    if env:
+        return [env]
+    tree = Path(__file__).resolve().parent.parent.parent / "build" / "lib" / "libzipcache.so"
+    if tree.exists():
+        found.append(str(tree))
+    system = ctypes.util.find_library("zipcache")
+    if system:
+        found.append(system)
+    return found
+
+
+def _load() -> tuple[ctypes.CDLL, str]:
+    candidates = _candidates()
+    errors: list[str] = []
+    for path in candidates:
+        try:
+            dll = ctypes.CDLL(path)
+        except OSError as exc:
+            errors.append(f"{path}: {exc}")
+            continue
+        for name, (restype, argtypes) in _PROTOTYPES.items():
+            fn = getattr(dll, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        return dll, path
+    detail = "; ".join(errors) if errors else "no candidate found"
+    raise ImportError(
+        "cannot load libzipcache.so (set ZIPCACHE_LIBRARY, build it with `make`, "
+        f"or install it): {detail}"
+    )
+
+
+lib, library_path = _load()

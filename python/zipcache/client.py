@@ -1,0 +1,816 @@
+"""Client and Session: the Python face of libzipcache's blocking client.
+
+Zero copy. A session's K/V views live in a shared mapping the C client
+maps read-only once, at open. The arrays this module returns are numpy
+views straight into that mapping (``owndata`` False, ``writeable`` False):
+a fetch moves no K/V bytes at all, and writing through them is refused by
+numpy before the kernel would (the pages are PROT_READ).
+
+Lifetime. Every returned array holds, through its ``base``, a reference to
+the native session handle, so the mapping cannot be unmapped under it:
+closing a Session while arrays are still alive closes it on the daemon at
+once but unmaps only when the last array is garbage collected, and such
+arrays keep the last contents the daemon wrote. Closing the Client
+likewise defers the unmapping (and the C client's disconnect) to them.
+
+Contents. An array shows the layer as it was right after the call that
+returned it. Later calls on the session may rewrite it in place: under the
+streaming policy the newest tokens are exact fp16 until the residual is
+compressed, then the daemon overwrites them with their reconstruction.
+Use the arrays returned by the latest call, or copy (``np.array(view)``)
+to keep a snapshot. Under memory pressure the daemon may also drop an idle
+session's views (they read as zeros) until its next request rebuilds them.
+
+Threads. libzipcache handles belong to one thread at a time; a Client
+serialises its own calls (and its sessions') with a lock, so sharing one
+across threads is safe but not concurrent. Use one Client per thread for
+parallelism; many clients may attach to the same daemon session.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _lib
+from ._lib import lib
+from .errors import FailedPrecondition, InvalidArgument, NotFound, error_from_code
+
+__all__ = [
+    "Client",
+    "Session",
+    "CodecConfig",
+    "Policy",
+    "LayerStats",
+    "SessionStats",
+    "SessionInfo",
+    "ServerInfo",
+    "ServerStats",
+    "default_socket_path",
+]
+
+_UINT32_MAX = 2**32 - 1
+
+
+class Policy(enum.IntEnum):
+    """How update_and_fetch blocks are cut for compression (see DESIGN.md).
+
+    STREAMING (default): short blocks wait, exact, in an fp16 residual that
+    is compressed once it holds ``residual_tokens`` tokens, so one-token
+    decode steps do not pay a whole group's scales per token.
+    PER_CALL: every block is compressed on arrival, as the seed did.
+    """
+
+    STREAMING = _lib.ZC_POLICY_STREAMING
+    PER_CALL = _lib.ZC_POLICY_PER_CALL
+
+    @classmethod
+    def coerce(cls, value: "Policy | str | int") -> "Policy":
+        if isinstance(value, str):
+            try:
+                return cls[value.upper().replace("-", "_")]
+            except KeyError:
+                raise ValueError(f"unknown policy {value!r}: use 'streaming' or 'per_call'") from None
+        return cls(value)
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """The seed's ZipCache knobs (zc_codec_config); defaults as the seed's."""
+
+    hi_bits: int = 4
+    lo_bits: int = 2
+    hi_fraction: float = 0.20
+    group_size: int = 32
+    quantize_values: bool = True
+
+    def to_c(self) -> _lib.zc_codec_config:
+        return _lib.zc_codec_config(
+            int(self.hi_bits),
+            int(self.lo_bits),
+            float(self.hi_fraction),
+            int(self.group_size),
+            bool(self.quantize_values),
+        )
+
+    @classmethod
+    def from_c(cls, c: _lib.zc_codec_config) -> "CodecConfig":
+        return cls(c.hi_bits, c.lo_bits, c.hi_fraction, c.group_size, bool(c.quantize_values))
+
+    def validate(self) -> None:
+        """Raises InvalidArgument for what the codec would refuse (zc_codec_config_validate)."""
+        c = self.to_c()
+        rc = lib.zc_codec_config_validate(ctypes.byref(c))
+        if rc < 0:
+            raise error_from_code(rc, f"invalid codec config {self}", "CodecConfig")
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """The seed's byte accounting for one layer, or a session total (zc_layer_stats)."""
+
+    layer: int
+    tokens: int
+    residual_tokens: int
+    blocks: int
+    compressed_key_bytes: int
+    compressed_value_bytes: int
+    baseline_key_bytes: int
+    baseline_value_bytes: int
+    fp16_key_bytes: int
+    fp16_value_bytes: int
+    compression_ratio: float
+    effective_avg_bits: float
+
+    @classmethod
+    def from_c(cls, s: _lib.zc_layer_stats) -> "LayerStats":
+        return cls(*(getattr(s, name) for name, _ in _lib.zc_layer_stats._fields_))
+
+    @property
+    def compressed_bytes(self) -> int:
+        return self.compressed_key_bytes + self.compressed_value_bytes
+
+    @property
+    def fp16_bytes(self) -> int:
+        return self.fp16_key_bytes + self.fp16_value_bytes
+
+    @property
+    def baseline_bytes(self) -> int:
+        return self.baseline_key_bytes + self.baseline_value_bytes
+
+
+@dataclass(frozen=True)
+class SessionStats:
+    layers: list[LayerStats]
+    total: LayerStats
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    id: int
+    name: str
+    layers: int
+    batch: int
+    kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    max_tokens: int
+    codec: CodecConfig
+    policy: Policy
+    residual_tokens: int
+    min_tokens: int
+    max_layer_tokens: int
+    idle_ms: int
+
+    @classmethod
+    def from_c(cls, i: _lib.zc_session_info) -> "SessionInfo":
+        return cls(
+            i.id,
+            i.name.decode(errors="replace"),
+            i.layers,
+            i.batch,
+            i.kv_heads,
+            i.head_dim_k,
+            i.head_dim_v,
+            i.max_tokens,
+            CodecConfig.from_c(i.codec),
+            Policy(i.policy),
+            i.residual_tokens,
+            i.min_tokens,
+            i.max_layer_tokens,
+            i.idle_ms,
+        )
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    protocol_version: int
+    server_version: str
+    boot_epoch: int
+    max_frame_bytes: int
+    max_inline_bytes: int
+    max_sessions: int
+    max_tokens_per_session: int
+    memory_budget_bytes: int
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    sessions: int
+    connections: int
+    memory_used_bytes: int
+    memory_budget_bytes: int
+    requests: int
+    request_errors: int
+    tokens_appended: int
+    uptime_ms: int
+    boot_epoch: int
+
+
+def default_socket_path() -> str:
+    """Where zipcached listens by default (its --socket default), or $ZIPCACHE_SOCKET."""
+    env = os.environ.get("ZIPCACHE_SOCKET")
+    if env:
+        return env
+    runtime = os.environ.get("RUNTIME_DIRECTORY")
+    if runtime:
+        return os.path.join(runtime.split(":")[0], "zipcached.sock")
+    if os.geteuid() == 0:
+        return "/run/zipcached.sock"
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return os.path.join(xdg, "zipcached.sock")
+    return "/run/zipcached.sock"
+
+
+# --- native handles ----------------------------------------------------------
+#
+# The C objects are owned by small handle objects whose finalizers free
+# them. A session handle holds its client handle, and every array holds its
+# session handle (via the array's base), so the C client is closed only
+# after its last session is released, and a session is released (unmapped)
+# only after its last array is gone.
+
+
+class _ClientHandle:
+    __slots__ = ("ptr", "lock", "_finalizer", "__weakref__")
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+        self.lock = threading.RLock()
+        self._finalizer = weakref.finalize(self, lib.zc_client_close, ptr)
+
+    def last_error(self) -> str:
+        return (lib.zc_client_last_error(self.ptr) or b"").decode(errors="replace")
+
+    def check(self, rc: int, operation: str) -> int:
+        """Raises the exception for a negative rc; call with the lock held."""
+        if rc < 0:
+            raise error_from_code(rc, self.last_error(), operation)
+        return rc
+
+
+class _SessionHandle:
+    __slots__ = ("ptr", "client", "holders", "_finalizer", "__weakref__")
+
+    def __init__(self, ptr: int, client: _ClientHandle) -> None:
+        self.ptr = ptr
+        self.client = client
+        # The base objects of live arrays; weak, so they do not keep
+        # themselves alive, but the arrays keep them (and us) alive.
+        self.holders: "weakref.WeakSet[_ViewHolder]" = weakref.WeakSet()
+        # The finalizer holds the client handle: released before closed.
+        self._finalizer = weakref.finalize(self, _release_session, ptr, client)
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+    def in_use(self) -> bool:
+        return len(self.holders) > 0
+
+    def release_now(self) -> None:
+        self._finalizer()
+
+    def forget(self) -> None:
+        """The C side freed the handle (zc_session_close): never release it again."""
+        self._finalizer.detach()
+
+
+def _release_session(ptr: int, client: _ClientHandle) -> None:
+    with client.lock:
+        lib.zc_session_release(ptr)
+
+
+class _ViewHolder:
+    """The base object of view arrays: exposes the mapping to numpy, read-only.
+
+    numpy builds an array from ``__array_interface__`` without copying and
+    keeps this object as the array's base; the ``(address, True)`` data
+    tuple makes the array read-only, and since this object offers no
+    writable buffer numpy also refuses ``arr.flags.writeable = True``.
+    """
+
+    __slots__ = ("__array_interface__", "session", "__weakref__")
+
+    def __init__(self, address: int, shape: tuple[int, ...], strides: tuple[int, ...],
+                 session: _SessionHandle) -> None:
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": shape,
+            "typestr": "<f2",
+            "data": (address, True),
+            "strides": strides,
+        }
+        self.session = session
+
+
+def _mapped_array(pointer: Any, shape: tuple[int, int, int, int], strides: _lib.zc_strides,
+                  session: _SessionHandle) -> np.ndarray:
+    address = ctypes.cast(pointer, ctypes.c_void_p).value
+    if not address:
+        raise error_from_code(_lib.ZC_EPROTOCOL, "the daemon's view has no address", "view")
+    itemsize = 2  # fp16
+    byte_strides = (strides.batch * itemsize, strides.head * itemsize, strides.token * itemsize,
+                    itemsize)
+    holder = _ViewHolder(address, shape, byte_strides, session)
+    session.holders.add(holder)
+    array = np.asarray(holder)
+    assert not array.flags.writeable and array.dtype == np.float16
+    return array
+
+
+# --- Client -------------------------------------------------------------------
+
+
+class Client:
+    """A connection to zipcached (zc_client).
+
+    ``Client(path)`` connects and says hello; ``timeout`` (seconds, None for
+    no limit) bounds the connect and every reply wait. Close it, or use it
+    as a context manager; closing releases this client's session handles
+    (the daemon keeps the sessions, as zc_client_close does; close them
+    first to free them).
+    """
+
+    def __init__(self, socket_path: str | os.PathLike[str] | None = None, *,
+                 timeout: float | None = 30.0) -> None:
+        self.socket_path = os.fspath(socket_path) if socket_path is not None else default_socket_path()
+        timeout_ms = 0 if timeout is None else max(1, int(round(timeout * 1000)))
+        ptr = _lib.zc_client_p()
+        rc = lib.zc_client_connect(self.socket_path.encode(), timeout_ms, ctypes.byref(ptr))
+        if rc < 0:
+            reason = lib.zc_strerror(rc).decode()
+            raise error_from_code(rc, f"cannot connect to zipcached at {self.socket_path}: {reason}",
+                                  "connect")
+        self._handle: _ClientHandle | None = _ClientHandle(ptr.value)
+        self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
+
+    # -- plumbing
+
+    def _native(self) -> _ClientHandle:
+        if self._handle is None:
+            raise error_from_code(_lib.ZC_EPRECONDITION, "the client is closed", "client")
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def close(self) -> None:
+        """Releases every session handle of this client and disconnects.
+
+        Arrays still alive keep their mapping (and the connection, which
+        the C library frees with it) until they are garbage collected.
+        """
+        if self._handle is None:
+            return
+        for session in list(self._sessions):
+            session.release()
+        self._handle = None  # zc_client_close runs when the last handle goes
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<zipcache.Client {self.socket_path!r} {state}>"
+
+    # -- operations
+
+    def open_session(self, **kwargs: Any) -> "Session":
+        """Opens (or with attach=True, reattaches) a session; see Session."""
+        return Session(self, **kwargs)
+
+    def reconnect(self) -> bool:
+        """Dials the socket again after the daemon dropped the connection.
+
+        Returns True when the same daemon answered. Raises DaemonRestarted
+        when a new one did: its sessions were adopted with their tokens,
+        but every Session of this client must be reopened with attach=True
+        (their mappings are stale).
+        """
+        handle = self._native()
+        with handle.lock:
+            handle.check(lib.zc_client_reconnect(handle.ptr), "reconnect")
+        return True
+
+    @property
+    def server_info(self) -> ServerInfo:
+        handle = self._native()
+        with handle.lock:
+            i = lib.zc_client_server_info(handle.ptr).contents
+            return ServerInfo(
+                i.protocol_version,
+                i.server_version.decode(errors="replace"),
+                i.boot_epoch,
+                i.max_frame_bytes,
+                i.max_inline_bytes,
+                i.max_sessions,
+                i.max_tokens_per_session,
+                i.memory_budget_bytes,
+            )
+
+    def stats(self) -> ServerStats:
+        handle = self._native()
+        s = _lib.zc_server_stats()
+        with handle.lock:
+            handle.check(lib.zc_client_stats(handle.ptr, ctypes.byref(s)), "stats")
+        return ServerStats(*(getattr(s, name) for name, _ in _lib.zc_server_stats._fields_))
+
+    def list_sessions(self) -> list[SessionInfo]:
+        """This user's sessions on the daemon (not only this client's)."""
+        handle = self._native()
+        count = ctypes.c_size_t(0)
+        with handle.lock:
+            # Sessions may open between the two calls: ask until it fits.
+            capacity = 16
+            while True:
+                infos = (_lib.zc_session_info * capacity)()
+                handle.check(lib.zc_client_list_sessions(handle.ptr, infos, capacity,
+                                                         ctypes.byref(count)), "list_sessions")
+                if count.value <= capacity:
+                    return [SessionInfo.from_c(infos[i]) for i in range(count.value)]
+                capacity = count.value
+
+
+# --- Session ------------------------------------------------------------------
+
+
+def _check_block(x: Any, what: str, batch: int, heads: int, head_dim: int,
+                 tokens: int | None) -> np.ndarray:
+    """Validates one K or V block and returns it as a C-contiguous <f2 array.
+
+    Everything is checked here, before a byte is sent, so a bad call leaves
+    the session untouched and fails with a precise message. A block that is
+    not C-contiguous (a transpose, a strided slice, a view returned by this
+    module) is copied into one, since the wire format is C order.
+    """
+    array = np.asarray(x)
+    if array.dtype.kind != "f" or array.dtype.itemsize != 2:
+        raise TypeError(f"{what} must be float16, got {array.dtype}")
+    if array.ndim != 4:
+        raise InvalidArgument(_lib.ZC_ESHAPE,
+                              f"{what} must be 4-D [B, H, S, D], got shape {array.shape}",
+                              operation="update_and_fetch")
+    b, h, s, d = array.shape
+    if (b, h, d) != (batch, heads, head_dim) or s < 1 or (tokens is not None and s != tokens):
+        want_s = "S>=1" if tokens is None else str(tokens)
+        raise InvalidArgument(
+            _lib.ZC_ESHAPE,
+            f"{what} must have shape [B, H, S, D] = [{batch}, {heads}, {want_s}, {head_dim}], "
+            f"got {array.shape}",
+            operation="update_and_fetch",
+        )
+    if s > _UINT32_MAX:
+        raise InvalidArgument(_lib.ZC_ESHAPE, f"{what}: {s} tokens in one block is too many",
+                              operation="update_and_fetch")
+    return np.ascontiguousarray(array, dtype="<f2")
+
+
+class Session:
+    """One sequence (or batch of sequences) of one model on the daemon.
+
+    Opening gives the shape the daemon sizes the views for; every block sent
+    must match it. ``head_dim`` is K's head dim and also V's unless
+    ``head_dim_v`` says otherwise. ``name`` must be unique per user (None:
+    the daemon picks one); ``attach=True`` reuses the session of that name
+    if it exists (its shape must match). ``check_finite=True`` rejects
+    NaN/Inf before sending rather than leaving it to the daemon (which
+    always checks): it saves a round trip on bad data at the cost of a
+    scan of every block.
+
+    A Session is a context manager: leaving the block closes it on the
+    daemon. ``release()`` drops only this handle and keeps the daemon's
+    session for a later attach; so does dropping a Session without
+    closing it (the daemon then frees it after its idle TTL).
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        *,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        max_tokens: int,
+        batch: int = 1,
+        head_dim_v: int | None = None,
+        codec: CodecConfig | None = None,
+        policy: Policy | str | int = Policy.STREAMING,
+        residual_tokens: int = 0,
+        name: str | None = None,
+        attach: bool = False,
+        check_finite: bool = False,
+    ) -> None:
+        self._client = client
+        self.check_finite = check_finite
+        client_handle = client._native()
+        codec = codec if codec is not None else CodecConfig()
+        for label, value in (("layers", layers), ("batch", batch), ("kv_heads", kv_heads),
+                             ("head_dim", head_dim), ("max_tokens", max_tokens),
+                             ("head_dim_v", head_dim if head_dim_v is None else head_dim_v),
+                             ("residual_tokens", residual_tokens)):
+            if not isinstance(value, (int, np.integer)) or not 0 <= value <= _UINT32_MAX:
+                raise InvalidArgument(_lib.ZC_EINVALID,
+                                      f"{label} must be an integer in 0..{_UINT32_MAX}, got {value!r}",
+                                      operation="open_session")
+        config = _lib.zc_session_config()
+        lib.zc_session_config_default(ctypes.byref(config))
+        name_bytes = name.encode() if name else None
+        config.name = name_bytes
+        config.layers = layers
+        config.batch = batch
+        config.kv_heads = kv_heads
+        config.head_dim_k = head_dim
+        config.head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        config.max_tokens = max_tokens
+        config.codec = codec.to_c()
+        config.policy = int(Policy.coerce(policy))
+        config.residual_tokens = residual_tokens
+        config.attach = attach
+        ptr = _lib.zc_session_p()
+        with client_handle.lock:
+            client_handle.check(
+                lib.zc_session_open(client_handle.ptr, ctypes.byref(config), ctypes.byref(ptr)),
+                "open_session")
+            self._handle: _SessionHandle | None = _SessionHandle(ptr.value, client_handle)
+            self._info = SessionInfo.from_c(lib.zc_session_get_info(ptr.value).contents)
+        client._sessions.add(self)
+        self._state = "open"  # "closed" (on the daemon) or "released" (handle only)
+        n = self._info.layers
+        # Per layer, arrays over the whole [B, H, max_tokens, D] view, built
+        # once; each fetch returns a slice of them (no allocation per call
+        # beyond the slice object).
+        self._full: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n
+        # Per layer, stats from the last reply and the layer sequence they
+        # belong to, so the accounting properties cost no round trip until
+        # the layer changes.
+        self._stats: list[tuple[int, LayerStats | _lib.zc_layer_stats] | None] = [None] * n
+        # Layer trims asked for through ZipCacheKVCache.trim and not yet
+        # applied (the daemon trims all layers at once; see _trim_layer).
+        self._pending_trim: list[int] = [0] * n
+
+    # -- plumbing
+
+    def _native(self) -> _SessionHandle:
+        if self._handle is None:
+            if self._state == "closed":
+                # The daemon would say the same of the id: it no longer exists.
+                raise error_from_code(_lib.ZC_ENOTFOUND,
+                                      f"session {self._info.name!r} was closed", "session")
+            raise error_from_code(_lib.ZC_EPRECONDITION,
+                                  f"this handle of session {self._info.name!r} was released; "
+                                  "open it again with attach=True", "session")
+        self._client._native()  # raises if the client was closed
+        return self._handle
+
+    def _check_layer(self, layer: int, operation: str) -> int:
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self._info.layers:
+            raise InvalidArgument(
+                _lib.ZC_EINVALID,
+                f"layer {layer!r} out of range: session has {self._info.layers} layers",
+                operation=operation,
+            )
+        return int(layer)
+
+    def _arrays(self, handle: _SessionHandle, layer: int, view: _lib.zc_view,
+                tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        full = self._full[layer]
+        if full is None:
+            i = self._info
+            keys = _mapped_array(view.keys, (i.batch, i.kv_heads, i.max_tokens, i.head_dim_k),
+                                 view.key_strides, handle)
+            values = _mapped_array(view.values, (i.batch, i.kv_heads, i.max_tokens, i.head_dim_v),
+                                   view.value_strides, handle)
+            full = self._full[layer] = (keys, values)
+        return full[0][:, :, :tokens, :], full[1][:, :, :tokens, :]
+
+    def _read_view(self, handle: _SessionHandle, layer: int) -> _lib.zc_view:
+        view = _lib.zc_view()
+        client = handle.client
+        with client.lock:
+            client.check(lib.zc_session_view(handle.ptr, layer, ctypes.byref(view)), "view")
+        return view
+
+    # -- public surface
+
+    @property
+    def info(self) -> SessionInfo:
+        """Shape, codec and policy as the daemon holds them (refreshed by stats())."""
+        return self._info
+
+    @property
+    def name(self) -> str:
+        return self._info.name
+
+    @property
+    def id(self) -> int:
+        return self._info.id
+
+    @property
+    def layers(self) -> int:
+        return self._info.layers
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def update_and_fetch(self, layer: int, keys: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Appends a [B, H, S, D] float16 block to ``layer``; returns the whole layer.
+
+        The result is a pair of read-only float16 arrays [B, H, offset, D]
+        that are views of the shared mapping, not copies (see the module
+        docstring for how long their contents hold). Shape and dtype are
+        checked before anything is sent; on any error nothing was stored.
+        """
+        handle = self._native()
+        layer = self._check_layer(layer, "update_and_fetch")
+        if any(self._pending_trim):
+            raise FailedPrecondition(
+                _lib.ZC_EPRECONDITION,
+                f"a trim is half applied (layers trimmed so far: {self._pending_trim}); "
+                "trim every layer by the same count before the next update",
+                operation="update_and_fetch")
+        i = self._info
+        keys = _check_block(keys, "keys", i.batch, i.kv_heads, i.head_dim_k, None)
+        tokens = keys.shape[2]
+        values = _check_block(values, "values", i.batch, i.kv_heads, i.head_dim_v, tokens)
+        if self.check_finite:
+            for what, block in (("keys", keys), ("values", values)):
+                if not np.isfinite(block).all():
+                    raise InvalidArgument(_lib.ZC_ENONFINITE,
+                                          f"{what} contain NaN or Inf; nothing was sent",
+                                          operation="update_and_fetch")
+        view = _lib.zc_view()
+        stats = _lib.zc_layer_stats()
+        client = handle.client
+        with client.lock:
+            client.check(
+                lib.zc_update_and_fetch(handle.ptr, layer, tokens, keys.ctypes.data,
+                                        values.ctypes.data, ctypes.byref(view), ctypes.byref(stats)),
+                "update_and_fetch")
+        # Kept raw: converted only if someone asks (a decode step should not
+        # pay for accounting nobody reads).
+        self._stats[layer] = (view.sequence, stats)
+        return self._arrays(handle, layer, view, view.tokens)
+
+    def view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer as it is now, without an update.
+
+        Read from the mapping's header (no round trip, unless the daemon
+        dropped the views under memory pressure and must rebuild them).
+        """
+        handle = self._native()
+        layer = self._check_layer(layer, "view")
+        v = self._read_view(handle, layer)
+        return self._arrays(handle, layer, v, v.tokens - self._pending_trim[layer])
+
+    def tokens(self, layer: int) -> int:
+        """Tokens stored in ``layer`` (minus trims not yet applied); read as view() reads."""
+        handle = self._native()
+        layer = self._check_layer(layer, "tokens")
+        return self._read_view(handle, layer).tokens - self._pending_trim[layer]
+
+    def trim(self, tokens: int) -> int:
+        """Drops the last ``tokens`` tokens of every layer; returns the most any layer lost."""
+        handle = self._native()
+        if any(self._pending_trim):
+            raise FailedPrecondition(
+                _lib.ZC_EPRECONDITION,
+                f"a per-layer trim is half applied ({self._pending_trim}); finish it first",
+                operation="trim")
+        if not isinstance(tokens, (int, np.integer)) or tokens < 0:
+            raise InvalidArgument(_lib.ZC_EINVALID, f"cannot trim {tokens!r} tokens", operation="trim")
+        trimmed = ctypes.c_uint32(0)
+        client = handle.client
+        with client.lock:
+            client.check(lib.zc_session_trim(handle.ptr, min(int(tokens), _UINT32_MAX),
+                                             ctypes.byref(trimmed)), "trim")
+        return trimmed.value
+
+    def _trim_layer(self, layer: int, tokens: int) -> int:
+        """One layer's share of a model-wide trim (mlx_lm trims layer by layer).
+
+        The daemon trims all layers at once (zc_session_trim), so a layer's
+        trim is recorded here and applied when every layer has asked for
+        the same cut (a layer shorter than the cut counts as asking for all
+        it has): exactly the daemon's semantics, reached one layer at a time.
+        Until then that layer's offset already excludes the cut, and
+        updates are refused with FailedPrecondition.
+        """
+        handle = self._native()
+        layer = self._check_layer(layer, "trim")
+        counts = [self._read_view(handle, i).tokens for i in range(self._info.layers)]
+        cut = max(0, min(int(tokens), counts[layer] - self._pending_trim[layer]))
+        if cut == 0:
+            return 0
+        self._pending_trim[layer] += cut
+        most = max(self._pending_trim)
+        if all(p == min(most, n) for p, n in zip(self._pending_trim, counts)):
+            self._pending_trim = [0] * self._info.layers
+            self.trim(most)
+        return cut
+
+    def layer_stats(self, layer: int) -> LayerStats:
+        """The byte accounting of one layer, current as of now.
+
+        Served from the last reply while the layer's sequence counter (read
+        from the mapping, no round trip) says nothing changed since; else
+        fetched with stats().
+        """
+        handle = self._native()
+        layer = self._check_layer(layer, "stats")
+        cached = self._stats[layer]
+        if cached is not None and cached[0] == self._read_view(handle, layer).sequence:
+            stats = cached[1]
+            if not isinstance(stats, LayerStats):
+                stats = LayerStats.from_c(stats)
+                self._stats[layer] = (cached[0], stats)
+            return stats
+        return self.stats().layers[layer]
+
+    def stats(self) -> SessionStats:
+        """Per-layer and total byte accounting from the daemon (one round trip)."""
+        handle = self._native()
+        n = self._info.layers
+        layers = (_lib.zc_layer_stats * n)()
+        total = _lib.zc_layer_stats()
+        client = handle.client
+        before = [self._read_view(handle, i).sequence for i in range(n)]
+        with client.lock:
+            client.check(lib.zc_session_stats(handle.ptr, layers, n, ctypes.byref(total)), "stats")
+            self._info = SessionInfo.from_c(lib.zc_session_get_info(handle.ptr).contents)
+        result = SessionStats([LayerStats.from_c(layers[i]) for i in range(n)],
+                              LayerStats.from_c(total))
+        for i in range(n):
+            if self._read_view(handle, i).sequence == before[i]:
+                self._stats[i] = (before[i], result.layers[i])
+        return result
+
+    def close(self) -> None:
+        """Closes the session on the daemon (its memory is freed); idempotent.
+
+        If arrays returned by this session are still alive, their mapping
+        stays until they are collected (they keep the last contents).
+        """
+        handle = self._handle
+        if handle is None:
+            return
+        self._handle = None
+        self._state = "closed"
+        self._full = [None] * self._info.layers  # our own arrays no longer pin the mapping
+        client = handle.client
+        if not handle.in_use():
+            handle.forget()
+            with client.lock:
+                client.check(lib.zc_session_close(handle.ptr), "close")
+            return
+        # Arrays still point into this handle's mapping, which zc_session_close
+        # would unmap: close the session by id instead and let the handle go
+        # with the last array.
+        with client.lock:
+            client.check(lib.zc_client_close_session(client.ptr, self._info.id), "close")
+
+    def release(self) -> None:
+        """Drops this handle but keeps the session on the daemon (reopen with attach=True)."""
+        handle = self._handle
+        if handle is None:
+            return
+        self._handle = None
+        self._state = "released"
+        self._full = [None] * self._info.layers
+        if not handle.in_use():
+            handle.release_now()
+        # else: released when the last array goes (the finalizer holds nothing else).
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if self._handle is None or self._client.closed:
+            return
+        try:
+            self.close()
+        except NotFound:
+            # Gone already (closed through another handle, expired, evicted):
+            # what leaving the block asks for, and an error raised here
+            # would hide the one that may be propagating.
+            pass
+
+    def __repr__(self) -> str:
+        i = self._info
+        state = self._state
+        return (f"<zipcache.Session {i.name!r} id={i.id} layers={i.layers} "
+                f"[{i.batch}, {i.kv_heads}, <={i.max_tokens}, {i.head_dim_k}/{i.head_dim_v}] "
+                f"{i.policy.name.lower()} {state}>")
