@@ -566,13 +566,16 @@ int zc_session_view(zc_session *session, uint32_t layer, zc_view *view)
 	}
 }
 
-int zc_session_trim(zc_session *session, uint32_t tokens, uint32_t *trimmed)
+static int trim_call(zc_session *session, bool one_layer, uint32_t layer, uint32_t tokens,
+		     uint32_t *trimmed)
 {
 	wire_request request = { 0 };
 	wire_response response;
 	request.msg.which_op = zipcache_v1_Request_trim_tag;
 	request.msg.op.trim.session_id = session->info.id;
 	request.msg.op.trim.tokens = tokens;
+	request.msg.op.trim.has_layer = one_layer;
+	request.msg.op.trim.layer = layer;
 	int rc = call(session->client, &request, &response, NULL, 0);
 	if (rc < 0)
 		return rc;
@@ -580,6 +583,17 @@ int zc_session_trim(zc_session *session, uint32_t tokens, uint32_t *trimmed)
 		*trimmed = response.msg.op.trim.trimmed;
 	wire_response_free(&response);
 	return 0;
+}
+
+int zc_session_trim(zc_session *session, uint32_t tokens, uint32_t *trimmed)
+{
+	return trim_call(session, false, 0, tokens, trimmed);
+}
+
+int zc_session_trim_layer(zc_session *session, uint32_t layer, uint32_t tokens,
+			  uint32_t *trimmed)
+{
+	return trim_call(session, true, layer, tokens, trimmed);
 }
 
 /* One stats request; `use` rebuilds dropped views and counts as a use. */

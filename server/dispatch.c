@@ -46,6 +46,7 @@ struct request_job {
 	struct staging *staging;      /* holds keys/values when staged */
 	/* trim */
 	uint32_t trim_tokens, trimmed;
+	bool trim_one_layer;
 	/* results */
 	int rc;
 	char message[200];
@@ -619,7 +620,16 @@ static void trim_run(struct job *base)
 		job_fail(job, ZC_ENOTFOUND, "session %llu was closed", (unsigned long long)base->session->id);
 		return;
 	}
-	job->rc = store_trim(base->session->store, job->trim_tokens, &job->trimmed);
+	if (job->trim_one_layer)
+		job->rc = store_trim_layer(base->session->store, job->layer, job->trim_tokens,
+					   &job->trimmed);
+	else
+		job->rc = store_trim(base->session->store, job->trim_tokens, &job->trimmed);
+	if (job->rc < 0) {
+		job_fail(job, job->rc, "layer %u out of range: session has %u layers", job->layer,
+			 store_header(base->session->store)->layers);
+		return;
+	}
 	store_token_range(base->session->store, &low, &high);
 	job->stats.tokens = high;
 	stats_snapshot(job);
@@ -765,6 +775,8 @@ static bool handle_session_job(struct connection *connection, const wire_request
 	switch (kind) {
 	case JOB_TRIM:
 		job->trim_tokens = request->msg.op.trim.tokens;
+		job->trim_one_layer = request->msg.op.trim.has_layer;
+		job->layer = request->msg.op.trim.layer;
 		job->job.run = trim_run;
 		job->job.done = trim_done;
 		break;

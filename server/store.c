@@ -873,6 +873,14 @@ int store_trim(struct store *store, uint32_t tokens, uint32_t *trimmed)
 	return 0;
 }
 
+int store_trim_layer(struct store *store, uint32_t layer, uint32_t tokens, uint32_t *trimmed)
+{
+	if (layer >= store->header->layers)
+		return ZC_EINVALID;
+	*trimmed = layer_trim(store, layer, tokens);
+	return 0;
+}
+
 void store_layer_stats(const struct store *store, uint32_t layer, struct store_layer_stats *out)
 {
 	const struct store_header *h = store->header;

@@ -93,6 +93,9 @@ int store_update(struct store *store, uint32_t layer, uint32_t tokens,
  * shorter); *trimmed is what the longest layer lost. */
 int store_trim(struct store *store, uint32_t tokens, uint32_t *trimmed);
 
+/* The same for one layer (ZC_EINVALID when out of range). */
+int store_trim_layer(struct store *store, uint32_t layer, uint32_t tokens, uint32_t *trimmed);
+
 void store_layer_stats(const struct store *store, uint32_t layer, struct store_layer_stats *out);
 
 /* Tokens of the shortest and the longest layer. */

@@ -196,6 +196,10 @@ int zc_session_view(zc_session *session, uint32_t layer, zc_view *view);
 /* Drops the last `tokens` tokens of every layer (speculative decoding). */
 int zc_session_trim(zc_session *session, uint32_t tokens, uint32_t *trimmed);
 
+/* The same for one layer, as mlx_lm's per-layer cache.trim(n). */
+int zc_session_trim_layer(zc_session *session, uint32_t layer, uint32_t tokens,
+			  uint32_t *trimmed);
+
 /* Per-layer accounting into layers[0..capacity) (may be NULL with 0) and
  * the session total. */
 int zc_session_stats(zc_session *session, zc_layer_stats *layers, size_t capacity,
