@@ -13,7 +13,9 @@
 #include <sys/file.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -131,6 +133,12 @@ static int shm_dir_claim(struct server *server)
 		return rc;
 	if (chmod(server->options.shm_dir, 0700) < 0)
 		return -errno;
+	struct statfs fs;
+	if (statfs(server->options.shm_dir, &fs) == 0 && fs.f_type != TMPFS_MAGIC)
+		/* Works, but every page is then disk-backed page cache: writes
+		 * get slow and closing a session waits on the disk. */
+		log_warn("server", "shared-memory directory is not on tmpfs", "path=%s",
+			 server->options.shm_dir);
 	snprintf(lock_path, sizeof(lock_path), "%s/.lock", server->options.shm_dir);
 	server->lock_fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
 	if (server->lock_fd < 0)

@@ -23,8 +23,10 @@
  * every 256 decode steps instead of one per step. */
 #define VIEW_RESERVE_TOKENS 256u
 
-/* Arenas grow by at least this much per fallocate. */
-#define ARENA_RESERVE_BYTES (1u << 20)
+/* Arenas grow geometrically between these steps: a short session costs
+ * little, a long one few fallocate calls. */
+#define ARENA_RESERVE_MIN_BYTES (64u << 10)
+#define ARENA_RESERVE_MAX_BYTES (1u << 20)
 
 /* Worst-case compressed bytes per token per head is below 5*D + 3 (one-row
  * groups: 4*D of params, up to D of codes, a mask byte); twice that leaves
@@ -228,8 +230,12 @@ static int reserve_arena(struct store *store, uint32_t layer, bool keys, uint64_
 		return ZC_EEXHAUSTED;
 	if (bytes_needed <= *reserved)
 		return 0;
-	uint64_t target = bytes_needed - *reserved < ARENA_RESERVE_BYTES ?
-				  *reserved + ARENA_RESERVE_BYTES : bytes_needed;
+	uint64_t step = *reserved;
+	if (step < ARENA_RESERVE_MIN_BYTES)
+		step = ARENA_RESERVE_MIN_BYTES;
+	if (step > ARENA_RESERVE_MAX_BYTES)
+		step = ARENA_RESERVE_MAX_BYTES;
+	uint64_t target = *reserved + step > bytes_needed ? *reserved + step : bytes_needed;
 	if (target > capacity)
 		target = capacity;
 	int rc = reserve_range(store, arena + *reserved, target - *reserved);
