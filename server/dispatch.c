@@ -430,6 +430,25 @@ static void update_run(struct job *base)
 	job->sequence = __atomic_load_n(&h->layer[job->layer].sequence, __ATOMIC_ACQUIRE);
 }
 
+/*
+ * A job the memory budget refused: drop idle sessions' views (never this
+ * session's) and, if that freed anything, run the job once more ahead of
+ * the session's other jobs. Nothing was stored the first time, so running
+ * it again is safe. Returns true when the job was resubmitted.
+ */
+static bool job_retry_after_relief(struct request_job *job, uint64_t wanted)
+{
+	struct server *server = job->connection->server;
+	if (!job->retried && server_relieve_memory(server, wanted, job->job.session) > 0) {
+		job->retried = true;
+		job->rc = 0;
+		session_submit_front(&server->sessions, &job->job);
+		return true;
+	}
+	server->metrics.budget_refusals++;
+	return false;
+}
+
 static void update_done(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
@@ -441,13 +460,8 @@ static void update_done(struct job *base)
 		/* Room for this block's views and compressed bytes, and a chunk. */
 		uint64_t wanted = 2 * ((uint64_t)h->batch * h->kv_heads * job->tokens *
 				       (h->head_dim_k + h->head_dim_v) * 2) + (2u << 20);
-		if (!job->retried && server_relieve_memory(server, wanted, base->session) > 0) {
-			job->retried = true;
-			job->rc = 0;
-			session_submit_front(&server->sessions, base);
+		if (job_retry_after_relief(job, wanted))
 			return;
-		}
-		server->metrics.budget_refusals++;
 		job_fail(job, ZC_EEXHAUSTED,
 			 "memory budget of %llu bytes is exhausted (%llu in use); nothing was stored",
 			 (unsigned long long)server->budget.limit,
@@ -552,6 +566,14 @@ static bool handle_update(struct connection *connection, const wire_request *req
 		job->keys = (const uint16_t *)(staging->base + update->keys_offset);
 		job->values = (const uint16_t *)(staging->base + update->values_offset);
 	} else {
+		if (request->keys.len + request->values.len > server->options.max_inline_bytes) {
+			reply_error(connection, &connection->current, id, ZC_EEXHAUSTED,
+				    "inline K/V of %zu bytes exceed the limit of %u: send large blocks "
+				    "through the staging buffer; nothing was stored",
+				    request->keys.len + request->values.len,
+				    server->options.max_inline_bytes);
+			return false;
+		}
 		if (request->keys.len != key_bytes || request->values.len != value_bytes) {
 			reply_error(connection, &connection->current, id, ZC_EINVALID,
 				    "byte lengths do not match the shape: keys %zu and values %zu bytes, "
@@ -662,8 +684,11 @@ static void stats_run(struct job *base)
 	}
 	/* A session whose views were dropped is being used again. */
 	int rc = job->job.observe_only ? 0 : store_rebuild_views(base->session->store);
-	if (rc == STORE_EBUDGET)
-		rc = ZC_EEXHAUSTED;
+	if (rc == STORE_EBUDGET) {
+		/* stats_done may free memory and run the job again. */
+		job->rc = rc;
+		return;
+	}
 	if (rc < 0) {
 		job_fail(job, rc, "cannot rebuild the views: %s", zc_strerror(rc));
 		return;
@@ -681,6 +706,14 @@ static void stats_done(struct job *base)
 	struct server *server = connection->server;
 	zipcache_v1_LayerStats *layers = NULL;
 
+	if (job->rc == STORE_EBUDGET) {
+		if (job_retry_after_relief(job, store_rebuild_bytes(base->session->store)))
+			return;
+		job_fail(job, ZC_EEXHAUSTED,
+			 "memory budget of %llu bytes is exhausted (%llu in use); cannot rebuild the views",
+			 (unsigned long long)server->budget.limit,
+			 (unsigned long long)server_memory_bytes(server));
+	}
 	if (job->rc < 0) {
 		reply_error(connection, &job->meta, job->request_id, job->rc, "%s", job->message);
 		goto out;

@@ -612,6 +612,19 @@ int store_open_readonly(const struct store *store)
 	return fd < 0 ? -errno : fd;
 }
 
+uint64_t store_rebuild_bytes(const struct store *store)
+{
+	const struct store_header *h = store->header;
+	uint64_t bytes = 0;
+	for (uint32_t i = 0; i < h->layers; i++) {
+		if (h->layer[i].view_valid)
+			continue;
+		uint64_t tokens = h->layer[i].tokens + VIEW_RESERVE_TOKENS;
+		bytes += heads_of(h) * tokens * (h->head_dim_k + h->head_dim_v) * 2;
+	}
+	return bytes;
+}
+
 uint64_t store_memory_bytes(const struct store *store)
 {
 	struct stat st;

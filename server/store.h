@@ -80,6 +80,9 @@ uint64_t store_value_view_offset(const struct store *store, uint32_t layer);
 /* Bytes of memory the file really holds (what has been reserved). */
 uint64_t store_memory_bytes(const struct store *store);
 
+/* About what rebuilding the dropped views would reserve. */
+uint64_t store_rebuild_bytes(const struct store *store);
+
 /*
  * Appends a [batch, kv_heads, tokens, D] block of keys and values (fp16,
  * contiguous) to one layer and brings the layer's views up to date.
