@@ -236,7 +236,7 @@ static void frames_dispatch(struct connection *connection)
 {
 	const uint8_t *frame;
 	size_t len;
-	int rc;
+	int rc = 0;
 
 	while (connection->state == CONNECTION_OPEN &&
 	       (rc = frame_reader_next(&connection->reader, &frame, &len)) == 1) {

@@ -813,8 +813,8 @@ START_TEST(test_session_accounting)
 	ck_assert_uint_eq(json_u64(strstr(result.out, "\"session\":"), "id"), id);
 	run_result_free(&result);
 
-	/* Looking released the session, not closed it: it is still there,
-	 * unchanged, our handle still works, and nothing new appeared. */
+	/* Looking left the session alone: it is still there, unchanged, our
+	 * handle still works, and nothing new appeared. */
 	ck_assert_uint_eq(api_list(client, listed, 4), 1);
 	ck_assert_uint_eq(listed[0].id, id);
 	append(session, 2, 1, 5);
@@ -896,7 +896,9 @@ static const struct error_case error_cases[] = {
 	{ { "ping", "extra" }, 2, "unexpected argument 'extra'" },
 	{ { "--bogus", "stats" }, 2, "unknown option '--bogus'" },
 	{ { "stats", "--count", "2" }, 2, "--count applies only to watch" },
-	{ { "sessions", "--no-attach" }, 2, "--no-attach applies only to watch" },
+	{ { "watch", "--no-attach" }, 2, "unknown option '--no-attach'" },
+	{ { "session", "0" }, 1, "no session 0" },
+	{ { "close", "0" }, 1, "no session 0" },
 	{ { "watch", "--interval", "0" }, 2, "--interval must be seconds" },
 	{ { "watch", "--interval", "fast" }, 2, "--interval must be seconds" },
 	{ { "watch", "--count", "0" }, 2, "--count must be a positive integer" },
@@ -969,7 +971,7 @@ START_TEST(test_help_and_version)
 	char *help_command[] = { (char *)binary("zipcachectl"), "help", NULL };
 	char *version_argv[] = { (char *)binary("zipcachectl"), "--version", NULL };
 	const char *commands[] = { "ping", "stats", "sessions", "session ID", "close ID", "watch",
-				   "--interval", "--count", "--no-attach", "--socket", "--json",
+				   "--interval", "--count", "--socket", "--json",
 				   "--timeout", "ZIPCACHE_SOCKET" };
 	run_result result = { 0 };
 
@@ -977,6 +979,7 @@ START_TEST(test_help_and_version)
 	assert_ok(&result);
 	for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
 		ck_assert_msg(strstr(result.out, commands[i]), "--help does not mention %s", commands[i]);
+	ck_assert_ptr_null(strstr(result.out, "attach"));
 	char *first = strdup(result.out);
 	run_result_free(&result);
 	run_argv(&result, NULL, help_command);
@@ -1088,45 +1091,74 @@ START_TEST(test_watch_count)
 END_TEST
 
 /*
- * Reading a session's accounting counts as using it (the daemon resets its
- * idle time), so plain watch keeps sessions fresh; --no-attach reads only
- * the list and leaves the idle time running.
+ * Looking at a session is not using it: `session ID` and `watch` read the
+ * accounting by id (zc_client_session_stats), so the daemon's idle clock
+ * keeps running through them; `close ID` closes it by id.
  */
-START_TEST(test_watch_no_attach_leaves_sessions_alone)
+START_TEST(test_looking_leaves_sessions_idle)
 {
 	zc_client *client = test_connect();
 	zc_session *session = make_session(client, "resting", 1, 1, 32, 32, 64, ZC_POLICY_STREAMING);
 	uint64_t id = zc_session_get_info(session)->id;
 	zc_session_info listed[2];
 	run_result result = { 0 };
+	char argument[32], expected[128];
+	uint64_t before, after;
 
+	snprintf(argument, sizeof(argument), "%" PRIu64, id);
 	append(session, 0, 4, 1);
 	zc_session_release(session);
-	sleep_ms(600);
+	sleep_ms(300);
+	ck_assert_uint_eq(api_list(client, listed, 2), 1);
+	before = listed[0].idle_ms;
+	ck_assert_uint_ge(before, 300);
 
-	run_ctl(&result, "watch", "--no-attach", "--json", "--count", "2", "--interval", "0.1", NULL);
+	run_ctl(&result, "session", argument, NULL);
+	assert_ok(&result);
+	assert_kv(result.out, "name", "resting");
+	run_result_free(&result);
+	run_ctl(&result, "--json", "session", argument, NULL);
+	assert_ok(&result);
+	/* The idle time it shows is the daemon's, not reset by asking. */
+	ck_assert_uint_ge(json_u64(strstr(result.out, "\"session\":"), "idle_ms"), before);
+	run_result_free(&result);
+	sleep_ms(300);
+	ck_assert_uint_eq(api_list(client, listed, 2), 1);
+	after = listed[0].idle_ms;
+	ck_assert_msg(after >= before + 300, "idle %" PRIu64 " ms, then %" PRIu64
+		      " ms 300 ms after `session %s`: it was reset", before, after, argument);
+
+	before = after;
+	run_ctl(&result, "watch", "--json", "--count", "2", "--interval", "0.1", NULL);
 	assert_ok(&result);
 	assert_valid_json(&result, true);
 	const char *object = json_object(strchr(result.out, '\n') + 1, "id", id);
-	ck_assert_uint_ge(json_u64(object, "idle_ms"), 600);
-	ck_assert_ptr_null(strstr(result.out, "stored_bytes"));
+	ck_assert_ptr_nonnull(object);
+	ck_assert_uint_ge(json_u64(object, "idle_ms"), before + 100);
+	ck_assert_uint_eq(json_u64(object, "max_layer_tokens"), 4);
+	ck_assert_ptr_nonnull(strstr(result.out, "stored_bytes"));
 	run_result_free(&result);
-	ck_assert_uint_eq(api_list(client, listed, 2), 1);
-	ck_assert_uint_ge(listed[0].idle_ms, 600);
-
-	run_ctl(&result, "watch", "--no-attach", "--count", "1", NULL);
+	run_ctl(&result, "watch", "--count", "2", "--interval", "0.1", NULL);
 	assert_ok(&result);
-	ck_assert_ptr_nonnull(strstr(result.out, "IDLE"));
-	ck_assert_ptr_null(strstr(result.out, "RATIO"));
+	ck_assert_uint_eq(count_substring(result.out, "RATIO"), 2);
+	ck_assert_uint_eq(count_substring(result.out, "IDLE"), 2);
 	run_result_free(&result);
-
-	/* Without --no-attach, watch read the accounting, and that was use. */
-	run_ctl(&result, "watch", "--count", "1", NULL);
-	assert_ok(&result);
-	ck_assert_ptr_nonnull(strstr(result.out, "RATIO"));
-	run_result_free(&result);
+	sleep_ms(300);
 	ck_assert_uint_eq(api_list(client, listed, 2), 1);
-	ck_assert_uint_lt(listed[0].idle_ms, 600);
+	after = listed[0].idle_ms;
+	ck_assert_msg(after >= before + 500, "idle %" PRIu64 " ms, then %" PRIu64
+		      " ms after two watches and 300 ms: it was reset", before, after);
+
+	run_ctl(&result, "close", argument, NULL);
+	assert_ok(&result);
+	snprintf(expected, sizeof(expected), "closed session %" PRIu64 " (resting)\n", id);
+	ck_assert_str_eq(result.out, expected);
+	run_result_free(&result);
+	ck_assert_uint_eq(api_list(client, listed, 2), 0);
+	run_ctl(&result, "session", argument, NULL);
+	snprintf(expected, sizeof(expected), "no session %" PRIu64, id);
+	assert_error(&result, 1, expected);
+	run_result_free(&result);
 	zc_client_close(client);
 }
 END_TEST
@@ -1202,7 +1234,7 @@ static Suite *zipcachectl_suite(void)
 	tcase_set_timeout(watch, 60);
 	tcase_add_test(watch, test_watch_count);
 	tcase_add_test(watch, test_watch_rate_counts_other_clients);
-	tcase_add_test(watch, test_watch_no_attach_leaves_sessions_alone);
+	tcase_add_test(watch, test_looking_leaves_sessions_idle);
 	suite_add_tcase(suite, watch);
 	return suite;
 }

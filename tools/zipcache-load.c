@@ -1233,30 +1233,12 @@ static void run_stop_clients(struct run *run)
 	}
 }
 
-/* Attaches to a listed session by name and closes it (as zipcachectl
- * close does). Had it gone meanwhile, attaching makes a new one of that
- * name, which is closed all the same. */
+/* Closes a listed session by id: no handle, so a session that went
+ * meanwhile is simply not found. */
 static int run_close_listed(struct run *run, const zc_session_info *info)
 {
-	zc_session_config config;
-	zc_session *session;
-
-	zc_session_config_default(&config);
-	config.name = info->name;
-	config.layers = info->layers;
-	config.batch = info->batch;
-	config.kv_heads = info->kv_heads;
-	config.head_dim_k = info->head_dim_k;
-	config.head_dim_v = info->head_dim_v;
-	config.max_tokens = info->max_tokens;
-	config.codec = info->codec;
-	config.policy = info->policy;
-	config.residual_tokens = info->residual_tokens;
-	config.attach = true;
-	int rc = zc_session_open(run->client, &config, &session);
-	if (rc < 0)
-		return rc;
-	return zc_session_close(session);
+	int rc = zc_client_close_session(run->client, info->id);
+	return rc == ZC_ENOTFOUND ? 0 : rc;
 }
 
 /*

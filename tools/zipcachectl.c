@@ -20,13 +20,11 @@
  * are one line "zipcachectl: ..." on stderr; exit status 1 for a failure
  * while running, 2 for a usage error.
  *
- * Per-session accounting has no call of its own in the C API: it is read
- * through a session handle, so `session`, `close` and `watch` attach to
- * the session by name (zc_session_open with attach = true) and release
- * the handle (not close) right after. The daemon counts that as use of
- * the session: it resets the session's idle time and rebuilds its views
- * if the memory budget had dropped them. `watch --no-attach` reads only
- * the session list and leaves the sessions alone.
+ * Sessions are looked at by id, without a handle: `session` and `watch`
+ * read the accounting with zc_client_session_stats(), which the daemon
+ * does not count as use of the session (its idle time keeps running and
+ * views the memory budget dropped stay dropped), and `close` closes by id
+ * with zc_client_close_session().
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -87,7 +85,6 @@ struct ctl {
 	uint64_t session_id;        /* session, close */
 	double interval;            /* watch */
 	uint64_t count;             /* watch: refreshes, 0 = until interrupted */
-	bool no_attach;             /* watch: the list only, no per-session stats */
 	zc_client *client;
 	FILE *out;                  /* the command's output, in memory */
 	char *out_text;
@@ -107,11 +104,10 @@ static void ctl_usage(FILE *stream)
 		"  sessions             your sessions: shape, tokens, capacity, policy, idle time\n"
 		"  session ID           one session's per-layer byte accounting and its total\n"
 		"  close ID             close a session; its memory is freed\n"
-		"  watch [--interval S] [--count N] [--no-attach]\n"
+		"  watch [--interval S] [--count N]\n"
 		"                       a live table of sessions, tokens, bytes, compression\n"
-		"                       ratio and request rate, every S seconds (default 1)\n"
-		"                       until interrupted, or N times; --no-attach: tokens and\n"
-		"                       idle time only, without touching the sessions\n"
+		"                       ratio, idle time and request rate, every S seconds\n"
+		"                       (default 1) until interrupted, or N times\n"
 		"  help                 this text\n"
 		"\n"
 		"options:\n"
@@ -124,10 +120,9 @@ static void ctl_usage(FILE *stream)
 		"  -h, --help           this text\n"
 		"  --version            the version\n"
 		"\n"
-		"A daemon shows each user only that user's sessions. `session`, `close` and\n"
-		"`watch` attach to sessions to read their accounting, which counts as using\n"
-		"them: it resets their idle time and rebuilds views the memory budget had\n"
-		"dropped. Exit status: 0 success, 1 failure while running, 2 usage error.\n",
+		"A daemon shows each user only that user's sessions. Looking at a session\n"
+		"(`session`, `watch`) does not count as using it: its idle time keeps\n"
+		"running. Exit status: 0 success, 1 failure while running, 2 usage error.\n",
 		CTL_DEFAULT_TIMEOUT_MS);
 }
 
@@ -477,43 +472,6 @@ static int ctl_list_sessions(struct ctl *ctl, zc_session_info **out, size_t *cou
 	}
 }
 
-/*
- * A handle on the listed session `info`, by attaching to its name. A
- * session closed since it was listed makes the daemon create a new one of
- * that name instead: the id tells, and that newcomer is closed again at
- * once, so looking never leaves a session behind. ZC_ENOTFOUND then.
- */
-static int ctl_attach(struct ctl *ctl, const zc_session_info *info, zc_session **out)
-{
-	zc_session_config config;
-	zc_session *session;
-	int rc;
-
-	zc_session_config_default(&config);
-	config.name = info->name;
-	config.layers = info->layers;
-	config.batch = info->batch;
-	config.kv_heads = info->kv_heads;
-	config.head_dim_k = info->head_dim_k;
-	config.head_dim_v = info->head_dim_v;
-	config.max_tokens = info->max_tokens;
-	config.codec = info->codec;
-	config.policy = info->policy;
-	config.residual_tokens = info->residual_tokens;
-	config.attach = true;
-	ctl->own_requests++;
-	rc = zc_session_open(ctl->client, &config, &session);
-	if (rc < 0)
-		return rc;
-	if (zc_session_get_info(session)->id != info->id) {
-		ctl->own_requests++;
-		zc_session_close(session);
-		return ZC_ENOTFOUND;
-	}
-	*out = session;
-	return 0;
-}
-
 /* Finds session `id` among the caller's sessions. */
 static int ctl_find_session(struct ctl *ctl, uint64_t id, zc_session_info *info)
 {
@@ -535,22 +493,17 @@ static int ctl_find_session(struct ctl *ctl, uint64_t id, zc_session_info *info)
 	return rc;
 }
 
-/* One session's accounting: attach, stats, release. `layers` has room for
- * info->layers entries (or is NULL). */
-static int ctl_session_stats(struct ctl *ctl, const zc_session_info *info, zc_layer_stats *layers,
-			     zc_layer_stats *total, zc_session_info *fresh)
+/* One session's accounting by id, without a handle and without using the
+ * session (zc_client_session_stats). `layers` has room for `capacity`
+ * entries (or is NULL with 0). Id 0 names no session: ZC_ENOTFOUND, as
+ * for any other id the daemon does not know. */
+static int ctl_session_stats(struct ctl *ctl, uint64_t id, zc_layer_stats *layers, size_t capacity,
+			     zc_layer_stats *total, zc_session_info *info)
 {
-	zc_session *session;
-	int rc = ctl_attach(ctl, info, &session);
-
-	if (rc < 0)
-		return rc;
+	if (id == 0)
+		return ZC_ENOTFOUND;
 	ctl->own_requests++;
-	rc = zc_session_stats(session, layers, layers ? info->layers : 0, total);
-	if (rc == 0 && fresh)
-		*fresh = *zc_session_get_info(session);
-	zc_session_release(session);
-	return rc;
+	return zc_client_session_stats(ctl->client, id, layers, capacity, total, info);
 }
 
 /* ---- ping ---------------------------------------------------------------- */
@@ -895,22 +848,28 @@ static int print_session(struct ctl *ctl, const zc_session_info *info, const zc_
 
 static int cmd_session(struct ctl *ctl)
 {
-	zc_session_info info, fresh;
-	zc_layer_stats total, *layers;
+	zc_session_info info;
+	zc_layer_stats total, *layers = NULL;
+	size_t capacity = 128;     /* most models; asked again if it has more layers */
 	int rc = ctl_connect(ctl);
 
 	if (rc)
 		return rc;
-	rc = ctl_find_session(ctl, ctl->session_id, &info);
-	if (rc == ZC_ENOTFOUND)
-		return ctl_fail(CTL_EXIT_FAILURE, "no session %" PRIu64, ctl->session_id);
-	if (rc < 0)
-		return ctl_fail_call(ctl, rc, "sessions");
-	layers = calloc(info.layers ? info.layers : 1, sizeof(*layers));
-	if (!layers)
-		return ctl_fail(CTL_EXIT_FAILURE, "session %" PRIu64 ": %s", ctl->session_id,
-				zc_strerror(-ENOMEM));
-	rc = ctl_session_stats(ctl, &info, layers, &total, &fresh);
+	for (;;) {
+		zc_layer_stats *grown = realloc(layers, capacity * sizeof(*layers));
+
+		if (!grown) {
+			free(layers);
+			return ctl_fail(CTL_EXIT_FAILURE, "session %" PRIu64 ": %s", ctl->session_id,
+					zc_strerror(-ENOMEM));
+		}
+		layers = grown;
+		memset(&info, 0, sizeof(info));
+		rc = ctl_session_stats(ctl, ctl->session_id, layers, capacity, &total, &info);
+		if (rc < 0 || info.layers <= capacity)
+			break;
+		capacity = info.layers;
+	}
 	if (rc == ZC_ENOTFOUND) {
 		free(layers);
 		return ctl_fail(CTL_EXIT_FAILURE, "no session %" PRIu64, ctl->session_id);
@@ -922,18 +881,15 @@ static int cmd_session(struct ctl *ctl)
 		snprintf(what, sizeof(what), "session %" PRIu64, ctl->session_id);
 		return ctl_fail_call(ctl, rc, what);
 	}
-	/* The stats reply's view of the session is newer than the list's; the
-	 * idle time is not, as reading the stats counted as use. */
-	fresh.idle_ms = info.idle_ms;
 	if (ctl->json) {
 		struct json json = { ctl->out, false };
 
 		json_open(&json, '{');
 		json_key(&json, "session");
-		json_session_info(&json, &fresh);
+		json_session_info(&json, &info);
 		json_key(&json, "layers");
 		json_open(&json, '[');
-		for (uint32_t i = 0; i < fresh.layers; i++)
+		for (uint32_t i = 0; i < info.layers; i++)
 			json_layer_stats(&json, &layers[i], true);
 		json_close(&json, ']');
 		json_key(&json, "total");
@@ -942,7 +898,7 @@ static int cmd_session(struct ctl *ctl)
 		fputc('\n', ctl->out);
 		rc = 0;
 	} else {
-		rc = print_session(ctl, &fresh, layers, &total);
+		rc = print_session(ctl, &info, layers, &total);
 	}
 	free(layers);
 	return rc < 0 ? ctl_fail(CTL_EXIT_FAILURE, "session: %s", zc_strerror(rc)) : 0;
@@ -953,23 +909,22 @@ static int cmd_session(struct ctl *ctl)
 static int cmd_close(struct ctl *ctl)
 {
 	zc_session_info info;
-	zc_session *session;
 	char what[64];
 	int rc = ctl_connect(ctl);
 
 	if (rc)
 		return rc;
 	snprintf(what, sizeof(what), "close %" PRIu64, ctl->session_id);
+	/* The list, for the name to report (it does not touch the session). */
 	rc = ctl_find_session(ctl, ctl->session_id, &info);
-	if (rc == 0)
-		rc = ctl_attach(ctl, &info, &session);
 	if (rc == ZC_ENOTFOUND)
 		return ctl_fail(CTL_EXIT_FAILURE, "no session %" PRIu64, ctl->session_id);
 	if (rc < 0)
 		return ctl_fail_call(ctl, rc, what);
-	rc = zc_session_close(session);
-	/* Closed by someone else between attach and close: gone all the same,
-	 * but not by us, so say so. */
+	ctl->own_requests++;
+	rc = zc_client_close_session(ctl->client, ctl->session_id);
+	/* Closed by someone else since the list: gone all the same, but not
+	 * by us, so say so. */
 	if (rc == ZC_ENOTFOUND)
 		return ctl_fail(CTL_EXIT_FAILURE, "no session %" PRIu64, ctl->session_id);
 	if (rc < 0)
@@ -1061,16 +1016,19 @@ static int watch_take(struct ctl *ctl, struct watch_sample *sample)
 	for (size_t i = 0; i < count; i++) {
 		struct watch_row *row = &sample->rows[i];
 
+		zc_session_info fresh = { 0 };
+
 		row->info = sessions[i];
-		if (ctl->no_attach)
-			continue;
-		rc = ctl_session_stats(ctl, &sessions[i], NULL, &row->total, NULL);
+		rc = ctl_session_stats(ctl, sessions[i].id, NULL, 0, &row->total, &fresh);
 		if (rc == ZC_ENOTFOUND)
 			continue;      /* closed while we looked: show what the list said */
 		if (rc < 0) {
 			free(sessions);
 			return rc;
 		}
+		/* Newer than the list's (tokens, idle time), and of the same session. */
+		if (fresh.id == sessions[i].id)
+			row->info = fresh;
 		row->have_total = true;
 	}
 	free(sessions);
@@ -1135,9 +1093,7 @@ static void watch_print_json(struct ctl *ctl, const struct watch_sample *sample,
 			json_uint(&json, "fp16_bytes", row_fp16_bytes(&row->total));
 			json_double(&json, "ratio", row_ratio(&row->total));
 		}
-		/* Only meaningful when watch did not just use the session. */
-		if (ctl->no_attach)
-			json_uint(&json, "idle_ms", row->info.idle_ms);
+		json_uint(&json, "idle_ms", row->info.idle_ms);
 		json_close(&json, '}');
 	}
 	json_close(&json, ']');
@@ -1150,11 +1106,7 @@ static int watch_print_table(struct ctl *ctl, const struct watch_sample *sample,
 	static const struct table_column columns[] = {
 		{ "ID", TABLE_RIGHT }, { "NAME", TABLE_LEFT }, { "LAYERS", TABLE_RIGHT },
 		{ "TOKENS", TABLE_RIGHT }, { "MAX_TOKENS", TABLE_RIGHT }, { "STORED", TABLE_RIGHT },
-		{ "FP16", TABLE_RIGHT }, { "RATIO", TABLE_RIGHT },
-	};
-	static const struct table_column list_columns[] = {
-		{ "ID", TABLE_RIGHT }, { "NAME", TABLE_LEFT }, { "LAYERS", TABLE_RIGHT },
-		{ "TOKENS", TABLE_RIGHT }, { "MAX_TOKENS", TABLE_RIGHT }, { "IDLE", TABLE_RIGHT },
+		{ "FP16", TABLE_RIGHT }, { "RATIO", TABLE_RIGHT }, { "IDLE", TABLE_RIGHT },
 	};
 	const zc_server_stats *s = &sample->stats;
 	char uptime[32], used[32], budget[32], tokens[32], stored[32], fp16[32], clock[32], idle[32];
@@ -1182,10 +1134,7 @@ static int watch_print_table(struct ctl *ctl, const struct watch_sample *sample,
 		fputs("no sessions\n", ctl->out);
 		return 0;
 	}
-	if (ctl->no_attach)
-		table_init(&table, list_columns, sizeof(list_columns) / sizeof(list_columns[0]));
-	else
-		table_init(&table, columns, sizeof(columns) / sizeof(columns[0]));
+	table_init(&table, columns, sizeof(columns) / sizeof(columns[0]));
 	for (size_t i = 0; i < sample->n_rows; i++) {
 		const struct watch_row *row = &sample->rows[i];
 
@@ -1194,9 +1143,7 @@ static int watch_print_table(struct ctl *ctl, const struct watch_sample *sample,
 		table_add(&table, "%u", row->info.layers);
 		table_add(&table, "%s", format_tokens(tokens, sizeof(tokens), &row->info));
 		table_add(&table, "%u", row->info.max_tokens);
-		if (ctl->no_attach) {
-			table_add(&table, "%s", format_duration(idle, sizeof(idle), row->info.idle_ms));
-		} else if (row->have_total) {
+		if (row->have_total) {
 			double ratio = row_ratio(&row->total);
 
 			table_add(&table, "%s", format_bytes(stored, sizeof(stored),
@@ -1211,6 +1158,7 @@ static int watch_print_table(struct ctl *ctl, const struct watch_sample *sample,
 			table_add(&table, "-");
 			table_add(&table, "-");
 		}
+		table_add(&table, "%s", format_duration(idle, sizeof(idle), row->info.idle_ms));
 	}
 	rc = table_print(&table, ctl->out);
 	table_free(&table);
@@ -1366,7 +1314,7 @@ static int parse_arguments(struct ctl *ctl, int argc, char **argv)
 {
 	const char *positional[3];
 	size_t n_positional = 0;
-	bool options_done = false, interval_set = false, count_set = false, no_attach_set = false;
+	bool options_done = false, interval_set = false, count_set = false;
 	size_t command_index = 0;
 
 	for (int i = 1; i < argc; i++) {
@@ -1395,13 +1343,10 @@ static int parse_arguments(struct ctl *ctl, int argc, char **argv)
 		}
 		equals = strchr(arg, '=');
 		snprintf(name, sizeof(name), "%.*s", equals ? (int)(equals - arg) : (int)strlen(arg), arg);
-		if (strcmp(name, "--json") == 0 || strcmp(name, "--no-attach") == 0) {
+		if (strcmp(name, "--json") == 0) {
 			if (equals)
 				return ctl_fail(CTL_EXIT_USAGE, "%s takes no value", name);
-			if (name[2] == 'j')
-				ctl->json = true;
-			else
-				no_attach_set = ctl->no_attach = true;
+			ctl->json = true;
 			continue;
 		}
 		if (strcmp(name, "--socket") != 0 && strcmp(name, "--timeout") != 0 &&
@@ -1462,9 +1407,9 @@ static int parse_arguments(struct ctl *ctl, int argc, char **argv)
 	} else if (n_positional > 1) {
 		return ctl_fail(CTL_EXIT_USAGE, "unexpected argument '%s' (see --help)", positional[1]);
 	}
-	if ((interval_set || count_set || no_attach_set) && ctl->command != CMD_WATCH)
+	if ((interval_set || count_set) && ctl->command != CMD_WATCH)
 		return ctl_fail(CTL_EXIT_USAGE, "%s applies only to watch",
-				interval_set ? "--interval" : count_set ? "--count" : "--no-attach");
+				interval_set ? "--interval" : "--count");
 	return 0;
 }
 

@@ -276,6 +276,7 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     ),
     "zc_session_view": (c_int, [zc_session_p, c_uint32, POINTER(zc_view)]),
     "zc_session_trim": (c_int, [zc_session_p, c_uint32, POINTER(c_uint32)]),
+    "zc_session_trim_layer": (c_int, [zc_session_p, c_uint32, c_uint32, POINTER(c_uint32)]),
     "zc_session_stats": (
         c_int,
         [zc_session_p, POINTER(zc_layer_stats), c_size_t, POINTER(zc_layer_stats)],

@@ -69,14 +69,13 @@ class ZipCacheKVCache:
         return True
 
     def trim(self, n: int) -> int:
-        """Drops the last ``n`` tokens of this layer; returns how many it drops.
+        """Drops the last ``n`` tokens of this layer now; returns how many it dropped.
 
-        As with mlx_lm's ``trim_prompt_cache``, trim every layer by the same
-        ``n``: the daemon trims all layers in one step, which happens when
-        the last layer asks (until then no update is accepted). See
-        Session._trim_layer.
+        mlx_lm's semantics: min(offset, n) tokens go, from this layer only
+        (the daemon's per-layer trim); the next update continues from the
+        new offset. ``trim_prompt_cache`` calls it on every layer in turn.
         """
-        return self.session._trim_layer(self.layer, n)
+        return self.session.trim_layer(self.layer, n)
 
     def empty(self) -> bool:
         return self.offset == 0

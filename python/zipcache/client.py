@@ -41,7 +41,7 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from .errors import FailedPrecondition, InvalidArgument, NotFound, error_from_code
+from .errors import InvalidArgument, NotFound, error_from_code
 
 __all__ = [
     "Client",
@@ -557,9 +557,6 @@ class Session:
         # belong to, so the accounting properties cost no round trip until
         # the layer changes.
         self._stats: list[tuple[int, LayerStats | _lib.zc_layer_stats] | None] = [None] * n
-        # Layer trims asked for through ZipCacheKVCache.trim and not yet
-        # applied (the daemon trims all layers at once; see _trim_layer).
-        self._pending_trim: list[int] = [0] * n
 
     # -- plumbing
 
@@ -636,12 +633,6 @@ class Session:
         """
         handle = self._native()
         layer = self._check_layer(layer, "update_and_fetch")
-        if any(self._pending_trim):
-            raise FailedPrecondition(
-                _lib.ZC_EPRECONDITION,
-                f"a trim is half applied (layers trimmed so far: {self._pending_trim}); "
-                "trim every layer by the same count before the next update",
-                operation="update_and_fetch")
         i = self._info
         keys = _check_block(keys, "keys", i.batch, i.kv_heads, i.head_dim_k, None)
         tokens = keys.shape[2]
@@ -674,53 +665,45 @@ class Session:
         handle = self._native()
         layer = self._check_layer(layer, "view")
         v = self._read_view(handle, layer)
-        return self._arrays(handle, layer, v, v.tokens - self._pending_trim[layer])
+        return self._arrays(handle, layer, v, v.tokens)
 
     def tokens(self, layer: int) -> int:
-        """Tokens stored in ``layer`` (minus trims not yet applied); read as view() reads."""
+        """Tokens stored in ``layer``; read as view() reads."""
         handle = self._native()
         layer = self._check_layer(layer, "tokens")
-        return self._read_view(handle, layer).tokens - self._pending_trim[layer]
+        return self._read_view(handle, layer).tokens
+
+    @staticmethod
+    def _trim_count(tokens: Any) -> int:
+        if not isinstance(tokens, (int, np.integer)) or tokens < 0:
+            raise InvalidArgument(_lib.ZC_EINVALID, f"cannot trim {tokens!r} tokens", operation="trim")
+        return min(int(tokens), _UINT32_MAX)
 
     def trim(self, tokens: int) -> int:
         """Drops the last ``tokens`` tokens of every layer; returns the most any layer lost."""
         handle = self._native()
-        if any(self._pending_trim):
-            raise FailedPrecondition(
-                _lib.ZC_EPRECONDITION,
-                f"a per-layer trim is half applied ({self._pending_trim}); finish it first",
-                operation="trim")
-        if not isinstance(tokens, (int, np.integer)) or tokens < 0:
-            raise InvalidArgument(_lib.ZC_EINVALID, f"cannot trim {tokens!r} tokens", operation="trim")
+        count = self._trim_count(tokens)
         trimmed = ctypes.c_uint32(0)
         client = handle.client
         with client.lock:
-            client.check(lib.zc_session_trim(handle.ptr, min(int(tokens), _UINT32_MAX),
-                                             ctypes.byref(trimmed)), "trim")
+            client.check(lib.zc_session_trim(handle.ptr, count, ctypes.byref(trimmed)), "trim")
         return trimmed.value
 
-    def _trim_layer(self, layer: int, tokens: int) -> int:
-        """One layer's share of a model-wide trim (mlx_lm trims layer by layer).
+    def trim_layer(self, layer: int, tokens: int) -> int:
+        """Drops the last ``tokens`` tokens of ``layer`` only; returns how many it lost.
 
-        The daemon trims all layers at once (zc_session_trim), so a layer's
-        trim is recorded here and applied when every layer has asked for
-        the same cut (a layer shorter than the cut counts as asking for all
-        it has): exactly the daemon's semantics, reached one layer at a time.
-        Until then that layer's offset already excludes the cut, and
-        updates are refused with FailedPrecondition.
+        A layer holding fewer tokens loses all it has (min(offset, tokens)),
+        as mlx_lm's per-layer ``cache.trim(n)``; other layers are untouched.
         """
         handle = self._native()
         layer = self._check_layer(layer, "trim")
-        counts = [self._read_view(handle, i).tokens for i in range(self._info.layers)]
-        cut = max(0, min(int(tokens), counts[layer] - self._pending_trim[layer]))
-        if cut == 0:
-            return 0
-        self._pending_trim[layer] += cut
-        most = max(self._pending_trim)
-        if all(p == min(most, n) for p, n in zip(self._pending_trim, counts)):
-            self._pending_trim = [0] * self._info.layers
-            self.trim(most)
-        return cut
+        count = self._trim_count(tokens)
+        trimmed = ctypes.c_uint32(0)
+        client = handle.client
+        with client.lock:
+            client.check(lib.zc_session_trim_layer(handle.ptr, layer, count, ctypes.byref(trimmed)),
+                         "trim")
+        return trimmed.value
 
     def layer_stats(self, layer: int) -> LayerStats:
         """The byte accounting of one layer, current as of now.

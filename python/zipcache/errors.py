@@ -97,7 +97,7 @@ class PermissionDenied(ZipCacheError, PermissionError):
 
 
 class FailedPrecondition(ZipCacheError):
-    """The request is not valid in the current state (e.g. a half-applied trim)."""
+    """The request is not valid in the current state (e.g. a released session handle)."""
 
     status = "FAILED_PRECONDITION"
 

@@ -10,7 +10,7 @@ import pytest
 import zipcache
 from zipcache import codec
 
-from _support import assert_bits_equal, expected_layer, make_keys, make_values
+from _support import LayerModel, assert_bits_equal, expected_layer, make_keys, make_values
 
 FIELDS = ["compressed_key_bytes", "compressed_value_bytes", "baseline_key_bytes",
           "baseline_value_bytes", "fp16_key_bytes", "fp16_value_bytes"]
@@ -101,7 +101,7 @@ def test_seed_decode_inflation_and_streaming_fix(open_session):
 
 
 def test_trim_layer_by_layer(open_session):
-    """mlx_lm's trim_prompt_cache: every layer's trim(n) in turn; the daemon cuts once."""
+    """mlx_lm's trim_prompt_cache: every layer's trim(n) in turn, each applied at once."""
     rng = np.random.default_rng(35)
     s = open_session(layers=3, policy="per_call")
     caches = zipcache.make_prompt_cache(s)
@@ -110,24 +110,103 @@ def test_trim_layer_by_layer(open_session):
     prefix = [c.state[0][:, :, :7].copy() for c in caches]
     assert all(c.is_trimmable() for c in caches)
     assert caches[0].trim(3) == 3
-    assert caches[0].offset == 7 and caches[1].offset == 10
-    assert s.stats().layers[0].tokens == 10  # not applied yet
-    with pytest.raises(zipcache.FailedPrecondition, match="trim"):
-        caches[1].update_and_fetch(make_keys(rng, 1, 2, 1, 16), make_values(rng, 1, 2, 1, 16))
+    assert [c.offset for c in caches] == [7, 10, 10]
+    assert [layer.tokens for layer in s.stats().layers] == [7, 10, 10]  # applied already
     assert caches[1].trim(3) == 3
     assert caches[2].trim(3) == 3
     assert [layer.tokens for layer in s.stats().layers] == [7, 7, 7]
     for cache, p in zip(caches, prefix):
         assert cache.offset == 7
         np.testing.assert_array_equal(cache.state[0], p)
-    # Trimming more than a layer has cuts what there is.
+    # Trimming more than a layer has cuts what there is (min(offset, n)).
     assert caches[0].trim(100) == 7
     assert caches[1].trim(100) == 7
     assert caches[2].trim(100) == 7
     assert all(c.empty() for c in caches)
     assert caches[0].trim(1) == 0
+    assert caches[0].trim(0) == 0
     K, _ = caches[0].update_and_fetch(make_keys(rng, 1, 2, 2, 16), make_values(rng, 1, 2, 2, 16))
     assert K.shape[2] == 2
+
+
+@pytest.mark.parametrize("policy", ["per_call", "streaming"])
+def test_trim_one_layer(open_session, policy):
+    """A layer's trim drops its own tokens only; the layer goes on from the new offset."""
+    rng = np.random.default_rng(37)
+    config = zipcache.CodecConfig()
+    s = open_session(layers=3, policy=policy, residual_tokens=8)
+    caches = zipcache.make_prompt_cache(s)
+    models = [LayerModel(zipcache.Policy.coerce(policy), 8, config) for _ in caches]
+
+    def update(i: int, n: int) -> None:
+        k, v = make_keys(rng, 1, 2, n, 16), make_values(rng, 1, 2, n, 16)
+        models[i].update(k, v)
+        K, V = caches[i].update_and_fetch(k, v)
+        ek, ev = models[i].layer()
+        assert_bits_equal(K, ek)
+        assert_bits_equal(V, ev)
+
+    for n in (10, 3):  # streaming: one compressed block, 3 tokens in the residual
+        for i in range(3):
+            update(i, n)
+    untouched = [tuple(np.array(a) for a in c.state) for c in caches]
+    before = [{f: getattr(c, f) for f in FIELDS} for c in caches]  # primes the cached stats
+    # 5 tokens: the whole last block (per_call) or residual (streaming), and
+    # 2 tokens of the 10-token block, which stays whole.
+    assert caches[0].trim(5) == 5
+    assert models[0].trim(5) == 5
+    assert [c.offset for c in caches] == [8, 13, 13]
+    assert [layer.tokens for layer in s.stats().layers] == [8, 13, 13]
+    K, V = caches[0].state
+    ek, ev = models[0].layer()
+    assert_bits_equal(K, ek)
+    assert_bits_equal(V, ev)
+    for cache, (k, v) in zip(caches[1:], untouched[1:]):
+        K, V = cache.state
+        assert_bits_equal(K, k)
+        assert_bits_equal(V, v)
+    # The accounting properties follow the trim (no stale cached stats).
+    stats = s.stats()
+    for cache, layer in zip(caches, stats.layers):
+        for field in FIELDS + ["compression_ratio", "effective_avg_bits"]:
+            assert getattr(cache, field) == getattr(layer, field), field
+    assert caches[0].fp16_key_bytes == before[0]["fp16_key_bytes"] * 8 // 13
+    assert caches[0].fp16_value_bytes == before[0]["fp16_value_bytes"] * 8 // 13
+    assert caches[1].fp16_key_bytes == before[1]["fp16_key_bytes"]
+    assert [getattr(caches[2], f) for f in FIELDS] == [before[2][f] for f in FIELDS]
+    # Layer 0 goes on from offset 8, each value as the model says
+    # (streaming: 1 + 1 + 6 fill the residual, which is compressed).
+    for n in (1, 1, 6, 12, 1):
+        update(0, n)
+    assert caches[0].offset == 8 + 21
+    update(1, 1)  # the other layers take updates as usual
+    assert [c.offset for c in caches] == [29, 14, 13]
+    # Another cut inside layer 0, then more updates.
+    assert caches[0].trim(14) == models[0].trim(14) == 14
+    update(0, 3)
+    assert caches[0].offset == 18
+    # More than a layer holds: min(offset, n).
+    assert caches[2].trim(100) == 13
+    assert caches[2].empty() and caches[2].trim(1) == 0
+    assert [c.offset for c in caches] == [18, 14, 0]
+    models[2].trim(100)
+    update(2, 2)
+    assert caches[2].offset == 2
+    K, _ = caches[1].state
+    ek, _ = models[1].layer()
+    assert_bits_equal(K, ek)
+
+
+def test_trim_layer_arguments(open_session):
+    s = open_session(layers=2)
+    cache = zipcache.ZipCacheKVCache(s, 1)
+    with pytest.raises(zipcache.InvalidArgument):
+        cache.trim(-1)
+    with pytest.raises(zipcache.InvalidArgument):
+        s.trim_layer(2, 1)
+    with pytest.raises(zipcache.InvalidArgument):
+        s.trim_layer(0, "1")
+    assert s.trim_layer(0, 2**40) == 0  # clamped to uint32, nothing to cut
 
 
 def test_session_trim(open_session):
