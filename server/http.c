@@ -61,20 +61,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *connection, 
 	(void)version;
 	(void)upload_data;
 
-	/* A body (there should be none) is read and ignored chunk by chunk;
-	 * libmicrohttpd's memory limit caps what it may buffer. */
-	if (*request_state == NULL) {
-		*request_state = (void *)1;
-		if (*upload_data_size == 0)
-			goto answer;
-		*upload_data_size = 0;
-		return MHD_YES;
-	}
-	if (*upload_data_size != 0) {
-		*upload_data_size = 0;
-		return MHD_YES;
-	}
-answer:
+	/* libmicrohttpd calls first with the headers alone; we answer then,
+	 * from the method and path only. A body is never read: the reply
+	 * goes out and the connection closes, whatever the peer still sends. */
+	(void)request_state;
+	(void)upload_data_size;
 	if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0)
 		return respond(connection, MHD_HTTP_METHOD_NOT_ALLOWED, "text/plain", not_allowed,
 			       strlen(not_allowed), MHD_RESPMEM_PERSISTENT);

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "version.h"
@@ -160,9 +161,13 @@ static int option_apply(struct options *o, int id, const char *arg)
 		snprintf(o->shm_dir, sizeof(o->shm_dir), "%s", arg);
 		return 0;
 	case OPT_NO_ADOPT:
-		if (arg && strcmp(arg, "true") != 0 && strcmp(arg, "yes") != 0 && strcmp(arg, "1") != 0)
+		/* On the command line a bare flag; in a file, a boolean. */
+		if (!arg || strcmp(arg, "true") == 0 || strcmp(arg, "yes") == 0 || strcmp(arg, "1") == 0)
+			o->adopt = false;
+		else if (strcmp(arg, "false") == 0 || strcmp(arg, "no") == 0 || strcmp(arg, "0") == 0)
+			o->adopt = true;
+		else
 			return -EINVAL;
-		o->adopt = false;
 		return 0;
 	case OPT_METRICS:
 		if (strlen(arg) >= sizeof(o->metrics_listen))
@@ -238,18 +243,27 @@ static char *trim(char *text)
 
 int options_load_file(struct options *options, const char *path)
 {
-	char line[4352];
+	char *line = NULL;
+	size_t capacity = 0;
 	unsigned number = 0;
-	FILE *file = fopen(path, "re");
+	struct stat st;
 	int rc = 0;
+	FILE *file = fopen(path, "re");
 
-	if (!file) {
-		fprintf(stderr, "zipcached: cannot read config %s: %s\n", path, strerror(errno));
+	if (!file || fstat(fileno(file), &st) < 0 || !S_ISREG(st.st_mode)) {
+		fprintf(stderr, "zipcached: cannot read config %s: %s\n", path,
+			file ? "not a regular file" : strerror(errno));
+		if (file)
+			fclose(file);
 		return -EINVAL;
 	}
-	while (rc == 0 && fgets(line, sizeof(line), file)) {
+	while (rc == 0 && getline(&line, &capacity, file) >= 0) {
 		number++;
-		char *text = trim(line);
+		char *text = line;
+		/* A byte-order mark some editors write is not part of the key. */
+		if (number == 1 && strncmp(text, "\xef\xbb\xbf", 3) == 0)
+			text += 3;
+		text = trim(text);
 		if (!*text || *text == '#')
 			continue;
 		char *equals = strchr(text, '=');
@@ -277,6 +291,11 @@ int options_load_file(struct options *options, const char *path)
 			rc = -EINVAL;
 		}
 	}
+	if (rc == 0 && ferror(file)) {
+		fprintf(stderr, "zipcached: cannot read config %s: %s\n", path, strerror(errno));
+		rc = -EINVAL;
+	}
+	free(line);
 	fclose(file);
 	return rc;
 }
