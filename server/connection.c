@@ -109,7 +109,7 @@ static void poll_update(struct connection *connection)
 		connection_close(connection);
 		return;
 	}
-	if (connection->state == CONNECTION_OPEN)
+	if (connection->state == CONNECTION_OPEN && !connection->peer_closed)
 		events |= UV_READABLE;
 	if (connection->out_head)
 		events |= UV_WRITABLE;
@@ -122,13 +122,20 @@ static void poll_update(struct connection *connection)
 		uv_poll_start(&connection->poll, events, on_poll);
 }
 
+static void frames_dispatch(struct connection *connection);
+
 static void flow_update(struct connection *connection)
 {
 	bool busy = connection->in_flight >= MAX_IN_FLIGHT || connection->out_bytes >= MAX_OUT_BYTES;
-	if (connection->state == CONNECTION_OPEN && busy)
+	if (connection->state == CONNECTION_OPEN && busy) {
 		connection->state = CONNECTION_PAUSED;
-	else if (connection->state == CONNECTION_PAUSED && !busy)
+	} else if (connection->state == CONNECTION_PAUSED && !busy) {
 		connection->state = CONNECTION_OPEN;
+		/* Frames read before the pause come before anything new. */
+		frames_dispatch(connection);
+		if (connection->state == CONNECTION_CLOSING)
+			return;
+	}
 	poll_update(connection);
 }
 
@@ -231,13 +238,18 @@ void connection_drain(struct connection *connection)
 }
 
 /* Hands every complete frame to dispatch; stops early if the connection
- * was closed or paused meanwhile. */
+ * was closed or paused meanwhile. Not reentrant: a request finishing
+ * inside dispatch may reopen a paused connection, and the loop already
+ * running here picks the next frame up. */
 static void frames_dispatch(struct connection *connection)
 {
 	const uint8_t *frame;
 	size_t len;
 	int rc = 0;
 
+	if (connection->dispatching)
+		return;
+	connection->dispatching = true;
 	while (connection->state == CONNECTION_OPEN &&
 	       (rc = frame_reader_next(&connection->reader, &frame, &len)) == 1) {
 		connection->in_flight++;
@@ -247,10 +259,16 @@ static void frames_dispatch(struct connection *connection)
 		frame_reader_consume(&connection->reader);
 		flow_update(connection);
 	}
-	if (connection->state == CONNECTION_OPEN && rc < 0) {
+	connection->dispatching = false;
+	if (connection->state != CONNECTION_OPEN)
+		return;
+	if (rc < 0) {
 		/* The stream cannot be resynchronised after an oversized frame:
 		 * say why, then close once the reply is out. */
 		dispatch_reject_frame(connection, rc);
+		connection_drain(connection);
+	} else if (connection->peer_closed) {
+		/* Every whole frame is served; a partial one died with its sender. */
 		connection_drain(connection);
 	}
 }
@@ -267,7 +285,10 @@ static void read_some(struct connection *connection)
 		}
 		ssize_t n = recv(connection->fd, buffer, room, MSG_DONTWAIT);
 		if (n == 0) {
-			connection_drain(connection);
+			connection->peer_closed = true;
+			frames_dispatch(connection);
+			if (connection->state != CONNECTION_CLOSING)
+				poll_update(connection);
 			return;
 		}
 		if (n < 0) {

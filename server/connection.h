@@ -6,14 +6,18 @@
  *
  * States, advanced by connection_on_poll():
  *   OPEN      reading frames and dispatching them; writing when replies wait
- *   PAUSED    too many requests in flight or replies unsent: not reading
- *   DRAINING  peer sent EOF or the server is stopping: no more reads,
- *             replies still flushed, closed when nothing is left
+ *   PAUSED    too many requests in flight or replies unsent: neither
+ *             reading nor dispatching; frames already read wait, and run
+ *             first when the connection opens again
+ *   DRAINING  the server is stopping, or the peer sent EOF and every whole
+ *             frame it sent has been dispatched: no more reads, replies
+ *             still flushed, closed when nothing is left
  *   CLOSING   handle closing; freed when the last job releases it
  */
 #ifndef ZIPCACHE_CONNECTION_H
 #define ZIPCACHE_CONNECTION_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <uv.h>
@@ -45,6 +49,8 @@ struct connection {
 	struct out_frame *out_head, *out_tail;
 	size_t out_bytes;
 	unsigned in_flight;        /* requests dispatched, not yet answered */
+	bool peer_closed;          /* EOF read; frames still buffered are served */
+	bool dispatching;          /* inside frames_dispatch: no nested run */
 	unsigned refs;             /* the handle itself, plus each job */
 	struct staging *staging;
 	struct request_meta current;   /* the request being dispatched */

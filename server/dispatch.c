@@ -237,6 +237,33 @@ static bool shape_matches(const zipcache_v1_SessionShape *shape, const struct st
 	       shape->head_dim_v == h->head_dim_v;
 }
 
+/* Names go back out in replies as protobuf strings, which other
+ * languages' decoders refuse unless they are UTF-8; control characters
+ * would garble logs and tables. */
+static bool name_acceptable(const char *name)
+{
+	const unsigned char *p = (const unsigned char *)name;
+	while (*p) {
+		unsigned char c = *p;
+		int extra = c < 0x80 ? 0 : (c & 0xe0) == 0xc0 ? 1 : (c & 0xf0) == 0xe0 ? 2 :
+			    (c & 0xf8) == 0xf0 ? 3 : -1;
+		if (extra < 0 || c < 0x20 || c == 0x7f || c == 0xc0 || c == 0xc1 || c > 0xf4)
+			return false;
+		uint32_t code = extra == 0 ? c : c & (0x3f >> extra);
+		for (int i = 1; i <= extra; i++) {
+			if ((p[i] & 0xc0) != 0x80)
+				return false;
+			code = (code << 6) | (p[i] & 0x3f);
+		}
+		/* Overlong forms, surrogates and values past U+10FFFF. */
+		if ((extra == 2 && code < 0x800) || (extra == 3 && (code < 0x10000 || code > 0x10ffff)) ||
+		    (code >= 0xd800 && code <= 0xdfff))
+			return false;
+		p += extra + 1;
+	}
+	return true;
+}
+
 static void handle_open(struct connection *connection, const wire_request *request)
 {
 	struct server *server = connection->server;
@@ -247,6 +274,11 @@ static void handle_open(struct connection *connection, const wire_request *reque
 	char name[STORE_NAME_BYTES];
 	int rc;
 
+	if (!name_acceptable(open->name)) {
+		reply_error(connection, &connection->current, id, ZC_EINVALID,
+			    "session names must be UTF-8 without control characters");
+		return;
+	}
 	if (open->name[0]) {
 		snprintf(name, sizeof(name), "%s", open->name);
 		session = session_find_name(&server->sessions, name, connection->uid);
