@@ -4,6 +4,7 @@
 #   make check    install missing packages, build, run every test
 #   make bench    build and run the benchmarks
 #   make asan     build into build/asan with ASan+UBSan and run the tests
+#   make fuzz     libFuzzer over framing, decoding and dispatch (FUZZ_SECONDS=60)
 # `check` and `run` install their Debian packages first (see `deps`).
 
 BUILD ?= build
@@ -184,5 +185,62 @@ install: all
 
 clean:
 	rm -rf $(BUILD)
+
+
+# ---- fuzzing: libFuzzer over framing, decoding and dispatch (fuzz/README.md) ----
+#   make fuzz          run fuzz/dispatch_fuzz.c for FUZZ_SECONDS (default 60)
+#   make fuzz-corpus   regenerate the committed seeds from fuzz/make_corpus.c
+# Every object is rebuilt by clang with libFuzzer's coverage and ASan+UBSan
+# into $(BUILD)/fuzz/obj; the nanopb runtime links as Debian built it.
+FUZZ_CC ?= clang
+FUZZ_SECONDS ?= 60
+FUZZ_ARGS ?=
+FUZZ_DEPS_PACKAGES = clang libclang-rt-14-dev
+FUZZ_DIR = $(BUILD)/fuzz
+FUZZ_TARGET = $(FUZZ_DIR)/dispatch_fuzz
+FUZZ_SAN = -fsanitize=address,undefined -fno-sanitize-recover=undefined
+FUZZ_CFLAGS = $(filter-out $(OPT) $(SANITIZE),$(ZC_CFLAGS)) -g -O1 -fno-omit-frame-pointer \
+	$(FUZZ_SAN) -fsanitize=fuzzer-no-link
+fuzz_obj = $(patsubst %.c,$(FUZZ_DIR)/obj/%.o,$(1))
+FUZZ_OBJ = $(call fuzz_obj,fuzz/dispatch_fuzz.c $(CODEC_SRC) $(PROTO_SRC) $(CLIENT_SRC) $(SERVER_SRC)) \
+	$(FUZZ_DIR)/obj/gen/zipcache.pb.o
+
+.PHONY: fuzz fuzz-run fuzz-corpus
+
+$(FUZZ_DIR)/obj/gen/zipcache.pb.o: $(PROTO_GEN_C)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -c $< -o $@
+
+$(FUZZ_DIR)/obj/%.o: %.c | $(PROTO_GEN_H)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(EXTRA_CFLAGS) -c $< -o $@
+
+$(FUZZ_DIR)/obj/codec/kernels_avx2.o: EXTRA_CFLAGS = $(AVX2_FLAGS)
+$(FUZZ_DIR)/obj/codec/kernels_avx512.o: EXTRA_CFLAGS = $(AVX512_FLAGS)
+
+$(FUZZ_TARGET): $(FUZZ_OBJ)
+	$(FUZZ_CC) -fsanitize=fuzzer $(FUZZ_SAN) -o $@ $^ $(NANOPB_LIBS) $(SERVER_LIBS) $(UV_LIBS) -lm -lpthread
+
+fuzz: deps
+	@$(MAKE) --no-print-directory DEPS_PACKAGES='$(FUZZ_DEPS_PACKAGES)' deps
+	@$(MAKE) --no-print-directory fuzz-run
+
+# New inputs accumulate in $(FUZZ_DIR)/corpus (the seeds are copied in each
+# run); fuzz/regressions is replayed first. Crash inputs land in
+# $(FUZZ_DIR)/crashes and fail the target.
+fuzz-run: $(FUZZ_TARGET)
+	@mkdir -p $(FUZZ_DIR)/corpus $(FUZZ_DIR)/crashes
+	@cp fuzz/corpus/* $(FUZZ_DIR)/corpus/
+	$(FUZZ_TARGET) -max_total_time=$(FUZZ_SECONDS) -max_len=70000 -timeout=30 \
+		-dict=fuzz/dispatch.dict -print_final_stats=1 \
+		-artifact_prefix=$(abspath $(FUZZ_DIR)/crashes)/ $(FUZZ_ARGS) \
+		$(FUZZ_DIR)/corpus fuzz/regressions
+
+fuzz-corpus: $(BUILD)/obj/fuzz/make_corpus.o $(STATIC_LIB)
+	@mkdir -p $(FUZZ_DIR)
+	$(CC) -o $(FUZZ_DIR)/make_corpus $^ $(NANOPB_LIBS) -lm $(ZC_LDFLAGS)
+	rm -rf fuzz/corpus && mkdir -p fuzz/corpus && $(FUZZ_DIR)/make_corpus fuzz/corpus
+
+-include $(shell find $(FUZZ_DIR)/obj -name '*.d' 2>/dev/null)
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

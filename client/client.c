@@ -76,13 +76,17 @@ static int call(zc_client *client, wire_request *request, wire_response *respons
 		client->send_capacity = size;
 	}
 	rc = wire_request_encode(request, client->send_buffer, client->send_capacity, &len);
-	if (rc == 0)
-		rc = transport_send(&client->transport, client->send_buffer, len);
 	if (rc < 0)
-		return error_set(client, rc, "cannot send the request");
+		return error_set(client, rc, "request cannot be encoded");
+	int sent = transport_send(&client->transport, client->send_buffer, len);
+	if (sent < 0 && sent != -EPIPE && sent != -ECONNRESET)
+		return error_set(client, sent, "cannot send the request");
+	/* A daemon that refused the connection (a limit, a stop) said why
+	 * before closing: the reply may be waiting even though the send failed. */
 	rc = transport_receive(&client->transport, &frame, &len);
 	if (rc < 0)
-		return error_set(client, rc, "no reply from the daemon");
+		return error_set(client, sent < 0 ? sent : rc,
+				 sent < 0 ? "cannot send the request" : "no reply from the daemon");
 	rc = wire_response_decode(frame, len, response);
 	transport_consume(&client->transport);
 	if (rc < 0)

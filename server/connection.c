@@ -30,6 +30,9 @@
 
 #define MAX_FDS_PER_FRAME 4
 
+/* A defensive check for what cannot happen (SQLite's NEVER()). */
+#define NEVER(condition) __builtin_expect(!!(condition), 0)
+
 struct out_frame {
 	struct out_frame *next;
 	uint8_t *data;
@@ -68,6 +71,11 @@ static void on_close(uv_handle_t *handle)
 	connection_unref(connection);
 }
 
+static void on_resume_closed(uv_handle_t *handle)
+{
+	connection_unref(handle->data);
+}
+
 void connection_close(struct connection *connection)
 {
 	struct server *server = connection->server;
@@ -92,6 +100,7 @@ void connection_close(struct connection *connection)
 	connection->staging = NULL;
 	log_debug("connection", "closed", "connection=%llu uid=%u pid=%d",
 		  (unsigned long long)connection->id, connection->uid, connection->pid);
+	uv_close((uv_handle_t *)&connection->resume, on_resume_closed);
 	uv_close((uv_handle_t *)&connection->poll, on_close);
 	dispatch_connection_closed(server);
 }
@@ -122,7 +131,7 @@ static void poll_update(struct connection *connection)
 		uv_poll_start(&connection->poll, events, on_poll);
 }
 
-static void frames_dispatch(struct connection *connection);
+static void on_resume(uv_idle_t *handle);
 
 static void flow_update(struct connection *connection)
 {
@@ -131,10 +140,11 @@ static void flow_update(struct connection *connection)
 		connection->state = CONNECTION_PAUSED;
 	} else if (connection->state == CONNECTION_PAUSED && !busy) {
 		connection->state = CONNECTION_OPEN;
-		/* Frames read before the pause come before anything new. */
-		frames_dispatch(connection);
-		if (connection->state == CONNECTION_CLOSING)
-			return;
+		/* Frames read before the pause come before anything new, but
+		 * not from here: this may run inside a job's done callback, and
+		 * a dispatch from there could close and free that job's session. */
+		if (frame_reader_buffered(&connection->reader) > 0 || connection->peer_closed)
+			uv_idle_start(&connection->resume, on_resume);
 	}
 	poll_update(connection);
 }
@@ -238,16 +248,15 @@ void connection_drain(struct connection *connection)
 }
 
 /* Hands every complete frame to dispatch; stops early if the connection
- * was closed or paused meanwhile. Not reentrant: a request finishing
- * inside dispatch may reopen a paused connection, and the loop already
- * running here picks the next frame up. */
+ * was closed or paused meanwhile. Runs only from the loop's own callbacks
+ * (readable, resume), never from inside a request: see flow_update. */
 static void frames_dispatch(struct connection *connection)
 {
 	const uint8_t *frame;
 	size_t len;
 	int rc = 0;
 
-	if (connection->dispatching)
+	if (NEVER(connection->dispatching))
 		return;
 	connection->dispatching = true;
 	while (connection->state == CONNECTION_OPEN &&
@@ -271,6 +280,14 @@ static void frames_dispatch(struct connection *connection)
 		/* Every whole frame is served; a partial one died with its sender. */
 		connection_drain(connection);
 	}
+}
+
+static void on_resume(uv_idle_t *handle)
+{
+	struct connection *connection = handle->data;
+	uv_idle_stop(handle);
+	if (connection->state == CONNECTION_OPEN)
+		frames_dispatch(connection);
 }
 
 static void read_some(struct connection *connection)
@@ -345,13 +362,15 @@ void connection_accept(struct server *server, int fd)
 		close(fd);
 		return;
 	}
+	uv_idle_init(server->loop, &connection->resume);
+	connection->resume.data = connection;
 	connection->poll.data = connection;
 	connection->fd = fd;
 	connection->id = next_connection_id++;
 	connection->uid = credentials.uid;
 	connection->pid = credentials.pid;
 	connection->server = server;
-	connection->refs = 1;
+	connection->refs = 2;
 	connection->state = CONNECTION_OPEN;
 	frame_reader_init(&connection->reader, server->options.max_frame_bytes);
 	connection->next = server->connections;

@@ -38,6 +38,9 @@ enum connection_state {
 
 struct connection {
 	uv_poll_t poll;
+	/* Runs frames that arrived while paused: no readiness event will
+	 * announce bytes that are already in the reader. */
+	uv_idle_t resume;
 	int fd;
 	uint64_t id;
 	uint32_t uid;
@@ -51,7 +54,7 @@ struct connection {
 	unsigned in_flight;        /* requests dispatched, not yet answered */
 	bool peer_closed;          /* EOF read; frames still buffered are served */
 	bool dispatching;          /* inside frames_dispatch: no nested run */
-	unsigned refs;             /* the handle itself, plus each job */
+	unsigned refs;             /* the two handles, plus each job */
 	struct staging *staging;
 	struct request_meta current;   /* the request being dispatched */
 	struct connection *prev, *next;

@@ -2669,7 +2669,10 @@ START_TEST(oversized_frame_closes_only_that_connection)
 		fd = raw_connect_checked(&m.service.daemon);
 		frame_header_write(header, announced[i]);
 		ck_assert_int_eq(raw_send(fd, header, sizeof(header)), 0);
-		ck_assert_int_eq(raw_send(fd, some_body, sizeof(some_body)), 0);
+		/* The daemon may already have answered and hung up: a refused
+		 * body is part of what is being tested, not a failure. */
+		rc = raw_send(fd, some_body, sizeof(some_body));
+		ck_assert_msg(rc == 0 || rc == -EPIPE || rc == -ECONNRESET, "body send: %d", rc);
 		rc = raw_read_reply(fd, 10000, &reply, NULL);
 		ck_assert_msg(rc == 0, "frame of %u bytes: no error reply: %s (%d)", announced[i],
 			      zc_strerror(rc), rc);

@@ -998,10 +998,10 @@ END_TEST
 
 START_TEST(test_hostile_names)
 {
-	/* A quote, a backslash, a newline, an escape sequence, a byte that is
-	 * not UTF-8, and UTF-8 that is. */
-	static const char name[] = "q\"b\\n\nesc\033[2J\xff\xc3\xa9";
-	static const char escaped[] = "\"name\":\"q\\\"b\\\\n\\nesc\\u001b[2J\\ufffd\xc3\xa9\"";
+	/* A quote, a backslash, JSON punctuation and UTF-8. (Control bytes and
+	 * bytes that are not UTF-8 the daemon refuses in names, checked last.) */
+	static const char name[] = "q\"b\\n{}[],:\xc3\xa9";
+	static const char escaped[] = "\"name\":\"q\\\"b\\\\n{}[],:\xc3\xa9\"";
 	zc_client *client = test_connect();
 	zc_session *session = make_session(client, name, 1, 1, 32, 32, 64, ZC_POLICY_STREAMING);
 	run_result result = { 0 };
@@ -1034,6 +1034,19 @@ START_TEST(test_hostile_names)
 	ck_assert_uint_eq(count_substring(result.out, "\n"), 1);
 	ck_assert_ptr_null(strchr(result.out, '\033'));
 	run_result_free(&result);
+
+	static const char *const refused[] = { "new\nline", "esc\033[2J", "not utf-8 \xff" };
+	for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++) {
+		zc_session_config config;
+		zc_session *rejected = NULL;
+		zc_session_config_default(&config);
+		config.name = refused[i];
+		config.layers = 1;
+		config.kv_heads = 1;
+		config.head_dim_k = config.head_dim_v = 32;
+		config.max_tokens = 64;
+		ck_assert_int_eq(zc_session_open(client, &config, &rejected), ZC_EINVALID);
+	}
 	zc_client_close(client);
 }
 END_TEST
