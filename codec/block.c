@@ -18,7 +18,7 @@
 
 struct compress_scratch {
 	float *norms;      /* B*H*S key norms, computed before anything is written */
-	uint32_t *rows;    /* S row indices: salient first, then the others */
+	uint32_t *rows;    /* S + 2 row indices: salient, a spare, the others, a spare */
 	uint8_t *codes;    /* one chunk of code bytes */
 	size_t chunk_rows;
 };
@@ -38,7 +38,7 @@ static int scratch_alloc(struct compress_scratch *scratch, const zc_block_layout
 	scratch->chunk_rows = dim >= QUANTIZE_CHUNK_BYTES ? 1 : QUANTIZE_CHUNK_BYTES / dim;
 	if (keys)
 		scratch->norms = malloc(layout->heads * layout->tokens * sizeof(float) + 1);
-	scratch->rows = malloc((size_t)layout->tokens * sizeof(uint32_t) + 1);
+	scratch->rows = malloc(((size_t)layout->tokens + 2) * sizeof(uint32_t));
 	scratch->codes = malloc(scratch->chunk_rows * dim);
 	if ((keys && !scratch->norms) || !scratch->rows || !scratch->codes) {
 		scratch_free(scratch);
@@ -54,6 +54,29 @@ static void subset_compress(const struct codec_kernels *kernels, const uint16_t 
 			    size_t codes_bytes, struct compress_scratch *scratch)
 {
 	uint8_t *stream_end = codes_stream + codes_bytes;
+
+	if (n_rows == 0)
+		return;
+	/* Whole bytes per row: every row starts on a byte, so a kernel can
+	 * pack a group's codes straight from its registers, and work out the
+	 * next group's params in the same pass. */
+	if (kernels->group_encode && (dim * (size_t)bits) % 8 == 0) {
+		kernels->group_params(head, rows, n_rows < group_size ? n_rows : group_size, dim,
+				      bits, params, params + 2 * dim);
+		for (size_t first = 0; first < n_rows; first += group_size) {
+			size_t n_group = n_rows - first < group_size ? n_rows - first : group_size;
+			size_t next = first + n_group;
+			size_t n_next = n_rows - next < group_size ? n_rows - next : group_size;
+			uint8_t *scales = params + (first / group_size) * 4 * dim;
+			uint8_t *next_scales = n_next ? scales + 4 * dim : NULL;
+			kernels->group_encode(head, rows + first, n_group, dim, bits, scales,
+					      scales + 2 * dim,
+					      codes_stream + first * dim * (size_t)bits / 8,
+					      rows + next, n_next, next_scales,
+					      n_next ? next_scales + 2 * dim : NULL);
+		}
+		return;
+	}
 	for (size_t first = 0; first < n_rows; first += group_size) {
 		size_t n_group = n_rows - first < group_size ? n_rows - first : group_size;
 		uint8_t *scales = params + (first / group_size) * 4 * dim;
@@ -77,19 +100,20 @@ static void head_compress(const struct codec_kernels *kernels, const zc_block_la
 	uint32_t tokens = layout->tokens, n_hi = 0, n_lo = 0;
 	uint8_t *mask = payload + layout->mask_offset;
 	uint32_t *hi_rows = scratch->rows;
-	uint32_t *lo_rows = scratch->rows + layout->n_hi;
+	uint32_t *lo_rows = scratch->rows + layout->n_hi + 1;
 
-	if (norms) {
-		saliency_select(norms, tokens, layout->n_hi, mask);
-	} else {
-		/* Values: every token takes the hi path. */
-		saliency_select(NULL, tokens, tokens, mask);
-	}
+	/* The row lists are built below, so their room is free until then.
+	 * Values: every token takes the hi path. */
+	saliency_select(norms, tokens, norms ? layout->n_hi : tokens, mask, scratch->rows);
+	/* Branch-free: whether a token is salient is data, not a pattern. The
+	 * store to the list a token does not join is overwritten by that
+	 * list's next token, or lands in the spare slot after its last one. */
 	for (uint32_t t = 0; t < tokens; t++) {
-		if (mask[t >> 3] & (1u << (t & 7)))
-			hi_rows[n_hi++] = t;
-		else
-			lo_rows[n_lo++] = t;
+		uint32_t salient = (mask[t >> 3] >> (t & 7)) & 1u;
+		hi_rows[n_hi] = t;
+		lo_rows[n_lo] = t;
+		n_hi += salient;
+		n_lo += salient ^ 1u;
 	}
 	subset_compress(kernels, head, hi_rows, n_hi, layout->head_dim, layout->hi_bits,
 			(size_t)config->group_size, payload + layout->hi_params_offset,
@@ -167,34 +191,125 @@ int64_t zc_block_compress(const zc_codec_config *config, zc_tensor tensor,
 	return zc_block_compress_strided(config, tensor, shape, input, &contiguous, out, capacity);
 }
 
+/* Rows handed to one group_reconstruct call at most (a stack list). */
+#define RECONSTRUCT_CHUNK_ROWS 256u
+
+/* Walks the tokens of one subset in order: the set bits of the mask
+ * (salient) or its clear bits (the others), 64 tokens at a time. */
+struct token_walk {
+	const uint8_t *mask;
+	size_t mask_bytes;
+	uint32_t tokens;
+	uint32_t base;     /* token of bit 0 of word */
+	uint64_t word;     /* the subset's tokens among base..base+63 not yet taken */
+	uint64_t invert;   /* 0: set bits, ~0: clear bits */
+};
+
+static uint64_t walk_load(const struct token_walk *walk)
+{
+	size_t at = walk->base / 8;
+	size_t n = walk->mask_bytes - at < 8 ? walk->mask_bytes - at : 8;
+	uint64_t word = 0;
+	/* Little-endian assembly, so bit t % 64 is token base + t % 64. */
+	for (size_t i = 0; i < n; i++)
+		word |= (uint64_t)walk->mask[at + i] << (8 * i);
+	word ^= walk->invert;
+	uint32_t left = walk->tokens - walk->base;
+	if (left < 64)
+		word &= (UINT64_C(1) << left) - 1u;
+	return word;
+}
+
+static void walk_init(struct token_walk *walk, const uint8_t *mask, size_t mask_bytes,
+		      uint32_t tokens, bool salient)
+{
+	*walk = (struct token_walk){ .mask = mask, .mask_bytes = mask_bytes, .tokens = tokens,
+				     .invert = salient ? 0 : ~UINT64_C(0) };
+	if (tokens)
+		walk->word = walk_load(walk);
+}
+
+/* Up to max next tokens of the subset into list; returns how many. */
+static size_t walk_next(struct token_walk *walk, uint32_t *list, size_t max)
+{
+	size_t n = 0;
+	while (n < max) {
+		while (walk->word == 0) {
+			if (walk->tokens - walk->base <= 64)
+				return n;
+			walk->base += 64;
+			walk->word = walk_load(walk);
+		}
+		list[n++] = walk->base + (uint32_t)__builtin_ctzll(walk->word);
+		walk->word &= walk->word - 1u;
+	}
+	return n;
+}
+
+/* Reconstructs one subset of one head, a group (or a chunk of one) per
+ * kernel call, so the kernel widens each group's params only once. */
+static void subset_reconstruct(const struct codec_kernels *kernels, struct token_walk *walk,
+			       uint32_t n_rows, size_t dim, int bits, size_t group_size,
+			       const uint8_t *params, const uint8_t *codes, const uint8_t *read_end,
+			       uint16_t *out, size_t token_stride)
+{
+	uint32_t list[RECONSTRUCT_CHUNK_ROWS];
+	size_t row = 0;
+
+	while (row < n_rows) {
+		size_t group = row / group_size;
+		size_t group_end = (group + 1) * group_size < n_rows ? (group + 1) * group_size :
+								       n_rows;
+		size_t want = group_end - row < RECONSTRUCT_CHUNK_ROWS ? group_end - row :
+									  RECONSTRUCT_CHUNK_ROWS;
+		size_t got = walk_next(walk, list, want);
+		if (got == 0)
+			return; /* cannot happen: the mask's count was checked */
+		const uint8_t *scales = params + group * 4 * dim;
+		kernels->group_reconstruct(codes, read_end, row * dim * (size_t)bits, got, dim,
+					   bits, scales, scales + 2 * dim, list, out, token_stride);
+		row += got;
+	}
+}
+
 static void head_reconstruct(const struct codec_kernels *kernels, const zc_block_layout *layout,
 			     size_t group_size, const uint8_t *payload, const uint8_t *read_end,
 			     uint16_t *out, size_t token_stride)
 {
 	const uint8_t *mask = payload + layout->mask_offset;
-	size_t dim = layout->head_dim;
-	size_t n_hi = 0, n_lo = 0;
+	struct token_walk walk;
 
-	for (uint32_t t = 0; t < layout->tokens; t++) {
-		bool salient = mask[t >> 3] & (1u << (t & 7));
-		size_t row = salient ? n_hi++ : n_lo++;
-		int bits = salient ? layout->hi_bits : layout->lo_bits;
-		const uint8_t *params = payload + (salient ? layout->hi_params_offset :
-							      layout->lo_params_offset) +
-					(row / group_size) * 4 * dim;
-		const uint8_t *codes = payload + (salient ? layout->hi_codes_offset :
-							    layout->lo_codes_offset);
-		kernels->row_reconstruct(codes, read_end, row * dim * (size_t)bits, dim, bits,
-					 params, params + 2 * dim, out + t * token_stride);
-	}
+	walk_init(&walk, mask, layout->mask_bytes, layout->tokens, true);
+	subset_reconstruct(kernels, &walk, layout->n_hi, layout->head_dim, layout->hi_bits,
+			   group_size, payload + layout->hi_params_offset,
+			   payload + layout->hi_codes_offset, read_end, out, token_stride);
+	walk_init(&walk, mask, layout->mask_bytes, layout->tokens, false);
+	subset_reconstruct(kernels, &walk, layout->n_lo, layout->head_dim, layout->lo_bits,
+			   group_size, payload + layout->lo_params_offset,
+			   payload + layout->lo_codes_offset, read_end, out, token_stride);
 }
 
-/* A mask whose population is not n_hi would index past the params. */
+/* A mask whose population is not n_hi would index past the params. Set
+ * bits past the last token are refused as well: the walk over the mask
+ * ignores them, so counting them would let a short mask through. */
 static bool mask_matches(const zc_block_layout *layout, const uint8_t *mask)
 {
-	size_t count = 0;
-	for (size_t i = 0; i < layout->mask_bytes; i++)
+	size_t count = 0, i = 0;
+	for (; i + 8 <= layout->mask_bytes; i += 8) {
+		uint64_t word;
+		memcpy(&word, mask + i, 8);
+		/* SWAR popcount: the portable build has no POPCNT instruction. */
+		word -= (word >> 1) & UINT64_C(0x5555555555555555);
+		word = (word & UINT64_C(0x3333333333333333)) +
+		       ((word >> 2) & UINT64_C(0x3333333333333333));
+		word = (word + (word >> 4)) & UINT64_C(0x0f0f0f0f0f0f0f0f);
+		count += (size_t)((word * UINT64_C(0x0101010101010101)) >> 56);
+	}
+	for (; i < layout->mask_bytes; i++)
 		count += (size_t)__builtin_popcount(mask[i]);
+	unsigned used = layout->tokens & 7u;
+	if (used && (mask[layout->mask_bytes - 1] >> used) != 0)
+		return false;
 	return count == layout->n_hi;
 }
 

@@ -5,6 +5,9 @@
  */
 #include "kernels.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <errno.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -16,6 +19,15 @@
 static _Atomic(const struct codec_kernels *) active_kernels;
 static _Atomic int active_isa = ZC_ISA_SCALAR;
 
+#if defined(__x86_64__) || defined(__i386__)
+/* clang 14 knows no "f16c" for __builtin_cpu_supports: ask CPUID leaf 1. */
+static bool cpu_has_f16c(void)
+{
+	unsigned eax, ebx, ecx, edx;
+	return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+}
+#endif
+
 static bool cpu_supports_isa(zc_isa isa)
 {
 #if defined(__x86_64__) || defined(__i386__)
@@ -25,11 +37,11 @@ static bool cpu_supports_isa(zc_isa isa)
 		return true;
 	case ZC_ISA_AVX2:
 		return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-		       __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+		       cpu_has_f16c() && __builtin_cpu_supports("bmi2");
 	case ZC_ISA_AVX512:
 		return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
 		       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-		       __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+		       cpu_has_f16c() && __builtin_cpu_supports("bmi2");
 	}
 	return false;
 #else
@@ -37,11 +49,22 @@ static bool cpu_supports_isa(zc_isa isa)
 #endif
 }
 
+/* VBMI only changes how the AVX-512 table unpacks and packs codes. */
+static bool cpu_has_vbmi(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+	__builtin_cpu_init();
+	return __builtin_cpu_supports("avx512vbmi");
+#else
+	return false;
+#endif
+}
+
 static const struct codec_kernels *kernels_for(zc_isa isa)
 {
 	switch (isa) {
 	case ZC_ISA_AVX512:
-		return &codec_kernels_avx512;
+		return cpu_has_vbmi() ? &codec_kernels_avx512_vbmi : &codec_kernels_avx512;
 	case ZC_ISA_AVX2:
 		return &codec_kernels_avx2;
 	case ZC_ISA_SCALAR:
@@ -123,4 +146,11 @@ const struct codec_kernels *codec_kernels_active(void)
 		kernels = atomic_load(&active_kernels);
 	}
 	return kernels;
+}
+
+void codec_kernels_override(const struct codec_kernels *kernels)
+{
+	if (!kernels)
+		kernels = kernels_for((zc_isa)atomic_load(&active_isa));
+	atomic_store(&active_kernels, kernels);
 }

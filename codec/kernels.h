@@ -32,19 +32,40 @@ struct codec_kernels {
 	 * before bit_offset are final and whose end is stream_end. */
 	void (*pack)(uint8_t *stream, const uint8_t *stream_end, size_t bit_offset,
 		     const uint8_t *codes, size_t n, int bits);
-	/* Reconstructs dim elements whose codes start at bit_offset; bytes may
-	 * be read (never used) up to read_end. */
-	void (*row_reconstruct)(const uint8_t *stream, const uint8_t *read_end,
-				size_t bit_offset, size_t dim, int bits,
-				const uint8_t *scales, const uint8_t *mins, uint16_t *out);
+	/* Optional (NULL: group_quantize + pack): quantizes and packs the
+	 * listed rows of one group straight into the stream, row r's codes at
+	 * byte codes + r*dim*bits/8. Only called when dim*bits is a multiple
+	 * of 8, with the scales and mins that group_params computed from the
+	 * same rows; writes exactly n_rows*dim*bits/8 bytes. On the way it
+	 * does group_params for the next group (n_next rows at next_rows, with
+	 * their scales and mins; n_next 0: none). */
+	void (*group_encode)(const uint16_t *head, const uint32_t *rows, size_t n_rows,
+			     size_t dim, int bits, const uint8_t *scales, const uint8_t *mins,
+			     uint8_t *codes, const uint32_t *next_rows, size_t n_next,
+			     uint8_t *next_scales, uint8_t *next_mins);
+	/* Reconstructs n_rows consecutive subset rows of one group, the first
+	 * one's codes at bit_offset (each next one dim*bits bits further): row
+	 * r lands at out + tokens[r]*token_stride. Bytes may be read (never
+	 * used) up to read_end. */
+	void (*group_reconstruct)(const uint8_t *stream, const uint8_t *read_end,
+				  size_t bit_offset, size_t n_rows, size_t dim, int bits,
+				  const uint8_t *scales, const uint8_t *mins,
+				  const uint32_t *tokens, uint16_t *out, size_t token_stride);
 };
 
 extern const struct codec_kernels codec_kernels_scalar;
 extern const struct codec_kernels codec_kernels_avx2;
 extern const struct codec_kernels codec_kernels_avx512;
+/* The AVX-512 table for CPUs that also have VBMI (vpermb, vpmultishiftqb):
+ * the same results, faster code unpacking and packing. */
+extern const struct codec_kernels codec_kernels_avx512_vbmi;
 
 /* The table in use; chosen once by zc_codec_init(). */
 const struct codec_kernels *codec_kernels_active(void);
+
+/* For tests only: makes `kernels` the active table (NULL: the choice of
+ * zc_codec_init()); the caller vouches that the CPU can run it. */
+void codec_kernels_override(const struct codec_kernels *kernels);
 
 /* The scalar table's packer; the BMI2 one falls back to it for the
  * unaligned start and the last few codes of a run. */

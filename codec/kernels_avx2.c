@@ -167,6 +167,16 @@ static void avx2_row_reconstruct(const uint8_t *stream, const uint8_t *read_end,
 	}
 }
 
+static void avx2_group_reconstruct(const uint8_t *stream, const uint8_t *read_end,
+				   size_t bit_offset, size_t n_rows, size_t dim, int bits,
+				   const uint8_t *scales, const uint8_t *mins,
+				   const uint32_t *tokens, uint16_t *out, size_t token_stride)
+{
+	for (size_t r = 0; r < n_rows; r++)
+		avx2_row_reconstruct(stream, read_end, bit_offset + r * dim * (size_t)bits,
+				     dim, bits, scales, mins, out + (size_t)tokens[r] * token_stride);
+}
+
 /*
  * Eight codes of `bits` bits make exactly `bits` bytes, and PEXT gathers
  * them in one instruction. Unaligned starts (D*bits not a multiple of 8)
@@ -207,5 +217,5 @@ const struct codec_kernels codec_kernels_avx2 = {
 	.group_params = avx2_group_params,
 	.group_quantize = avx2_group_quantize,
 	.pack = codec_pack_bmi2,
-	.row_reconstruct = avx2_row_reconstruct,
+	.group_reconstruct = avx2_group_reconstruct,
 };
