@@ -14,7 +14,6 @@
 #include <check.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -23,7 +22,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -35,12 +33,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "process_run.h"
 #include "zipcache/client.h"
 #include "zipcache/error.h"
-
-#ifndef ZC_BUILD_DIR
-#define ZC_BUILD_DIR "build"
-#endif
+#include "suite_main.h"
 
 /* Generous for ASan; a healthy run of every test takes a second or two. */
 #define TEST_TIMEOUT_SECONDS 60
@@ -60,37 +56,11 @@
 
 /* ---- time and files ------------------------------------------------------------ */
 
-static int64_t now_ms(void)
-{
-	struct timespec now;
-	clock_gettime(CLOCK_MONOTONIC, &now);
-	return (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
-}
-
-static void sleep_ms(int ms)
-{
-	struct timespec pause = { ms / 1000, (long)(ms % 1000) * 1000000L };
-	while (nanosleep(&pause, &pause) < 0 && errno == EINTR)
-		;
-}
-
 static const char *daemon_binary(void)
 {
 	static char path[PATH_MAX];
-	const char *build = getenv("ZC_BUILD_DIR");
-	if (!build || !*build)
-		build = ZC_BUILD_DIR;
-	snprintf(path, sizeof(path), "%s/bin/zipcached", build);
+	snprintf(path, sizeof(path), "%s/bin/zipcached", build_dir());
 	return path;
-}
-
-static int remove_entry(const char *path, const struct stat *st, int type, struct FTW *ftw)
-{
-	(void)st;
-	(void)type;
-	(void)ftw;
-	remove(path);
-	return 0;
 }
 
 /*
@@ -112,10 +82,8 @@ static void base_dir_make(void)
 
 static void base_dir_remove(void)
 {
-	if (base_dir[0]) {
-		nftw(base_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
-		base_dir[0] = '\0';
-	}
+	directory_remove(base_dir);
+	base_dir[0] = '\0';
 }
 
 /* The test's private directory, inside the base (short: socket paths
@@ -177,53 +145,30 @@ struct daemon {
 	char log_path[PATH_MAX];
 };
 
-/* Forks zipcached with argv (argv[0] is replaced by the binary), its
- * stdout and stderr into log_path. */
-static pid_t spawn(const char *const *argv, const char *log_path)
+#define MAX_DAEMON_ARGS 64
+
+/* argv with argv[0] replaced by the daemon binary, into args. */
+static void daemon_args(const char *const *argv, const char *args[MAX_DAEMON_ARGS])
 {
-	const char *args[64];
-	pid_t parent = getpid();
 	int argc = 0;
 
 	args[argc++] = daemon_binary();
 	for (int i = 1; argv[i]; i++) {
-		ck_assert(argc < 63);
+		ck_assert(argc < MAX_DAEMON_ARGS - 1);
 		args[argc++] = argv[i];
 	}
 	args[argc] = NULL;
-	ck_assert_msg(access(args[0], X_OK) == 0, "no daemon binary at %s", args[0]);
-	fflush(NULL);
-	pid_t pid = fork();
-	ck_assert_msg(pid >= 0, "fork: %s", strerror(errno));
-	if (pid == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		if (getppid() != parent)
-			_exit(127);
-		int null = open("/dev/null", O_RDONLY);
-		int log = open(log_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-		if (null >= 0)
-			dup2(null, STDIN_FILENO);
-		if (log >= 0) {
-			dup2(log, STDOUT_FILENO);
-			dup2(log, STDERR_FILENO);
-		}
-		execv(args[0], (char *const *)args);
-		_exit(127);
-	}
-	return pid;
 }
 
-static bool socket_accepts(const char *path)
+/* Forks zipcached with argv (argv[0] is replaced by the binary), its
+ * stdout and stderr into log_path. */
+static pid_t spawn(const char *const *argv, const char *log_path)
 {
-	struct sockaddr_un address = { .sun_family = AF_UNIX };
-	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	bool ok;
-	if (fd < 0)
-		return false;
-	snprintf(address.sun_path, sizeof(address.sun_path), "%s", path);
-	ok = connect(fd, (const struct sockaddr *)&address, sizeof(address)) == 0;
-	close(fd);
-	return ok;
+	const char *args[MAX_DAEMON_ARGS];
+
+	daemon_args(argv, args);
+	ck_assert_msg(access(args[0], X_OK) == 0, "no daemon binary at %s", args[0]);
+	return program_spawn(args, log_path, log_path, NULL, NULL);
 }
 
 /* Starts the daemon and waits (bounded) until socket_path accepts. */
@@ -293,31 +238,10 @@ static int run_to_exit(const char *const *argv, char *out, char *err)
 
 	snprintf(out_path, sizeof(out_path), "%s/run-%d.out", test_dir, runs);
 	snprintf(err_path, sizeof(err_path), "%s/run-%d.err", test_dir, runs++);
-	/* stdout and stderr apart: spawn() sends both to one file, so
-	 * redirect stderr by hand here. */
-	const char *args[64];
-	int argc = 0;
-	args[argc++] = daemon_binary();
-	for (int i = 1; argv[i]; i++)
-		args[argc++] = argv[i];
-	args[argc] = NULL;
-	pid_t parent = getpid();
-	fflush(NULL);
-	pid_t pid = fork();
-	ck_assert(pid >= 0);
-	if (pid == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		if (getppid() != parent)
-			_exit(127);
-		int null = open("/dev/null", O_RDONLY);
-		int o = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-		int e = open(err_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-		dup2(null, STDIN_FILENO);
-		dup2(o, STDOUT_FILENO);
-		dup2(e, STDERR_FILENO);
-		execv(args[0], (char *const *)args);
-		_exit(127);
-	}
+	/* stdout and stderr apart, unlike spawn()'s one log. */
+	const char *args[MAX_DAEMON_ARGS];
+	daemon_args(argv, args);
+	pid_t pid = program_spawn(args, out_path, err_path, NULL, NULL);
 	int64_t deadline = now_ms() + EXIT_TIMEOUT_MS;
 	bool killed = false;
 	while (waitpid(pid, &status, WNOHANG) == 0) {
@@ -334,60 +258,6 @@ static int run_to_exit(const char *const *argv, char *out, char *err)
 	if (killed)
 		return -1;
 	return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
-/* The daemon's TCP sockets (IPv4 and IPv6): how many it holds. */
-static int process_tcp_sockets(pid_t pid)
-{
-	char path[64], link[128];
-	unsigned long inodes[256];
-	int n_inodes = 0, found = 0;
-
-	snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
-	DIR *dir = opendir(path);
-	ck_assert_msg(dir != NULL, "opendir %s: %s", path, strerror(errno));
-	struct dirent *entry;
-	while ((entry = readdir(dir)) != NULL && n_inodes < 256) {
-		char fd_path[320];
-		snprintf(fd_path, sizeof(fd_path), "%s/%s", path, entry->d_name);
-		ssize_t n = readlink(fd_path, link, sizeof(link) - 1);
-		if (n <= 0)
-			continue;
-		link[n] = '\0';
-		if (sscanf(link, "socket:[%lu]", &inodes[n_inodes]) == 1)
-			n_inodes++;
-	}
-	closedir(dir);
-	static const char *const tables[] = { "/proc/net/tcp", "/proc/net/tcp6" };
-	for (int t = 0; t < 2; t++) {
-		FILE *file = fopen(tables[t], "r");
-		char line[512];
-		if (!file)
-			continue;
-		while (fgets(line, sizeof(line), file)) {
-			unsigned long inode;
-			if (sscanf(line, "%*s %*s %*s %*s %*s %*s %*s %*s %*s %lu", &inode) != 1)
-				continue;
-			for (int i = 0; i < n_inodes; i++)
-				if (inode != 0 && inodes[i] == inode)
-					found++;
-		}
-		fclose(file);
-	}
-	return found;
-}
-
-/* A port nothing listens on right now. */
-static uint16_t free_tcp_port(void)
-{
-	struct sockaddr_in address = { .sin_family = AF_INET };
-	socklen_t length = sizeof(address);
-	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-	ck_assert(fd >= 0 && bind(fd, (struct sockaddr *)&address, sizeof(address)) == 0);
-	ck_assert(getsockname(fd, (struct sockaddr *)&address, &length) == 0);
-	close(fd);
-	return ntohs(address.sin_port);
 }
 
 static bool tcp_accepts(uint16_t port, int timeout_ms)
@@ -947,10 +817,6 @@ static Suite *config_suite(void)
 
 int main(void)
 {
-	SRunner *runner = srunner_create(config_suite());
 	signal(SIGPIPE, SIG_IGN);
-	srunner_run_all(runner, CK_NORMAL);
-	int failed = srunner_ntests_failed(runner);
-	srunner_free(runner);
-	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+	return suite_main(config_suite(), CK_FORK_GETENV);
 }

@@ -4,11 +4,11 @@
  * checked SIGTERM stop, and raw socket I/O for hand-made frames.
  */
 #include "daemon_harness.h"
+#include "process_run.h"
 
 #include <check.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -24,10 +24,6 @@
 
 #include "frame.h"
 #include "zipcache/error.h"
-
-#ifndef ZC_BUILD_DIR
-#define ZC_BUILD_DIR "build"
-#endif
 
 /* Under ASan the daemon takes a while to start; 10 s is far beyond a
  * healthy start and short enough that a hang fails the test, not the run. */
@@ -54,21 +50,6 @@
  * forked are gone, or daemon_cleanup() closed it: the janitor removes the
  * directory, if still there, and exits.
  */
-
-static int remove_entry(const char *path, const struct stat *st, int type, struct FTW *ftw)
-{
-	(void)st;
-	(void)type;
-	(void)ftw;
-	remove(path);
-	return 0;
-}
-
-static void directory_remove(const char *dir)
-{
-	if (dir[0])
-		nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
-}
 
 /* Returns the write end the test process keeps, or -1 if no janitor
  * could be started (the test still runs; only cleanup after a failure is
@@ -111,28 +92,11 @@ static int janitor_start(const char *dir)
 
 /* ---- starting and stopping ------------------------------------------------ */
 
-static int64_t now_ms(void)
-{
-	struct timespec now;
-	clock_gettime(CLOCK_MONOTONIC, &now);
-	return (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
-}
-
-static void sleep_ms(int ms)
-{
-	struct timespec pause = { ms / 1000, (long)(ms % 1000) * 1000000L };
-	while (nanosleep(&pause, &pause) < 0 && errno == EINTR)
-		;
-}
-
 const char *daemon_binary_path(void)
 {
 	static char path[PATH_MAX];
-	const char *build = getenv("ZC_BUILD_DIR");
 
-	if (!build || !*build)
-		build = ZC_BUILD_DIR;
-	snprintf(path, sizeof(path), "%s/bin/zipcached", build);
+	snprintf(path, sizeof(path), "%s/bin/zipcached", build_dir());
 	return path;
 }
 
@@ -153,21 +117,6 @@ const char *daemon_log_tail(const struct daemon_harness *daemon, char *buffer, s
 	buffer[n] = '\0';
 	fclose(log);
 	return buffer;
-}
-
-/* Whether something accepts connections on the socket path right now. */
-static bool socket_accepts(const char *path)
-{
-	struct sockaddr_un address = { .sun_family = AF_UNIX };
-	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	bool ok;
-
-	if (fd < 0)
-		return false;
-	snprintf(address.sun_path, sizeof(address.sun_path), "%s", path);
-	ok = connect(fd, (const struct sockaddr *)&address, sizeof(address)) == 0;
-	close(fd);
-	return ok;
 }
 
 /*
@@ -449,6 +398,21 @@ out_close:
 }
 
 /* ---- raw socket ------------------------------------------------------------ */
+
+const char *response_status_name(zipcache_v1_Status status)
+{
+	switch (status) {
+	case zipcache_v1_Status_OK: return "OK";
+	case zipcache_v1_Status_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+	case zipcache_v1_Status_NOT_FOUND: return "NOT_FOUND";
+	case zipcache_v1_Status_ALREADY_EXISTS: return "ALREADY_EXISTS";
+	case zipcache_v1_Status_RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+	case zipcache_v1_Status_PERMISSION_DENIED: return "PERMISSION_DENIED";
+	case zipcache_v1_Status_FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+	case zipcache_v1_Status_INTERNAL: return "INTERNAL";
+	}
+	return "unknown status";
+}
 
 int raw_connect(const char *socket_path)
 {

@@ -86,6 +86,9 @@ int program_run(const char *const *argv, int *status, char *out, size_t out_size
 
 /* ---- raw socket ---------------------------------------------------------- */
 
+/* The name of a reply's status as the protocol spells it (for messages). */
+const char *response_status_name(zipcache_v1_Status status);
+
 /* A blocking connection to the socket: the descriptor, or a negative errno. */
 int raw_connect(const char *socket_path);
 

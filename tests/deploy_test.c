@@ -14,7 +14,6 @@
 #include <check.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -28,7 +27,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "process_run.h"
 #include "zipcache/client.h"
+#include "suite_main.h"
 
 #define PYTHON "/usr/bin/python3"
 /* check.py's exit status for "this section's tool is not installed". */
@@ -36,13 +37,6 @@
 
 static char work_dir[PATH_MAX];
 static pid_t daemon_pid = -1;
-
-static const char *build_dir(void)
-{
-	const char *build = getenv("ZC_BUILD_DIR");
-
-	return build && *build ? build : ZC_BUILD_DIR;
-}
 
 static const char *daemon_path(void)
 {
@@ -83,23 +77,6 @@ static const char *deploy_dir(void)
 	return NULL;
 }
 
-static int remove_entry(const char *path, const struct stat *st, int type, struct FTW *ftw)
-{
-	(void)st;
-	(void)type;
-	(void)ftw;
-	remove(path);
-	return 0;
-}
-
-static void sleep_ms(long ms)
-{
-	struct timespec delay = { ms / 1000, (ms % 1000) * 1000000L };
-
-	while (nanosleep(&delay, &delay) < 0 && errno == EINTR)
-		;
-}
-
 /* At exit as well: a failed assertion skips the teardown. */
 static void cleanup(void)
 {
@@ -108,8 +85,7 @@ static void cleanup(void)
 		waitpid(daemon_pid, NULL, 0);
 		daemon_pid = -1;
 	}
-	if (work_dir[0])
-		nftw(work_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+	directory_remove(work_dir);
 	work_dir[0] = '\0';
 }
 
@@ -129,27 +105,6 @@ static void teardown(void)
 	cleanup();
 }
 
-static char *read_whole(const char *path)
-{
-	FILE *file = fopen(path, "rb");
-	char *bytes = NULL;
-	size_t used = 0, capacity = 0, got;
-
-	ck_assert_msg(file != NULL, "fopen %s: %s", path, strerror(errno));
-	do {
-		if (capacity - used < 4096) {
-			capacity = capacity * 2 + 4096;
-			bytes = realloc(bytes, capacity + 1);
-			ck_assert_ptr_nonnull(bytes);
-		}
-		got = fread(bytes + used, 1, capacity - used, file);
-		used += got;
-	} while (got > 0);
-	fclose(file);
-	bytes[used] = '\0';
-	return bytes;
-}
-
 /* Runs argv with stdout and stderr both into *output (malloc'd); returns
  * the exit status. */
 static int run(char *const *argv, char **output)
@@ -159,21 +114,9 @@ static int run(char *const *argv, char **output)
 	int status;
 
 	snprintf(path, sizeof(path), "%s/output", work_dir);
-	fflush(stdout);
-	fflush(stderr);
-	child = fork();
-	ck_assert_int_ge(child, 0);
-	if (child == 0) {
-		int in = open("/dev/null", O_RDONLY);
-		int out = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-
-		if (in < 0 || out < 0 || dup2(in, 0) < 0 || dup2(out, 1) < 0 || dup2(out, 2) < 0)
-			_exit(126);
-		execv(argv[0], argv);
-		_exit(127);
-	}
+	child = program_spawn((const char *const *)argv, path, path, NULL, NULL);
 	ck_assert_int_eq(waitpid(child, &status, 0), child);
-	*output = read_whole(path);
+	*output = file_read_whole(path, NULL);
 	ck_assert_msg(WIFEXITED(status), "%s died of signal %d", argv[0], WTERMSIG(status));
 	ck_assert_msg(WEXITSTATUS(status) != 126 && WEXITSTATUS(status) != 127, "cannot run %s",
 		      argv[0]);
@@ -224,7 +167,7 @@ static void start_daemon_with_metrics(char *url, size_t size)
 
 		if (zc_client_connect(socket_path, 1000, &client) == 0) {
 			zc_client_close(client);
-			log = read_whole(log_path);
+			log = file_read_whole(log_path, NULL);
 			port = strstr(log, "event=\"metrics endpoint\"");
 			port = port ? strstr(port, " port=") : NULL;
 			ck_assert_msg(port != NULL, "the daemon logged no metrics port:\n%s", log);
@@ -270,7 +213,7 @@ END_TEST
 
 static void replace_in_file(const char *path, const char *old, const char *new)
 {
-	char *text = read_whole(path);
+	char *text = file_read_whole(path, NULL);
 	char *at = strstr(text, old);
 	FILE *file;
 
@@ -349,12 +292,5 @@ static Suite *deploy_suite(void)
 
 int main(void)
 {
-	SRunner *runner = srunner_create(deploy_suite());
-	int failed;
-
-	srunner_set_fork_status(runner, CK_FORK);
-	srunner_run_all(runner, CK_NORMAL);
-	failed = srunner_ntests_failed(runner);
-	srunner_free(runner);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return suite_main(deploy_suite(), CK_FORK);
 }

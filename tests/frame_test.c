@@ -10,6 +10,7 @@
 
 #include "frame.h"
 #include "zipcache/error.h"
+#include "suite_main.h"
 
 /* A byte stream of frames, built by the tests and checked against. */
 struct stream {
@@ -552,11 +553,5 @@ static Suite *frame_suite(void)
 
 int main(void)
 {
-	SRunner *sr = srunner_create(frame_suite());
-	int failed;
-
-	srunner_run_all(sr, CK_NORMAL);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+	return suite_main(frame_suite(), CK_FORK_GETENV);
 }

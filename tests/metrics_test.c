@@ -19,7 +19,6 @@
 #include <check.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <math.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -30,7 +29,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -40,11 +38,13 @@
 #include <unistd.h>
 
 #include "daemon_harness.h"
+#include "process_run.h"
 #include "frame.h"
 #include "wire.h"
 #include "zipcache/client.h"
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
+#include "suite_main.h"
 
 /* ASan makes the daemon several times slower; the slowloris test waits
  * out the endpoint's 5 s idle timeout and the Prometheus test waits for
@@ -71,40 +71,7 @@
 
 #define FP16_NAN 0x7e00u
 
-/* ---- time ---------------------------------------------------------------- */
-
-static int64_t now_ms(void)
-{
-	struct timespec now;
-	clock_gettime(CLOCK_MONOTONIC, &now);
-	return (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
-}
-
-static void sleep_ms(int ms)
-{
-	struct timespec pause = { ms / 1000, (long)(ms % 1000) * 1000000L };
-	while (nanosleep(&pause, &pause) < 0 && errno == EINTR)
-		;
-}
-
 /* ---- TCP on loopback ------------------------------------------------------- */
-
-/* A port nothing listens on right now: bind 127.0.0.1:0, read, close. */
-static uint16_t free_tcp_port(void)
-{
-	struct sockaddr_in address = { .sin_family = AF_INET };
-	socklen_t length = sizeof(address);
-	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-
-	ck_assert_msg(fd >= 0, "socket: %s", strerror(errno));
-	address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-	ck_assert_msg(bind(fd, (struct sockaddr *)&address, sizeof(address)) == 0, "bind: %s",
-		      strerror(errno));
-	ck_assert_msg(getsockname(fd, (struct sockaddr *)&address, &length) == 0, "getsockname: %s",
-		      strerror(errno));
-	close(fd);
-	return ntohs(address.sin_port);
-}
 
 /*
  * A blocking TCP connection to 127.0.0.1:port, from source address
@@ -554,7 +521,7 @@ static void assert_promtool_accepts(const char *body, size_t len)
 	char output[4096];
 	int in[2];
 	FILE *captured = tmpfile();
-	pid_t pid, parent = getpid();
+	pid_t pid;
 	int status = 0;
 
 	if (access(PROMTOOL_PATH, X_OK) != 0) {
@@ -566,13 +533,8 @@ static void assert_promtool_accepts(const char *body, size_t len)
 	}
 	ck_assert(captured != NULL);
 	ck_assert_msg(pipe2(in, O_CLOEXEC) == 0, "pipe: %s", strerror(errno));
-	fflush(NULL);
-	pid = fork();
-	ck_assert_msg(pid >= 0, "fork: %s", strerror(errno));
+	pid = fork_dying_with_parent(127);
 	if (pid == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		if (getppid() != parent)
-			_exit(127);
 		dup2(in[0], STDIN_FILENO);
 		dup2(fileno(captured), STDOUT_FILENO);
 		dup2(fileno(captured), STDERR_FILENO);
@@ -1340,10 +1302,24 @@ START_TEST(test_same_address_scrape_after_idle_timeout)
 }
 END_TEST
 
+/* An oversized request gets an error status or a closed connection
+ * (a reset or a failed send mid-request count as closed), never a page. */
+static void assert_oversized_refused(uint16_t port, const char *request, size_t len,
+				     const char *what)
+{
+	struct http_reply reply;
+	int rc = http_exchange_from(NULL, port, request, len, HTTP_TIMEOUT_MS, &reply);
+
+	ck_assert_msg(rc == 0 || rc == -ECONNRESET || rc == -EPIPE,
+		      "%s: %s (want an error status or a closed connection)", what, strerror(-rc));
+	ck_assert_msg(reply.status == 0 || reply.status >= 400, "%s answered with status %d", what,
+		      reply.status);
+	http_reply_free(&reply);
+}
+
 START_TEST(test_oversized_request)
 {
 	struct metrics_daemon m;
-	struct http_reply reply;
 	size_t header_bytes = 1u << 20;
 
 	metrics_daemon_start(&m, NULL);
@@ -1356,37 +1332,21 @@ START_TEST(test_oversized_request)
 		len += (size_t)sprintf(request + len, "X-Filler-%07zu: %0100d\r\n", len, 0);
 	}
 	len += (size_t)sprintf(request + len, "\r\n");
-	int rc = http_exchange_from(NULL, m.port, request, len, HTTP_TIMEOUT_MS, &reply);
-	ck_assert_msg(rc == 0 || rc == -ECONNRESET || rc == -EPIPE,
-		      "oversized headers: %s (want an error status or a closed connection)",
-		      strerror(-rc));
-	ck_assert_msg(reply.status == 0 || reply.status >= 400,
-		      "1 MiB of headers answered with status %d", reply.status);
-	http_reply_free(&reply);
+	assert_oversized_refused(m.port, request, len, "1 MiB of headers");
 
 	/* One enormous header line. */
 	len = (size_t)sprintf(request, "GET /metrics HTTP/1.1\r\nX-Big: ");
 	memset(request + len, 'a', header_bytes - len);
 	len = header_bytes;
 	len += (size_t)sprintf(request + len, "\r\n\r\n");
-	rc = http_exchange_from(NULL, m.port, request, len, HTTP_TIMEOUT_MS, &reply);
-	ck_assert_msg(rc == 0 || rc == -ECONNRESET || rc == -EPIPE, "a 1 MiB header line: %s",
-		      strerror(-rc));
-	ck_assert_msg(reply.status == 0 || reply.status >= 400,
-		      "a 1 MiB header line answered with status %d", reply.status);
-	http_reply_free(&reply);
+	assert_oversized_refused(m.port, request, len, "a 1 MiB header line");
 
 	/* A 1 MiB URL. */
 	len = (size_t)sprintf(request, "GET /");
 	memset(request + len, 'm', header_bytes - len);
 	len = header_bytes;
 	len += (size_t)sprintf(request + len, " HTTP/1.1\r\nHost: x\r\n\r\n");
-	rc = http_exchange_from(NULL, m.port, request, len, HTTP_TIMEOUT_MS, &reply);
-	ck_assert_msg(rc == 0 || rc == -ECONNRESET || rc == -EPIPE, "a 1 MiB URL: %s",
-		      strerror(-rc));
-	ck_assert_msg(reply.status == 0 || reply.status >= 400,
-		      "a 1 MiB URL answered with status %d", reply.status);
-	http_reply_free(&reply);
+	assert_oversized_refused(m.port, request, len, "a 1 MiB URL");
 
 	/* A declared 1 GiB body on a GET: read and dropped, or refused. */
 	static const char big_body[] = "POST /metrics HTTP/1.1\r\nHost: x\r\n"
@@ -1517,15 +1477,6 @@ END_TEST
 
 /* ---- 4. a real Prometheus server ------------------------------------------- */
 
-static int remove_entry(const char *path, const struct stat *st, int type, struct FTW *ftw)
-{
-	(void)st;
-	(void)type;
-	(void)ftw;
-	remove(path);
-	return 0;
-}
-
 /* The string value of the first result of a Prometheus instant query
  * (`"value":[<ts>,"<v>"]`) into out; false if there is none. */
 static bool prometheus_query(uint16_t port, const char *encoded_query, char *out, size_t size)
@@ -1594,14 +1545,8 @@ START_TEST(test_prometheus_scrapes)
 	char log_path[PATH_MAX + 64];
 	snprintf(log_path, sizeof(log_path), "%s/prometheus.log", dir);
 
-	fflush(NULL);
-	pid_t parent = getpid();
-	pid_t prometheus = fork();
-	ck_assert(prometheus >= 0);
+	pid_t prometheus = fork_dying_with_parent(127);
 	if (prometheus == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		if (getppid() != parent)
-			_exit(127);
 		int log = open(log_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
 		int null = open("/dev/null", O_RDONLY);
 		if (null >= 0)
@@ -1691,54 +1636,12 @@ START_TEST(test_prometheus_scrapes)
 		}
 		sleep_ms(20);
 	}
-	nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+	directory_remove(dir);
 	metrics_daemon_stop(&m);
 }
 END_TEST
 
 /* ---- 5. --metrics-listen off, and when the port is taken ------------------ */
-
-/* The TCP sockets (IPv4 and IPv6) pid holds: their count. */
-static int process_tcp_sockets(pid_t pid)
-{
-	char path[64], link[128];
-	unsigned long inodes[1024];
-	int n_inodes = 0, found = 0;
-
-	snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
-	DIR *dir = opendir(path);
-	ck_assert_msg(dir != NULL, "opendir %s: %s", path, strerror(errno));
-	struct dirent *entry;
-	while ((entry = readdir(dir)) != NULL && n_inodes < 1024) {
-		char fd_path[320];
-		snprintf(fd_path, sizeof(fd_path), "%s/%s", path, entry->d_name);
-		ssize_t n = readlink(fd_path, link, sizeof(link) - 1);
-		if (n <= 0)
-			continue;
-		link[n] = '\0';
-		if (sscanf(link, "socket:[%lu]", &inodes[n_inodes]) == 1)
-			n_inodes++;
-	}
-	closedir(dir);
-	static const char *const tables[] = { "/proc/net/tcp", "/proc/net/tcp6" };
-	for (int t = 0; t < 2; t++) {
-		FILE *file = fopen(tables[t], "r");
-		char line[512];
-		if (!file)
-			continue;
-		while (fgets(line, sizeof(line), file)) {
-			unsigned long inode;
-			/* sl local rem st tx:rx tr:when retrnsmt uid timeout inode */
-			if (sscanf(line, "%*s %*s %*s %*s %*s %*s %*s %*s %*s %lu", &inode) != 1)
-				continue;
-			for (int i = 0; i < n_inodes; i++)
-				if (inodes[i] == inode && inode != 0)
-					found++;
-		}
-		fclose(file);
-	}
-	return found;
-}
 
 START_TEST(test_metrics_listen_off)
 {
@@ -1892,7 +1795,7 @@ static void base_dir_remove(void)
 {
 	if (!base_dir[0])
 		return;
-	nftw(base_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+	directory_remove(base_dir);
 	base_dir[0] = '\0';
 	if (saved_tmpdir)
 		setenv("TMPDIR", saved_tmpdir, 1);
@@ -1945,10 +1848,6 @@ static Suite *metrics_suite(void)
 
 int main(void)
 {
-	SRunner *runner = srunner_create(metrics_suite());
 	signal(SIGPIPE, SIG_IGN);
-	srunner_run_all(runner, CK_NORMAL);
-	int failed = srunner_ntests_failed(runner);
-	srunner_free(runner);
-	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+	return suite_main(metrics_suite(), CK_FORK_GETENV);
 }

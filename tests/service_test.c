@@ -4,8 +4,9 @@
  * through the public client API, or through a raw socket for requests the
  * client would never send.
  *
- * What the daemon hands back is checked against a model kept here, built
- * from the codec's public API alone: the model forms blocks the way the
+ * What the daemon hands back is checked against a model (tests/layer_model.c,
+ * shared with tests/reliability_test.c), built from the codec's public API
+ * alone: the model forms blocks the way the
  * block policy says (per_call: one block per update; streaming: a block of
  * at least R tokens is one block, after the residual is flushed as its own
  * block; shorter blocks stay exact in the residual until it holds R tokens
@@ -43,608 +44,24 @@
 #include <unistd.h>
 
 #include "daemon_harness.h"
+#include "layer_model.h"
+#include "process_run.h"
 #include "frame.h"
 #include "wire.h"
 #include "zipcache/client.h"
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
+#include "suite_main.h"
 
 /* Generous: a test does a few thousand round trips at most, but ASan
  * makes the daemon and the codec several times slower. */
 #define TEST_TIMEOUT_SECONDS 60
 
-/* Replies wait at most this long; a daemon that hangs fails the call. */
-#define CLIENT_TIMEOUT_MS 20000
-
-#define WHY_BYTES 2048
-
 #define FP16_NAN 0x7e00u
 #define FP16_POSITIVE_INFINITY 0x7c00u
 #define FP16_NEGATIVE_INFINITY 0xfc00u
 
-/* The daemon's streaming threshold when a session asks for none. */
-#define DEFAULT_RESIDUAL_TOKENS 128u
-
-/* ---- failure messages ------------------------------------------------------ */
-
-/* Writes a sentence into why (the helpers below return false after it). */
-static bool fail_with(char *why, size_t size, const char *format, ...)
-	__attribute__((format(printf, 3, 4)));
-
-static bool fail_with(char *why, size_t size, const char *format, ...)
-{
-	va_list args;
-
-	va_start(args, format);
-	vsnprintf(why, size, format, args);
-	va_end(args);
-	return false;
-}
-
-/* The model cannot go on after a codec failure; in a helper process an
- * abort is reported by the exit status the test checks. */
-static void model_abort(const char *format, ...) __attribute__((format(printf, 1, 2), noreturn));
-
-static void model_abort(const char *format, ...)
-{
-	va_list args;
-
-	va_start(args, format);
-	fprintf(stderr, "service_test model: ");
-	vfprintf(stderr, format, args);
-	fputc('\n', stderr);
-	va_end(args);
-	abort();
-}
-
-static const char *status_name(zipcache_v1_Status status)
-{
-	switch (status) {
-	case zipcache_v1_Status_OK: return "OK";
-	case zipcache_v1_Status_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-	case zipcache_v1_Status_NOT_FOUND: return "NOT_FOUND";
-	case zipcache_v1_Status_ALREADY_EXISTS: return "ALREADY_EXISTS";
-	case zipcache_v1_Status_RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-	case zipcache_v1_Status_PERMISSION_DENIED: return "PERMISSION_DENIED";
-	case zipcache_v1_Status_FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-	case zipcache_v1_Status_INTERNAL: return "INTERNAL";
-	}
-	return "unknown status";
-}
-
-/* ---- deterministic data ------------------------------------------------------ */
-
-struct rng {
-	uint64_t state;
-};
-
-static void rng_seed(struct rng *rng, uint64_t seed)
-{
-	/* splitmix64 of the seed: nearby seeds give unrelated streams. */
-	uint64_t z = seed + 0x9e3779b97f4a7c15ull;
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	rng->state = (z ^ (z >> 31)) | 1;
-}
-
-static uint64_t rng_next(struct rng *rng)
-{
-	/* xorshift64*: fixed seeds, so a failure reproduces exactly. */
-	rng->state ^= rng->state >> 12;
-	rng->state ^= rng->state << 25;
-	rng->state ^= rng->state >> 27;
-	return rng->state * 0x2545f4914f6cdd1dull;
-}
-
-static uint32_t rng_below(struct rng *rng, uint32_t bound)
-{
-	return (uint32_t)(rng_next(rng) % bound);
-}
-
-static double rng_normal(struct rng *rng)
-{
-	double u1 = ((rng_next(rng) >> 11) + 1) * 0x1.0p-53;
-	double u2 = (rng_next(rng) >> 11) * 0x1.0p-53;
-	return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
-}
-
-/* ---- the model of a session ----------------------------------------------- */
-
-struct model_block {
-	uint32_t first_token;
-	uint32_t tokens;          /* tokens it was compressed with (trim keeps it whole) */
-	zc_byte_count key, value;
-};
-
-struct model_layer {
-	/* Both in the view's [batch][kv_heads][max_tokens][D] layout. */
-	uint16_t *exact_keys, *exact_values; /* the tokens as they were sent */
-	uint16_t *keys, *values;             /* what the view must show */
-	uint32_t tokens;
-	uint32_t residual;                   /* newest tokens still exact */
-	struct model_block *blocks;
-	size_t n_blocks, capacity;
-};
-
-struct model {
-	uint32_t layers, batch, kv_heads, head_dim_k, head_dim_v, max_tokens;
-	zc_codec_config codec;
-	bool per_call;
-	uint32_t residual_threshold;
-	struct model_layer *layer;
-};
-
-static void *allocate(size_t bytes)
-{
-	void *p = calloc(1, bytes ? bytes : 1);
-	if (!p)
-		model_abort("out of memory for %zu bytes", bytes);
-	return p;
-}
-
-static void model_init(struct model *model, const zc_session_config *config)
-{
-	memset(model, 0, sizeof(*model));
-	model->layers = config->layers;
-	model->batch = config->batch;
-	model->kv_heads = config->kv_heads;
-	model->head_dim_k = config->head_dim_k;
-	model->head_dim_v = config->head_dim_v;
-	model->max_tokens = config->max_tokens;
-	model->codec = config->codec;
-	model->per_call = config->policy == ZC_POLICY_PER_CALL;
-	model->residual_threshold = config->residual_tokens ? config->residual_tokens :
-							      DEFAULT_RESIDUAL_TOKENS;
-	model->layer = allocate(model->layers * sizeof(*model->layer));
-	for (uint32_t i = 0; i < model->layers; i++) {
-		struct model_layer *l = &model->layer[i];
-		size_t rows = (size_t)model->batch * model->kv_heads * model->max_tokens;
-		l->exact_keys = allocate(rows * model->head_dim_k * 2);
-		l->exact_values = allocate(rows * model->head_dim_v * 2);
-		l->keys = allocate(rows * model->head_dim_k * 2);
-		l->values = allocate(rows * model->head_dim_v * 2);
-	}
-}
-
-static void model_free(struct model *model)
-{
-	for (uint32_t i = 0; model->layer && i < model->layers; i++) {
-		struct model_layer *l = &model->layer[i];
-		free(l->exact_keys);
-		free(l->exact_values);
-		free(l->keys);
-		free(l->values);
-		free(l->blocks);
-	}
-	free(model->layer);
-	memset(model, 0, sizeof(*model));
-}
-
-static zc_strides model_strides(const struct model *model, uint32_t dim)
-{
-	return (zc_strides){ (size_t)model->kv_heads * model->max_tokens * dim,
-			     (size_t)model->max_tokens * dim, dim };
-}
-
-/* Copies a contiguous [B][H][tokens][dim] block to rows [first, first +
- * tokens) of a view-layout buffer, or (gather) the other way. */
-static void rows_scatter(const struct model *model, uint16_t *view, uint32_t first,
-			 const uint16_t *block, uint32_t tokens, uint32_t dim)
-{
-	zc_strides s = model_strides(model, dim);
-	size_t head_elements = (size_t)tokens * dim;
-	for (uint32_t b = 0; b < model->batch; b++)
-		for (uint32_t h = 0; h < model->kv_heads; h++)
-			memcpy(view + b * s.batch + h * s.head + (size_t)first * dim,
-			       block + ((size_t)b * model->kv_heads + h) * head_elements,
-			       head_elements * 2);
-}
-
-static void rows_gather(const struct model *model, const uint16_t *view, uint32_t first,
-			uint16_t *block, uint32_t tokens, uint32_t dim)
-{
-	zc_strides s = model_strides(model, dim);
-	size_t head_elements = (size_t)tokens * dim;
-	for (uint32_t b = 0; b < model->batch; b++)
-		for (uint32_t h = 0; h < model->kv_heads; h++)
-			memcpy(block + ((size_t)b * model->kv_heads + h) * head_elements,
-			       view + b * s.batch + h * s.head + (size_t)first * dim,
-			       head_elements * 2);
-}
-
-/* Compresses one tensor of a contiguous block with the codec and writes
- * its reconstruction at rows [first, first + tokens) of the expected view;
- * returns the block's byte count. */
-static zc_byte_count model_codec_block(const struct model *model, zc_tensor tensor,
-				       uint16_t *view, uint32_t first, const uint16_t *block,
-				       uint32_t tokens)
-{
-	uint32_t dim = tensor == ZC_TENSOR_KEYS ? model->head_dim_k : model->head_dim_v;
-	zc_block_shape shape = { model->batch, model->kv_heads, tokens, dim };
-	zc_strides strides = model_strides(model, dim);
-	zc_byte_count count;
-	int rc = zc_block_count_bytes(&model->codec, tensor, &shape, &count);
-	if (rc < 0)
-		model_abort("zc_block_count_bytes: %s", zc_strerror(rc));
-	uint8_t *compressed = allocate(count.compressed);
-	int64_t written = zc_block_compress(&model->codec, tensor, &shape, block, compressed,
-					    count.compressed);
-	if (written != (int64_t)count.compressed)
-		model_abort("zc_block_compress wrote %" PRId64 " bytes, the count says %" PRIu64,
-			    written, count.compressed);
-	rc = zc_block_reconstruct(&model->codec, tensor, &shape, compressed, count.compressed,
-				  view + (size_t)first * dim, &strides);
-	if (rc < 0)
-		model_abort("zc_block_reconstruct: %s", zc_strerror(rc));
-	free(compressed);
-	return count;
-}
-
-static void model_append_block(struct model *model, uint32_t layer, uint32_t first,
-			       const uint16_t *keys, const uint16_t *values, uint32_t tokens)
-{
-	struct model_layer *l = &model->layer[layer];
-	struct model_block block = { .first_token = first, .tokens = tokens };
-
-	block.key = model_codec_block(model, ZC_TENSOR_KEYS, l->keys, first, keys, tokens);
-	block.value = model_codec_block(model, ZC_TENSOR_VALUES, l->values, first, values, tokens);
-	if (l->n_blocks == l->capacity) {
-		l->capacity = l->capacity ? 2 * l->capacity : 16;
-		l->blocks = realloc(l->blocks, l->capacity * sizeof(*l->blocks));
-		if (!l->blocks)
-			model_abort("out of memory for the block list");
-	}
-	l->blocks[l->n_blocks++] = block;
-}
-
-/* The whole residual becomes one block, compressed from the exact tokens. */
-static void model_flush(struct model *model, uint32_t layer)
-{
-	struct model_layer *l = &model->layer[layer];
-	uint32_t first = l->tokens - l->residual;
-	size_t heads = (size_t)model->batch * model->kv_heads;
-
-	if (l->residual == 0)
-		return;
-	uint16_t *keys = allocate(heads * l->residual * model->head_dim_k * 2);
-	uint16_t *values = allocate(heads * l->residual * model->head_dim_v * 2);
-	rows_gather(model, l->exact_keys, first, keys, l->residual, model->head_dim_k);
-	rows_gather(model, l->exact_values, first, values, l->residual, model->head_dim_v);
-	model_append_block(model, layer, first, keys, values, l->residual);
-	l->residual = 0;
-	free(keys);
-	free(values);
-}
-
-/*
- * What the daemon must do with an update: the code it must answer, and on
- * success the new state. Inputs are finite here (the tests that send NaN
- * expect a refusal without asking the model).
- */
-static int model_update(struct model *model, uint32_t layer, uint32_t tokens,
-			const uint16_t *keys, const uint16_t *values)
-{
-	if (layer >= model->layers || tokens == 0)
-		return ZC_EINVALID;
-	struct model_layer *l = &model->layer[layer];
-	if ((uint64_t)l->tokens + tokens > model->max_tokens)
-		return ZC_EEXHAUSTED;
-	uint32_t first = l->tokens;
-	rows_scatter(model, l->exact_keys, first, keys, tokens, model->head_dim_k);
-	rows_scatter(model, l->exact_values, first, values, tokens, model->head_dim_v);
-	if (model->per_call || tokens >= model->residual_threshold) {
-		model_flush(model, layer);
-		model_append_block(model, layer, first, keys, values, tokens);
-		l->tokens += tokens;
-		return 0;
-	}
-	rows_scatter(model, l->keys, first, keys, tokens, model->head_dim_k);
-	rows_scatter(model, l->values, first, values, tokens, model->head_dim_v);
-	l->tokens += tokens;
-	l->residual += tokens;
-	if (l->residual >= model->residual_threshold)
-		model_flush(model, layer);
-	return 0;
-}
-
-/*
- * Trim as specified: the residual's tail goes first; past it, blocks that
- * start at or after the new end are dropped whole, and a block cut in the
- * middle stays (its kept prefix unchanged). Returns what the most-cut
- * layer lost.
- */
-static uint32_t model_trim(struct model *model, uint32_t tokens)
-{
-	uint32_t most = 0;
-
-	for (uint32_t i = 0; i < model->layers; i++) {
-		struct model_layer *l = &model->layer[i];
-		uint32_t cut = tokens < l->tokens ? tokens : l->tokens;
-		uint32_t keep = l->tokens - cut;
-
-		if (cut > most)
-			most = cut;
-		if (cut == 0)
-			continue;
-		if (cut <= l->residual) {
-			l->residual -= cut;
-		} else {
-			l->residual = 0;
-			while (l->n_blocks > 0 && l->blocks[l->n_blocks - 1].first_token >= keep)
-				l->n_blocks--;
-		}
-		l->tokens = keep;
-	}
-	return most;
-}
-
-static void stats_ratios(zc_layer_stats *s)
-{
-	s->compression_ratio = s->compressed_key_bytes ?
-				       (double)s->fp16_key_bytes / (double)s->compressed_key_bytes : 0.0;
-	s->effective_avg_bits = s->fp16_key_bytes ?
-					16.0 * (double)s->compressed_key_bytes / (double)s->fp16_key_bytes :
-					0.0;
-}
-
-/* The seed's accounting: blocks as stored, plus the residual as the fp16
- * it really is (its baseline is that of the block it will become). */
-static void model_layer_stats(const struct model *model, uint32_t layer, zc_layer_stats *out)
-{
-	const struct model_layer *l = &model->layer[layer];
-	uint64_t heads = (uint64_t)model->batch * model->kv_heads;
-
-	memset(out, 0, sizeof(*out));
-	out->layer = layer;
-	out->tokens = l->tokens;
-	out->residual_tokens = l->residual;
-	out->blocks = l->n_blocks;
-	for (size_t i = 0; i < l->n_blocks; i++) {
-		out->compressed_key_bytes += l->blocks[i].key.compressed;
-		out->compressed_value_bytes += l->blocks[i].value.compressed;
-		out->baseline_key_bytes += l->blocks[i].key.baseline;
-		out->baseline_value_bytes += l->blocks[i].value.baseline;
-	}
-	if (l->residual > 0) {
-		zc_block_shape key_shape = { model->batch, model->kv_heads, l->residual, model->head_dim_k };
-		zc_block_shape value_shape = { model->batch, model->kv_heads, l->residual, model->head_dim_v };
-		zc_byte_count key, value;
-		if (zc_block_count_bytes(&model->codec, ZC_TENSOR_KEYS, &key_shape, &key) < 0 ||
-		    zc_block_count_bytes(&model->codec, ZC_TENSOR_VALUES, &value_shape, &value) < 0)
-			model_abort("zc_block_count_bytes failed for the residual");
-		out->compressed_key_bytes += 2 * heads * l->residual * model->head_dim_k;
-		out->compressed_value_bytes += 2 * heads * l->residual * model->head_dim_v;
-		out->baseline_key_bytes += key.baseline;
-		out->baseline_value_bytes += value.baseline;
-	}
-	out->fp16_key_bytes = 2 * heads * l->tokens * model->head_dim_k;
-	out->fp16_value_bytes = 2 * heads * l->tokens * model->head_dim_v;
-	stats_ratios(out);
-}
-
-static void model_total_stats(const struct model *model, zc_layer_stats *out)
-{
-	memset(out, 0, sizeof(*out));
-	for (uint32_t i = 0; i < model->layers; i++) {
-		zc_layer_stats s;
-		model_layer_stats(model, i, &s);
-		out->tokens += s.tokens;
-		out->residual_tokens += s.residual_tokens;
-		out->blocks += s.blocks;
-		out->compressed_key_bytes += s.compressed_key_bytes;
-		out->compressed_value_bytes += s.compressed_value_bytes;
-		out->baseline_key_bytes += s.baseline_key_bytes;
-		out->baseline_value_bytes += s.baseline_value_bytes;
-		out->fp16_key_bytes += s.fp16_key_bytes;
-		out->fp16_value_bytes += s.fp16_value_bytes;
-	}
-	stats_ratios(out);
-}
-
-/* ---- comparing the daemon with the model ------------------------------------ */
-
-/* Where token t of a layer lives in the model, for failure messages. */
-static void token_origin(const struct model *model, uint32_t layer, uint32_t token, char *out,
-			 size_t size)
-{
-	const struct model_layer *l = &model->layer[layer];
-	if (token >= l->tokens - l->residual) {
-		snprintf(out, size, "exact residual [%u, %u)", l->tokens - l->residual, l->tokens);
-		return;
-	}
-	for (size_t i = 0; i < l->n_blocks; i++) {
-		const struct model_block *b = &l->blocks[i];
-		if (token >= b->first_token && token < b->first_token + b->tokens) {
-			snprintf(out, size, "block %zu [%u, %u)", i, b->first_token,
-				 b->first_token + b->tokens);
-			return;
-		}
-	}
-	snprintf(out, size, "no block");
-}
-
-static bool tensor_matches(const struct model *model, uint32_t layer, const char *tensor,
-			   const uint16_t *view, const zc_strides *strides, const uint16_t *expected,
-			   uint32_t dim, uint32_t tokens, char *why, size_t size)
-{
-	zc_strides s = model_strides(model, dim);
-	size_t row_bytes = (size_t)tokens * dim * 2;
-
-	for (uint32_t b = 0; b < model->batch; b++) {
-		for (uint32_t h = 0; h < model->kv_heads; h++) {
-			const uint16_t *got = view + b * strides->batch + h * strides->head;
-			const uint16_t *want = expected + b * s.batch + h * s.head;
-			if (memcmp(got, want, row_bytes) == 0)
-				continue;
-			for (uint32_t t = 0; t < tokens; t++) {
-				for (uint32_t d = 0; d < dim; d++) {
-					uint16_t g = got[t * strides->token + d], w = want[(size_t)t * dim + d];
-					char origin[96];
-					if (g == w)
-						continue;
-					token_origin(model, layer, t, origin, sizeof(origin));
-					return fail_with(why, size,
-							 "layer %u %s (batch %u, head %u, token %u, dim %u) of %u "
-							 "tokens: view holds 0x%04x (%g), expected 0x%04x (%g) "
-							 "[token in %s]",
-							 layer, tensor, b, h, t, d, tokens, g,
-							 (double)zc_fp16_to_float(g), w,
-							 (double)zc_fp16_to_float(w), origin);
-				}
-			}
-		}
-	}
-	return true;
-}
-
-/* The view's geometry, strides and every readable element. */
-static bool view_matches(const struct model *model, uint32_t layer, const zc_view *view,
-			 char *why, size_t size)
-{
-	const struct model_layer *l = &model->layer[layer];
-	zc_strides ks = model_strides(model, model->head_dim_k);
-	zc_strides vs = model_strides(model, model->head_dim_v);
-
-	if (view->tokens != l->tokens)
-		return fail_with(why, size, "layer %u view has %u tokens, expected %u", layer,
-				 view->tokens, l->tokens);
-	if (view->batch != model->batch || view->kv_heads != model->kv_heads ||
-	    view->head_dim_k != model->head_dim_k || view->head_dim_v != model->head_dim_v ||
-	    view->max_tokens != model->max_tokens)
-		return fail_with(why, size,
-				 "layer %u view shape %u/%u/%u/%u max %u, expected %u/%u/%u/%u max %u",
-				 layer, view->batch, view->kv_heads, view->head_dim_k, view->head_dim_v,
-				 view->max_tokens, model->batch, model->kv_heads, model->head_dim_k,
-				 model->head_dim_v, model->max_tokens);
-	if (view->key_strides.batch != ks.batch || view->key_strides.head != ks.head ||
-	    view->key_strides.token != ks.token || view->value_strides.batch != vs.batch ||
-	    view->value_strides.head != vs.head || view->value_strides.token != vs.token)
-		return fail_with(why, size,
-				 "layer %u view strides keys %zu/%zu/%zu values %zu/%zu/%zu, expected "
-				 "%zu/%zu/%zu and %zu/%zu/%zu",
-				 layer, view->key_strides.batch, view->key_strides.head,
-				 view->key_strides.token, view->value_strides.batch,
-				 view->value_strides.head, view->value_strides.token, ks.batch, ks.head,
-				 ks.token, vs.batch, vs.head, vs.token);
-	if (view->keys == NULL || view->values == NULL)
-		return fail_with(why, size, "layer %u view without pointers", layer);
-	return tensor_matches(model, layer, "keys", view->keys, &view->key_strides, l->keys,
-			      model->head_dim_k, l->tokens, why, size) &&
-	       tensor_matches(model, layer, "values", view->values, &view->value_strides, l->values,
-			      model->head_dim_v, l->tokens, why, size);
-}
-
-static bool stats_match(const char *what, const zc_layer_stats *got, const zc_layer_stats *want,
-			bool compare_layer, char *why, size_t size)
-{
-	const struct {
-		const char *name;
-		uint64_t got, want;
-	} fields[] = {
-		{ "layer", compare_layer ? got->layer : 0, compare_layer ? want->layer : 0 },
-		{ "tokens", got->tokens, want->tokens },
-		{ "residual_tokens", got->residual_tokens, want->residual_tokens },
-		{ "blocks", got->blocks, want->blocks },
-		{ "compressed_key_bytes", got->compressed_key_bytes, want->compressed_key_bytes },
-		{ "compressed_value_bytes", got->compressed_value_bytes, want->compressed_value_bytes },
-		{ "baseline_key_bytes", got->baseline_key_bytes, want->baseline_key_bytes },
-		{ "baseline_value_bytes", got->baseline_value_bytes, want->baseline_value_bytes },
-		{ "fp16_key_bytes", got->fp16_key_bytes, want->fp16_key_bytes },
-		{ "fp16_value_bytes", got->fp16_value_bytes, want->fp16_value_bytes },
-	};
-
-	for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); i++)
-		if (fields[i].got != fields[i].want)
-			return fail_with(why, size, "%s: %s is %" PRIu64 ", expected %" PRIu64, what,
-					 fields[i].name, fields[i].got, fields[i].want);
-	if (fabs(got->compression_ratio - want->compression_ratio) >
-	    1e-9 * fmax(1.0, want->compression_ratio))
-		return fail_with(why, size, "%s: compression_ratio is %.12g, expected %.12g", what,
-				 got->compression_ratio, want->compression_ratio);
-	if (fabs(got->effective_avg_bits - want->effective_avg_bits) >
-	    1e-9 * fmax(1.0, want->effective_avg_bits))
-		return fail_with(why, size, "%s: effective_avg_bits is %.12g, expected %.12g", what,
-				 got->effective_avg_bits, want->effective_avg_bits);
-	return true;
-}
-
-/* Every layer's view (through this session's mapping) and the daemon's
- * per-layer and total accounting, against the model. */
-static bool session_matches(zc_session *session, const struct model *model, char *why,
-			    size_t size)
-{
-	zc_layer_stats *layers = allocate(model->layers * sizeof(*layers));
-	zc_layer_stats total, want;
-	char what[64];
-	bool ok = true;
-	int rc;
-
-	for (uint32_t i = 0; ok && i < model->layers; i++) {
-		zc_view view;
-		rc = zc_session_view(session, i, &view);
-		if (rc < 0)
-			ok = fail_with(why, size, "zc_session_view(layer %u): %s (%s)", i,
-				       zc_error_name(rc), zc_strerror(rc));
-		else
-			ok = view_matches(model, i, &view, why, size);
-	}
-	if (ok) {
-		rc = zc_session_stats(session, layers, model->layers, &total);
-		if (rc < 0)
-			ok = fail_with(why, size, "zc_session_stats: %s (%s)", zc_error_name(rc),
-				       zc_strerror(rc));
-	}
-	for (uint32_t i = 0; ok && i < model->layers; i++) {
-		model_layer_stats(model, i, &want);
-		snprintf(what, sizeof(what), "session stats of layer %u", i);
-		ok = stats_match(what, &layers[i], &want, true, why, size);
-	}
-	if (ok) {
-		model_total_stats(model, &want);
-		ok = stats_match("session total stats", &total, &want, false, why, size);
-	}
-	free(layers);
-	return ok;
-}
-
-/* ---- blocks and checked updates -------------------------------------------- */
-
-struct block {
-	uint32_t tokens;
-	uint16_t *keys, *values;
-	size_t key_elements, value_elements;
-};
-
-/* Fresh K/V that look like a model's: a few loud channels and now and
- * then a loud token, so saliency has something to find. */
-static void block_make(struct block *block, const struct model *model, uint32_t tokens,
-		       struct rng *rng)
-{
-	size_t heads = (size_t)model->batch * model->kv_heads;
-
-	block->tokens = tokens;
-	block->key_elements = heads * tokens * model->head_dim_k;
-	block->value_elements = heads * tokens * model->head_dim_v;
-	block->keys = allocate(block->key_elements * 2);
-	block->values = allocate(block->value_elements * 2);
-	for (size_t i = 0; i < block->key_elements; i++) {
-		size_t d = i % model->head_dim_k;
-		double x = rng_normal(rng) * (d % 16 == 3 ? 6.0 : 1.0);
-		if (i / model->head_dim_k % 11 == 0)
-			x *= 3.0;
-		block->keys[i] = zc_float_to_fp16((float)x);
-	}
-	for (size_t i = 0; i < block->value_elements; i++)
-		block->values[i] = zc_float_to_fp16((float)(0.5 * rng_normal(rng)));
-}
-
-static void block_free(struct block *block)
-{
-	free(block->keys);
-	free(block->values);
-	memset(block, 0, sizeof(*block));
-}
-
+/* ---- checks of this suite only ------------------------------------------- */
 
 /* Residual tokens must be the very bits that were sent. */
 static bool residual_is_exact(const struct model *model, uint32_t layer, const zc_view *view,
@@ -672,100 +89,12 @@ static bool residual_is_exact(const struct model *model, uint32_t layer, const z
 	return true;
 }
 
-/*
- * One update through the client with a block already made, checked: the
- * code the model expects; on success the view it filled and the stats it
- * returned equal the model; on a refusal the daemon said why and the
- * session is unchanged. view_out and stats_out may be NULL.
- */
-static bool update_block_checked(zc_client *client, zc_session *session, struct model *model,
-				 uint32_t layer, const struct block *block, zc_view *view_out,
-				 zc_layer_stats *stats_out, char *why, size_t size)
-{
-	zc_view view;
-	zc_layer_stats stats, want;
-	int expected = model_update(model, layer, block->tokens, block->keys, block->values);
-	int rc;
-
-	memset(&view, 0, sizeof(view));
-	memset(&stats, 0, sizeof(stats));
-	rc = zc_update_and_fetch(session, layer, block->tokens, block->keys, block->values, &view,
-				 &stats);
-	if (rc != expected)
-		return fail_with(why, size,
-				 "update of layer %u with %u tokens returned %s (%d) '%s', expected %s",
-				 layer, block->tokens, zc_error_name(rc), rc, zc_client_last_error(client),
-				 zc_error_name(expected));
-	if (rc < 0) {
-		if (zc_client_last_error(client)[0] == '\0')
-			return fail_with(why, size, "update of layer %u refused (%s) without a message",
-					 layer, zc_error_name(rc));
-		return session_matches(session, model, why, size);
-	}
-	if (view_out)
-		*view_out = view;
-	if (stats_out)
-		*stats_out = stats;
-	if (view.sequence % 2 != 0)
-		return fail_with(why, size, "layer %u view sequence %" PRIu64 " is odd after a reply",
-				 layer, view.sequence);
-	if (!view_matches(model, layer, &view, why, size))
-		return false;
-	model_layer_stats(model, layer, &want);
-	return stats_match("stats returned by update_and_fetch", &stats, &want, true, why, size);
-}
-
-static bool update_checked(zc_client *client, zc_session *session, struct model *model,
-			   struct rng *rng, uint32_t layer, uint32_t tokens, char *why, size_t size)
-{
-	struct block block;
-	bool ok;
-
-	block_make(&block, model, tokens, rng);
-	ok = update_block_checked(client, session, model, layer, &block, NULL, NULL, why, size);
-	block_free(&block);
-	return ok;
-}
-
-static bool trim_checked(zc_client *client, zc_session *session, struct model *model,
-			 uint32_t tokens, char *why, size_t size)
-{
-	uint32_t expected = model_trim(model, tokens), trimmed = UINT32_MAX;
-	int rc = zc_session_trim(session, tokens, &trimmed);
-
-	if (rc < 0)
-		return fail_with(why, size, "trim of %u tokens failed: %s '%s'", tokens,
-				 zc_error_name(rc), zc_client_last_error(client));
-	if (trimmed != expected)
-		return fail_with(why, size, "trim of %u tokens reports %u trimmed, expected %u", tokens,
-				 trimmed, expected);
-	return session_matches(session, model, why, size);
-}
-
-/* Runs a bool helper that explains itself and asserts on its verdict. */
-#define CHECK(helper, ...)                                                      \
-	do {                                                                    \
-		char why_[WHY_BYTES] = "(no reason given)";                     \
-		bool ok_ = helper(__VA_ARGS__, why_, sizeof(why_));             \
-		ck_assert_msg(ok_, "%s", why_);                                 \
-	} while (0)
-
 /* ---- the daemon and its clients in the test process ------------------------ */
 
 struct service {
 	struct daemon_harness daemon;
 	zc_client *client;
 };
-
-static zc_client *connect_client(const struct daemon_harness *daemon)
-{
-	zc_client *client = NULL;
-	int rc = zc_client_connect(daemon->socket_path, CLIENT_TIMEOUT_MS, &client);
-
-	ck_assert_msg(rc == 0, "zc_client_connect(%s): %s (%d)", daemon->socket_path,
-		      zc_strerror(rc), rc);
-	return client;
-}
 
 static void service_start(struct service *service, const char *const *extra_args)
 {
@@ -801,69 +130,7 @@ static zc_session_config session_config(const char *name, uint32_t layers, uint3
 	return config;
 }
 
-static zc_session *open_session(zc_client *client, const zc_session_config *config)
-{
-	zc_session *session = NULL;
-	int rc = zc_session_open(client, config, &session);
-
-	ck_assert_msg(rc == 0, "zc_session_open('%s'): %s (%d) '%s'", config->name ? config->name : "",
-		      zc_strerror(rc), rc, zc_client_last_error(client));
-	return session;
-}
-
-/* The call was refused with `expected`, and the daemon's sentence says
- * what was wrong (it mentions `needle`). */
-static void assert_refused(zc_client *client, int rc, int expected, const char *needle,
-			   const char *what)
-{
-	const char *message = zc_client_last_error(client);
-
-	ck_assert_msg(rc == expected, "%s: expected %s (%d), got %s (%d), message '%s'", what,
-		      zc_error_name(expected), expected, zc_error_name(rc), rc, message);
-	ck_assert_msg(message[0] != '\0', "%s: refused with %s but no message", what,
-		      zc_error_name(rc));
-	ck_assert_msg(strcasestr(message, needle) != NULL, "%s: message '%s' does not mention '%s'",
-		      what, message, needle);
-}
-
 /* ---- helper processes -------------------------------------------------------- */
-
-typedef int (*child_body)(void *arg);
-
-/* Forks a helper that runs body and exits with its result; it dies with
- * the test process. close_in_child (or -1) is a descriptor the helper
- * must not hold, such as the write end of a pipe whose end of stream it
- * waits for. */
-static pid_t child_spawn(child_body body, void *arg, int close_in_child)
-{
-	pid_t parent = getpid();
-	pid_t pid;
-
-	fflush(NULL);
-	pid = fork();
-	ck_assert_msg(pid >= 0, "fork: %s", strerror(errno));
-	if (pid == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		if (getppid() != parent)
-			_exit(126);
-		if (close_in_child >= 0)
-			close(close_in_child);
-		/* _exit: the test process's atexit hooks are not ours to run. */
-		_exit(body(arg));
-	}
-	return pid;
-}
-
-static void child_wait_ok(pid_t pid, const char *what)
-{
-	int status = 0;
-
-	ck_assert_msg(waitpid(pid, &status, 0) == pid, "waitpid: %s", strerror(errno));
-	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0,
-		      "%s: helper process %s %d (its stderr says why)", what,
-		      WIFEXITED(status) ? "exited with status" : "was killed by signal",
-		      WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
-}
 
 /* Blocks until the parent closes the barrier's write end, so helpers
  * start their work together. */
@@ -872,13 +139,6 @@ static void barrier_wait(int fd)
 	char byte;
 	while (read(fd, &byte, 1) < 0 && errno == EINTR)
 		;
-}
-
-static int64_t now_ms(void)
-{
-	struct timespec now;
-	clock_gettime(CLOCK_MONOTONIC, &now);
-	return (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
 }
 
 /* ---- the bystander: another client that must not notice anything -------- */
@@ -1019,7 +279,7 @@ static void assert_raw_status(const wire_response *reply, zipcache_v1_Status exp
 			      uint64_t request_id, const char *needle, const char *what)
 {
 	ck_assert_msg(reply->msg.status == expected, "%s: status %s, expected %s (message '%s')",
-		      what, status_name(reply->msg.status), status_name(expected), reply->msg.message);
+		      what, response_status_name(reply->msg.status), response_status_name(expected), reply->msg.message);
 	ck_assert_msg(reply->msg.request_id == request_id, "%s: reply to request %" PRIu64
 		      ", expected %" PRIu64, what, reply->msg.request_id, request_id);
 	if (expected != zipcache_v1_Status_OK) {
@@ -1195,7 +455,7 @@ START_TEST(streaming_prefill_then_300_decode_steps)
 
 	service_start(&service, NULL);
 	zc_session *session = open_session(service.client, &config);
-	ck_assert_uint_eq(zc_session_get_info(session)->residual_tokens, DEFAULT_RESIDUAL_TOKENS);
+	ck_assert_uint_eq(zc_session_get_info(session)->residual_tokens, MODEL_DEFAULT_RESIDUAL_TOKENS);
 	model_init(&model, &config);
 	rng_seed(&rng, 2);
 	for (uint32_t layer = 0; layer < 2; layer++) {
@@ -1214,10 +474,10 @@ START_TEST(streaming_prefill_then_300_decode_steps)
 			block_free(&block);
 			/* Decode tokens wait exact until R of them are there,
 			 * then go as one block of R. */
-			ck_assert_uint_eq(stats.residual_tokens, step % DEFAULT_RESIDUAL_TOKENS);
-			ck_assert_uint_eq(stats.blocks, 1 + step / DEFAULT_RESIDUAL_TOKENS);
+			ck_assert_uint_eq(stats.residual_tokens, step % MODEL_DEFAULT_RESIDUAL_TOKENS);
+			ck_assert_uint_eq(stats.blocks, 1 + step / MODEL_DEFAULT_RESIDUAL_TOKENS);
 			CHECK(residual_is_exact, &model, layer, &view);
-			if (step == DEFAULT_RESIDUAL_TOKENS) {
+			if (step == MODEL_DEFAULT_RESIDUAL_TOKENS) {
 				/* The flushed tokens now read back as their
 				 * (lossy) reconstruction, not as sent. */
 				const struct model_layer *l = &model.layer[layer];
@@ -2732,7 +1992,7 @@ START_TEST(inline_payload_over_the_limit_is_refused)
 			      reply.msg.status == zipcache_v1_Status_INVALID_ARGUMENT,
 		      "11520 inline bytes with --max-inline-bytes 8192: status %s (message '%s'), "
 		      "expected RESOURCE_EXHAUSTED or INVALID_ARGUMENT",
-		      status_name(reply.msg.status), reply.msg.message);
+		      response_status_name(reply.msg.status), reply.msg.message);
 	ck_assert_msg(strcasestr(reply.msg.message, "inline") != NULL,
 		      "message '%s' does not mention the inline limit", reply.msg.message);
 	wire_response_free(&reply);
@@ -3124,10 +2384,7 @@ END_TEST
 static Suite *service_suite(void)
 {
 	Suite *suite = suite_create("service");
-	struct {
-		const char *name;
-		const TTest *tests[12];
-	} cases[] = {
+	const struct test_case cases[] = {
 		{ "correctness", { per_call_prefill_then_decode, streaming_prefill_then_300_decode_steps,
 				   streaming_mixed_block_sizes, batch_two_and_distinct_head_dims,
 				   values_exact_when_not_quantized, custom_codec_configs,
@@ -3154,26 +2411,13 @@ static Suite *service_suite(void)
 				 second_daemon_on_a_live_socket_is_refused, NULL } },
 	};
 
-	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-		TCase *tc = tcase_create(cases[i].name);
-		tcase_set_timeout(tc, TEST_TIMEOUT_SECONDS);
-		for (size_t j = 0; cases[i].tests[j]; j++)
-			tcase_add_test(tc, cases[i].tests[j]);
-		suite_add_tcase(suite, tc);
-	}
+	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);
 	return suite;
 }
 
 int main(void)
 {
-	SRunner *runner = srunner_create(service_suite());
-	int failed;
-
 	/* Each test owns its daemon and helper processes: they die with the
 	 * test's own process, which only fork mode gives it. */
-	srunner_set_fork_status(runner, CK_FORK);
-	srunner_run_all(runner, CK_NORMAL);
-	failed = srunner_ntests_failed(runner);
-	srunner_free(runner);
-	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+	return suite_main(service_suite(), CK_FORK);
 }

@@ -26,8 +26,10 @@
 #include <unistd.h>
 
 #include "../tools/npy.h"
+#include "process_run.h"
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
+#include "suite_main.h"
 
 #define PYTHON "/usr/bin/python3"
 
@@ -49,26 +51,6 @@ static void make_temp_dir(char *out, size_t size, const char *label)
 	ck_assert_msg(mkdtemp(out) != NULL, "mkdtemp %s: %s", out, strerror(errno));
 }
 
-static void remove_temp_dir(const char *dir)
-{
-	DIR *listing = opendir(dir);
-	struct dirent *entry;
-	char path[PATH_MAX + 256];
-
-	if (!listing)
-		return;
-	while ((entry = readdir(listing)) != NULL) {
-		if (strcmp(entry->d_name, ".") == 0 || strcmp(entry->d_name, "..") == 0)
-			continue;
-		snprintf(path, sizeof(path), "%s/%s", dir, entry->d_name);
-		/* A test may leave a directory behind (an input that is one). */
-		if (unlink(path) < 0)
-			rmdir(path);
-	}
-	closedir(listing);
-	rmdir(dir);
-}
-
 static void setup_dirs(void)
 {
 	make_temp_dir(work_dir, sizeof(work_dir), "work");
@@ -77,8 +59,8 @@ static void setup_dirs(void)
 
 static void teardown_dirs(void)
 {
-	remove_temp_dir(work_dir);
-	remove_temp_dir(capture_dir);
+	directory_remove(work_dir);
+	directory_remove(capture_dir);
 }
 
 /* A path inside work_dir; each call site passes its own buffer. */
@@ -125,37 +107,6 @@ static void write_file(const char *path, const void *bytes, size_t size)
 	ck_assert_msg(file != NULL, "fopen %s: %s", path, strerror(errno));
 	ck_assert_uint_eq(fwrite(bytes, 1, size, file), size);
 	ck_assert_int_eq(fclose(file), 0);
-}
-
-/* Reads a whole file, NUL-terminated; *size excludes the NUL. */
-static char *read_file(const char *path, size_t *size)
-{
-	FILE *file = fopen(path, "rb");
-	char *bytes = NULL;
-	size_t used = 0, capacity = 0;
-
-	ck_assert_msg(file != NULL, "fopen %s: %s", path, strerror(errno));
-	for (;;) {
-		size_t got;
-
-		if (capacity - used < 4096) {
-			char *grown;
-
-			capacity = capacity * 2 + 4096;
-			grown = realloc(bytes, capacity + 1);
-			ck_assert_ptr_nonnull(grown);
-			bytes = grown;
-		}
-		got = fread(bytes + used, 1, capacity - used, file);
-		used += got;
-		if (got == 0)
-			break;
-	}
-	ck_assert_int_eq(ferror(file), 0);
-	fclose(file);
-	bytes[used] = '\0';
-	*size = used;
-	return bytes;
 }
 
 /* The padding layouts .npy writers produce: numpy >= 1.14 aligns the data
@@ -270,63 +221,25 @@ static uint16_t *make_block(int rank, const uint64_t *shape, uint32_t seed)
 
 /* ---- running programs -------------------------------------------------- */
 
-typedef struct run_result {
-	int status;           /* exit status, or 128 + signal number */
-	char *out;
-	size_t out_length;
-	char *err;
-	size_t err_length;
-} run_result;
-
-static void run_result_free(run_result *result)
-{
-	free(result->out);
-	free(result->err);
-	memset(result, 0, sizeof(*result));
-}
+typedef struct program_output run_result;
 
 static const char *tool_binary(void)
 {
 	static char path[PATH_MAX];
-	const char *build = getenv("ZC_BUILD_DIR");
 
-	if (!build || !*build)
-		build = ZC_BUILD_DIR;
-	snprintf(path, sizeof(path), "%s/bin/zipcache-tool", build);
+	snprintf(path, sizeof(path), "%s/bin/zipcache-tool", build_dir());
 	return path;
 }
 
-/* Runs program with arguments (argv[0] included, NULL-terminated), stdin
- * from /dev/null, stdout and stderr into files that are then read back. */
-static void run_program(run_result *result, const char *program, char *const *argv)
+/* Runs argv[0] with argv (NULL-terminated), stdin from /dev/null, stdout
+ * and stderr into capture_dir (so work_dir shows only what it left). */
+static void run_program(run_result *result, char *const *argv)
 {
 	char out_path[PATH_MAX + 16], err_path[PATH_MAX + 16];
-	pid_t child;
-	int status;
 
 	snprintf(out_path, sizeof(out_path), "%s/stdout", capture_dir);
 	snprintf(err_path, sizeof(err_path), "%s/stderr", capture_dir);
-	fflush(stdout);
-	fflush(stderr);
-	child = fork();
-	ck_assert_int_ge(child, 0);
-	if (child == 0) {
-		int in = open("/dev/null", O_RDONLY);
-		int out = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-		int err = open(err_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-
-		if (in < 0 || out < 0 || err < 0 || dup2(in, 0) < 0 || dup2(out, 1) < 0 ||
-		    dup2(err, 2) < 0)
-			_exit(126);
-		execv(program, argv);
-		_exit(127);
-	}
-	ck_assert_int_eq(waitpid(child, &status, 0), child);
-	result->status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-	result->out = read_file(out_path, &result->out_length);
-	result->err = read_file(err_path, &result->err_length);
-	ck_assert_msg(result->status != 126 && result->status != 127,
-		      "could not run %s (status %d)", program, result->status);
+	program_capture(result, (const char *const *)argv, out_path, err_path, NULL, NULL);
 }
 
 /*
@@ -352,7 +265,7 @@ static void run_tool(run_result *result, const char *const *arguments)
 			argv[argc++] = (char *)arguments[i];
 	}
 	argv[argc] = NULL;
-	run_program(result, argv[0], argv);
+	run_program(result, argv);
 }
 
 static size_t count_char(const char *text, size_t length, char c)
@@ -481,7 +394,7 @@ START_TEST(test_npy_write_then_read)
 
 		/* The bytes are what numpy would write: version 1.0, data at a
 		 * multiple of 64, the dict in numpy's own spelling. */
-		bytes = read_file(path, &size);
+		bytes = file_read_whole(path, &size);
 		ck_assert_mem_eq(bytes, "\x93NUMPY\x01\x00", 8);
 		header_length = (unsigned char)bytes[8] | (size_t)(unsigned char)bytes[9] << 8;
 		ck_assert_uint_eq((10 + header_length) % 64, 0);
@@ -520,7 +433,7 @@ START_TEST(test_npy_write_then_read)
 
 		work_path(path, sizeof(path), "rank1.npy");
 		ck_assert_int_eq(zc_npy_write_f16(path, 1, shape, values), 0);
-		bytes = read_file(path, &size);
+		bytes = file_read_whole(path, &size);
 		ck_assert_ptr_nonnull(strstr(bytes + 10, "'shape': (4,), }"));
 		free(bytes);
 	}
@@ -983,7 +896,7 @@ static void check_roundtrip(int rank, const uint64_t *dims, zc_tensor tensor,
 		assert_work_dir_holds(in_and_out);
 	}
 	zc_npy_array_free(&output);
-	run_result_free(&result);
+	program_output_free(&result);
 	free(compressed);
 	free(expected);
 	free(input);
@@ -1078,18 +991,18 @@ START_TEST(test_help_and_version)
 	ck_assert_ptr_nonnull(strstr(result.out, "usage: zipcache-tool roundtrip"));
 	ck_assert_ptr_nonnull(strstr(result.out, "--hi-fraction"));
 	ck_assert_uint_eq(result.err_length, 0);
-	run_result_free(&result);
+	program_output_free(&result);
 
 	run_tool(&result, roundtrip_help);
 	ck_assert_int_eq(result.status, 0);
 	ck_assert_ptr_nonnull(strstr(result.out, "usage:"));
-	run_result_free(&result);
+	program_output_free(&result);
 
 	run_tool(&result, version);
 	ck_assert_int_eq(result.status, 0);
 	ck_assert_str_eq(result.out, "zipcache-tool 0.1.0\n");
 	ck_assert_uint_eq(result.err_length, 0);
-	run_result_free(&result);
+	program_output_free(&result);
 }
 END_TEST
 
@@ -1245,7 +1158,7 @@ START_TEST(test_error_exit)
 		fprintf(stderr, "case '%s' failed\n", test->name);
 	assert_error_line(&result, 2, test->word);
 	assert_work_dir_holds(test->input == INPUT_NONE ? nothing : only_in);
-	run_result_free(&result);
+	program_output_free(&result);
 }
 END_TEST
 
@@ -1263,11 +1176,11 @@ START_TEST(test_error_keeps_existing_output)
 	write_file(work_path(path, sizeof(path), "out.npy"), "precious", 8);
 	run_tool(&result, arguments);
 	assert_error_line(&result, 2, "non-finite");
-	kept = read_file(path, &size);
+	kept = file_read_whole(path, &size);
 	ck_assert_str_eq(kept, "precious");
 	assert_work_dir_holds(in_and_out);
 	free(kept);
-	run_result_free(&result);
+	program_output_free(&result);
 }
 END_TEST
 
@@ -1284,7 +1197,7 @@ START_TEST(test_unwritable_output)
 	run_tool(&result, arguments);
 	assert_error_line(&result, 1, "cannot write");
 	assert_work_dir_holds(only_in);
-	run_result_free(&result);
+	program_output_free(&result);
 }
 END_TEST
 
@@ -1301,7 +1214,7 @@ START_TEST(test_error_line_masks_control_characters)
 	run_tool(&result, arguments);
 	assert_error_line(&result, 2, "in?second line.npy: cannot open: No such file");
 	assert_work_dir_holds(nothing);
-	run_result_free(&result);
+	program_output_free(&result);
 }
 END_TEST
 
@@ -1315,9 +1228,9 @@ static bool numpy_available(void)
 
 	if (access(PYTHON, X_OK) != 0)
 		return false;
-	run_program(&result, PYTHON, argv);
+	run_program(&result, argv);
 	available = result.status == 0;
-	run_result_free(&result);
+	program_output_free(&result);
 	return available;
 }
 
@@ -1363,9 +1276,9 @@ START_TEST(test_numpy_reads_output)
 	{
 		char *argv[] = { PYTHON, "-c", (char *)make_input_script, in_path, NULL };
 
-		run_program(&python, PYTHON, argv);
+		run_program(&python, argv);
 		ck_assert_msg(python.status == 0, "python: %s", python.err);
-		run_result_free(&python);
+		program_output_free(&python);
 	}
 	run_tool(&result, arguments);
 	ck_assert_msg(result.status == 0, "tool: %s", result.err);
@@ -1375,9 +1288,9 @@ START_TEST(test_numpy_reads_output)
 		char *argv[] = { PYTHON, "-c", (char *)check_output_script, out_path, resaved_path,
 				 result.out, NULL };
 
-		run_program(&python, PYTHON, argv);
+		run_program(&python, argv);
 		ck_assert_msg(python.status == 0, "python: %s", python.err);
-		run_result_free(&python);
+		program_output_free(&python);
 	}
 
 	/* What NumPy saved is what the tool wrote, and both are the codec's
@@ -1405,7 +1318,7 @@ START_TEST(test_numpy_reads_output)
 	zc_npy_array_free(&input);
 	zc_npy_array_free(&output);
 	zc_npy_array_free(&resaved);
-	run_result_free(&result);
+	program_output_free(&result);
 }
 END_TEST
 
@@ -1461,14 +1374,7 @@ static Suite *tool_suite(void)
 
 int main(void)
 {
-	SRunner *runner = srunner_create(tool_suite());
-	int failed;
-
 	/* Fork mode: a crash in one test (or in the tool's harness) cannot
 	 * take the others down, and each gets a fresh process. */
-	srunner_set_fork_status(runner, CK_FORK);
-	srunner_run_all(runner, CK_NORMAL);
-	failed = srunner_ntests_failed(runner);
-	srunner_free(runner);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return suite_main(tool_suite(), CK_FORK);
 }

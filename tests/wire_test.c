@@ -13,6 +13,7 @@
 #include "frame.h"
 #include "wire.h"
 #include "zipcache/error.h"
+#include "suite_main.h"
 
 /* Generated structs compared with memcmp: build them from zeroed memory. */
 #define ZERO(x) memset(&(x), 0, sizeof(x))
@@ -1143,11 +1144,5 @@ static Suite *wire_suite(void)
 
 int main(void)
 {
-	SRunner *sr = srunner_create(wire_suite());
-	int failed;
-
-	srunner_run_all(sr, CK_NORMAL);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+	return suite_main(wire_suite(), CK_FORK_GETENV);
 }

@@ -12,7 +12,6 @@
 #include <check.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
@@ -30,9 +29,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "process_run.h"
 #include "zipcache/client.h"
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
+#include "suite_main.h"
 
 #define PYTHON "/usr/bin/python3"
 /* Generous for a loaded CI machine, still quick to fail a hung daemon. */
@@ -46,13 +47,6 @@ static char socket_path[PATH_MAX + 16];
 static char shm_dir[PATH_MAX + 16];
 static pid_t daemon_pid = -1;
 
-static const char *build_dir(void)
-{
-	const char *build = getenv("ZC_BUILD_DIR");
-
-	return build && *build ? build : ZC_BUILD_DIR;
-}
-
 static const char *binary(const char *name)
 {
 	static char path[2][PATH_MAX];
@@ -61,23 +55,6 @@ static const char *binary(const char *name)
 
 	snprintf(out, PATH_MAX, "%s/bin/%s", build_dir(), name);
 	return out;
-}
-
-static int remove_entry(const char *path, const struct stat *st, int type, struct FTW *ftw)
-{
-	(void)st;
-	(void)type;
-	(void)ftw;
-	remove(path);
-	return 0;
-}
-
-static void sleep_ms(long ms)
-{
-	struct timespec delay = { ms / 1000, (ms % 1000) * 1000000L };
-
-	while (nanosleep(&delay, &delay) < 0 && errno == EINTR)
-		;
 }
 
 /* Stops the daemon: SIGTERM (its graceful stop), SIGKILL if it lingers.
@@ -107,8 +84,7 @@ static int ctl_daemon_stop(void)
 static void cleanup(void)
 {
 	ctl_daemon_stop();
-	if (work_dir[0])
-		nftw(work_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+	directory_remove(work_dir);
 	work_dir[0] = '\0';
 }
 
@@ -254,30 +230,6 @@ typedef struct run_result {
 	char out_path[PATH_MAX + 16];
 } run_result;
 
-static char *read_whole(const char *path, size_t *size)
-{
-	FILE *file = fopen(path, "rb");
-	char *bytes = NULL;
-	size_t used = 0, capacity = 0;
-
-	ck_assert_msg(file != NULL, "fopen %s: %s", path, strerror(errno));
-	for (;;) {
-		if (capacity - used < 4096) {
-			capacity = capacity * 2 + 4096;
-			bytes = realloc(bytes, capacity + 1);
-			ck_assert_ptr_nonnull(bytes);
-		}
-		size_t got = fread(bytes + used, 1, capacity - used, file);
-		used += got;
-		if (got == 0)
-			break;
-	}
-	fclose(file);
-	bytes[used] = '\0';
-	*size = used;
-	return bytes;
-}
-
 static void run_result_free(run_result *result)
 {
 	free(result->out);
@@ -290,35 +242,17 @@ static void run_result_free(run_result *result)
 static void run_argv(run_result *result, const char *env_socket, char *const *argv)
 {
 	char err_path[PATH_MAX + 16];
-	pid_t child;
-	int status;
+	struct program_output output;
 
 	snprintf(result->out_path, sizeof(result->out_path), "%s/stdout", work_dir);
 	snprintf(err_path, sizeof(err_path), "%s/stderr", work_dir);
-	fflush(stdout);
-	fflush(stderr);
-	child = fork();
-	ck_assert_int_ge(child, 0);
-	if (child == 0) {
-		int in = open("/dev/null", O_RDONLY);
-		int out = open(result->out_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-		int err = open(err_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-
-		if (in < 0 || out < 0 || err < 0 || dup2(in, 0) < 0 || dup2(out, 1) < 0 ||
-		    dup2(err, 2) < 0)
-			_exit(126);
-		if (env_socket)
-			setenv("ZIPCACHE_SOCKET", env_socket, 1);
-		else
-			unsetenv("ZIPCACHE_SOCKET");
-		execv(argv[0], argv);
-		_exit(127);
-	}
-	ck_assert_int_eq(waitpid(child, &status, 0), child);
-	result->status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-	result->out = read_whole(result->out_path, &result->out_length);
-	result->err = read_whole(err_path, &result->err_length);
-	ck_assert_msg(result->status != 126 && result->status != 127, "could not run %s", argv[0]);
+	program_capture(&output, (const char *const *)argv, result->out_path, err_path,
+			"ZIPCACHE_SOCKET", env_socket);
+	result->status = output.status;
+	result->out = output.out;
+	result->out_length = output.out_length;
+	result->err = output.err;
+	result->err_length = output.err_length;
 }
 
 /* zipcachectl --socket SOCKET args... (NULL-terminated). */
@@ -407,33 +341,35 @@ static bool assert_valid_json(const run_result *result, bool lines)
 
 /* ---- reading the output ------------------------------------------------- */
 
-/* The number after "key": at or after from, which must exist. */
-static uint64_t json_u64(const char *from, const char *key)
+/* Where the value of "key": at or after from starts; the key must exist. */
+static const char *json_value_at(const char *from, const char *key)
 {
 	char pattern[96];
 	const char *at;
-	char *end;
 
 	snprintf(pattern, sizeof(pattern), "\"%s\":", key);
 	at = strstr(from, pattern);
 	ck_assert_msg(at != NULL, "no \"%s\" in %.200s", key, from);
-	at += strlen(pattern);
+	return at + strlen(pattern);
+}
+
+/* The number after "key": at or after from, which must exist. */
+static uint64_t json_u64(const char *from, const char *key)
+{
+	const char *at = json_value_at(from, key);
+	char *end;
 	uint64_t value = strtoull(at, &end, 10);
+
 	ck_assert_msg(end != at, "\"%s\" is not a number: %.40s", key, at);
 	return value;
 }
 
 static double json_number(const char *from, const char *key)
 {
-	char pattern[96];
-	const char *at;
+	const char *at = json_value_at(from, key);
 	char *end;
-
-	snprintf(pattern, sizeof(pattern), "\"%s\":", key);
-	at = strstr(from, pattern);
-	ck_assert_msg(at != NULL, "no \"%s\" in %.200s", key, from);
-	at += strlen(pattern);
 	double value = strtod(at, &end);
+
 	ck_assert_msg(end != at, "\"%s\" is not a number: %.40s", key, at);
 	return value;
 }
@@ -1254,14 +1190,7 @@ static Suite *zipcachectl_suite(void)
 
 int main(void)
 {
-	SRunner *runner = srunner_create(zipcachectl_suite());
-	int failed;
-
 	/* Fork mode: each test gets a fresh process and its own daemon, and a
 	 * crash or hang in one cannot take the others down. */
-	srunner_set_fork_status(runner, CK_FORK);
-	srunner_run_all(runner, CK_NORMAL);
-	failed = srunner_ntests_failed(runner);
-	srunner_free(runner);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return suite_main(zipcachectl_suite(), CK_FORK);
 }

@@ -1,0 +1,205 @@
+/*
+ * The expected state of a zipcached session, built from the codec's public
+ * API alone, for the suites that check a real daemon bit for bit
+ * (tests/service_test.c, tests/reliability_test.c).
+ *
+ * The model forms blocks the way the specification says the daemon does:
+ * per_call compresses each update as one block; streaming compresses a
+ * block of at least R tokens alone after flushing the residual, and keeps
+ * shorter ones exact in the residual until it holds R tokens and is
+ * compressed as one block. Views must equal the model bit for bit, and the
+ * byte accounting must be the seed's formulas over the model's blocks.
+ *
+ * The comparing helpers never call ck_assert: they write a sentence into
+ * `why` and return false, so helper processes forked by a test may use
+ * them too; CHECK() turns the verdict into an assertion in the test
+ * process. A codec failure inside the model aborts (model_abort).
+ */
+#ifndef ZIPCACHE_TESTS_LAYER_MODEL_H
+#define ZIPCACHE_TESTS_LAYER_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "daemon_harness.h"
+#include "zipcache/client.h"
+#include "zipcache/codec.h"
+
+/* The daemon's streaming threshold when a session asks for none. */
+#define MODEL_DEFAULT_RESIDUAL_TOKENS 128u
+
+/* Room for the sentence a failed check writes. */
+#define WHY_BYTES 2048
+
+/* Runs a bool helper that explains itself and asserts on its verdict
+ * (needs <check.h>). */
+#define CHECK(helper, ...)                                                      \
+	do {                                                                    \
+		char why_[WHY_BYTES] = "(no reason given)";                     \
+		bool ok_ = helper(__VA_ARGS__, why_, sizeof(why_));             \
+		ck_assert_msg(ok_, "%s", why_);                                 \
+	} while (0)
+
+/* ---- failure messages ------------------------------------------------------ */
+
+/* Writes a sentence into why and returns false. */
+bool fail_with(char *why, size_t size, const char *format, ...)
+	__attribute__((format(printf, 3, 4)));
+
+/* Explains on stderr and aborts: the model cannot go on after a codec
+ * failure, and in a helper process the abort shows in the exit status. */
+void model_abort(const char *format, ...) __attribute__((format(printf, 1, 2), noreturn));
+
+/* calloc that never returns NULL (aborts instead); 0 bytes gives 1. */
+void *allocate(size_t bytes);
+
+/* ---- deterministic data ------------------------------------------------------ */
+
+/* Fixed seeds, so a failure reproduces exactly. */
+struct rng {
+	uint64_t state;
+};
+
+void rng_seed(struct rng *rng, uint64_t seed);
+uint64_t rng_next(struct rng *rng);
+uint32_t rng_below(struct rng *rng, uint32_t bound);
+double rng_normal(struct rng *rng);
+
+/* ---- the model of a session ----------------------------------------------- */
+
+struct model_block {
+	uint32_t first_token;
+	uint32_t tokens;          /* tokens it was compressed with (trim keeps it whole) */
+	zc_byte_count key, value;
+};
+
+struct model_layer {
+	/* Both in the view's [batch][kv_heads][max_tokens][D] layout. */
+	uint16_t *exact_keys, *exact_values; /* the tokens as they were sent */
+	uint16_t *keys, *values;             /* what the view must show */
+	uint32_t tokens;
+	uint32_t residual;                   /* newest tokens still exact */
+	struct model_block *blocks;
+	size_t n_blocks, capacity;
+};
+
+struct model {
+	uint32_t layers, batch, kv_heads, head_dim_k, head_dim_v, max_tokens;
+	zc_codec_config codec;
+	bool per_call;
+	uint32_t residual_threshold;
+	uint32_t residual_capacity;          /* the daemon's: 2R, at most max_tokens */
+	struct model_layer *layer;
+};
+
+void model_init(struct model *model, const zc_session_config *config);
+void model_free(struct model *model);
+
+/* The view layout's strides for a head dimension. */
+zc_strides model_strides(const struct model *model, uint32_t dim);
+
+/* Whether an update of `tokens` goes straight into a block of its own. */
+bool model_direct(const struct model *model, uint32_t tokens);
+
+/* The whole residual becomes one block, compressed from the exact tokens. */
+void model_flush(struct model *model, uint32_t layer);
+
+/*
+ * A short streaming update up to, not including, the flush it may cause:
+ * the state a crash between publishing the tokens and compressing the
+ * residual leaves behind. The daemon flushes a residual that cannot take
+ * the block first (only possible after such a crash).
+ */
+void model_append_exact(struct model *model, uint32_t layer, uint32_t tokens,
+			const uint16_t *keys, const uint16_t *values);
+
+/*
+ * What the daemon must do with an update: the code it must answer, and on
+ * success the new state. Inputs are finite here (the tests that send NaN
+ * expect a refusal without asking the model).
+ */
+int model_update(struct model *model, uint32_t layer, uint32_t tokens, const uint16_t *keys,
+		 const uint16_t *values);
+
+/*
+ * Trim as specified: the residual's tail goes first; past it, blocks that
+ * start at or after the new end are dropped whole, and a block cut in the
+ * middle stays (its kept prefix unchanged). Returns what the most-cut
+ * layer lost.
+ */
+uint32_t model_trim(struct model *model, uint32_t tokens);
+
+/* The seed's accounting: blocks as stored, plus the residual as the fp16
+ * it really is (its baseline is that of the block it will become). */
+void model_layer_stats(const struct model *model, uint32_t layer, zc_layer_stats *out);
+void model_total_stats(const struct model *model, zc_layer_stats *out);
+
+/* ---- comparing the daemon with the model ------------------------------------ */
+
+/* The view's geometry, strides and every readable element. */
+bool view_matches(const struct model *model, uint32_t layer, const zc_view *view, char *why,
+		  size_t size);
+
+/* Every counter exactly, the two ratios to 1e-9 relative; the layer field
+ * only when compare_layer (totals have none). */
+bool stats_match(const char *what, const zc_layer_stats *got, const zc_layer_stats *want,
+		 bool compare_layer, char *why, size_t size);
+
+/* Every layer's view (through this session's mapping) and the daemon's
+ * per-layer and total accounting, against the model. */
+bool session_matches(zc_session *session, const struct model *model, char *why, size_t size);
+
+/* ---- blocks and checked updates -------------------------------------------- */
+
+/* K/V of one update, contiguous [batch * kv_heads][tokens][D]. */
+struct block {
+	uint32_t tokens;
+	uint16_t *keys, *values;
+	size_t key_elements, value_elements;
+};
+
+/* Fresh K/V that look like a model's: a few loud channels and now and
+ * then a loud token, so saliency has something to find. */
+void block_make_shape(struct block *block, uint32_t heads, uint32_t head_dim_k,
+		      uint32_t head_dim_v, uint32_t tokens, struct rng *rng);
+
+/* block_make_shape() in the model's geometry. */
+void block_make(struct block *block, const struct model *model, uint32_t tokens,
+		struct rng *rng);
+
+void block_free(struct block *block);
+
+/*
+ * One update through the client with a block already made, checked: the
+ * code the model expects; on success the view it filled (with an even
+ * sequence) and the stats it returned equal the model; on a refusal the
+ * daemon said why and the session is unchanged. view_out and stats_out may
+ * be NULL.
+ */
+bool update_block_checked(zc_client *client, zc_session *session, struct model *model,
+			  uint32_t layer, const struct block *block, zc_view *view_out,
+			  zc_layer_stats *stats_out, char *why, size_t size);
+
+/* update_block_checked() with a fresh block of `tokens`. */
+bool update_checked(zc_client *client, zc_session *session, struct model *model,
+		    struct rng *rng, uint32_t layer, uint32_t tokens, char *why, size_t size);
+
+/* A trim through the client: the count the model expects, then the session. */
+bool trim_checked(zc_client *client, zc_session *session, struct model *model, uint32_t tokens,
+		  char *why, size_t size);
+
+/* ---- the client in the test process (Check asserts) ---------------------- */
+
+/* Replies wait at most this long; a daemon that hangs fails the call. */
+#define CLIENT_TIMEOUT_MS 20000
+
+zc_client *connect_client(const struct daemon_harness *daemon);
+zc_session *open_session(zc_client *client, const zc_session_config *config);
+
+/* The call was refused with `expected`, and the daemon's sentence says
+ * what was wrong (it mentions `needle`). */
+void assert_refused(zc_client *client, int rc, int expected, const char *needle,
+		    const char *what);
+
+#endif
