@@ -632,8 +632,13 @@ static bool handle_update(struct connection *connection, const wire_request *req
 	job->tokens = update->tokens;
 	job->job.run = update_run;
 	job->job.done = update_done;
-	job->job.offload = heads * update->tokens * (h->head_dim_k + h->head_dim_v) >
-			   server->options.offload_elements;
+	/* Large blocks, and the decode step that fills a streaming residual
+	 * (it compresses residual_tokens rows), run off the loop thread. */
+	uint64_t compressed_elements = heads * (h->head_dim_k + h->head_dim_v) *
+		(h->policy == STORE_POLICY_STREAMING &&
+		 store_update_compresses(session->store, update->layer, update->tokens) ?
+		 (uint64_t)h->residual_tokens + update->tokens : update->tokens);
+	job->job.offload = compressed_elements > server->options.offload_elements;
 	session_submit(&server->sessions, &job->job);
 	return true;
 

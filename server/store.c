@@ -763,12 +763,18 @@ int store_update(struct store *store, uint32_t layer, uint32_t tokens,
 	if ((uint64_t)l->tokens + tokens > h->max_tokens)
 		return ZC_EEXHAUSTED;
 	uint64_t heads = heads_of(h);
-	/* Checked up front: the residual path copies, and must not copy NaN. */
-	rc = zc_fp16_check_finite(keys, heads * tokens * h->head_dim_k);
-	if (rc == 0)
-		rc = zc_fp16_check_finite(values, heads * tokens * h->head_dim_v);
-	if (rc < 0)
-		return rc;
+	bool direct = h->policy == STORE_POLICY_PER_CALL || tokens >= h->residual_tokens;
+	/* The codec refuses NaN/Inf before writing, so a block compressed
+	 * directly needs no check of its own; but the residual path copies,
+	 * and a flush ahead of a direct block must not happen for a block
+	 * that will then be refused. */
+	if (!direct || l->residual_tokens > 0) {
+		rc = zc_fp16_check_finite(keys, heads * tokens * h->head_dim_k);
+		if (rc == 0)
+			rc = zc_fp16_check_finite(values, heads * tokens * h->head_dim_v);
+		if (rc < 0)
+			return rc;
+	}
 	if (!l->view_valid) {
 		rc = views_rebuild_layer(store, layer);
 		if (rc < 0)
@@ -787,7 +793,6 @@ int store_update(struct store *store, uint32_t layer, uint32_t tokens,
 				 (size_t)tokens * h->head_dim_k, h->head_dim_k };
 	zc_strides value_input = { (size_t)h->kv_heads * tokens * h->head_dim_v,
 				   (size_t)tokens * h->head_dim_v, h->head_dim_v };
-	bool direct = h->policy == STORE_POLICY_PER_CALL || tokens >= h->residual_tokens;
 
 	sequence_begin(l);
 	if (direct) {
@@ -890,6 +895,16 @@ int store_trim(struct store *store, uint32_t tokens, uint32_t *trimmed)
 	}
 	*trimmed = most;
 	return 0;
+}
+
+bool store_update_compresses(const struct store *store, uint32_t layer, uint32_t tokens)
+{
+	const struct store_header *h = store->header;
+	if (layer >= h->layers)
+		return false;
+	uint32_t residual = __atomic_load_n(&h->layer[layer].residual_tokens, __ATOMIC_RELAXED);
+	return h->policy == STORE_POLICY_PER_CALL || tokens >= h->residual_tokens ||
+	       residual + tokens >= h->residual_tokens;
 }
 
 int store_trim_layer(struct store *store, uint32_t layer, uint32_t tokens, uint32_t *trimmed)

@@ -101,6 +101,11 @@ int store_trim_layer(struct store *store, uint32_t layer, uint32_t tokens, uint3
 
 void store_layer_stats(const struct store *store, uint32_t layer, struct store_layer_stats *out);
 
+/* Whether appending `tokens` to the layer compresses something: a direct
+ * block, or a residual that fills up. Only a hint when read while a job
+ * runs on the store (the loop thread uses it to pick the thread pool). */
+bool store_update_compresses(const struct store *store, uint32_t layer, uint32_t tokens);
+
 /* Tokens of the shortest and the longest layer. */
 void store_token_range(const struct store *store, uint32_t *min_tokens, uint32_t *max_tokens);
 

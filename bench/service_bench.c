@@ -1,0 +1,1547 @@
+/*
+ * Service benchmark: zipcached end to end, through libzipcache.
+ *
+ * Starts its own daemon (ZC_BUILD_DIR/bin/zipcached, socket and session
+ * files in a fresh temporary directory, on tmpfs when /dev/shm exists so
+ * that session files never touch a disk), waits for its socket, measures,
+ * then stops it with SIGTERM and removes the directory.
+ *
+ * Four measurements, one Llama-3-8B layer shape (B = 1, H = 8 KV heads,
+ * D = 128):
+ *
+ *   1. decode   one zc_update_and_fetch of 1 token for one layer (2 KiB of
+ *               keys + 2 KiB of values inline), p50 and p99 over >= 10,000
+ *               calls, against a raw Unix-socket round trip to a trivial
+ *               echo process (forked, on a socketpair) with the same
+ *               request and reply sizes, computed with proto/wire.h from
+ *               what the daemon really sends, in interleaved batches of
+ *               128 calls so that a noisy neighbour slows both. The raw
+ *               side is plain blocking send() then recv() of one frame;
+ *               libzipcache's socket is non-blocking and waits in poll(),
+ *               which is part of the service's cost. Streaming policy; the
+ *               context grows from 1024 tokens, so the figures include the
+ *               residual flush every 128 steps (reported apart as well)
+ *               and the daemon's view reservations.
+ *   2. context  decode p50 at 32768 tokens of context over p50 at 1024:
+ *               two sessions prefilled to those lengths, interleaved
+ *               batches of 128 steps, each batch trimmed away afterwards
+ *               so that the context stays where it was (a batch of 128
+ *               holds exactly one residual flush, which trim then drops).
+ *   3. prefill  32 layers x 4096 tokens through the staging buffer:
+ *               fp16 GB/s in and the ratio to memcpy of the same bytes,
+ *               interleaved run by run, median over runs. Each run opens
+ *               a new session (cold: fresh pages) and then refills it
+ *               after a trim (warm: pages already there).
+ *   4. ratio    a 128-token prompt then 2048 decode steps under per_call
+ *               and under streaming: the key compression ratio the
+ *               daemon reports (contract: about 0.44 and about 4.4).
+ *
+ * With two or more CPUs the benchmark process is pinned to one and the
+ * daemon and the echo peer to another, so that the socket round trip is
+ * a cross-CPU wake-up in both cases and neither side steals the other's
+ * CPU.
+ *
+ * Output: aligned tables for people, then one JSON object per measurement
+ * per line (lines starting with '{') for scripts.
+ *
+ * usage: service [--quick] [--steps N] [--runs N] [--cpu N] [--daemon-cpu N]
+ *                [--daemon PATH] [--only decode,context,prefill,ratio]
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <limits.h>
+#include <math.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "zipcache/client.h"
+/* Private, but only to size the raw baseline's frames exactly as the
+ * daemon's are: a guessed size would bias the ratio. */
+#include "frame.h"
+#include "wire.h"
+
+#ifndef ZC_BUILD_DIR
+#define ZC_BUILD_DIR "build"
+#endif
+
+#define HEADS 8u
+#define HEAD_DIM 128u
+#define ROW_ELEMENTS (HEADS * HEAD_DIM) /* one token of one tensor, B = 1 */
+
+/* One batch = one residual cycle of the streaming policy (its default
+ * residual_tokens), so every decode batch holds exactly one flush. */
+#define BATCH_STEPS 128u
+
+#define DECODE_STEPS 10240u           /* >= 10,000 samples, whole batches */
+#define QUICK_DECODE_STEPS 256u
+#define DECODE_PROMPT 1024u
+#define CONTEXT_SMALL 1024u
+#define CONTEXT_LARGE 32768u
+#define PREFILL_LAYERS 32u
+#define PREFILL_TOKENS 4096u
+#define PREFILL_RUNS 7
+#define QUICK_PREFILL_RUNS 1
+#define RATIO_PROMPT 128u
+#define RATIO_STEPS 2048u
+#define QUICK_RATIO_STEPS 256u
+/* Decode rows cycle through a pool of this many generated tokens. */
+#define POOL_TOKENS 2048u
+
+/* Targets from the issue. */
+#define TARGET_DECODE_RATIO 3.0
+#define TARGET_CONTEXT_RATIO 1.25
+/* What the design contract predicts for the key compression ratio. */
+#define CONTRACT_PER_CALL 0.44
+#define CONTRACT_STREAMING 4.4
+
+#define MAX_JSON 32
+
+struct options {
+	bool quick;
+	unsigned steps;     /* decode samples per side, a multiple of BATCH_STEPS */
+	int runs;           /* prefill runs */
+	int cpu;            /* benchmark CPU; -1: first allowed */
+	int daemon_cpu;     /* daemon + echo CPU; -1: second allowed, if any */
+	const char *daemon; /* NULL: ZC_BUILD_DIR/bin/zipcached */
+	unsigned only;      /* RUN_* bits */
+};
+
+enum { RUN_DECODE = 1, RUN_CONTEXT = 2, RUN_PREFILL = 4, RUN_RATIO = 8, RUN_ALL = 15 };
+static const char *const run_names[] = { "decode", "context", "prefill", "ratio" };
+
+/* Children and the directory, global so that a signal can clean up. */
+static struct {
+	char dir[200];     /* short: the socket path must fit sun_path */
+	char socket[PATH_MAX];
+	char shm[PATH_MAX];
+	volatile pid_t daemon;
+	volatile pid_t echo;
+	int echo_fd;
+} harness = { .echo_fd = -1 };
+
+static char json[MAX_JSON][512];
+static int n_json;
+
+/* Called through a volatile pointer so the copy is exactly what a caller
+ * gets and is never dropped for an unread destination. */
+static void *(*volatile memcpy_fn)(void *, const void *, size_t) = memcpy;
+
+static void fail(const char *what, int rc)
+{
+	fprintf(stderr, "service: %s: %s\n", what, rc < 0 ? zc_strerror(rc) : "failed");
+}
+
+static void fail_client(zc_client *client, const char *what, int rc)
+{
+	const char *msg = client ? zc_client_last_error(client) : "";
+	fprintf(stderr, "service: %s: %s%s%s\n", what, zc_strerror(rc), *msg ? ": " : "", msg);
+}
+
+/* ---- synthetic K/V data (as bench/codec_bench.c) ---------------------- */
+
+/* splitmix64: fixed seed, the same bytes on every run and machine. */
+static uint64_t rng_state;
+
+static uint64_t rng_next(void)
+{
+	uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+static double rng_uniform(void)
+{
+	return ((double)(rng_next() >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
+
+static double rng_normal(void)
+{
+	double u1 = rng_uniform(), u2 = rng_uniform();
+	return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+/*
+ * A [1, H, tokens, D] block shaped like real post-RoPE keys (per-channel
+ * scales, four outlier channels per head, a high-norm first token) or
+ * plain values. The service's cost hardly depends on the data, but the
+ * codec's saliency split does a little, so it should look real.
+ */
+static void fill_block(uint16_t *x, uint32_t tokens, bool keys, uint64_t seed)
+{
+	float scale[HEAD_DIM], bias[HEAD_DIM];
+
+	rng_state = seed;
+	for (uint32_t h = 0; h < HEADS; h++) {
+		for (uint32_t c = 0; c < HEAD_DIM; c++) {
+			scale[c] = (float)(0.5 + rng_uniform());
+			bias[c] = (float)(0.1 * rng_normal());
+		}
+		if (keys) {
+			for (int k = 0; k < 4; k++) {
+				uint32_t c = (uint32_t)(rng_next() % HEAD_DIM);
+				double sign = (rng_next() & 1) ? 1.0 : -1.0;
+				bias[c] = (float)(sign * (8.0 + 8.0 * rng_uniform()));
+				scale[c] = (float)(2.0 + 2.0 * rng_uniform());
+			}
+		}
+		uint16_t *head = x + (size_t)h * tokens * HEAD_DIM;
+		for (uint32_t t = 0; t < tokens; t++) {
+			double tok = 0.8 + 0.4 * rng_uniform();
+			if (keys && t == 0)
+				tok = 6.0;
+			for (uint32_t c = 0; c < HEAD_DIM; c++) {
+				double v = bias[c] + scale[c] * tok * rng_normal();
+				head[(size_t)t * HEAD_DIM + c] = zc_float_to_fp16((float)v);
+			}
+		}
+	}
+}
+
+static void *alloc_touched(size_t bytes)
+{
+	/* Aligned like a real tensor and written once, so that page faults
+	 * of our own buffers are never part of a timed call. */
+	size_t rounded = (bytes + 63) & ~(size_t)63;
+	void *p = aligned_alloc(64, rounded ? rounded : 64);
+	if (p)
+		memset(p, 0x5a, rounded);
+	return p;
+}
+
+struct data {
+	/* Token-major decode rows: row t is the [1, H, 1, D] block of step t. */
+	uint16_t *pool_keys, *pool_values;
+	/* [1, H, S, D] blocks for prompts and prefill. */
+	uint16_t *ratio_keys, *ratio_values;     /* S = RATIO_PROMPT */
+	uint16_t *small_keys, *small_values;     /* S = CONTEXT_SMALL (= DECODE_PROMPT) */
+	uint16_t *prefill_keys, *prefill_values; /* S = PREFILL_TOKENS */
+};
+
+static int data_make(struct data *d)
+{
+	size_t pool = (size_t)POOL_TOKENS * ROW_ELEMENTS;
+	uint16_t *tmp = alloc_touched(2 * pool);
+
+	d->pool_keys = alloc_touched(2 * pool);
+	d->pool_values = alloc_touched(2 * pool);
+	d->ratio_keys = alloc_touched(2 * (size_t)RATIO_PROMPT * ROW_ELEMENTS);
+	d->ratio_values = alloc_touched(2 * (size_t)RATIO_PROMPT * ROW_ELEMENTS);
+	d->small_keys = alloc_touched(2 * (size_t)CONTEXT_SMALL * ROW_ELEMENTS);
+	d->small_values = alloc_touched(2 * (size_t)CONTEXT_SMALL * ROW_ELEMENTS);
+	d->prefill_keys = alloc_touched(2 * (size_t)PREFILL_TOKENS * ROW_ELEMENTS);
+	d->prefill_values = alloc_touched(2 * (size_t)PREFILL_TOKENS * ROW_ELEMENTS);
+	if (!tmp || !d->pool_keys || !d->pool_values || !d->ratio_keys || !d->ratio_values ||
+	    !d->small_keys || !d->small_values || !d->prefill_keys || !d->prefill_values) {
+		free(tmp);
+		return -ENOMEM;
+	}
+	/* The pool is generated head-major like any block, then transposed so
+	 * that each decode step's [H, D] row is contiguous. */
+	for (int tensor = 0; tensor < 2; tensor++) {
+		uint16_t *out = tensor == 0 ? d->pool_keys : d->pool_values;
+		fill_block(tmp, POOL_TOKENS, tensor == 0, 0x5e7e0000u + (unsigned)tensor);
+		for (uint32_t h = 0; h < HEADS; h++)
+			for (uint32_t t = 0; t < POOL_TOKENS; t++)
+				memcpy(out + ((size_t)t * HEADS + h) * HEAD_DIM,
+				       tmp + ((size_t)h * POOL_TOKENS + t) * HEAD_DIM, 2 * HEAD_DIM);
+	}
+	free(tmp);
+	fill_block(d->ratio_keys, RATIO_PROMPT, true, 0x5e7e1000u);
+	fill_block(d->ratio_values, RATIO_PROMPT, false, 0x5e7e1001u);
+	fill_block(d->small_keys, CONTEXT_SMALL, true, 0x5e7e2000u);
+	fill_block(d->small_values, CONTEXT_SMALL, false, 0x5e7e2001u);
+	fill_block(d->prefill_keys, PREFILL_TOKENS, true, 0x5e7e3000u);
+	fill_block(d->prefill_values, PREFILL_TOKENS, false, 0x5e7e3001u);
+	return 0;
+}
+
+static void data_free(struct data *d)
+{
+	free(d->pool_keys);
+	free(d->pool_values);
+	free(d->ratio_keys);
+	free(d->ratio_values);
+	free(d->small_keys);
+	free(d->small_values);
+	free(d->prefill_keys);
+	free(d->prefill_values);
+}
+
+static const uint16_t *pool_row(const uint16_t *pool, uint64_t step)
+{
+	return pool + (size_t)(step % POOL_TOKENS) * ROW_ELEMENTS;
+}
+
+/* ---- timing and statistics --------------------------------------------- */
+
+static double now_s(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return (x > y) - (x < y);
+}
+
+/* Nearest-rank percentile of n samples, sorting them in place. */
+static double percentile(double *v, size_t n, double p)
+{
+	qsort(v, n, sizeof *v, cmp_double);
+	size_t rank = (size_t)ceil(p * (double)n);
+	return v[rank ? rank - 1 : 0];
+}
+
+static double median(double *v, size_t n)
+{
+	qsort(v, n, sizeof *v, cmp_double);
+	return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* ---- the daemon and the echo peer -------------------------------------- */
+
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+	(void)st;
+	(void)flag;
+	(void)ftw;
+	remove(path);
+	return 0;
+}
+
+static void remove_dir(void)
+{
+	if (harness.dir[0])
+		nftw(harness.dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+static int pin(pid_t pid, int cpu)
+{
+	cpu_set_t set;
+	if (cpu < 0)
+		return 0;
+	CPU_ZERO(&set);
+	CPU_SET(cpu, &set);
+	return sched_setaffinity(pid, sizeof set, &set) == 0 ? 0 : -errno;
+}
+
+/*
+ * Ctrl-C in the middle of a run: stop the children and remove the
+ * directory. Only async-signal-safe calls (kill, waitpid, fork, execv,
+ * _exit): the main flow may be inside malloc.
+ */
+static void on_signal(int sig)
+{
+	pid_t daemon = harness.daemon, echo = harness.echo;
+	if (echo > 0)
+		kill(echo, SIGKILL);
+	if (daemon > 0) {
+		kill(daemon, SIGKILL);
+		waitpid(daemon, NULL, 0);
+	}
+	if (harness.dir[0]) {
+		pid_t rm = fork();
+		if (rm == 0) {
+			char *argv[] = { "rm", "-rf", harness.dir, NULL };
+			execv("/bin/rm", argv);
+			_exit(127);
+		}
+		if (rm > 0)
+			waitpid(rm, NULL, 0);
+	}
+	_exit(128 + sig);
+}
+
+static int make_dir(void)
+{
+	const char *bases[] = { "/dev/shm", getenv("TMPDIR"), "/tmp" };
+	struct stat st;
+
+	for (size_t i = 0; i < sizeof bases / sizeof bases[0]; i++) {
+		if (!bases[i] || stat(bases[i], &st) != 0 || !S_ISDIR(st.st_mode) ||
+		    access(bases[i], W_OK) != 0)
+			continue;
+		snprintf(harness.dir, sizeof harness.dir, "%s/zc-service-bench.XXXXXX", bases[i]);
+		if (!mkdtemp(harness.dir)) {
+			harness.dir[0] = '\0';
+			continue;
+		}
+		snprintf(harness.socket, sizeof harness.socket, "%s/z.sock", harness.dir);
+		snprintf(harness.shm, sizeof harness.shm, "%s/shm", harness.dir);
+		/* sun_path holds 108 bytes. */
+		if (strlen(harness.socket) >= 108) {
+			rmdir(harness.dir);
+			harness.dir[0] = '\0';
+			continue;
+		}
+		return 0;
+	}
+	return -ENOENT;
+}
+
+/* Whether `path --help` mentions `flag`: lets the benchmark drive both
+ * older and newer daemons. */
+static bool daemon_has_flag(const char *path, const char *flag)
+{
+	char command[PATH_MAX + 32], line[512];
+	bool found = false;
+	snprintf(command, sizeof command, "'%s' --help 2>/dev/null", path);
+	FILE *f = popen(command, "r");
+	if (!f)
+		return false;
+	while (fgets(line, sizeof line, f))
+		if (strstr(line, flag))
+			found = true;
+	pclose(f);
+	return found;
+}
+
+static int daemon_start(const char *path, int cpu, zc_client **out)
+{
+	/* The metrics port is fixed by default: a second daemon on the
+	 * machine (a test, a user's) would make ours log an error. */
+	bool metrics_off = daemon_has_flag(path, "--metrics-listen");
+	pid_t pid = fork();
+	if (pid < 0)
+		return -errno;
+	if (pid == 0) {
+		/* If the benchmark dies, so does its daemon. */
+		prctl(PR_SET_PDEATHSIG, SIGTERM);
+		pin(0, cpu);
+		int null = open("/dev/null", O_WRONLY);
+		if (null >= 0)
+			dup2(null, STDOUT_FILENO); /* its "listening" line would break the table */
+		if (metrics_off)
+			execl(path, "zipcached", "--socket", harness.socket, "--shm-dir", harness.shm,
+			      "--log-level", "warn", "--metrics-listen", "off", (char *)NULL);
+		else
+			execl(path, "zipcached", "--socket", harness.socket, "--shm-dir",
+			      harness.shm, "--log-level", "warn", (char *)NULL);
+		fprintf(stderr, "service: cannot run %s: %s\n", path, strerror(errno));
+		_exit(127);
+	}
+	harness.daemon = pid;
+
+	/* Up to 10 s for the socket to answer hello. */
+	double deadline = now_s() + 10.0;
+	int rc;
+	for (;;) {
+		int status;
+		if (waitpid(pid, &status, WNOHANG) == pid) {
+			harness.daemon = 0;
+			fprintf(stderr, "service: zipcached exited before listening (status %d)\n",
+				WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
+			return ZC_EINTERNAL;
+		}
+		/* A reply timeout far above any call here: on a loaded machine
+		 * a 16 MiB layer can take seconds, and that is a figure, not
+		 * a failure. */
+		rc = zc_client_connect(harness.socket, 120000, out);
+		if (rc == 0)
+			return 0;
+		if (now_s() > deadline)
+			return rc;
+		usleep(10000);
+	}
+}
+
+/* SIGTERM, then up to 15 s for a graceful stop (its grace period is 10 s). */
+static void daemon_stop(void)
+{
+	pid_t pid = harness.daemon;
+	int status;
+
+	if (pid <= 0)
+		return;
+	kill(pid, SIGTERM);
+	for (int i = 0; i < 1500; i++) {
+		if (waitpid(pid, &status, WNOHANG) == pid) {
+			harness.daemon = 0;
+			if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+				fprintf(stderr, "service: zipcached exited with status %d\n",
+					WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
+			return;
+		}
+		usleep(10000);
+	}
+	fprintf(stderr, "service: zipcached ignored SIGTERM for 15 s; killing it\n");
+	kill(pid, SIGKILL);
+	waitpid(pid, NULL, 0);
+	harness.daemon = 0;
+}
+
+static int write_full(int fd, const uint8_t *buf, size_t len)
+{
+	while (len > 0) {
+		ssize_t n = send(fd, buf, len, MSG_NOSIGNAL);
+		if (n < 0) {
+			if (errno == EINTR)
+				continue;
+			return -errno;
+		}
+		buf += n;
+		len -= (size_t)n;
+	}
+	return 0;
+}
+
+/*
+ * The raw baseline's peer: the least a server can do per request. Reads
+ * like the daemon does (one recv into a buffer as big as it can take,
+ * then whole frames out of it), and answers each frame with one whose
+ * total size the request's first 4 body bytes name, so that the
+ * benchmark picks the reply size after it has seen a real daemon reply.
+ */
+static void echo_serve(int fd)
+{
+	size_t cap = 1u << 20, have = 0;
+	uint8_t *in = malloc(cap), *out = calloc(1, cap);
+
+	if (!in || !out)
+		_exit(1);
+	for (;;) {
+		ssize_t n = recv(fd, in + have, cap - have, 0);
+		if (n == 0)
+			_exit(0);
+		if (n < 0) {
+			if (errno == EINTR)
+				continue;
+			_exit(1);
+		}
+		have += (size_t)n;
+		size_t at = 0;
+		while (have - at >= 8) {
+			size_t len = frame_header_read(in + at);
+			if (len + 4 > cap)
+				_exit(1);
+			if (have - at < 4 + len)
+				break;
+			uint32_t reply = frame_header_read(in + at + 4);
+			if (reply < 4 || reply > cap)
+				_exit(1);
+			frame_header_write(out, reply - 4);
+			if (write_full(fd, out, reply) < 0)
+				_exit(0);
+			at += 4 + len;
+		}
+		memmove(in, in + at, have - at);
+		have -= at;
+	}
+}
+
+static int echo_start(int cpu)
+{
+	int sv[2];
+	if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0)
+		return -errno;
+	pid_t pid = fork();
+	if (pid < 0) {
+		int err = errno;
+		close(sv[0]);
+		close(sv[1]);
+		return -err;
+	}
+	if (pid == 0) {
+		/* Ctrl-C reaches the whole process group: the cleanup is the
+		 * parent's, the peer just dies (and with its parent). */
+		signal(SIGINT, SIG_DFL);
+		signal(SIGTERM, SIG_DFL);
+		signal(SIGHUP, SIG_DFL);
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		pin(0, cpu);
+		close(sv[0]);
+		echo_serve(sv[1]);
+		_exit(0);
+	}
+	close(sv[1]);
+	harness.echo = pid;
+	harness.echo_fd = sv[0];
+	return 0;
+}
+
+static void echo_stop(void)
+{
+	if (harness.echo_fd >= 0)
+		close(harness.echo_fd); /* EOF: the peer exits */
+	harness.echo_fd = -1;
+	if (harness.echo > 0)
+		waitpid(harness.echo, NULL, 0);
+	harness.echo = 0;
+}
+
+/* One raw round trip: the same blocking send-then-receive-a-frame as the
+ * client library does, with nothing to encode or decode. */
+static int raw_round_trip(int fd, const uint8_t *frame, size_t len, uint8_t *reply, size_t cap)
+{
+	size_t have = 0, want = 4;
+	int rc = write_full(fd, frame, len);
+	if (rc < 0)
+		return rc;
+	while (have < want) {
+		ssize_t n = recv(fd, reply + have, cap - have, 0);
+		if (n <= 0) {
+			if (n < 0 && errno == EINTR)
+				continue;
+			return n == 0 ? -ECONNRESET : -errno;
+		}
+		have += (size_t)n;
+		if (want == 4 && have >= 4)
+			want = 4 + (size_t)frame_header_read(reply);
+		if (want > cap)
+			return -EMSGSIZE;
+	}
+	return 0;
+}
+
+/* ---- frame sizes -------------------------------------------------------- */
+
+/* Request ids this far into a run take two varint bytes, as they do for
+ * most of the measured calls. */
+#define TYPICAL_REQUEST_ID 10000u
+
+static int update_request_bytes(uint64_t session_id, const void *keys, const void *values,
+				size_t *out)
+{
+	wire_request req;
+	memset(&req, 0, sizeof req);
+	req.msg.request_id = TYPICAL_REQUEST_ID;
+	req.msg.which_op = zipcache_v1_Request_update_and_fetch_tag;
+	req.msg.op.update_and_fetch.session_id = session_id;
+	req.msg.op.update_and_fetch.layer = 0;
+	req.msg.op.update_and_fetch.tokens = 1;
+	req.keys = (wire_span){ keys, 2 * ROW_ELEMENTS };
+	req.values = (wire_span){ values, 2 * ROW_ELEMENTS };
+	return wire_request_frame_size(&req, out);
+}
+
+/* The reply the daemon sends for an update with these stats (dispatch.c's
+ * update_done). */
+static int update_reply_bytes(const zc_layer_stats *s, uint64_t sequence, size_t *out)
+{
+	wire_response resp;
+	memset(&resp, 0, sizeof resp);
+	resp.msg.request_id = TYPICAL_REQUEST_ID;
+	resp.msg.which_op = zipcache_v1_Response_update_and_fetch_tag;
+	zipcache_v1_UpdateAndFetchResponse *u = &resp.msg.op.update_and_fetch;
+	u->tokens = s->tokens;
+	u->sequence = sequence;
+	u->has_stats = true;
+	u->stats = (zipcache_v1_LayerStats){
+		.layer = s->layer,
+		.tokens = s->tokens,
+		.residual_tokens = s->residual_tokens,
+		.compressed_key_bytes = s->compressed_key_bytes,
+		.compressed_value_bytes = s->compressed_value_bytes,
+		.baseline_key_bytes = s->baseline_key_bytes,
+		.baseline_value_bytes = s->baseline_value_bytes,
+		.fp16_key_bytes = s->fp16_key_bytes,
+		.fp16_value_bytes = s->fp16_value_bytes,
+		.compression_ratio = s->compression_ratio,
+		.effective_avg_bits = s->effective_avg_bits,
+		.blocks = s->blocks,
+	};
+	return wire_response_frame_size(&resp, out);
+}
+
+/* ---- sessions ------------------------------------------------------------ */
+
+static int open_session(zc_client *client, const char *name, uint32_t layers,
+			uint32_t max_tokens, zc_block_policy policy, zc_session **out)
+{
+	zc_session_config config;
+	zc_session_config_default(&config);
+	config.name = name;
+	config.layers = layers;
+	config.batch = 1;
+	config.kv_heads = HEADS;
+	config.head_dim_k = config.head_dim_v = HEAD_DIM;
+	config.max_tokens = max_tokens;
+	config.policy = policy;
+	int rc = zc_session_open(client, &config, out);
+	if (rc < 0)
+		fail_client(client, "open session", rc);
+	return rc;
+}
+
+/* Fills one layer to `tokens` with copies of a block of `block` tokens;
+ * blocks this large go through the staging buffer on their own. */
+static int fill_layer(zc_session *s, uint32_t layer, uint32_t tokens, const uint16_t *keys,
+		      const uint16_t *values, uint32_t block)
+{
+	zc_view view;
+	for (uint32_t done = 0; done < tokens; done += block) {
+		int rc = zc_update_and_fetch(s, layer, block, keys, values, &view, NULL);
+		if (rc < 0)
+			return rc;
+		if (view.tokens != done + block)
+			return ZC_EPROTOCOL;
+	}
+	return 0;
+}
+
+/* Decodes `n` one-token steps, timing each into us[0..n); tokens (may be
+ * NULL) gets the layer's length after each, stats (may be NULL) the
+ * layer's stats after the last (the client decodes them either way). */
+static int decode_batch(zc_session *s, const struct data *d, uint64_t *step, double *us,
+			uint32_t *tokens, unsigned n, zc_view *view, zc_layer_stats *stats)
+{
+	for (unsigned i = 0; i < n; i++, (*step)++) {
+		const uint16_t *k = pool_row(d->pool_keys, *step);
+		const uint16_t *v = pool_row(d->pool_values, *step);
+		double t0 = now_s();
+		int rc = zc_update_and_fetch(s, 0, 1, k, v, view, stats);
+		double t1 = now_s();
+		if (rc < 0)
+			return rc;
+		us[i] = (t1 - t0) * 1e6;
+		if (tokens)
+			tokens[i] = view->tokens;
+	}
+	return 0;
+}
+
+/*
+ * Once, untimed: a decode step must land in the view, exact (it sits in
+ * the fp16 residual), at the position the reply names. A benchmark of a
+ * service that stores garbage is worthless.
+ */
+static int check_decode(zc_session *s, const struct data *d, uint64_t step, uint32_t before,
+			zc_layer_stats *stats, zc_view *view)
+{
+	const uint16_t *k = pool_row(d->pool_keys, step);
+	const uint16_t *v = pool_row(d->pool_values, step);
+	int rc = zc_update_and_fetch(s, 0, 1, k, v, view, stats);
+	if (rc < 0)
+		return rc;
+	if (view->tokens != before + 1 || stats->tokens != before + 1)
+		return ZC_ECORRUPT;
+	for (uint32_t h = 0; h < HEADS; h++) {
+		const uint16_t *vk = view->keys + h * view->key_strides.head +
+				     (size_t)before * view->key_strides.token;
+		const uint16_t *vv = view->values + h * view->value_strides.head +
+				     (size_t)before * view->value_strides.token;
+		if (memcmp(vk, k + h * HEAD_DIM, 2 * HEAD_DIM) ||
+		    memcmp(vv, v + h * HEAD_DIM, 2 * HEAD_DIM))
+			return ZC_ECORRUPT;
+	}
+	return 0;
+}
+
+/* ---- 1. decode step against a raw round trip ---------------------------- */
+
+struct decode_result {
+	double p50, p90, p99, max, mean;
+	double raw_p50, raw_p90, raw_p99, raw_max, raw_mean;
+	/* The steps that flush the residual (one in 128) and the others. */
+	double flush_p50, other_p50, other_p99;
+	unsigned flushes;
+	size_t request_bytes, reply_bytes, reply_bytes_first;
+	unsigned samples;
+};
+
+static void summarize(double *v, size_t n, double *p50, double *p90, double *p99, double *max,
+		      double *mean)
+{
+	double sum = 0.0;
+	for (size_t i = 0; i < n; i++)
+		sum += v[i];
+	*mean = sum / (double)n;
+	*p50 = percentile(v, n, 0.50);
+	*p90 = percentile(v, n, 0.90);
+	*p99 = percentile(v, n, 0.99);
+	*max = v[n - 1];
+}
+
+static int bench_decode(zc_client *client, const struct data *d, const struct options *opt,
+			struct decode_result *r)
+{
+	unsigned batches = opt->steps / BATCH_STEPS;
+	uint32_t max_tokens = DECODE_PROMPT + (batches + 2) * BATCH_STEPS + 1;
+	double *us = calloc(3 * (size_t)opt->steps, sizeof(double));
+	double *raw = us + opt->steps, *split = raw + opt->steps;
+	uint32_t *tokens = calloc(opt->steps, sizeof(uint32_t));
+	uint8_t *frame = NULL, *reply = NULL;
+	zc_session *s = NULL;
+	zc_layer_stats stats;
+	zc_view view;
+	uint64_t step = 0;
+	int rc;
+
+	if (!us || !tokens) {
+		rc = -ENOMEM;
+		goto out;
+	}
+	if ((rc = open_session(client, "bench-decode", 1, max_tokens, ZC_POLICY_STREAMING, &s)) < 0)
+		goto out;
+	if ((rc = fill_layer(s, 0, DECODE_PROMPT, d->small_keys, d->small_values,
+			     DECODE_PROMPT)) < 0) {
+		fail_client(client, "decode: prompt", rc);
+		goto out;
+	}
+	if ((rc = check_decode(s, d, step++, DECODE_PROMPT, &stats, &view)) < 0) {
+		fail_client(client, "decode: the first step is not in the view as sent", rc);
+		goto out;
+	}
+
+	/* The raw frames, sized as the daemon's are. */
+	rc = update_request_bytes(zc_session_get_info(s)->id, pool_row(d->pool_keys, 0),
+				  pool_row(d->pool_values, 0), &r->request_bytes);
+	if (rc == 0)
+		rc = update_reply_bytes(&stats, view.sequence, &r->reply_bytes);
+	r->reply_bytes_first = r->reply_bytes;
+	if (rc < 0) {
+		fail("frame sizes", rc);
+		goto out;
+	}
+	frame = calloc(1, r->request_bytes);
+	reply = calloc(1, 1u << 16);
+	if (!frame || !reply) {
+		rc = -ENOMEM;
+		goto out;
+	}
+	/* The body's bytes do not matter to a socket, only their number. */
+	frame_header_write(frame, (uint32_t)(r->request_bytes - 4));
+	frame_header_write(frame + 4, (uint32_t)r->reply_bytes);
+
+	/* Warm-up, one batch each: caches, branch predictors, view pages. */
+	if ((rc = decode_batch(s, d, &step, us, NULL, BATCH_STEPS, &view, &stats)) < 0) {
+		fail_client(client, "decode: warm-up", rc);
+		goto out;
+	}
+	for (unsigned i = 0; i < BATCH_STEPS; i++)
+		if ((rc = raw_round_trip(harness.echo_fd, frame, r->request_bytes, reply,
+					 1u << 16)) < 0) {
+			fail("raw round trip", rc);
+			goto out;
+		}
+
+	/* Batch b: daemon first on even b, raw first on odd b, so that
+	 * neither side always runs right after the other. */
+	for (unsigned b = 0; b < batches; b++) {
+		for (int side = 0; side < 2; side++) {
+			bool daemon_side = (side == 0) == (b % 2 == 0);
+			if (daemon_side) {
+				rc = decode_batch(s, d, &step, us + (size_t)b * BATCH_STEPS,
+						  tokens + (size_t)b * BATCH_STEPS, BATCH_STEPS,
+						  &view, &stats);
+				if (rc < 0) {
+					fail_client(client, "decode", rc);
+					goto out;
+				}
+			} else {
+				/* The daemon's reply grows by a few bytes as its
+				 * counters do; the raw one follows it. */
+				double *t = raw + (size_t)b * BATCH_STEPS;
+				if ((rc = update_reply_bytes(&stats, view.sequence,
+							     &r->reply_bytes)) < 0) {
+					fail("frame sizes", rc);
+					goto out;
+				}
+				frame_header_write(frame + 4, (uint32_t)r->reply_bytes);
+				for (unsigned i = 0; i < BATCH_STEPS; i++) {
+					double t0 = now_s();
+					rc = raw_round_trip(harness.echo_fd, frame, r->request_bytes,
+							    reply, 1u << 16);
+					double t1 = now_s();
+					if (rc < 0) {
+						fail("raw round trip", rc);
+						goto out;
+					}
+					t[i] = (t1 - t0) * 1e6;
+				}
+			}
+		}
+	}
+	if (view.tokens != DECODE_PROMPT + 1 + BATCH_STEPS + batches * BATCH_STEPS) {
+		fail("decode: the view has the wrong number of tokens", ZC_ECORRUPT);
+		rc = ZC_ECORRUPT;
+		goto out;
+	}
+	r->samples = batches * BATCH_STEPS;
+	/* Split before summarize() sorts us[] out of step order. The flush
+	 * is the step after which the layer's length is a multiple of the
+	 * residual (the prompt is, and every block before it is full). */
+	size_t n_flush = 0, n_other = 0;
+	for (size_t i = 0; i < r->samples; i++)
+		if (tokens[i] % BATCH_STEPS == 0)
+			split[n_flush++] = us[i];
+	for (size_t i = 0; i < r->samples; i++)
+		if (tokens[i] % BATCH_STEPS != 0)
+			split[n_flush + n_other++] = us[i];
+	r->flushes = (unsigned)n_flush;
+	r->flush_p50 = n_flush ? percentile(split, n_flush, 0.50) : 0.0;
+	r->other_p50 = percentile(split + n_flush, n_other, 0.50);
+	r->other_p99 = percentile(split + n_flush, n_other, 0.99);
+	summarize(us, r->samples, &r->p50, &r->p90, &r->p99, &r->max, &r->mean);
+	summarize(raw, r->samples, &r->raw_p50, &r->raw_p90, &r->raw_p99, &r->raw_max,
+		  &r->raw_mean);
+	rc = 0;
+out:
+	if (s) {
+		int c = zc_session_close(s);
+		if (c < 0 && rc == 0)
+			rc = c;
+	}
+	free(frame);
+	free(reply);
+	free(us);
+	free(tokens);
+	return rc;
+}
+
+/* ---- 2. decode cost against context length ------------------------------ */
+
+struct context_result {
+	double p50_small, p99_small, p50_large, p99_large;
+	unsigned samples;
+};
+
+static int bench_context(zc_client *client, const struct data *d, const struct options *opt,
+			 struct context_result *r)
+{
+	unsigned batches = opt->steps / BATCH_STEPS;
+	static const uint32_t context[2] = { CONTEXT_SMALL, CONTEXT_LARGE };
+	double *us[2] = { calloc(opt->steps, sizeof(double)), calloc(opt->steps, sizeof(double)) };
+	double *scratch = calloc(BATCH_STEPS, sizeof(double));
+	zc_session *s[2] = { NULL, NULL };
+	uint64_t step[2] = { 0, 0 };
+	zc_view view;
+	int rc = 0;
+
+	if (!us[0] || !us[1] || !scratch) {
+		rc = -ENOMEM;
+		goto out;
+	}
+	for (int i = 0; i < 2; i++) {
+		char name[32];
+		snprintf(name, sizeof name, "bench-context-%u", context[i]);
+		rc = open_session(client, name, 1, context[i] + 2 * BATCH_STEPS, ZC_POLICY_STREAMING,
+				  &s[i]);
+		if (rc < 0)
+			goto out;
+		/* 1k in one block; 32k as eight 4096-token blocks, like a
+		 * chunked prefill. Both end with an empty residual. */
+		rc = i == 0 ? fill_layer(s[i], 0, CONTEXT_SMALL, d->small_keys, d->small_values,
+					 CONTEXT_SMALL) :
+			      fill_layer(s[i], 0, CONTEXT_LARGE, d->prefill_keys, d->prefill_values,
+					 PREFILL_TOKENS);
+		if (rc < 0) {
+			fail_client(client, "context: prefill", rc);
+			goto out;
+		}
+	}
+
+	/* Batch -1 is the warm-up. Each batch is trimmed off afterwards, so
+	 * every step runs at the same context length. */
+	for (int b = -1; b < (int)batches; b++) {
+		for (int side = 0; side < 2; side++) {
+			int i = (b & 1) ? 1 - side : side;
+			double *t = b < 0 ? scratch : us[i] + (size_t)b * BATCH_STEPS;
+			uint32_t trimmed = 0;
+			rc = decode_batch(s[i], d, &step[i], t, NULL, BATCH_STEPS, &view, NULL);
+			if (rc == 0 && view.tokens != context[i] + BATCH_STEPS)
+				rc = ZC_ECORRUPT;
+			if (rc == 0)
+				rc = zc_session_trim(s[i], BATCH_STEPS, &trimmed);
+			if (rc == 0 && trimmed != BATCH_STEPS)
+				rc = ZC_ECORRUPT;
+			if (rc < 0) {
+				fail_client(client, "context: decode", rc);
+				goto out;
+			}
+		}
+	}
+	r->samples = batches * BATCH_STEPS;
+	r->p50_small = percentile(us[0], r->samples, 0.50);
+	r->p99_small = percentile(us[0], r->samples, 0.99);
+	r->p50_large = percentile(us[1], r->samples, 0.50);
+	r->p99_large = percentile(us[1], r->samples, 0.99);
+out:
+	for (int i = 0; i < 2; i++) {
+		if (s[i]) {
+			int c = zc_session_close(s[i]);
+			if (c < 0 && rc == 0)
+				rc = c;
+		}
+		free(us[i]);
+	}
+	free(scratch);
+	return rc;
+}
+
+/* ---- 3. prefill through the staging buffer ------------------------------ */
+
+struct prefill_result {
+	double bytes;       /* fp16 bytes in per run */
+	double cold_s, warm_s, memcpy_s; /* medians */
+	double cold_min_s, cold_max_s;
+	double slowest_call_s; /* the slowest single layer, any run */
+	int runs;
+};
+
+/*
+ * One prefill of every layer: the worker writes each layer's K and V into
+ * the staging buffer (untimed: a worker that computes K/V straight into it
+ * pays nothing extra), then the staged update is timed.
+ */
+static int prefill_layers(zc_session *s, const struct data *d, uint8_t *staging, double *seconds,
+			  double *slowest)
+{
+	size_t half = 2 * (size_t)PREFILL_TOKENS * ROW_ELEMENTS;
+	double total = 0.0;
+	zc_view view;
+
+	for (uint32_t layer = 0; layer < PREFILL_LAYERS; layer++) {
+		memcpy(staging, d->prefill_keys, half);
+		memcpy(staging + half, d->prefill_values, half);
+		double t0 = now_s();
+		int rc = zc_update_and_fetch_staged(s, layer, PREFILL_TOKENS, 0, half, &view, NULL);
+		double t1 = now_s();
+		if (rc < 0)
+			return rc;
+		if (view.tokens != PREFILL_TOKENS)
+			return ZC_ECORRUPT;
+		total += t1 - t0;
+		if (t1 - t0 > *slowest)
+			*slowest = t1 - t0;
+	}
+	*seconds = total;
+	return 0;
+}
+
+/* The same bytes per layer, the same untimed refill of the source. */
+static void memcpy_layers(const struct data *d, uint8_t *src, uint8_t *dst, double *seconds)
+{
+	size_t half = 2 * (size_t)PREFILL_TOKENS * ROW_ELEMENTS;
+	double total = 0.0;
+
+	for (uint32_t layer = 0; layer < PREFILL_LAYERS; layer++) {
+		memcpy(src, d->prefill_keys, half);
+		memcpy(src + half, d->prefill_values, half);
+		double t0 = now_s();
+		memcpy_fn(dst, src, 2 * half);
+		total += now_s() - t0;
+	}
+	*seconds = total;
+}
+
+static int prefill_run(zc_client *client, const struct data *d, uint8_t *staging, int run,
+		       double *cold, double *warm, double *slowest)
+{
+	char name[32];
+	zc_session *s;
+	uint32_t trimmed;
+	int rc;
+
+	snprintf(name, sizeof name, "bench-prefill-%d", run);
+	if ((rc = open_session(client, name, PREFILL_LAYERS, PREFILL_TOKENS, ZC_POLICY_STREAMING,
+			       &s)) < 0)
+		return rc;
+	rc = prefill_layers(s, d, staging, cold, slowest);
+	if (rc == 0)
+		rc = zc_session_trim(s, PREFILL_TOKENS, &trimmed);
+	if (rc == 0)
+		rc = prefill_layers(s, d, staging, warm, slowest);
+	if (rc < 0)
+		fail_client(client, "prefill", rc);
+	int c = zc_session_close(s);
+	return rc < 0 ? rc : c;
+}
+
+static int bench_prefill(zc_client *client, const struct data *d, const struct options *opt,
+			 struct prefill_result *r)
+{
+	size_t layer_bytes = 4 * (size_t)PREFILL_TOKENS * ROW_ELEMENTS;
+	double *t = calloc(3 * (size_t)opt->runs, sizeof(double));
+	uint8_t *src = alloc_touched(layer_bytes), *dst = alloc_touched(layer_bytes);
+	void *staging;
+	int rc;
+
+	if (!t || !src || !dst) {
+		rc = -ENOMEM;
+		goto out;
+	}
+	if ((rc = zc_client_staging(client, layer_bytes, &staging)) < 0) {
+		fail_client(client, "staging buffer", rc);
+		goto out;
+	}
+	/* Warm-up: the daemon's code paths and our staging pages. */
+	double cold, warm, copy;
+	double warm_up_slowest = 0.0;
+	if ((rc = prefill_run(client, d, staging, -1, &cold, &warm, &warm_up_slowest)) < 0)
+		goto out;
+	memcpy_layers(d, src, dst, &copy);
+
+	double *tc = t, *tw = t + opt->runs, *tm = t + 2 * opt->runs;
+	for (int run = 0; run < opt->runs; run++) {
+		if (run % 2)
+			memcpy_layers(d, src, dst, &tm[run]);
+		if ((rc = prefill_run(client, d, staging, run, &tc[run], &tw[run],
+				       &r->slowest_call_s)) < 0)
+			goto out;
+		if (run % 2 == 0)
+			memcpy_layers(d, src, dst, &tm[run]);
+	}
+	r->runs = opt->runs;
+	r->bytes = (double)layer_bytes * PREFILL_LAYERS;
+	r->cold_s = median(tc, (size_t)opt->runs);
+	r->cold_min_s = tc[0];
+	r->cold_max_s = tc[opt->runs - 1];
+	r->warm_s = median(tw, (size_t)opt->runs);
+	r->memcpy_s = median(tm, (size_t)opt->runs);
+	rc = 0;
+out:
+	free(t);
+	free(src);
+	free(dst);
+	return rc;
+}
+
+/* ---- 4. compression ratio of a decode-heavy session ---------------------- */
+
+struct ratio_result {
+	zc_layer_stats stats[2];  /* [0] per_call, [1] streaming */
+	double p50[2];            /* decode step, interleaved */
+	unsigned steps;
+};
+
+static int bench_ratio(zc_client *client, const struct data *d, const struct options *opt,
+		       struct ratio_result *r)
+{
+	static const zc_block_policy policy[2] = { ZC_POLICY_PER_CALL, ZC_POLICY_STREAMING };
+	unsigned steps = opt->quick ? QUICK_RATIO_STEPS : RATIO_STEPS;
+	double *us[2] = { calloc(steps, sizeof(double)), calloc(steps, sizeof(double)) };
+	zc_session *s[2] = { NULL, NULL };
+	uint64_t step[2] = { 0, 0 };
+	zc_view view;
+	int rc = 0;
+
+	if (!us[0] || !us[1]) {
+		rc = -ENOMEM;
+		goto out;
+	}
+	for (int i = 0; i < 2; i++) {
+		rc = open_session(client, i ? "bench-ratio-streaming" : "bench-ratio-per-call", 1,
+				  RATIO_PROMPT + steps, policy[i], &s[i]);
+		if (rc < 0)
+			goto out;
+		rc = fill_layer(s[i], 0, RATIO_PROMPT, d->ratio_keys, d->ratio_values, RATIO_PROMPT);
+		if (rc < 0) {
+			fail_client(client, "ratio: prompt", rc);
+			goto out;
+		}
+	}
+	/* Interleaved batches so that the two policies' step times compare. */
+	for (unsigned b = 0; b * BATCH_STEPS < steps; b++) {
+		unsigned n = steps - b * BATCH_STEPS < BATCH_STEPS ? steps - b * BATCH_STEPS :
+								     BATCH_STEPS;
+		for (int side = 0; side < 2; side++) {
+			int i = (b & 1) ? 1 - side : side;
+			rc = decode_batch(s[i], d, &step[i], us[i] + (size_t)b * BATCH_STEPS, NULL, n,
+					  &view, NULL);
+			if (rc < 0) {
+				fail_client(client, "ratio: decode", rc);
+				goto out;
+			}
+		}
+	}
+	for (int i = 0; i < 2; i++) {
+		/* The stats of the session as a whole, as the daemon counts them. */
+		zc_layer_stats total;
+		rc = zc_session_stats(s[i], &r->stats[i], 1, &total);
+		if (rc < 0) {
+			fail_client(client, "ratio: stats", rc);
+			goto out;
+		}
+		if (r->stats[i].tokens != RATIO_PROMPT + steps) {
+			rc = ZC_ECORRUPT;
+			fail("ratio: wrong token count", rc);
+			goto out;
+		}
+		r->p50[i] = percentile(us[i], steps, 0.50);
+	}
+	r->steps = steps;
+out:
+	for (int i = 0; i < 2; i++) {
+		if (s[i]) {
+			int c = zc_session_close(s[i]);
+			if (c < 0 && rc == 0)
+				rc = c;
+		}
+		free(us[i]);
+	}
+	return rc;
+}
+
+/* ---- reporting ---------------------------------------------------------- */
+
+#define JSON(...) \
+	do { \
+		if (n_json < MAX_JSON) \
+			snprintf(json[n_json++], sizeof json[0], __VA_ARGS__); \
+	} while (0)
+
+static const char *verdict(bool met)
+{
+	return met ? "met" : "MISSED";
+}
+
+static void report_decode(const struct decode_result *r)
+{
+	printf("1. decode step, 1 token, streaming, context %u..%u, %u samples per side\n"
+	       "   (raw: blocking send of a %zu-byte frame, receive a %zu..%zu-byte frame, echo "
+	       "peer)\n",
+	       DECODE_PROMPT, DECODE_PROMPT + 1 + BATCH_STEPS + r->samples, r->samples,
+	       r->request_bytes, r->reply_bytes_first, r->reply_bytes);
+	printf("   %-10s %9s %9s %9s %9s %9s\n", "", "p50 us", "p90 us", "p99 us", "max us",
+	       "mean us");
+	printf("   %-10s %9.2f %9.2f %9.2f %9.1f %9.2f\n", "zipcached", r->p50, r->p90, r->p99,
+	       r->max, r->mean);
+	printf("   %-10s %9.2f %9.2f %9.2f %9.1f %9.2f\n", "raw", r->raw_p50, r->raw_p90,
+	       r->raw_p99, r->raw_max, r->raw_mean);
+	printf("   %-10s %9.2f %9.2f %9.2f %9s %9.2f\n", "ratio", r->p50 / r->raw_p50,
+	       r->p90 / r->raw_p90, r->p99 / r->raw_p99, "", r->mean / r->raw_mean);
+	printf("   the %u steps that compress the residual: p50 %.1f us; the other steps: "
+	       "p50 %.2f us, p99 %.1f us\n\n",
+	       r->flushes, r->flush_p50, r->other_p50, r->other_p99);
+	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p50\",\"us\":%.3f,"
+	     "\"raw_us\":%.3f,\"ratio\":%.4f,\"samples\":%u,\"request_bytes\":%zu,"
+	     "\"reply_bytes\":%zu}",
+	     r->p50, r->raw_p50, r->p50 / r->raw_p50, r->samples, r->request_bytes,
+	     r->reply_bytes);
+	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p99\",\"us\":%.3f,"
+	     "\"raw_us\":%.3f,\"ratio\":%.4f,\"samples\":%u}",
+	     r->p99, r->raw_p99, r->p99 / r->raw_p99, r->samples);
+	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_flush_p50\","
+	     "\"us\":%.3f,\"samples\":%u,\"other_p50_us\":%.3f,\"other_p99_us\":%.3f}",
+	     r->flush_p50, r->flushes, r->other_p50, r->other_p99);
+}
+
+static void report_context(const struct context_result *r)
+{
+	printf("2. decode step against context length (each batch trimmed off), %u samples each\n",
+	       r->samples);
+	printf("   %-10s %9s %9s\n", "context", "p50 us", "p99 us");
+	printf("   %-10u %9.2f %9.2f\n", CONTEXT_SMALL, r->p50_small, r->p99_small);
+	printf("   %-10u %9.2f %9.2f\n", CONTEXT_LARGE, r->p50_large, r->p99_large);
+	printf("   %-10s %9.3f %9.3f\n\n", "ratio", r->p50_large / r->p50_small,
+	       r->p99_large / r->p99_small);
+	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p50_32k_over_1k\","
+	     "\"us\":%.3f,\"base_us\":%.3f,\"ratio\":%.4f,\"samples\":%u}",
+	     r->p50_large, r->p50_small, r->p50_large / r->p50_small, r->samples);
+	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p99_32k_over_1k\","
+	     "\"us\":%.3f,\"base_us\":%.3f,\"ratio\":%.4f,\"samples\":%u}",
+	     r->p99_large, r->p99_small, r->p99_large / r->p99_small, r->samples);
+}
+
+static void report_prefill(const struct prefill_result *r)
+{
+	double gb = r->bytes / 1e9;
+	printf("3. prefill, %u layers x %u tokens through staging, %.0f MiB fp16 in, "
+	       "median of %d runs\n",
+	       PREFILL_LAYERS, PREFILL_TOKENS, r->bytes / (1024.0 * 1024.0), r->runs);
+	printf("   %-22s %9s %9s %12s %7s\n", "", "ms", "GB/s", "memcpy GB/s", "ratio");
+	printf("   %-22s %9.1f %9.3f %12.3f %7.3f\n", "new session (cold)", r->cold_s * 1e3,
+	       gb / r->cold_s, gb / r->memcpy_s, r->memcpy_s / r->cold_s);
+	printf("   %-22s %9.1f %9.3f %12.3f %7.3f\n", "after trim (warm)", r->warm_s * 1e3,
+	       gb / r->warm_s, gb / r->memcpy_s, r->memcpy_s / r->warm_s);
+	printf("   %-22s %9.1f %9.3f\n", "memcpy", r->memcpy_s * 1e3, gb / r->memcpy_s);
+	printf("   (cold runs %.1f..%.1f ms; slowest single layer %.1f ms)\n\n", r->cold_min_s * 1e3,
+	       r->cold_max_s * 1e3, r->slowest_call_s * 1e3);
+	JSON("{\"bench\":\"service\",\"shape\":\"L32xH8xS4096xD128\",\"op\":\"prefill\","
+	     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,\"runs\":%d}",
+	     gb / r->cold_s, gb / r->memcpy_s, r->memcpy_s / r->cold_s, r->cold_s * 1e3, r->runs);
+	JSON("{\"bench\":\"service\",\"shape\":\"L32xH8xS4096xD128\",\"op\":\"prefill_warm\","
+	     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,\"runs\":%d}",
+	     gb / r->warm_s, gb / r->memcpy_s, r->memcpy_s / r->warm_s, r->warm_s * 1e3, r->runs);
+}
+
+static void report_ratio(const struct ratio_result *r)
+{
+	static const char *const name[2] = { "per_call", "streaming" };
+	static const double contract[2] = { CONTRACT_PER_CALL, CONTRACT_STREAMING };
+	printf("4. decode-heavy session: %u-token prompt + %u decode steps, 1 layer\n", RATIO_PROMPT,
+	       r->steps);
+	printf("   %-10s %10s %9s %10s %9s %9s %12s\n", "policy", "key ratio", "contract",
+	       "key bits", "value x", "blocks", "step p50 us");
+	for (int i = 0; i < 2; i++) {
+		const zc_layer_stats *s = &r->stats[i];
+		double values = s->compressed_value_bytes ?
+					(double)s->fp16_value_bytes / (double)s->compressed_value_bytes :
+					0.0;
+		printf("   %-10s %10.3f %9.2f %10.2f %9.3f %9llu %12.2f\n", name[i],
+		       s->compression_ratio, contract[i], s->effective_avg_bits, values,
+		       (unsigned long long)s->blocks, r->p50[i]);
+		JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"compression_%s\","
+		     "\"ratio\":%.4f,\"contract\":%.2f,\"effective_bits\":%.4f,\"value_ratio\":%.4f,"
+		     "\"compressed_key_bytes\":%llu,\"fp16_key_bytes\":%llu,\"blocks\":%llu,"
+		     "\"step_p50_us\":%.3f,\"prompt\":%u,\"steps\":%u}",
+		     name[i], s->compression_ratio, contract[i], s->effective_avg_bits, values,
+		     (unsigned long long)s->compressed_key_bytes,
+		     (unsigned long long)s->fp16_key_bytes, (unsigned long long)s->blocks, r->p50[i],
+		     RATIO_PROMPT, r->steps);
+	}
+	printf("\n");
+}
+
+/* ---- main ----------------------------------------------------------------- */
+
+static void usage(FILE *f)
+{
+	fprintf(f, "usage: service [--quick] [--steps N] [--runs N] [--cpu N] [--daemon-cpu N]\n"
+		   "               [--daemon PATH] [--only decode,context,prefill,ratio]\n"
+		   "  --steps N       decode samples per side (default %u, rounded up to %u)\n"
+		   "  --runs N        prefill runs (default %d)\n"
+		   "  --cpu N         CPU of the benchmark (default: the first allowed)\n"
+		   "  --daemon-cpu N  CPU of zipcached and the echo peer (default: the second)\n"
+		   "  --daemon PATH   zipcached to run (default $ZC_BUILD_DIR/bin/zipcached)\n"
+		   "  --only LIST     run only these measurements (comma-separated)\n"
+		   "  --quick         smoke test: a few hundred steps, one prefill run\n",
+		DECODE_STEPS, BATCH_STEPS, PREFILL_RUNS);
+}
+
+static int parse_int(const char *v, long lo, long hi, long *out)
+{
+	char *end;
+	errno = 0;
+	long n = strtol(v, &end, 10);
+	if (errno || end == v || *end || n < lo || n > hi)
+		return -1;
+	*out = n;
+	return 0;
+}
+
+static int parse_only(const char *v, unsigned *out)
+{
+	char buf[128];
+	unsigned bits = 0;
+	snprintf(buf, sizeof buf, "%s", v);
+	for (char *save, *w = strtok_r(buf, ",", &save); w; w = strtok_r(NULL, ",", &save)) {
+		size_t i = 0;
+		while (i < 4 && strcmp(w, run_names[i]))
+			i++;
+		if (i == 4)
+			return -1;
+		bits |= 1u << i;
+	}
+	*out = bits;
+	return bits ? 0 : -1;
+}
+
+static int parse_args(int argc, char **argv, struct options *opt)
+{
+	bool steps_set = false, runs_set = false;
+	long n;
+
+	*opt = (struct options){ .steps = DECODE_STEPS, .runs = PREFILL_RUNS, .cpu = -1,
+				 .daemon_cpu = -1, .only = RUN_ALL };
+	for (int i = 1; i < argc; i++) {
+		const char *a = argv[i];
+		const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+		if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+			usage(stdout);
+			exit(0);
+		} else if (!strcmp(a, "--quick")) {
+			opt->quick = true;
+		} else if (!strcmp(a, "--steps") && v && parse_int(v, 1, 10000000, &n) == 0) {
+			opt->steps = (unsigned)n;
+			steps_set = true;
+			i++;
+		} else if (!strcmp(a, "--runs") && v && parse_int(v, 1, 1000, &n) == 0) {
+			opt->runs = (int)n;
+			runs_set = true;
+			i++;
+		} else if (!strcmp(a, "--cpu") && v && parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
+			opt->cpu = (int)n;
+			i++;
+		} else if (!strcmp(a, "--daemon-cpu") && v &&
+			   parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
+			opt->daemon_cpu = (int)n;
+			i++;
+		} else if (!strcmp(a, "--only") && v && parse_only(v, &opt->only) == 0) {
+			i++;
+		} else if (!strcmp(a, "--daemon") && v) {
+			opt->daemon = v;
+			i++;
+		} else {
+			return -1;
+		}
+	}
+	if (opt->quick) {
+		if (!steps_set)
+			opt->steps = QUICK_DECODE_STEPS;
+		if (!runs_set)
+			opt->runs = QUICK_PREFILL_RUNS;
+	}
+	opt->steps = (opt->steps + BATCH_STEPS - 1) / BATCH_STEPS * BATCH_STEPS;
+	return 0;
+}
+
+/* The first and second CPUs we may use, unless given; -1 for none. */
+static void choose_cpus(struct options *opt)
+{
+	cpu_set_t set;
+	int first = -1, second = -1;
+
+	if (sched_getaffinity(0, sizeof set, &set) == 0) {
+		for (int c = 0; c < CPU_SETSIZE; c++) {
+			if (!CPU_ISSET(c, &set))
+				continue;
+			if (first < 0)
+				first = c;
+			else if (second < 0)
+				second = c;
+		}
+	}
+	if (opt->cpu < 0)
+		opt->cpu = first;
+	if (opt->daemon_cpu < 0)
+		opt->daemon_cpu = second >= 0 && second != opt->cpu ? second :
+				  first != opt->cpu ? first : -1;
+	if (opt->daemon_cpu == opt->cpu)
+		opt->daemon_cpu = -1;
+}
+
+int main(int argc, char **argv)
+{
+	struct options opt;
+	char daemon_path[PATH_MAX];
+	struct data data = { 0 };
+	zc_client *client = NULL;
+	int rc, status = 1;
+
+	if (parse_args(argc, argv, &opt) < 0) {
+		usage(stderr);
+		return 2;
+	}
+	if (opt.daemon) {
+		snprintf(daemon_path, sizeof daemon_path, "%s", opt.daemon);
+	} else {
+		const char *build = getenv("ZC_BUILD_DIR");
+		snprintf(daemon_path, sizeof daemon_path, "%s/bin/zipcached",
+			 build && *build ? build : ZC_BUILD_DIR);
+	}
+	if (access(daemon_path, X_OK) != 0) {
+		fprintf(stderr, "service: no daemon at %s (build it, or set ZC_BUILD_DIR)\n",
+			daemon_path);
+		return 1;
+	}
+	choose_cpus(&opt);
+	/* Only the benchmark thread is pinned here; the children pin
+	 * themselves to the other CPU before they start. */
+	if (opt.cpu >= 0 && (rc = pin(0, opt.cpu)) < 0) {
+		fprintf(stderr, "service: cannot pin to CPU %d: %s (running unpinned)\n", opt.cpu,
+			strerror(-rc));
+		opt.cpu = -1;
+	}
+
+	zc_codec_init();
+	if ((rc = data_make(&data)) < 0) {
+		fail("test data", rc);
+		goto out;
+	}
+	if (make_dir() < 0) {
+		fprintf(stderr, "service: cannot create a temporary directory\n");
+		goto out;
+	}
+	struct sigaction sa = { .sa_handler = on_signal };
+	sigemptyset(&sa.sa_mask);
+	sigaction(SIGINT, &sa, NULL);
+	sigaction(SIGTERM, &sa, NULL);
+	sigaction(SIGHUP, &sa, NULL);
+
+	if ((rc = echo_start(opt.daemon_cpu)) < 0) {
+		fail("echo peer", rc);
+		goto out;
+	}
+	if ((rc = daemon_start(daemon_path, opt.daemon_cpu, &client)) < 0) {
+		fprintf(stderr, "service: zipcached did not answer on %s: %s\n", harness.socket,
+			zc_strerror(rc));
+		goto out;
+	}
+
+	/* The pid is there for `perf record -p`. */
+	printf("service benchmark: zipcached %s (%s, pid %d), benchmark on cpu %d, daemon and echo "
+	       "on cpu %d%s\n",
+	       zc_client_server_info(client)->server_version, daemon_path, (int)harness.daemon,
+	       opt.cpu, opt.daemon_cpu, opt.quick ? ", QUICK (smoke test, not a measurement)" : "");
+	printf("shape B=1 H=%u D=%u, fp16; us = microseconds per call as the caller sees it\n\n",
+	       HEADS, HEAD_DIM);
+	fflush(stdout);
+
+	struct decode_result decode = { 0 };
+	struct context_result context = { 0 };
+	struct prefill_result prefill = { 0 };
+	struct ratio_result ratio = { 0 };
+
+	if (opt.only & RUN_DECODE) {
+		if ((rc = bench_decode(client, &data, &opt, &decode)) < 0)
+			goto out;
+		report_decode(&decode);
+		fflush(stdout);
+	}
+	if (opt.only & RUN_CONTEXT) {
+		if ((rc = bench_context(client, &data, &opt, &context)) < 0)
+			goto out;
+		report_context(&context);
+		fflush(stdout);
+	}
+	if (opt.only & RUN_PREFILL) {
+		if ((rc = bench_prefill(client, &data, &opt, &prefill)) < 0)
+			goto out;
+		report_prefill(&prefill);
+		fflush(stdout);
+	}
+	if (opt.only & RUN_RATIO) {
+		if ((rc = bench_ratio(client, &data, &opt, &ratio)) < 0)
+			goto out;
+		report_ratio(&ratio);
+	}
+
+	printf("targets:\n");
+	if (opt.only & RUN_DECODE) {
+		double x = decode.p50 / decode.raw_p50;
+		printf("  decode p50 / raw round trip p50   %6.3f  <= %.2f   %s\n", x,
+		       TARGET_DECODE_RATIO, verdict(x <= TARGET_DECODE_RATIO));
+	}
+	if (opt.only & RUN_CONTEXT) {
+		double x = context.p50_large / context.p50_small;
+		printf("  decode p50 at 32k / at 1k         %6.3f  <= %.2f   %s\n", x,
+		       TARGET_CONTEXT_RATIO, verdict(x <= TARGET_CONTEXT_RATIO));
+	}
+	if (opt.only & RUN_RATIO) {
+		printf("  key ratio per_call  (contract)    %6.3f  ~ %.2f\n",
+		       ratio.stats[0].compression_ratio, CONTRACT_PER_CALL);
+		printf("  key ratio streaming (contract)    %6.3f  ~ %.2f\n",
+		       ratio.stats[1].compression_ratio, CONTRACT_STREAMING);
+	}
+	printf("\n");
+	for (int i = 0; i < n_json; i++)
+		printf("%s\n", json[i]);
+	status = 0;
+out:
+	fflush(stdout);
+	if (client)
+		zc_client_close(client); /* the daemon stops once its connections are gone */
+	echo_stop();
+	daemon_stop();
+	remove_dir();
+	data_free(&data);
+	return status;
+}
