@@ -951,7 +951,8 @@ void store_token_range(const struct store *store, uint32_t *min_tokens, uint32_t
 	const struct store_header *h = store->header;
 	uint32_t low = UINT32_MAX, high = 0;
 	for (uint32_t i = 0; i < h->layers; i++) {
-		uint32_t t = h->layer[i].tokens;
+		/* The loop thread lists sessions while a worker may be appending. */
+		uint32_t t = __atomic_load_n(&h->layer[i].tokens, __ATOMIC_ACQUIRE);
 		if (t < low)
 			low = t;
 		if (t > high)
