@@ -46,6 +46,7 @@ TOOL_LIB_SRC = $(filter-out $(TOOL_MAINS),$(wildcard tools/*.c))
 TEST_NAMES = $(patsubst tests/%_test.c,%,$(wildcard tests/*_test.c))
 TEST_LIB_SRC = $(filter-out %_test.c,$(wildcard tests/*.c))
 BENCH_NAMES = $(patsubst bench/%_bench.c,%,$(wildcard bench/*_bench.c))
+BENCH_LIB_SRC = $(filter-out %_bench.c,$(wildcard bench/*.c))
 EXAMPLE_NAMES = $(patsubst examples/%.c,%,$(wildcard examples/*.c))
 
 PROTO_GEN_C = $(BUILD)/gen/zipcache.pb.c
@@ -56,6 +57,7 @@ LIB_OBJ = $(call obj,$(CODEC_SRC) $(PROTO_SRC) $(CLIENT_SRC)) $(BUILD)/obj/gen/z
 SERVER_OBJ = $(call obj,$(SERVER_SRC))
 TOOL_LIB_OBJ = $(call obj,$(TOOL_LIB_SRC))
 TEST_LIB_OBJ = $(call obj,$(TEST_LIB_SRC))
+BENCH_LIB_OBJ = $(call obj,$(BENCH_LIB_SRC))
 
 STATIC_LIB = $(BUILD)/lib/libzipcache.a
 SHARED_LIB = $(BUILD)/lib/libzipcache.so
@@ -142,7 +144,7 @@ $(BUILD)/tests/%: $(BUILD)/obj/tests/%_test.o $(TEST_LIB_OBJ) $(LINK_ALL)
 	@mkdir -p $(dir $@)
 	$(CC) -o $@ $^ $(CHECK_LIBS) $(LINK_LIBS) $(ZC_LDFLAGS)
 
-$(BUILD)/bench/%: $(BUILD)/obj/bench/%_bench.o $(LINK_ALL)
+$(BUILD)/bench/%: $(BUILD)/obj/bench/%_bench.o $(BENCH_LIB_OBJ) $(LINK_ALL)
 	@mkdir -p $(dir $@)
 	$(CC) -o $@ $^ $(LINK_LIBS) $(ZC_LDFLAGS)
 

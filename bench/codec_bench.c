@@ -38,6 +38,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "synthetic_kv.h"
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
 
@@ -98,75 +99,6 @@ static int n_notes;
  * the destination is never read.
  */
 static void *(*volatile memcpy_fn)(void *, const void *, size_t) = memcpy;
-
-/* ---- synthetic K/V data ------------------------------------------------ */
-
-/* splitmix64: tiny, fixed-seed and identical everywhere, so every run and
- * every machine benchmarks exactly the same bytes. */
-static uint64_t rng_state;
-
-static uint64_t rng_next(void)
-{
-	uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
-}
-
-/* Uniform in (0, 1): never 0, so log() below is finite. */
-static double rng_uniform(void)
-{
-	return ((double)(rng_next() >> 11) + 0.5) * (1.0 / 9007199254740992.0);
-}
-
-static double rng_normal(void)
-{
-	/* Box-Muller; the second variate is thrown away for simplicity, the
-	 * generator is far from being the bottleneck of setup. */
-	double u1 = rng_uniform(), u2 = rng_uniform();
-	return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
-}
-
-/*
- * Keys look like real post-RoPE Llama keys in the ways that matter to the
- * codec: per-channel scales around 1, a few outlier channels per head with
- * a large fixed-sign offset (they stretch the per-channel min/max ranges),
- * and a high-norm first token (the attention sink), which the saliency
- * routing must pick. Values are plain roughly-normal data around 1 with a
- * mild per-channel spread; they have no channel outliers in real models.
- */
-static void fill_block(uint16_t *x, uint32_t tokens, zc_tensor tensor, uint64_t seed)
-{
-	float scale[HEAD_DIM], bias[HEAD_DIM];
-
-	rng_state = seed;
-	for (uint32_t h = 0; h < BATCH * HEADS; h++) {
-		for (uint32_t c = 0; c < HEAD_DIM; c++) {
-			scale[c] = (float)(0.5 + rng_uniform());
-			bias[c] = (float)(0.1 * rng_normal());
-		}
-		if (tensor == ZC_TENSOR_KEYS) {
-			/* Four outlier channels per head, 8..16 in magnitude. */
-			for (int k = 0; k < 4; k++) {
-				uint32_t c = (uint32_t)(rng_next() % HEAD_DIM);
-				double sign = (rng_next() & 1) ? 1.0 : -1.0;
-				bias[c] = (float)(sign * (8.0 + 8.0 * rng_uniform()));
-				scale[c] = (float)(2.0 + 2.0 * rng_uniform());
-			}
-		}
-		uint16_t *head = x + (size_t)h * tokens * HEAD_DIM;
-		for (uint32_t t = 0; t < tokens; t++) {
-			/* Token-to-token norm variation, plus the sink at t = 0. */
-			double tok = 0.8 + 0.4 * rng_uniform();
-			if (tensor == ZC_TENSOR_KEYS && t == 0)
-				tok = 6.0;
-			for (uint32_t c = 0; c < HEAD_DIM; c++) {
-				double v = bias[c] + scale[c] * tok * rng_normal();
-				head[(size_t)t * HEAD_DIM + c] = zc_float_to_fp16((float)v);
-			}
-		}
-	}
-}
 
 /* ---- timing ------------------------------------------------------------ */
 
@@ -400,7 +332,8 @@ static int bench_tensor(const struct options *opt, uint32_t tokens, zc_tensor te
 		rc = -ENOMEM;
 		goto out;
 	}
-	fill_block(input, tokens, tensor, 0x5eed0000u + tokens * 2u + (unsigned)tensor);
+	synthetic_kv_fill(input, BATCH * HEADS, tokens, HEAD_DIM, tensor == ZC_TENSOR_KEYS,
+			  0x5eed0000u + tokens * 2u + (unsigned)tensor);
 	memcpy(copy_src, input, bytes);
 
 	zc_strides strides = {(size_t)HEADS * tokens * HEAD_DIM, (size_t)tokens * HEAD_DIM,

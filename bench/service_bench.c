@@ -66,6 +66,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "synthetic_kv.h"
 #include "zipcache/client.h"
 /* Private, but only to size the raw baseline's frames exactly as the
  * daemon's are: a guessed size would bias the ratio. */
@@ -149,67 +150,6 @@ static void fail_client(zc_client *client, const char *what, int rc)
 	fprintf(stderr, "service: %s: %s%s%s\n", what, zc_strerror(rc), *msg ? ": " : "", msg);
 }
 
-/* ---- synthetic K/V data (as bench/codec_bench.c) ---------------------- */
-
-/* splitmix64: fixed seed, the same bytes on every run and machine. */
-static uint64_t rng_state;
-
-static uint64_t rng_next(void)
-{
-	uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
-}
-
-static double rng_uniform(void)
-{
-	return ((double)(rng_next() >> 11) + 0.5) * (1.0 / 9007199254740992.0);
-}
-
-static double rng_normal(void)
-{
-	double u1 = rng_uniform(), u2 = rng_uniform();
-	return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
-}
-
-/*
- * A [1, H, tokens, D] block shaped like real post-RoPE keys (per-channel
- * scales, four outlier channels per head, a high-norm first token) or
- * plain values. The service's cost hardly depends on the data, but the
- * codec's saliency split does a little, so it should look real.
- */
-static void fill_block(uint16_t *x, uint32_t tokens, bool keys, uint64_t seed)
-{
-	float scale[HEAD_DIM], bias[HEAD_DIM];
-
-	rng_state = seed;
-	for (uint32_t h = 0; h < HEADS; h++) {
-		for (uint32_t c = 0; c < HEAD_DIM; c++) {
-			scale[c] = (float)(0.5 + rng_uniform());
-			bias[c] = (float)(0.1 * rng_normal());
-		}
-		if (keys) {
-			for (int k = 0; k < 4; k++) {
-				uint32_t c = (uint32_t)(rng_next() % HEAD_DIM);
-				double sign = (rng_next() & 1) ? 1.0 : -1.0;
-				bias[c] = (float)(sign * (8.0 + 8.0 * rng_uniform()));
-				scale[c] = (float)(2.0 + 2.0 * rng_uniform());
-			}
-		}
-		uint16_t *head = x + (size_t)h * tokens * HEAD_DIM;
-		for (uint32_t t = 0; t < tokens; t++) {
-			double tok = 0.8 + 0.4 * rng_uniform();
-			if (keys && t == 0)
-				tok = 6.0;
-			for (uint32_t c = 0; c < HEAD_DIM; c++) {
-				double v = bias[c] + scale[c] * tok * rng_normal();
-				head[(size_t)t * HEAD_DIM + c] = zc_float_to_fp16((float)v);
-			}
-		}
-	}
-}
-
 static void *alloc_touched(size_t bytes)
 {
 	/* Aligned like a real tensor and written once, so that page faults
@@ -252,19 +192,20 @@ static int data_make(struct data *d)
 	 * that each decode step's [H, D] row is contiguous. */
 	for (int tensor = 0; tensor < 2; tensor++) {
 		uint16_t *out = tensor == 0 ? d->pool_keys : d->pool_values;
-		fill_block(tmp, POOL_TOKENS, tensor == 0, 0x5e7e0000u + (unsigned)tensor);
+		synthetic_kv_fill(tmp, HEADS, POOL_TOKENS, HEAD_DIM, tensor == 0,
+				  0x5e7e0000u + (unsigned)tensor);
 		for (uint32_t h = 0; h < HEADS; h++)
 			for (uint32_t t = 0; t < POOL_TOKENS; t++)
 				memcpy(out + ((size_t)t * HEADS + h) * HEAD_DIM,
 				       tmp + ((size_t)h * POOL_TOKENS + t) * HEAD_DIM, 2 * HEAD_DIM);
 	}
 	free(tmp);
-	fill_block(d->ratio_keys, RATIO_PROMPT, true, 0x5e7e1000u);
-	fill_block(d->ratio_values, RATIO_PROMPT, false, 0x5e7e1001u);
-	fill_block(d->small_keys, CONTEXT_SMALL, true, 0x5e7e2000u);
-	fill_block(d->small_values, CONTEXT_SMALL, false, 0x5e7e2001u);
-	fill_block(d->prefill_keys, PREFILL_TOKENS, true, 0x5e7e3000u);
-	fill_block(d->prefill_values, PREFILL_TOKENS, false, 0x5e7e3001u);
+	synthetic_kv_fill(d->ratio_keys, HEADS, RATIO_PROMPT, HEAD_DIM, true, 0x5e7e1000u);
+	synthetic_kv_fill(d->ratio_values, HEADS, RATIO_PROMPT, HEAD_DIM, false, 0x5e7e1001u);
+	synthetic_kv_fill(d->small_keys, HEADS, CONTEXT_SMALL, HEAD_DIM, true, 0x5e7e2000u);
+	synthetic_kv_fill(d->small_values, HEADS, CONTEXT_SMALL, HEAD_DIM, false, 0x5e7e2001u);
+	synthetic_kv_fill(d->prefill_keys, HEADS, PREFILL_TOKENS, HEAD_DIM, true, 0x5e7e3000u);
+	synthetic_kv_fill(d->prefill_values, HEADS, PREFILL_TOKENS, HEAD_DIM, false, 0x5e7e3001u);
 	return 0;
 }
 

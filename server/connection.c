@@ -343,7 +343,6 @@ void connection_accept(struct server *server, int fd)
 	struct connection *connection;
 
 	if (server->n_connections >= server->options.max_connections || server->stopping) {
-		server->counters.connections_refused++;
 		metrics_error_reason(&server->metrics, METRICS_REASON_CONNECTION_REFUSED);
 		log_warn("connection", "refused", "reason=%s limit=%u",
 			 server->stopping ? "stopping" : "connection limit", server->options.max_connections);

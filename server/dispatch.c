@@ -171,11 +171,6 @@ static void server_counters_fill(const struct server *server, zipcache_v1_StatsR
 	stats->boot_epoch = server->boot_epoch;
 }
 
-static void request_finish(struct connection *connection)
-{
-	connection_request_done(connection);
-}
-
 /* ---- hello ---- */
 
 static void handle_hello(struct connection *connection, const wire_request *request)
@@ -391,7 +386,6 @@ static void handle_open(struct connection *connection, const wire_request *reque
 		reply_error(connection, &connection->current, id, rc, "cannot open session '%s': %s", name, zc_strerror(rc));
 		return;
 	}
-	server->counters.sessions_opened++;
 	log_info("session", "opened", "session=%llu name=%s uid=%u layers=%u batch=%u kv_heads=%u "
 		 "head_dim_k=%u head_dim_v=%u max_tokens=%u policy=%s",
 		 (unsigned long long)session->id, session->name, session->owner_uid, params.layers,
@@ -477,7 +471,6 @@ static bool job_retry_after_relief(struct request_job *job, uint64_t wanted)
 		session_submit_front(&server->sessions, &job->job);
 		return true;
 	}
-	server->metrics.budget_refusals++;
 	return false;
 }
 
@@ -514,7 +507,7 @@ static void update_done(struct job *base)
 		session_account_layer(&connection->server->sessions, base->session, &job->stats);
 		reply_send(connection, &job->meta, &response, NULL, 0);
 	}
-	request_finish(connection);
+	connection_request_done(connection);
 	job_free(job);
 }
 
@@ -708,7 +701,7 @@ static void trim_done(struct job *base)
 		response.msg.op.trim.tokens = job->stats.tokens;
 		reply_send(job->connection, &job->meta, &response, NULL, 0);
 	}
-	request_finish(job->connection);
+	connection_request_done(job->connection);
 	job_free(job);
 }
 
@@ -793,7 +786,7 @@ static void stats_done(struct job *base)
 	reply_send(connection, &job->meta, &response, NULL, 0);
 out:
 	free(layers);
-	request_finish(connection);
+	connection_request_done(connection);
 	job_free(job);
 }
 
@@ -813,7 +806,6 @@ static void close_done(struct job *base)
 			    (unsigned long long)session->id);
 	} else {
 		session_retire(&server->sessions, session, true);
-		server->counters.sessions_closed++;
 		log_info("session", "closed", "session=%llu name=%s", (unsigned long long)session->id,
 			 session->name);
 		wire_response response;
@@ -821,7 +813,7 @@ static void close_done(struct job *base)
 		response.msg.which_op = zipcache_v1_Response_close_session_tag;
 		reply_send(job->connection, &job->meta, &response, NULL, 0);
 	}
-	request_finish(job->connection);
+	connection_request_done(job->connection);
 	job_free(job);
 }
 
@@ -956,7 +948,7 @@ void dispatch_request(struct connection *connection, const uint8_t *frame, size_
 		/* Framing is intact, so the connection stays usable. */
 		reply_error(connection, &connection->current, 0, ZC_EPROTOCOL, "malformed request: %s",
 			    request.error ? request.error : zc_strerror(rc));
-		request_finish(connection);
+		connection_request_done(connection);
 		return;
 	}
 	bool queued = false;
@@ -998,7 +990,7 @@ void dispatch_request(struct connection *connection, const uint8_t *frame, size_
 	}
 	/* A queued job finishes the request when it replies. */
 	if (!queued)
-		request_finish(connection);
+		connection_request_done(connection);
 }
 
 void dispatch_reject_frame(struct connection *connection, int error)
@@ -1008,7 +1000,7 @@ void dispatch_reject_frame(struct connection *connection, int error)
 	connection->current.op = METRICS_OP_INVALID;
 	reply_error(connection, &connection->current, 0, error, "frame exceeds the limit of %u bytes; closing the connection",
 		    connection->server->options.max_frame_bytes);
-	request_finish(connection);
+	connection_request_done(connection);
 }
 
 void dispatch_refuse_connection(struct server *server, int fd)

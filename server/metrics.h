@@ -54,7 +54,6 @@ struct metrics {
 	double latency_sum[METRICS_OP_COUNT];
 	uint64_t errors[METRICS_REASON_COUNT];
 	uint64_t view_drops;
-	uint64_t budget_refusals;
 };
 
 enum metrics_op metrics_op_of(pb_size_t which_op);

@@ -191,7 +191,6 @@ static void sessions_adopt(struct server *server)
 			rename(path, aside);
 			continue;
 		}
-		server->counters.sessions_adopted++;
 		log_info("server", "adopted session", "session=%llu name=%s uid=%u",
 			 (unsigned long long)session->id, session->name, session->owner_uid);
 	}
@@ -213,7 +212,6 @@ static void on_ttl(uv_timer_t *timer)
 		log_info("session", "expired", "session=%llu name=%s idle_ms=%llu",
 			 (unsigned long long)session->id, session->name,
 			 (unsigned long long)(now - session->last_used_ms));
-		server->counters.sessions_expired++;
 		/* Retiring moves the last session into slot i: do not advance. */
 		session_retire(&server->sessions, session, true);
 		session_release_if_unused(session);

@@ -18,13 +18,8 @@ struct connection;
 
 struct server_counters {
 	uint64_t connections_accepted;
-	uint64_t connections_refused;
 	uint64_t requests;
 	uint64_t request_errors;
-	uint64_t sessions_opened;
-	uint64_t sessions_closed;
-	uint64_t sessions_expired;
-	uint64_t sessions_adopted;
 	uint64_t tokens_appended;
 };
 

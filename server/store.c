@@ -612,6 +612,11 @@ int store_open_readonly(const struct store *store)
 	return fd < 0 ? -errno : fd;
 }
 
+uint64_t store_memory_bytes(const struct store *store)
+{
+	return file_allocated(store);
+}
+
 uint64_t store_rebuild_bytes(const struct store *store)
 {
 	const struct store_header *h = store->header;
@@ -623,14 +628,6 @@ uint64_t store_rebuild_bytes(const struct store *store)
 		bytes += heads_of(h) * tokens * (h->head_dim_k + h->head_dim_v) * 2;
 	}
 	return bytes;
-}
-
-uint64_t store_memory_bytes(const struct store *store)
-{
-	struct stat st;
-	if (fstat(store->fd, &st) < 0)
-		return 0;
-	return (uint64_t)st.st_blocks * 512;
 }
 
 /* Compresses a [B, H, tokens, D] block (keys and values, each with its
@@ -992,14 +989,6 @@ int store_drop_views(struct store *store, uint64_t *freed)
 	budget_give(store->budget, released);
 	*freed = released;
 	return rc;
-}
-
-bool store_views_dropped(const struct store *store)
-{
-	for (uint32_t i = 0; i < store->header->layers; i++)
-		if (!store->header->layer[i].view_valid)
-			return true;
-	return false;
 }
 
 /* Reconstructs one block's valid tokens into the views. A block cut by

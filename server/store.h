@@ -77,7 +77,8 @@ int store_open_readonly(const struct store *store);
 uint64_t store_key_view_offset(const struct store *store, uint32_t layer);
 uint64_t store_value_view_offset(const struct store *store, uint32_t layer);
 
-/* Bytes of memory the file really holds (what has been reserved). */
+/* Bytes of memory the file really holds (fstat's blocks); what the budget
+ * charges for it must match (the fuzzer checks). */
 uint64_t store_memory_bytes(const struct store *store);
 
 /* About what rebuilding the dropped views would reserve. */
@@ -112,7 +113,6 @@ void store_token_range(const struct store *store, uint32_t *min_tokens, uint32_t
 /* Memory pressure: give back the views' pages (not the compressed data);
  * *freed is what the budget got back. */
 int store_drop_views(struct store *store, uint64_t *freed);
-bool store_views_dropped(const struct store *store);
 
 /* Rebuilds every dropped layer view from blocks and residual. */
 int store_rebuild_views(struct store *store);
