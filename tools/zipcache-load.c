@@ -77,6 +77,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "json.h"
 #include "zipcache/client.h"
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
@@ -1511,89 +1512,6 @@ static void report_text(const struct run *run, const struct summary *s)
 
 /* ---- JSON ---------------------------------------------------------------- */
 
-struct json {
-	FILE *out;
-	bool need_comma;
-};
-
-static void json_separate(struct json *json)
-{
-	if (json->need_comma)
-		fputc(',', json->out);
-	json->need_comma = false;
-}
-
-static void json_open(struct json *json, const char *key, char bracket)
-{
-	json_separate(json);
-	if (key)
-		fprintf(json->out, "\"%s\":", key);
-	fputc(bracket, json->out);
-}
-
-static void json_close(struct json *json, char bracket)
-{
-	fputc(bracket, json->out);
-	json->need_comma = true;
-}
-
-/* Keys are our own literals; values may hold a daemon's message, so
- * they are escaped (bytes >= 0x80 pass: the daemon's messages are ASCII,
- * and a broken sequence only costs a reader's strictness). */
-static void json_string_value(struct json *json, const char *text)
-{
-	json_separate(json);
-	fputc('"', json->out);
-	for (const unsigned char *c = (const unsigned char *)text; *c; c++) {
-		if (*c == '"' || *c == '\\')
-			fprintf(json->out, "\\%c", *c);
-		else if (*c < 0x20 || *c == 0x7f)
-			fprintf(json->out, "\\u%04x", *c);
-		else
-			fputc(*c, json->out);
-	}
-	fputc('"', json->out);
-	json->need_comma = true;
-}
-
-static void json_text(struct json *json, const char *key, const char *value)
-{
-	json_separate(json);
-	fprintf(json->out, "\"%s\":", key);
-	json_string_value(json, value);
-}
-
-static void json_uint(struct json *json, const char *key, uint64_t value)
-{
-	json_separate(json);
-	fprintf(json->out, "\"%s\":%" PRIu64, key, value);
-	json->need_comma = true;
-}
-
-static void json_int(struct json *json, const char *key, long long value)
-{
-	json_separate(json);
-	fprintf(json->out, "\"%s\":%lld", key, value);
-	json->need_comma = true;
-}
-
-static void json_bool(struct json *json, const char *key, bool value)
-{
-	json_separate(json);
-	fprintf(json->out, "\"%s\":%s", key, value ? "true" : "false");
-	json->need_comma = true;
-}
-
-static void json_double(struct json *json, const char *key, double value)
-{
-	json_separate(json);
-	if (isfinite(value))
-		fprintf(json->out, "\"%s\":%.6g", key, value);
-	else
-		fprintf(json->out, "\"%s\":null", key);
-	json->need_comma = true;
-}
-
 static void json_latency(struct json *json, const char *key, const struct latency *l)
 {
 	json_open(json, key, '{');
@@ -1609,9 +1527,7 @@ static void json_latency(struct json *json, const char *key, const struct latenc
 static void json_memory(struct json *json, const char *key, const struct memory_sample *m)
 {
 	if (!m) {
-		json_separate(json);
-		fprintf(json->out, "\"%s\":null", key);
-		json->need_comma = true;
+		json_null(json, key);
 		return;
 	}
 	json_open(json, key, '{');
@@ -1679,7 +1595,7 @@ static void report_json(const struct run *run, const struct summary *s)
 	json_uint(&json, "errors", s->errors);
 	json_open(&json, "first_errors", '[');
 	for (size_t i = 0; i < n_messages; i++)
-		json_string_value(&json, messages[i]);
+		json_text(&json, NULL, messages[i]);
 	json_close(&json, ']');
 	json_uint(&json, "clients_hung", run->hung);
 	json_uint(&json, "clients_crashed", run->crashed);
@@ -1696,16 +1612,15 @@ static void report_json(const struct run *run, const struct summary *s)
 		json_double(&json, "band_low_pct", s->band_low_pct);
 		json_double(&json, "band_high_pct", s->band_high_pct);
 	} else {
-		json_separate(&json);
-		fputs("\"drift_pct\":null", json.out);
-		json.need_comma = true;
+		json_null(&json, "drift_pct");
 	}
 	/* [t, total bytes] of every sample, for a plot. */
 	json_open(&json, "series", '[');
 	for (size_t i = 0; i < run->n_samples; i++) {
-		json_separate(&json);
-		fprintf(json.out, "[%.2f,%" PRIu64 "]", run->samples[i].t, run->samples[i].total);
-		json.need_comma = true;
+		json_open(&json, NULL, '[');
+		json_double(&json, NULL, run->samples[i].t);
+		json_uint(&json, NULL, run->samples[i].total);
+		json_close(&json, ']');
 	}
 	json_close(&json, ']');
 	json_close(&json, '}');

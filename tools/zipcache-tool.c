@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "failure.h"
 #include "npy.h"
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
@@ -60,24 +61,15 @@ static void tool_usage(FILE *stream)
 		ZC_DEFAULT_GROUP_SIZE);
 }
 
-/*
- * Prints "zipcache-tool: <message>" as exactly one line and returns status.
- * Control characters (a newline in a file name, say) become '?', so the
- * message can never spill onto a second line.
- */
+/* "zipcache-tool: <message>", one line; see failure_print(). */
 __attribute__((format(printf, 2, 3)))
 static int tool_fail(int status, const char *format, ...)
 {
-	char message[1024];
 	va_list arguments;
 
 	va_start(arguments, format);
-	vsnprintf(message, sizeof(message), format, arguments);
+	status = failure_print(TOOL_NAME, status, format, arguments);
 	va_end(arguments);
-	for (char *c = message; *c; c++)
-		if ((unsigned char)*c < 0x20 || *c == 0x7f)
-			*c = '?';
-	fprintf(stderr, TOOL_NAME ": %s\n", message);
 	return status;
 }
 

@@ -40,6 +40,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "failure.h"
+#include "json.h"
 #include "table.h"
 #include "zipcache/client.h"
 #include "zipcache/error.h"
@@ -126,25 +128,15 @@ static void ctl_usage(FILE *stream)
 		CTL_DEFAULT_TIMEOUT_MS);
 }
 
-/*
- * Prints "zipcachectl: <message>" as one line and returns status. Control
- * characters (from a socket path or a daemon message) become '?', so the
- * message can never spill onto a second line.
- */
+/* "zipcachectl: <message>", one line; see failure_print(). */
 __attribute__((format(printf, 2, 3)))
 static int ctl_fail(int status, const char *format, ...)
 {
-	char message[1024];
 	va_list arguments;
 
 	va_start(arguments, format);
-	vsnprintf(message, sizeof(message), format, arguments);
+	status = failure_print(CTL_NAME, status, format, arguments);
 	va_end(arguments);
-	for (char *c = message; *c; c++)
-		if ((unsigned char)*c < 0x20 || *c == 0x7f)
-			*c = '?';
-	fflush(stdout);
-	fprintf(stderr, CTL_NAME ": %s\n", message);
 	return status;
 }
 
@@ -186,154 +178,6 @@ static const char *default_socket_path(struct ctl *ctl)
 	if (stat(ctl->default_socket, &st) < 0 && stat(CTL_SYSTEMD_SOCKET, &st) == 0)
 		return CTL_SYSTEMD_SOCKET;
 	return ctl->default_socket;
-}
-
-/* ---- JSON ---------------------------------------------------------------- */
-
-/*
- * A minimal streaming JSON writer. One flag is enough to place commas: a
- * value or a key needs one when something came before it at its level; a
- * key clears the flag for its value, and closing a container sets it.
- */
-struct json {
-	FILE *out;
-	bool need_comma;
-};
-
-static void json_separate(struct json *json)
-{
-	if (json->need_comma)
-		fputc(',', json->out);
-	json->need_comma = false;
-}
-
-static void json_open(struct json *json, char bracket)
-{
-	json_separate(json);
-	fputc(bracket, json->out);
-}
-
-static void json_close(struct json *json, char bracket)
-{
-	fputc(bracket, json->out);
-	json->need_comma = true;
-}
-
-/* Length of the well-formed UTF-8 sequence at text (RFC 3629: no
- * overlongs, no surrogates, nothing above U+10FFFF), or 0. */
-static size_t utf8_sequence(const unsigned char *text)
-{
-	unsigned char c = text[0];
-	unsigned char low = 0x80, high = 0xbf;
-	size_t length;
-
-	if (c >= 0xc2 && c <= 0xdf)
-		length = 2;
-	else if (c >= 0xe0 && c <= 0xef)
-		length = 3;
-	else if (c >= 0xf0 && c <= 0xf4)
-		length = 4;
-	else
-		return 0;
-	if (c == 0xe0)
-		low = 0xa0;
-	else if (c == 0xed)
-		high = 0x9f;
-	else if (c == 0xf0)
-		low = 0x90;
-	else if (c == 0xf4)
-		high = 0x8f;
-	if (text[1] < low || text[1] > high)
-		return 0;
-	for (size_t i = 2; i < length; i++)
-		if ((text[i] & 0xc0) != 0x80)
-			return 0;
-	return length;
-}
-
-/* A JSON string: quotes, backslashes and control characters escaped;
- * bytes that are not UTF-8 (a session name is any 64 bytes) become
- * U+FFFD, so the document stays valid JSON whatever the names hold. */
-static void json_string(struct json *json, const char *text)
-{
-	const unsigned char *c = (const unsigned char *)text;
-
-	json_separate(json);
-	fputc('"', json->out);
-	while (*c) {
-		if (*c == '"' || *c == '\\') {
-			fputc('\\', json->out);
-			fputc(*c++, json->out);
-		} else if (*c == '\n') {
-			fputs("\\n", json->out);
-			c++;
-		} else if (*c == '\t') {
-			fputs("\\t", json->out);
-			c++;
-		} else if (*c < 0x20 || *c == 0x7f) {
-			fprintf(json->out, "\\u%04x", *c++);
-		} else if (*c < 0x80) {
-			fputc(*c++, json->out);
-		} else {
-			size_t length = utf8_sequence(c);
-
-			if (length == 0) {
-				fputs("\\ufffd", json->out);
-				c++;
-			} else {
-				fwrite(c, 1, length, json->out);
-				c += length;
-			}
-		}
-	}
-	fputc('"', json->out);
-	json->need_comma = true;
-}
-
-static void json_key(struct json *json, const char *key)
-{
-	json_string(json, key);
-	fputc(':', json->out);
-	json->need_comma = false;
-}
-
-static void json_uint(struct json *json, const char *key, uint64_t value)
-{
-	json_key(json, key);
-	fprintf(json->out, "%" PRIu64, value);
-	json->need_comma = true;
-}
-
-static void json_bool(struct json *json, const char *key, bool value)
-{
-	json_key(json, key);
-	fputs(value ? "true" : "false", json->out);
-	json->need_comma = true;
-}
-
-/* The shortest of %.15g / %.17g that reads back as the same double, so
- * 0.2 prints as 0.2 and a script gets exactly the C API's value. JSON has
- * no NaN or Inf: those are null. */
-static void json_double(struct json *json, const char *key, double value)
-{
-	char text[64];
-
-	json_key(json, key);
-	if (!isfinite(value)) {
-		fputs("null", json->out);
-	} else {
-		snprintf(text, sizeof(text), "%.15g", value);
-		if (strtod(text, NULL) != value)
-			snprintf(text, sizeof(text), "%.17g", value);
-		fputs(text, json->out);
-	}
-	json->need_comma = true;
-}
-
-static void json_text(struct json *json, const char *key, const char *value)
-{
-	json_key(json, key);
-	json_string(json, value);
 }
 
 /* ---- formatting ---------------------------------------------------------- */
@@ -540,21 +384,21 @@ static int cmd_ping(struct ctl *ctl)
 	if (ctl->json) {
 		struct json json = { ctl->out, false };
 
-		json_open(&json, '{');
+		json_open(&json, NULL, '{');
 		json_text(&json, "socket", ctl->socket_path);
 		json_text(&json, "server_version", server->server_version);
 		json_uint(&json, "protocol_version", server->protocol_version);
 		json_uint(&json, "boot_epoch", server->boot_epoch);
 		json_double(&json, "connect_us", round_ns(connect_us));
 		json_key(&json, "rtt_us");
-		json_open(&json, '{');
+		json_open(&json, NULL, '{');
 		json_double(&json, "min", round_ns(min_us));
 		json_double(&json, "avg", round_ns(sum_us / CTL_PING_SAMPLES));
 		json_double(&json, "max", round_ns(max_us));
 		json_uint(&json, "samples", CTL_PING_SAMPLES);
 		json_close(&json, '}');
 		json_key(&json, "limits");
-		json_open(&json, '{');
+		json_open(&json, NULL, '{');
 		json_uint(&json, "max_frame_bytes", server->max_frame_bytes);
 		json_uint(&json, "max_inline_bytes", server->max_inline_bytes);
 		json_uint(&json, "max_sessions", server->max_sessions);
@@ -618,7 +462,7 @@ static int cmd_stats(struct ctl *ctl)
 	if (ctl->json) {
 		struct json json = { ctl->out, false };
 
-		json_open(&json, '{');
+		json_open(&json, NULL, '{');
 		json_text(&json, "server_version", server->server_version);
 		json_uint(&json, "protocol_version", server->protocol_version);
 		json_server_stats(&json, &stats);
@@ -670,7 +514,7 @@ static int cmd_stats(struct ctl *ctl)
 
 static void json_session_info(struct json *json, const zc_session_info *info)
 {
-	json_open(json, '{');
+	json_open(json, NULL, '{');
 	json_uint(json, "id", info->id);
 	json_text(json, "name", info->name);
 	json_uint(json, "layers", info->layers);
@@ -684,7 +528,7 @@ static void json_session_info(struct json *json, const zc_session_info *info)
 	json_text(json, "policy", policy_name(info->policy));
 	json_uint(json, "residual_tokens", info->residual_tokens);
 	json_key(json, "codec");
-	json_open(json, '{');
+	json_open(json, NULL, '{');
 	json_uint(json, "hi_bits", (uint64_t)info->codec.hi_bits);
 	json_uint(json, "lo_bits", (uint64_t)info->codec.lo_bits);
 	json_double(json, "hi_fraction", info->codec.hi_fraction);
@@ -709,9 +553,9 @@ static int cmd_sessions(struct ctl *ctl)
 	if (ctl->json) {
 		struct json json = { ctl->out, false };
 
-		json_open(&json, '{');
+		json_open(&json, NULL, '{');
 		json_key(&json, "sessions");
-		json_open(&json, '[');
+		json_open(&json, NULL, '[');
 		for (size_t i = 0; i < count; i++)
 			json_session_info(&json, &sessions[i]);
 		json_close(&json, ']');
@@ -760,7 +604,7 @@ static int cmd_sessions(struct ctl *ctl)
 
 static void json_layer_stats(struct json *json, const zc_layer_stats *s, bool with_layer)
 {
-	json_open(json, '{');
+	json_open(json, NULL, '{');
 	if (with_layer)
 		json_uint(json, "layer", s->layer);
 	json_uint(json, "tokens", s->tokens);
@@ -884,11 +728,11 @@ static int cmd_session(struct ctl *ctl)
 	if (ctl->json) {
 		struct json json = { ctl->out, false };
 
-		json_open(&json, '{');
+		json_open(&json, NULL, '{');
 		json_key(&json, "session");
 		json_session_info(&json, &info);
 		json_key(&json, "layers");
-		json_open(&json, '[');
+		json_open(&json, NULL, '[');
 		for (uint32_t i = 0; i < info.layers; i++)
 			json_layer_stats(&json, &layers[i], true);
 		json_close(&json, ']');
@@ -932,9 +776,9 @@ static int cmd_close(struct ctl *ctl)
 	if (ctl->json) {
 		struct json json = { ctl->out, false };
 
-		json_open(&json, '{');
+		json_open(&json, NULL, '{');
 		json_key(&json, "closed");
-		json_open(&json, '{');
+		json_open(&json, NULL, '{');
 		json_uint(&json, "id", info.id);
 		json_text(&json, "name", info.name);
 		json_close(&json, '}');
@@ -1069,19 +913,19 @@ static void watch_print_json(struct ctl *ctl, const struct watch_sample *sample,
 	struct timespec now;
 
 	clock_gettime(CLOCK_REALTIME, &now);
-	json_open(&json, '{');
+	json_open(&json, NULL, '{');
 	json_uint(&json, "time_ms", (uint64_t)now.tv_sec * 1000 + (uint64_t)now.tv_nsec / 1000000);
 	json_key(&json, "server");
-	json_open(&json, '{');
+	json_open(&json, NULL, '{');
 	json_server_stats(&json, &sample->stats);
 	json_close(&json, '}');
 	json_double(&json, "request_rate", rate);
 	json_key(&json, "sessions");
-	json_open(&json, '[');
+	json_open(&json, NULL, '[');
 	for (size_t i = 0; i < sample->n_rows; i++) {
 		const struct watch_row *row = &sample->rows[i];
 
-		json_open(&json, '{');
+		json_open(&json, NULL, '{');
 		json_uint(&json, "id", row->info.id);
 		json_text(&json, "name", row->info.name);
 		json_uint(&json, "layers", row->info.layers);
