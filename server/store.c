@@ -133,24 +133,39 @@ static uint64_t file_allocated(const struct store *store)
 	return fstat(store->fd, &st) == 0 ? (uint64_t)st.st_blocks * 512 : 0;
 }
 
-/* Takes `bytes` of the budget, or fails without taking any. */
-static int budget_take(struct store_budget *budget, uint64_t bytes)
+static int budget_take_one(struct store_budget *budget, uint64_t bytes)
 {
-	if (!budget)
-		return 0;
 	uint64_t used = __atomic_load_n(&budget->used, __ATOMIC_RELAXED);
 	do {
-		if (budget->limit && used + bytes > budget->limit)
+		if (budget->limit && (used + bytes < used || used + bytes > budget->limit))
 			return STORE_EBUDGET;
 	} while (!__atomic_compare_exchange_n(&budget->used, &used, used + bytes, true,
 					      __ATOMIC_RELAXED, __ATOMIC_RELAXED));
 	return 0;
 }
 
-static void budget_give(struct store_budget *budget, uint64_t bytes)
+int store_budget_take(struct store_budget *budget, uint64_t bytes)
 {
-	if (budget)
-		__atomic_fetch_sub(&budget->used, bytes, __ATOMIC_RELAXED);
+	for (struct store_budget *b = budget; b; b = b->parent) {
+		if (budget_take_one(b, bytes) < 0) {
+			for (struct store_budget *undo = budget; undo != b; undo = undo->parent)
+				__atomic_fetch_sub(&undo->used, bytes, __ATOMIC_RELAXED);
+			return STORE_EBUDGET;
+		}
+	}
+	return 0;
+}
+
+void store_budget_give(struct store_budget *budget, uint64_t bytes)
+{
+	for (struct store_budget *b = budget; b; b = b->parent)
+		__atomic_fetch_sub(&b->used, bytes, __ATOMIC_RELAXED);
+}
+
+void store_budget_force(struct store_budget *budget, uint64_t bytes)
+{
+	for (struct store_budget *b = budget; b; b = b->parent)
+		__atomic_fetch_add(&b->used, bytes, __ATOMIC_RELAXED);
 }
 
 /* Makes pages real before they are written, so that a full tmpfs is an
@@ -163,13 +178,13 @@ static int reserve_range(struct store *store, uint64_t offset, uint64_t bytes)
 		return 0;
 	uint64_t start = offset / PAGE_BYTES * PAGE_BYTES;
 	uint64_t end = round_up(offset + bytes, PAGE_BYTES);
-	int rc = budget_take(store->budget, end - start);
+	int rc = store_budget_take(store->budget, end - start);
 	if (rc < 0)
 		return rc;
 	uint64_t before = file_allocated(store);
 	if (fallocate(store->fd, 0, (off_t)start, (off_t)(end - start)) < 0) {
 		int err = errno;
-		budget_give(store->budget, end - start);
+		store_budget_give(store->budget, end - start);
 		log_warn("store", "fallocate failed", "path=%s offset=%llu bytes=%llu error=%s",
 			 store->path, (unsigned long long)start,
 			 (unsigned long long)(end - start), strerror(err));
@@ -178,7 +193,7 @@ static int reserve_range(struct store *store, uint64_t offset, uint64_t bytes)
 	uint64_t grown = file_allocated(store) - before;
 	if (grown > end - start)
 		grown = end - start;
-	budget_give(store->budget, end - start - grown);
+	store_budget_give(store->budget, end - start - grown);
 	store->charged += grown;
 	return 0;
 }
@@ -412,7 +427,7 @@ int store_create(const char *dir, const struct store_params *params,
 	return 0;
 
 out_unlink:
-	budget_give(store->budget, store->charged);
+	store_budget_give(store->budget, store->charged);
 	unlink(store->path);
 	close(store->fd);
 out_free:
@@ -566,8 +581,7 @@ int store_adopt(const char *path, struct store_budget *budget, struct store **ou
 	 * until views are dropped or sessions close. */
 	store->budget = budget;
 	store->charged = file_allocated(store);
-	if (budget)
-		__atomic_fetch_add(&budget->used, store->charged, __ATOMIC_RELAXED);
+	store_budget_force(budget, store->charged);
 	*out = store;
 	return 0;
 
@@ -584,7 +598,7 @@ void store_close(struct store *store, bool remove_file)
 {
 	if (!store)
 		return;
-	budget_give(store->budget, store->charged);
+	store_budget_give(store->budget, store->charged);
 	munmap(store->base, store->file_bytes);
 	close(store->fd);
 	if (remove_file)
@@ -986,7 +1000,7 @@ int store_drop_views(struct store *store, uint64_t *freed)
 	if (released > store->charged)
 		released = store->charged;
 	store->charged -= released;
-	budget_give(store->budget, released);
+	store_budget_give(store->budget, released);
 	*freed = released;
 	return rc;
 }
