@@ -274,6 +274,14 @@ static void handle_open(struct connection *connection, const wire_request *reque
 			    "session names must be UTF-8 without control characters");
 		return;
 	}
+	/* A file adoption could not read yet may hold this very session:
+	 * never open a second one beside it. */
+	if (server->adoption.n_pending > 0 && adopt_retry(server) > 0) {
+		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED,
+			    "%zu session files could not be adopted yet (the daemon's log says why); "
+			    "try again", server->adoption.n_pending);
+		return;
+	}
 	if (open->name[0]) {
 		snprintf(name, sizeof(name), "%s", open->name);
 		session = session_find_name(&server->sessions, name, connection->uid);
@@ -364,9 +372,9 @@ static void handle_open(struct connection *connection, const wire_request *reque
 		if (c->has_quantize_values)
 			params.codec.quantize_values = c->quantize_values;
 	}
-	rc = store_create(server->options.shm_dir, &params, &server->budget, &store);
+	rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, &server->budget, &store);
 	if (rc == STORE_EBUDGET && server_relieve_memory(server, 1u << 20, NULL) > 0)
-		rc = store_create(server->options.shm_dir, &params, &server->budget, &store);
+		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, &server->budget, &store);
 	if (rc == STORE_EBUDGET) {
 		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED,
 			    "memory budget of %llu bytes is exhausted (%llu in use)",
@@ -429,7 +437,7 @@ static void update_run(struct job *base)
 		job_fail(job, ZC_ENOTFOUND, "session %llu was closed", (unsigned long long)base->session->id);
 		return;
 	}
-	job->layer_tokens_before = h->layer[job->layer].tokens;
+	job->layer_tokens_before = store_layer_tokens(store, job->layer);
 	rc = store_update(store, job->layer, job->tokens, job->keys, job->values);
 	if (rc == ZC_ENONFINITE) {
 		/* Which tensor is bad is worth saying; only a failure pays for it. */
@@ -453,7 +461,7 @@ static void update_run(struct job *base)
 		return;
 	}
 	store_layer_stats(store, job->layer, &job->stats);
-	job->sequence = __atomic_load_n(&h->layer[job->layer].sequence, __ATOMIC_ACQUIRE);
+	job->sequence = store_layer_sequence(store, job->layer);
 }
 
 /*

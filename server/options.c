@@ -211,6 +211,9 @@ static int option_apply(struct options *o, int id, const char *arg)
 		o->memory_budget = value;
 		return 0;
 	case OPT_TTL:
+		/* Counted in milliseconds later: keep seconds * 1000 in range. */
+		if (value > UINT64_MAX / 1000)
+			return -ERANGE;
 		o->idle_ttl_seconds = value;
 		return 0;
 	case OPT_OFFLOAD:

@@ -4,7 +4,6 @@
  */
 #include "server.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -21,6 +20,7 @@
 
 #include <systemd/sd-daemon.h>
 
+#include "adopt.h"
 #include "connection.h"
 #include "http.h"
 #include "log.h"
@@ -118,29 +118,48 @@ static int mkdir_parents(const char *path, mode_t mode)
 			return -errno;
 		*p = '/';
 	}
+	/* mkdir is atomic: made now, it is ours with exactly this mode. */
 	if (mkdir(buffer, mode) < 0 && errno != EEXIST)
 		return -errno;
 	return 0;
 }
 
-/* The shared-memory directory is ours alone: 0700, and locked so two
- * daemons never adopt each other's sessions. */
+/*
+ * The shared-memory directory must be ours alone before anything in it is
+ * trusted: owned by the daemon's uid, no access for group or others, not a
+ * symlink. It is opened once; every file in it is then opened relative to
+ * that descriptor with O_NOFOLLOW, and locked so two daemons never adopt
+ * each other's sessions.
+ */
 static int shm_dir_claim(struct server *server)
 {
-	char lock_path[4200];
-	int rc = mkdir_parents(server->options.shm_dir, 0700);
+	const char *path = server->options.shm_dir;
+	struct stat st;
+	int rc = mkdir_parents(path, 0700);
 	if (rc < 0)
 		return rc;
-	if (chmod(server->options.shm_dir, 0700) < 0)
+	int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	if (fd < 0)
 		return -errno;
+	if (fstat(fd, &st) < 0) {
+		rc = -errno;
+		close(fd);
+		return rc;
+	}
+	if (st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
+		log_error("server", "refusing an untrusted shared-memory directory",
+			  "path=%s owner=%u mode=%04o need_owner=%u need_mode=0700", path,
+			  (unsigned)st.st_uid, (unsigned)(st.st_mode & 07777), (unsigned)geteuid());
+		close(fd);
+		return -EPERM;
+	}
+	server->shm_dir_fd = fd;
 	struct statfs fs;
-	if (statfs(server->options.shm_dir, &fs) == 0 && fs.f_type != TMPFS_MAGIC)
+	if (fstatfs(fd, &fs) == 0 && fs.f_type != TMPFS_MAGIC)
 		/* Works, but every page is then disk-backed page cache: writes
 		 * get slow and closing a session waits on the disk. */
-		log_warn("server", "shared-memory directory is not on tmpfs", "path=%s",
-			 server->options.shm_dir);
-	snprintf(lock_path, sizeof(lock_path), "%s/.lock", server->options.shm_dir);
-	server->lock_fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+		log_warn("server", "shared-memory directory is not on tmpfs", "path=%s", path);
+	server->lock_fd = openat(fd, ".lock", O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
 	if (server->lock_fd < 0)
 		return -errno;
 	if (flock(server->lock_fd, LOCK_EX | LOCK_NB) < 0) {
@@ -152,56 +171,20 @@ static int shm_dir_claim(struct server *server)
 	return 0;
 }
 
-/* Session files of an earlier run: adopted (their acknowledged tokens are
- * all there), or removed with --no-adopt. A file that fails its checks is
- * set aside as .corrupt for a human, never deleted. */
-static void sessions_adopt(struct server *server)
-{
-	DIR *dir = opendir(server->options.shm_dir);
-	struct dirent *entry;
-	char path[4400];
-
-	if (!dir)
-		return;
-	while ((entry = readdir(dir))) {
-		size_t len = strlen(entry->d_name);
-		if (strncmp(entry->d_name, "session-", 8) != 0 || len < 4 ||
-		    strcmp(entry->d_name + len - 4, ".zcs") != 0)
-			continue;
-		snprintf(path, sizeof(path), "%s/%s", server->options.shm_dir, entry->d_name);
-		if (!server->options.adopt) {
-			unlink(path);
-			continue;
-		}
-		struct store *store;
-		struct session *session;
-		int rc = store_adopt(path, &server->budget, &store);
-		if (rc == 0 && session_find(&server->sessions, store_header(store)->session_id,
-					    store_header(store)->owner_uid)) {
-			store_close(store, false);
-			rc = ZC_EEXISTS;
-		}
-		if (rc == 0)
-			rc = session_table_add(&server->sessions, store, &session);
-		if (rc < 0) {
-			char aside[4420];
-			snprintf(aside, sizeof(aside), "%s.corrupt", path);
-			log_warn("server", "cannot adopt session file", "path=%s error=%s", path,
-				 zc_strerror(rc));
-			rename(path, aside);
-			continue;
-		}
-		log_info("server", "adopted session", "session=%llu name=%s uid=%u",
-			 (unsigned long long)session->id, session->name, session->owner_uid);
-	}
-	closedir(dir);
-}
-
 static void on_ttl(uv_timer_t *timer)
 {
 	struct server *server = timer->data;
 	uint64_t now = session_now_ms();
 	uint64_t ttl_ms = server->options.idle_ttl_seconds * 1000;
+
+	if (server->adoption.n_pending > 0)
+		adopt_retry(server);
+	/* Pages a client's read faults allocated are memory too. */
+	for (size_t i = 0; i < server->sessions.count; i++)
+		if (session_idle(server->sessions.items[i]))
+			store_sync_charge(server->sessions.items[i]->store);
+	if (ttl_ms == 0)
+		return;
 
 	for (size_t i = 0; i < server->sessions.count;) {
 		struct session *session = server->sessions.items[i];
@@ -290,6 +273,7 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	server->options = *options;
 	server->listen_fd = -1;
 	server->lock_fd = -1;
+	server->shm_dir_fd = -1;
 	loop->data = server;
 	server->started_ms = uv_now(loop);
 	server->budget.limit = options->memory_budget;
@@ -300,10 +284,13 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	rc = shm_dir_claim(server);
 	if (rc < 0) {
 		log_error("server", "cannot use the shared-memory directory", "path=%s error=%s",
-			  options->shm_dir, rc == -EBUSY ? "another zipcached uses it" : strerror(-rc));
+			  options->shm_dir,
+			  rc == -EBUSY ? "another zipcached uses it" :
+			  rc == -EPERM ? "it must be owned by the daemon's uid, mode 0700" :
+					 strerror(-rc));
 		return rc;
 	}
-	sessions_adopt(server);
+	adopt_scan(server);
 	rc = listener_open(server);
 	if (rc < 0) {
 		log_error("server", "cannot listen", "socket=%s error=%s", options->socket_path,
@@ -328,14 +315,14 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	uv_timer_init(loop, &server->ttl_timer);
 	uv_timer_init(loop, &server->stop_timer);
 	server->ttl_timer.data = server->stop_timer.data = server;
-	if (options->idle_ttl_seconds > 0) {
-		uint64_t period = options->idle_ttl_seconds * 1000 / 4;
-		if (period > 1000)
-			period = 1000;
-		if (period < 10)
-			period = 10;
-		uv_timer_start(&server->ttl_timer, on_ttl, period, period);
-	}
+	/* The same tick expires idle sessions, retries files adoption could
+	 * not read yet, and charges pages clients faulted in. */
+	uint64_t period = 1000;
+	if (options->idle_ttl_seconds > 0 && options->idle_ttl_seconds < 4)
+		period = options->idle_ttl_seconds * 1000 / 4;
+	if (period < 10)
+		period = 10;
+	uv_timer_start(&server->ttl_timer, on_ttl, period, period);
 	return 0;
 }
 
@@ -364,6 +351,9 @@ void server_free(struct server *server)
 	session_table_free(&server->sessions);
 	if (server->lock_fd >= 0)
 		close(server->lock_fd);
+	if (server->shm_dir_fd >= 0)
+		close(server->shm_dir_fd);
+	adopt_free(&server->adoption);
 }
 
 uint64_t server_memory_bytes(const struct server *server)

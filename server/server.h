@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "adopt.h"
 #include "metrics.h"
 #include "options.h"
 #include "session.h"
@@ -35,7 +36,9 @@ struct server {
 	uv_timer_t ttl_timer;
 	uv_timer_t stop_timer;
 	int lock_fd;
+	int shm_dir_fd;            /* --shm-dir, opened once: every file in it is opened relative to it */
 	struct session_table sessions;
+	struct adoption adoption;
 	struct store_budget budget;
 	struct connection *connections;
 	uint32_t n_connections;

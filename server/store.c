@@ -2,12 +2,20 @@
  * One session's store in a sparse shared-memory file: create or adopt it,
  * append blocks, trim, count bytes, drop and rebuild views. The numerics
  * are the codec's; this file decides where bytes go and in which order
- * they become visible (see store_format.h).
+ * they become durable (docs/DURABILITY.md) and visible (store_format.h).
+ *
+ * The daemon keeps its working state (shape, codec, every layer's counts,
+ * the block index) in private memory. What it writes into the file is a
+ * copy: the commit area and index for the next daemon, the layer headers
+ * and views for readers. It never reads the file's copy back except when
+ * it adopts the file, and then it checks every field first, so a client
+ * that found a way to write its mapping can spoil only its own data.
  */
 #include "store.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +23,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "fault.h"
 #include "log.h"
 
 #define PAGE_BYTES 4096u
@@ -33,20 +42,102 @@
  * room for the dead tails of blocks cut by trim. */
 #define ARENA_TOKEN_FACTOR 2u
 
+/* A sparse file larger than this is refused: the address space and tmpfs
+ * have limits even when untouched pages cost nothing. */
+#define STORE_MAX_FILE_BYTES (UINT64_C(1) << 44)
+
+/* The daemon's own copy of a layer's committed state: the truth while it
+ * runs. A mutation works on a copy and commits it whole. */
+struct layer_state {
+	uint32_t tokens;
+	uint32_t residual_tokens;
+	uint32_t blocks;
+	uint32_t active;              /* the record slot that holds the committed state */
+	uint64_t key_arena_used, value_arena_used;
+	uint64_t key_compressed, key_baseline, value_compressed, value_baseline;
+};
+
+/* What is not durable: reservations and the readers' view. */
+struct layer_room {
+	uint64_t reserved_view_tokens;   /* views fallocated up to this token */
+	uint64_t reserved_key_arena;     /* arena bytes fallocated */
+	uint64_t reserved_value_arena;
+	bool residual_reserved;
+	bool view_valid;
+	uint64_t sequence;
+};
+
+struct layer_index {
+	struct store_block *entries;
+	uint32_t capacity;
+};
+
 struct store {
 	struct store_budget *budget;
 	uint64_t charged;         /* bytes of budget.used that are this file's */
+	uint64_t mapped;          /* bytes of the address-space bound that are this file's */
+	int dir_fd;               /* borrowed: the shm-dir */
 	int fd;
 	uint8_t *base;
 	size_t file_bytes;
-	struct store_header *header;
+	struct store_header *header;      /* private copy: shape, codec, layout */
+	struct store_header *shared;      /* the file's header, for readers */
+	struct store_commit_area *commit; /* in the file */
+	uint64_t generation;              /* last committed */
+	struct layer_state *layer;
+	struct layer_room *room;
+	struct layer_index *index;
 	zc_codec_config codec;
-	char path[4096];
+	char name[64];
+	char path[4096];          /* for logs */
 };
+
+static uint64_t view_rebuilds;
+static uint64_t mapped_total;     /* atomic: bytes mapped by all stores */
+static uint64_t mapped_limit;     /* 0: none */
+
+uint64_t store_view_rebuilds_total(void)
+{
+	return __atomic_load_n(&view_rebuilds, __ATOMIC_RELAXED);
+}
+
+void store_set_map_limit(uint64_t bytes)
+{
+	mapped_limit = bytes;
+}
+
+uint64_t store_mapped_bytes_total(void)
+{
+	return __atomic_load_n(&mapped_total, __ATOMIC_RELAXED);
+}
+
+/* Takes address space for a mapping, or refuses without taking any. */
+static int map_take(uint64_t bytes)
+{
+	uint64_t used = __atomic_load_n(&mapped_total, __ATOMIC_RELAXED);
+	do {
+		if (mapped_limit && (used + bytes < used || used + bytes > mapped_limit))
+			return ZC_EEXHAUSTED;
+	} while (!__atomic_compare_exchange_n(&mapped_total, &used, used + bytes, true,
+					      __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+	return 0;
+}
+
+static void map_give(uint64_t bytes)
+{
+	__atomic_fetch_sub(&mapped_total, bytes, __ATOMIC_RELAXED);
+}
 
 static uint64_t round_up(uint64_t value, uint64_t unit)
 {
 	return (value + unit - 1) / unit * unit;
+}
+
+/* a * b * c, or false when it does not fit in 64 bits. */
+static bool mul3(uint64_t a, uint64_t b, uint64_t c, uint64_t *out)
+{
+	uint64_t ab;
+	return !__builtin_mul_overflow(a, b, &ab) && !__builtin_mul_overflow(ab, c, out);
 }
 
 static uint64_t heads_of(const struct store_header *h)
@@ -54,6 +145,8 @@ static uint64_t heads_of(const struct store_header *h)
 	return (uint64_t)h->batch * h->kv_heads;
 }
 
+/* Bytes of one [B][H][max_tokens][D] fp16 view. Only called on headers
+ * whose layout was checked, so it cannot wrap. */
 static uint64_t view_bytes(const struct store_header *h, uint32_t dim)
 {
 	return round_up(heads_of(h) * h->max_tokens * dim * 2, PAGE_BYTES);
@@ -70,13 +163,18 @@ uint64_t store_value_view_offset(const struct store *store, uint32_t layer)
 	return store_key_view_offset(store, layer) + view_bytes(store->header, store->header->head_dim_k);
 }
 
-static uint8_t *layer_region(const struct store *store, uint32_t layer)
+static uint64_t layer_region_offset(const struct store *store, uint32_t layer)
 {
 	const struct store_header *h = store->header;
-	return store->base + h->views_bytes + (uint64_t)layer * h->layer_region_bytes;
+	return h->commit_offset + h->commit_bytes + (uint64_t)layer * h->layer_region_bytes;
 }
 
-static struct store_block *layer_index(const struct store *store, uint32_t layer)
+static uint8_t *layer_region(const struct store *store, uint32_t layer)
+{
+	return store->base + layer_region_offset(store, layer);
+}
+
+static struct store_block *file_index(const struct store *store, uint32_t layer)
 {
 	return (struct store_block *)(layer_region(store, layer) + store->header->index_offset);
 }
@@ -89,6 +187,16 @@ static uint16_t *key_view(const struct store *store, uint32_t layer)
 static uint16_t *value_view(const struct store *store, uint32_t layer)
 {
 	return (uint16_t *)(store->base + store_value_view_offset(store, layer));
+}
+
+static uint16_t *key_residual(const struct store *store, uint32_t layer)
+{
+	return (uint16_t *)(layer_region(store, layer) + store->header->key_residual_offset);
+}
+
+static uint16_t *value_residual(const struct store *store, uint32_t layer)
+{
+	return (uint16_t *)(layer_region(store, layer) + store->header->value_residual_offset);
 }
 
 static zc_strides view_strides(const struct store_header *h, uint32_t dim)
@@ -120,17 +228,38 @@ static zc_codec_config header_codec(const struct store_header *h)
 	};
 }
 
-static uint64_t view_rebuilds;
-
-uint64_t store_view_rebuilds_total(void)
+/* The tokens block i of a layer still holds: up to the next block, or for
+ * the last one up to where the residual begins. */
+static uint32_t block_valid_tokens(const struct store *store, uint32_t layer,
+				   const struct layer_state *state, uint32_t i)
 {
-	return __atomic_load_n(&view_rebuilds, __ATOMIC_RELAXED);
+	const struct store_block *index = store->index[layer].entries;
+	uint32_t end = i + 1 < state->blocks ? index[i + 1].first_token :
+					       state->tokens - state->residual_tokens;
+	return end - index[i].first_token;
 }
 
 static uint64_t file_allocated(const struct store *store)
 {
 	struct stat st;
 	return fstat(store->fd, &st) == 0 ? (uint64_t)st.st_blocks * 512 : 0;
+}
+
+/* Brings the charge up to what the file holds: pages a client's read
+ * faults allocated in dropped views are memory too. Returns the growth. */
+static uint64_t charge_sync(struct store *store, uint64_t allocated)
+{
+	if (allocated <= store->charged)
+		return 0;
+	uint64_t grown = allocated - store->charged;
+	store_budget_force(store->budget, grown);
+	store->charged = allocated;
+	return grown;
+}
+
+uint64_t store_sync_charge(struct store *store)
+{
+	return charge_sync(store, file_allocated(store));
 }
 
 static int budget_take_one(struct store_budget *budget, uint64_t bytes)
@@ -168,10 +297,16 @@ void store_budget_force(struct store_budget *budget, uint64_t bytes)
 		__atomic_fetch_add(&b->used, bytes, __ATOMIC_RELAXED);
 }
 
+static bool errno_is_resource(int err)
+{
+	return err == ENOSPC || err == ENOMEM || err == EMFILE || err == ENFILE ||
+	       err == EAGAIN || err == EFBIG;
+}
+
 /* Makes pages real before they are written, so that a full tmpfs is an
- * error we can report instead of a SIGBUS on the next store. The budget
- * is charged what the file really grew by (a range may overlap pages
- * that exist already). */
+ * error we can report instead of a SIGBUS on the next store. The range is
+ * taken from the budget first; afterwards the charge is set to what the
+ * file really holds (the range may overlap pages that exist already). */
 static int reserve_range(struct store *store, uint64_t offset, uint64_t bytes)
 {
 	if (bytes == 0)
@@ -181,20 +316,17 @@ static int reserve_range(struct store *store, uint64_t offset, uint64_t bytes)
 	int rc = store_budget_take(store->budget, end - start);
 	if (rc < 0)
 		return rc;
-	uint64_t before = file_allocated(store);
 	if (fallocate(store->fd, 0, (off_t)start, (off_t)(end - start)) < 0) {
 		int err = errno;
 		store_budget_give(store->budget, end - start);
 		log_warn("store", "fallocate failed", "path=%s offset=%llu bytes=%llu error=%s",
 			 store->path, (unsigned long long)start,
 			 (unsigned long long)(end - start), strerror(err));
-		return err == ENOSPC || err == ENOMEM ? ZC_EEXHAUSTED : -err;
+		return errno_is_resource(err) ? ZC_EEXHAUSTED : -err;
 	}
-	uint64_t grown = file_allocated(store) - before;
-	if (grown > end - start)
-		grown = end - start;
-	store_budget_give(store->budget, end - start - grown);
-	store->charged += grown;
+	/* The provisional charge becomes the real one. */
+	store_budget_give(store->budget, end - start);
+	charge_sync(store, file_allocated(store));
 	return 0;
 }
 
@@ -219,7 +351,7 @@ static int reserve_view_tokens(struct store *store, uint32_t layer, uint64_t fro
 
 static int reserve_views(struct store *store, uint32_t layer, uint64_t tokens_needed)
 {
-	struct store_layer_header *l = &store->header->layer[layer];
+	struct layer_room *l = &store->room[layer];
 	if (tokens_needed <= l->reserved_view_tokens)
 		return 0;
 	uint64_t target = tokens_needed + VIEW_RESERVE_TOKENS;
@@ -235,10 +367,10 @@ static int reserve_views(struct store *store, uint32_t layer, uint64_t tokens_ne
 static int reserve_arena(struct store *store, uint32_t layer, bool keys, uint64_t bytes_needed)
 {
 	const struct store_header *h = store->header;
-	struct store_layer_header *l = &store->header->layer[layer];
+	struct layer_room *l = &store->room[layer];
 	uint64_t *reserved = keys ? &l->reserved_key_arena : &l->reserved_value_arena;
 	uint64_t capacity = keys ? h->key_arena_bytes : h->value_arena_bytes;
-	uint64_t arena = (uint64_t)(layer_region(store, layer) - store->base) +
+	uint64_t arena = layer_region_offset(store, layer) +
 			 (keys ? h->key_arena_offset : h->value_arena_offset);
 
 	if (bytes_needed > capacity)
@@ -260,109 +392,307 @@ static int reserve_arena(struct store *store, uint32_t layer, bool keys, uint64_
 	return 0;
 }
 
-/* The residual is small and used at once; reserve it on a layer's first write. */
+/* The residual is small and used at once; reserve it on a layer's first
+ * write (and again after an adoption: reservations are not durable). */
 static int reserve_residual(struct store *store, uint32_t layer)
 {
-	const struct store_header *h = store->header;
-	uint64_t region = (uint64_t)(layer_region(store, layer) - store->base);
-	return reserve_range(store, region, h->index_offset);
+	struct layer_room *l = &store->room[layer];
+	if (l->residual_reserved)
+		return 0;
+	int rc = reserve_range(store, layer_region_offset(store, layer), store->header->index_offset);
+	if (rc == 0)
+		l->residual_reserved = true;
+	return rc;
 }
 
-/* Index pages are reserved one at a time, as entries reach them. */
+/* Index pages are reserved as entries reach them. */
 static int reserve_index_entry(struct store *store, uint32_t layer, uint32_t entry)
 {
 	uint64_t entry_bytes = sizeof(struct store_block);
-	uint64_t start = entry * entry_bytes;
+	uint64_t start = (uint64_t)entry * entry_bytes;
 	if (entry > 0 && start / PAGE_BYTES == (start - 1) / PAGE_BYTES &&
 	    (start + entry_bytes - 1) / PAGE_BYTES == start / PAGE_BYTES)
 		return 0;
-	uint64_t index = (uint64_t)(layer_region(store, layer) - store->base) +
-			 store->header->index_offset;
+	uint64_t index = layer_region_offset(store, layer) + store->header->index_offset;
 	return reserve_range(store, index + start, entry_bytes);
 }
 
-static void sequence_begin(struct store_layer_header *l)
+/* Room for entry `entry` in the private index. */
+static int index_grow(struct store *store, uint32_t layer, uint32_t entry)
 {
-	__atomic_store_n(&l->sequence, l->sequence + 1, __ATOMIC_RELAXED);
+	struct layer_index *index = &store->index[layer];
+	if (entry < index->capacity)
+		return 0;
+	uint64_t capacity = index->capacity ? (uint64_t)index->capacity * 2 : 16;
+	if (capacity <= entry)
+		capacity = (uint64_t)entry + 1;
+	if (capacity > store->header->max_blocks)
+		capacity = store->header->max_blocks;
+	if (capacity <= entry)
+		return ZC_EEXHAUSTED;
+	struct store_block *entries = realloc(index->entries, capacity * sizeof(*entries));
+	if (!entries)
+		return -ENOMEM;
+	index->entries = entries;
+	index->capacity = (uint32_t)capacity;
+	return 0;
+}
+
+/* ---- readers' copy ------------------------------------------------------- */
+
+static void sequence_begin(struct store *store, uint32_t layer)
+{
+	struct layer_room *l = &store->room[layer];
+	l->sequence |= 1;
+	__atomic_store_n(&store->shared->layer[layer].sequence, l->sequence, __ATOMIC_RELAXED);
 	__atomic_thread_fence(__ATOMIC_RELEASE);
 }
 
-static void sequence_end(struct store_layer_header *l)
+static void sequence_end(struct store *store, uint32_t layer)
 {
-	__atomic_store_n(&l->sequence, l->sequence + 1, __ATOMIC_RELEASE);
+	struct layer_room *l = &store->room[layer];
+	l->sequence++;
+	__atomic_store_n(&store->shared->layer[layer].sequence, l->sequence, __ATOMIC_RELEASE);
 }
+
+/* Copies a layer's private state into the header readers see. */
+static void mirror_layer(struct store *store, uint32_t layer)
+{
+	const struct layer_state *l = &store->layer[layer];
+	struct store_layer_header *p = &store->shared->layer[layer];
+	p->residual_tokens = l->residual_tokens;
+	p->blocks = l->blocks;
+	p->key_arena_used = l->key_arena_used;
+	p->value_arena_used = l->value_arena_used;
+	p->key_compressed_bytes = l->key_compressed;
+	p->key_baseline_bytes = l->key_baseline;
+	p->value_compressed_bytes = l->value_compressed;
+	p->value_baseline_bytes = l->value_baseline;
+	__atomic_store_n(&p->view_valid, store->room[layer].view_valid ? 1u : 0u, __ATOMIC_RELEASE);
+	__atomic_store_n(&p->tokens, l->tokens, __ATOMIC_RELEASE);
+}
+
+/* ---- the commit protocol (docs/DURABILITY.md) ------------------------------- */
+
+static struct store_layer_commit *record_slot(const struct store *store, uint32_t layer,
+					      unsigned slot)
+{
+	return &store->commit->record[2 * (size_t)layer + slot];
+}
+
+/* Writes a layer's next state into its inactive record under `generation`,
+ * which is past the committed one: until it is published, a daemon that
+ * adopts the file ignores the record. */
+static void record_write(struct store *store, uint32_t layer, const struct layer_state *next,
+			 uint64_t generation)
+{
+	struct store_layer_commit *r = record_slot(store, layer, 1u - store->layer[layer].active);
+	__atomic_store_n(&r->generation, generation, __ATOMIC_RELAXED);
+	__atomic_thread_fence(__ATOMIC_RELEASE);
+	r->tokens = next->tokens;
+	r->residual_tokens = next->residual_tokens;
+	r->blocks = next->blocks;
+	r->pad = 0;
+	r->key_arena_used = next->key_arena_used;
+	r->value_arena_used = next->value_arena_used;
+}
+
+/* The commit point: one aligned 64-bit store makes every record written
+ * under `generation` the current state of its layer. */
+static void generation_publish(struct store *store, uint64_t generation)
+{
+	__atomic_thread_fence(__ATOMIC_RELEASE);
+	__atomic_store_n(&store->commit->generation, generation, __ATOMIC_RELEASE);
+	store->generation = generation;
+}
+
+/* Makes `next` the committed state of one layer, then the private one. */
+static void layer_commit(struct store *store, uint32_t layer, struct layer_state *next,
+			 const char *step_record, const char *step_publish)
+{
+	uint64_t generation = store->generation + 1;
+	record_write(store, layer, next, generation);
+	fault_point(step_record);
+	generation_publish(store, generation);
+	fault_point(step_publish);
+	next->active = 1u - store->layer[layer].active;
+	store->layer[layer] = *next;
+}
+
+/* ---- layout ----------------------------------------------------------------- */
 
 static int params_validate(const struct store_params *p)
 {
 	int rc = zc_codec_config_validate(&p->codec);
 	if (rc < 0)
 		return rc;
-	if (p->layers == 0 || p->layers > 1024 || p->batch == 0 || p->kv_heads == 0 ||
+	if (p->layers == 0 || p->layers > STORE_MAX_LAYERS || p->batch == 0 || p->kv_heads == 0 ||
 	    p->head_dim_k == 0 || p->head_dim_v == 0 || p->max_tokens == 0)
 		return ZC_ESHAPE;
 	if (p->head_dim_k > ZC_MAX_HEAD_DIM || p->head_dim_v > ZC_MAX_HEAD_DIM ||
-	    (uint64_t)p->batch * p->kv_heads > 65536 || p->max_tokens > ZC_MAX_BLOCK_TOKENS)
+	    (uint64_t)p->batch * p->kv_heads > STORE_MAX_HEADS || p->max_tokens > ZC_MAX_BLOCK_TOKENS)
 		return ZC_ESHAPE;
 	if (p->policy != STORE_POLICY_STREAMING && p->policy != STORE_POLICY_PER_CALL)
 		return ZC_EINVALID;
 	if (p->policy == STORE_POLICY_STREAMING &&
-	    (p->residual_tokens == 0 || p->residual_tokens > 65536))
+	    (p->residual_tokens == 0 || p->residual_tokens > STORE_MAX_RESIDUAL_TOKENS))
 		return ZC_EINVALID;
 	if (!p->name || strlen(p->name) >= STORE_NAME_BYTES)
 		return ZC_EINVALID;
 	return 0;
 }
 
-/* Fills in every size and offset of a new header from its shape. */
+/* A residual below R tokens plus a block below R never reaches 2R. */
+static uint32_t residual_capacity_of(uint32_t residual_tokens, uint32_t max_tokens)
+{
+	uint64_t capacity = 2 * (uint64_t)residual_tokens;
+	return capacity < max_tokens ? (uint32_t)capacity : max_tokens;
+}
+
+/* Adds `bytes` (page-rounded) at *offset, checked; false when it wraps or
+ * passes the largest file we make. */
+static bool region_add(uint64_t *offset, uint64_t bytes)
+{
+	uint64_t rounded;
+	if (__builtin_add_overflow(bytes, PAGE_BYTES - 1, &rounded))
+		return false;
+	rounded = rounded / PAGE_BYTES * PAGE_BYTES;
+	if (__builtin_add_overflow(*offset, rounded, offset))
+		return false;
+	return *offset <= STORE_MAX_FILE_BYTES;
+}
+
+/*
+ * Fills in every size and offset of a header from its shape: the one
+ * definition of the file's layout, for new files and for checking adopted
+ * ones. Every product is checked: the shape comes from a client (or from a
+ * file), and a wrapped size would put regions past the mapping.
+ */
 static int header_layout(struct store_header *h)
 {
-	uint64_t heads = heads_of(h);
-	uint64_t header_bytes = round_up(sizeof(*h) + h->layers * sizeof(h->layer[0]), PAGE_BYTES);
-	uint64_t views = h->layers * (view_bytes(h, h->head_dim_k) + view_bytes(h, h->head_dim_v));
+	uint64_t heads = (uint64_t)h->batch * h->kv_heads;
+	uint64_t offset = 0, bytes, key_view, value_view, key_res, value_res, key_arena, value_arena;
 
-	h->header_bytes = (uint32_t)header_bytes;
-	h->views_bytes = header_bytes + views;
-	h->max_blocks = h->max_tokens;
-
-	uint64_t offset = 0;
-	h->key_residual_offset = offset;
-	offset += round_up(heads * h->residual_capacity * h->head_dim_k * 2, PAGE_BYTES);
-	h->value_residual_offset = offset;
-	offset += round_up(heads * h->residual_capacity * h->head_dim_v * 2, PAGE_BYTES);
-	h->index_offset = offset;
-	offset += round_up(h->max_blocks * sizeof(struct store_block), PAGE_BYTES);
-	h->key_arena_offset = offset;
-	h->key_arena_bytes = round_up(ARENA_TOKEN_FACTOR * heads * h->max_tokens *
-					      (5ull * h->head_dim_k + 3), PAGE_BYTES);
-	offset += h->key_arena_bytes;
-	h->value_arena_offset = offset;
-	h->value_arena_bytes = round_up(ARENA_TOKEN_FACTOR * heads * h->max_tokens *
-						(5ull * h->head_dim_v + 3), PAGE_BYTES);
-	offset += h->value_arena_bytes;
-	h->layer_region_bytes = offset;
-	h->file_bytes = h->views_bytes + h->layers * offset;
-	/* Sparse, but the address space and tmpfs still have limits. */
-	if (h->file_bytes > (UINT64_C(1) << 44))
+	if (!mul3(heads, h->max_tokens, (uint64_t)h->head_dim_k * 2, &key_view) ||
+	    !mul3(heads, h->max_tokens, (uint64_t)h->head_dim_v * 2, &value_view) ||
+	    !mul3(heads, h->residual_capacity, (uint64_t)h->head_dim_k * 2, &key_res) ||
+	    !mul3(heads, h->residual_capacity, (uint64_t)h->head_dim_v * 2, &value_res) ||
+	    !mul3(ARENA_TOKEN_FACTOR * heads, h->max_tokens, 5ull * h->head_dim_k + 3, &key_arena) ||
+	    !mul3(ARENA_TOKEN_FACTOR * heads, h->max_tokens, 5ull * h->head_dim_v + 3, &value_arena))
 		return ZC_EEXHAUSTED;
+
+	if (!region_add(&offset, sizeof(*h) + (uint64_t)h->layers * sizeof(h->layer[0])))
+		return ZC_EEXHAUSTED;
+	h->header_bytes = (uint32_t)offset;
+	for (uint32_t i = 0; i < h->layers; i++)
+		if (!region_add(&offset, key_view) || !region_add(&offset, value_view))
+			return ZC_EEXHAUSTED;
+	h->views_bytes = offset;
+	h->max_blocks = h->max_tokens;
+	h->commit_offset = offset;
+	if (!region_add(&offset, sizeof(struct store_commit_area) +
+					 2 * (uint64_t)h->layers * sizeof(struct store_layer_commit)))
+		return ZC_EEXHAUSTED;
+	h->commit_bytes = offset - h->commit_offset;
+
+	uint64_t region = 0;
+	h->key_residual_offset = region;
+	bool ok = region_add(&region, key_res);
+	h->value_residual_offset = region;
+	ok = ok && region_add(&region, value_res);
+	h->index_offset = region;
+	ok = ok && region_add(&region, h->max_blocks * sizeof(struct store_block));
+	h->key_arena_offset = region;
+	h->key_arena_bytes = round_up(key_arena, PAGE_BYTES);
+	ok = ok && region_add(&region, key_arena);
+	h->value_arena_offset = region;
+	h->value_arena_bytes = round_up(value_arena, PAGE_BYTES);
+	ok = ok && region_add(&region, value_arena);
+	h->layer_region_bytes = region;
+	if (!ok || __builtin_mul_overflow(region, (uint64_t)h->layers, &bytes) ||
+	    __builtin_add_overflow(offset, bytes, &h->file_bytes) ||
+	    h->file_bytes > STORE_MAX_FILE_BYTES)
+		return ZC_EEXHAUSTED;
+	return 0;
+}
+
+static void store_free_memory(struct store *store)
+{
+	if (store->index)
+		for (uint32_t i = 0; i < store->header->layers; i++)
+			free(store->index[i].entries);
+	free(store->index);
+	free(store->layer);
+	free(store->room);
+	free(store->header);
+	free(store);
+}
+
+/* The private state of a store with `h`'s shape (h is copied). */
+static int store_alloc(const struct store_header *h, struct store **out)
+{
+	struct store *store = calloc(1, sizeof(*store));
+	if (!store)
+		return -ENOMEM;
+	store->fd = -1;
+	store->header = malloc(sizeof(*h));
+	if (!store->header) {
+		free(store);
+		return -ENOMEM;
+	}
+	memcpy(store->header, h, sizeof(*h));
+	store->layer = calloc(h->layers, sizeof(*store->layer));
+	store->room = calloc(h->layers, sizeof(*store->room));
+	store->index = calloc(h->layers, sizeof(*store->index));
+	if (!store->layer || !store->room || !store->index) {
+		store_free_memory(store);
+		return -ENOMEM;
+	}
+	store->codec = header_codec(h);
+	*out = store;
 	return 0;
 }
 
 static int store_map(struct store *store, size_t bytes)
 {
+	int rc = map_take(bytes);
+	if (rc < 0)
+		return rc;
 	void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, store->fd, 0);
-	if (base == MAP_FAILED)
-		return -errno;
+	if (base == MAP_FAILED) {
+		rc = errno_is_resource(errno) ? ZC_EEXHAUSTED : -errno;
+		map_give(bytes);
+		return rc;
+	}
 	store->base = base;
 	store->file_bytes = bytes;
-	store->header = base;
+	store->mapped = bytes;
+	store->shared = base;
+	store->commit = (struct store_commit_area *)(store->base + store->header->commit_offset);
 	return 0;
 }
 
-int store_create(const char *dir, const struct store_params *params,
+static void store_unmap(struct store *store)
+{
+	if (!store->base)
+		return;
+	munmap(store->base, store->file_bytes);
+	map_give(store->mapped);
+	store->base = NULL;
+}
+
+static void file_name(char *out, size_t size, uint64_t session_id, bool temporary)
+{
+	snprintf(out, size, "%ssession-%016llx.zcs%s", temporary ? "." : "",
+		 (unsigned long long)session_id, temporary ? ".tmp" : "");
+}
+
+int store_create(int dir_fd, const char *dir_path, const struct store_params *params,
 		 struct store_budget *budget, struct store **out)
 {
 	struct store_header layout = { 0 };
 	struct store *store;
+	char temporary[64];
 	int rc = params_validate(params);
 
 	if (rc < 0)
@@ -375,73 +705,112 @@ int store_create(const char *dir, const struct store_params *params,
 	layout.max_tokens = params->max_tokens;
 	layout.policy = (uint32_t)params->policy;
 	layout.residual_tokens = params->policy == STORE_POLICY_STREAMING ? params->residual_tokens : 0;
-	/* A residual below R tokens plus a block below R never reaches 2R. */
-	layout.residual_capacity = 2 * layout.residual_tokens;
-	if (layout.residual_capacity > layout.max_tokens)
-		layout.residual_capacity = layout.max_tokens;
+	layout.residual_capacity = residual_capacity_of(layout.residual_tokens, layout.max_tokens);
+	layout.version = STORE_VERSION;
+	layout.session_id = params->session_id;
+	layout.created_epoch = params->boot_epoch;
+	layout.owner_uid = params->owner_uid;
+	layout.hi_bits = params->codec.hi_bits;
+	layout.lo_bits = params->codec.lo_bits;
+	layout.hi_fraction = params->codec.hi_fraction;
+	layout.group_size = params->codec.group_size;
+	layout.quantize_values = params->codec.quantize_values;
+	snprintf(layout.name, sizeof(layout.name), "%s", params->name);
 	rc = header_layout(&layout);
 	if (rc < 0)
 		return rc;
-
-	store = calloc(1, sizeof(*store));
-	if (!store)
-		return -ENOMEM;
+	rc = store_alloc(&layout, &store);
+	if (rc < 0)
+		return rc;
 	store->budget = budget;
-	snprintf(store->path, sizeof(store->path), "%s/session-%016llx.zcs", dir,
-		 (unsigned long long)params->session_id);
-	store->fd = open(store->path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+	store->dir_fd = dir_fd;
+	file_name(store->name, sizeof(store->name), params->session_id, false);
+	file_name(temporary, sizeof(temporary), params->session_id, true);
+	snprintf(store->path, sizeof(store->path), "%s/%s", dir_path, store->name);
+	for (uint32_t i = 0; i < layout.layers; i++)
+		store->room[i].view_valid = true;
+
+	/* Built under a temporary name and renamed into place: a crash
+	 * before the rename leaves a file no daemon mistakes for a session. */
+	store->fd = openat(dir_fd, temporary, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW,
+			   0600);
+	if (store->fd < 0 && errno == EEXIST && unlinkat(dir_fd, temporary, 0) == 0)
+		store->fd = openat(dir_fd, temporary,
+				   O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
 	if (store->fd < 0) {
-		rc = -errno;
+		rc = errno_is_resource(errno) ? ZC_EEXHAUSTED : -errno;
 		goto out_free;
 	}
 	if (ftruncate(store->fd, (off_t)layout.file_bytes) < 0) {
-		rc = -errno;
+		rc = errno_is_resource(errno) ? ZC_EEXHAUSTED : -errno;
 		goto out_unlink;
 	}
+	fault_point("create.file");
 	rc = reserve_range(store, 0, layout.header_bytes);
-	if (rc < 0)
-		goto out_unlink;
-	rc = store_map(store, layout.file_bytes);
+	if (rc == 0)
+		rc = reserve_range(store, layout.commit_offset, layout.commit_bytes);
+	if (rc == 0)
+		rc = store_map(store, layout.file_bytes);
 	if (rc < 0)
 		goto out_unlink;
 
-	struct store_header *h = store->header;
-	memcpy(h, &layout, sizeof(layout));
-	h->version = STORE_VERSION;
-	h->session_id = params->session_id;
-	h->created_epoch = params->boot_epoch;
-	h->owner_uid = params->owner_uid;
-	h->hi_bits = params->codec.hi_bits;
-	h->lo_bits = params->codec.lo_bits;
-	h->hi_fraction = params->codec.hi_fraction;
-	h->group_size = params->codec.group_size;
-	h->quantize_values = params->codec.quantize_values;
-	snprintf(h->name, sizeof(h->name), "%s", params->name);
-	for (uint32_t i = 0; i < h->layers; i++)
-		h->layer[i].view_valid = 1;
-	store->codec = params->codec;
+	memcpy(store->shared, &layout, sizeof(layout));
+	memset(store->shared->magic, 0, sizeof(store->shared->magic));
+	for (uint32_t i = 0; i < layout.layers; i++)
+		store->shared->layer[i].view_valid = 1;
 	/* The magic goes in last: a file without it was never finished. */
 	__atomic_thread_fence(__ATOMIC_RELEASE);
-	memcpy(h->magic, STORE_MAGIC, sizeof(h->magic));
+	memcpy(store->shared->magic, STORE_MAGIC, sizeof(store->shared->magic));
+	/* Readers get a read-only descriptor; a mode without write bits keeps
+	 * them (as any other user) from reopening it for writing. */
+	if (fchmod(store->fd, 0400) < 0) {
+		rc = -errno;
+		goto out_unlink;
+	}
+	fault_point("create.header");
+	if (renameat2(dir_fd, temporary, dir_fd, store->name, RENAME_NOREPLACE) < 0) {
+		rc = errno == EEXIST ? ZC_EEXISTS : -errno;
+		goto out_unlink;
+	}
+	fault_point("create.rename");
 	*out = store;
 	return 0;
 
 out_unlink:
+	unlinkat(dir_fd, temporary, 0);
+	store_unmap(store);
 	store_budget_give(store->budget, store->charged);
-	unlink(store->path);
 	close(store->fd);
 out_free:
-	free(store);
+	store_free_memory(store);
 	return rc;
 }
 
-/* Everything a reader would trust in a header found on disk. */
-static int header_check(const struct store_header *h, uint64_t file_bytes)
+/* Refuses an adopted file with the reason said. */
+static int corrupt(char *reason, size_t size, const char *format, ...)
+	__attribute__((format(printf, 3, 4)));
+
+static int corrupt(char *reason, size_t size, const char *format, ...)
+{
+	va_list args;
+	va_start(args, format);
+	if (reason && size)
+		vsnprintf(reason, size, format, args);
+	va_end(args);
+	return ZC_ECORRUPT;
+}
+
+/* Everything the daemon would trust in a header found on disk. */
+static int header_check(const struct store_header *h, uint64_t file_bytes, char *reason,
+			size_t size)
 {
 	struct store_header expected = { 0 };
 
-	if (memcmp(h->magic, STORE_MAGIC, sizeof(h->magic)) != 0 || h->version != STORE_VERSION)
-		return ZC_ECORRUPT;
+	if (memcmp(h->magic, STORE_MAGIC, sizeof(h->magic)) != 0)
+		return corrupt(reason, size, "no store magic (the file was never finished)");
+	if (h->version != STORE_VERSION)
+		return corrupt(reason, size, "format version %u, this daemon reads %u", h->version,
+			       STORE_VERSION);
 	expected.layers = h->layers;
 	expected.batch = h->batch;
 	expected.kv_heads = h->kv_heads;
@@ -449,132 +818,223 @@ static int header_check(const struct store_header *h, uint64_t file_bytes)
 	expected.head_dim_v = h->head_dim_v;
 	expected.max_tokens = h->max_tokens;
 	expected.residual_capacity = h->residual_capacity;
-	if (h->layers == 0 || h->layers > 1024 || h->batch == 0 || h->kv_heads == 0 ||
+	if (h->layers == 0 || h->layers > STORE_MAX_LAYERS || h->batch == 0 || h->kv_heads == 0 ||
 	    h->head_dim_k == 0 || h->head_dim_k > ZC_MAX_HEAD_DIM || h->head_dim_v == 0 ||
 	    h->head_dim_v > ZC_MAX_HEAD_DIM || h->max_tokens == 0 ||
-	    h->max_tokens > ZC_MAX_BLOCK_TOKENS || (uint64_t)h->batch * h->kv_heads > 65536 ||
-	    h->residual_capacity > h->max_tokens)
-		return ZC_ECORRUPT;
+	    h->max_tokens > ZC_MAX_BLOCK_TOKENS || (uint64_t)h->batch * h->kv_heads > STORE_MAX_HEADS ||
+	    h->policy > STORE_POLICY_PER_CALL ||
+	    (h->policy == STORE_POLICY_STREAMING &&
+	     (h->residual_tokens == 0 || h->residual_tokens > STORE_MAX_RESIDUAL_TOKENS)) ||
+	    (h->policy == STORE_POLICY_PER_CALL && h->residual_tokens != 0) ||
+	    h->residual_capacity != residual_capacity_of(h->residual_tokens, h->max_tokens))
+		return corrupt(reason, size, "shape or policy out of range");
 	if (header_layout(&expected) < 0 || expected.file_bytes != h->file_bytes ||
 	    expected.file_bytes != file_bytes || expected.header_bytes != h->header_bytes ||
-	    expected.views_bytes != h->views_bytes ||
-	    expected.layer_region_bytes != h->layer_region_bytes)
-		return ZC_ECORRUPT;
+	    expected.views_bytes != h->views_bytes || expected.commit_offset != h->commit_offset ||
+	    expected.commit_bytes != h->commit_bytes ||
+	    expected.layer_region_bytes != h->layer_region_bytes ||
+	    expected.key_residual_offset != h->key_residual_offset ||
+	    expected.value_residual_offset != h->value_residual_offset ||
+	    expected.index_offset != h->index_offset ||
+	    expected.key_arena_offset != h->key_arena_offset ||
+	    expected.key_arena_bytes != h->key_arena_bytes ||
+	    expected.value_arena_offset != h->value_arena_offset ||
+	    expected.value_arena_bytes != h->value_arena_bytes ||
+	    expected.max_blocks != h->max_blocks)
+		return corrupt(reason, size, "layout does not follow from the shape (file %llu bytes)",
+			       (unsigned long long)file_bytes);
 	zc_codec_config codec = header_codec(h);
-	if (zc_codec_config_validate(&codec) < 0 || h->name[STORE_NAME_BYTES - 1] != '\0')
-		return ZC_ECORRUPT;
-	for (uint32_t i = 0; i < h->layers; i++) {
-		const struct store_layer_header *l = &h->layer[i];
-		if (l->tokens > h->max_tokens || l->blocks > h->max_blocks)
-			return ZC_ECORRUPT;
-	}
+	if (zc_codec_config_validate(&codec) < 0)
+		return corrupt(reason, size, "codec config out of range");
+	if (memchr(h->name, '\0', sizeof(h->name)) == NULL)
+		return corrupt(reason, size, "session name not terminated");
 	return 0;
 }
 
 /*
- * After a crash, `tokens` is the commit point: a block appended by an
- * update that never published its tokens is dropped, a residual count
- * that ran ahead is cut back, and the arena marks and byte totals are
- * recomputed from the blocks that remain. Entries must tile the sequence
- * and stay inside the arenas, or the file is corrupt.
+ * A layer's durable state after a crash: the record with the highest
+ * generation not past the committed one. Its block entries must tile the
+ * tokens before the residual and sit end to end in the arenas, with the
+ * sizes the codec gives their shapes, or the file is corrupt. Records of
+ * a generation that was never committed are cleared, so no later commit
+ * can make them current by accident.
  */
-static int layer_recover(struct store *store, uint32_t layer)
+static int layer_recover(struct store *store, uint32_t layer, char *reason, size_t size)
 {
-	struct store_header *h = store->header;
-	struct store_layer_header *l = &h->layer[layer];
-	struct store_block *index = layer_index(store, layer);
-	uint64_t next_token = 0, key_end = 0, value_end = 0;
-	uint64_t totals[4] = { 0 };
-	uint32_t kept = 0;
+	const struct store_header *h = store->header;
+	struct layer_state *l = &store->layer[layer];
+	uint64_t committed = store->generation;
+	struct store_layer_commit *slots[2] = { record_slot(store, layer, 0),
+						record_slot(store, layer, 1) };
+	int best = -1;
 
-	for (uint32_t i = 0; i < l->blocks; i++) {
-		struct store_block *b = &index[i];
+	for (int i = 0; i < 2; i++) {
+		if (slots[i]->generation > committed) {
+			memset(slots[i], 0, sizeof(*slots[i]));
+			continue;
+		}
+		if (best < 0 || slots[i]->generation > slots[best]->generation)
+			best = i;
+	}
+	const struct store_layer_commit r = *slots[best];
+	*l = (struct layer_state){ .active = (uint32_t)best };
+	if (r.tokens > h->max_tokens || r.blocks > h->max_blocks || r.blocks > r.tokens ||
+	    r.residual_tokens > r.tokens || r.residual_tokens > h->residual_capacity)
+		return corrupt(reason, size, "layer %u: record counts out of range", layer);
+	if (r.blocks > 0) {
+		int rc = index_grow(store, layer, r.blocks - 1);
+		if (rc < 0)
+			return rc;
+		memcpy(store->index[layer].entries, file_index(store, layer),
+		       (size_t)r.blocks * sizeof(struct store_block));
+	}
+	l->tokens = r.tokens;
+	l->residual_tokens = r.residual_tokens;
+	l->blocks = r.blocks;
+
+	const struct store_block *index = store->index[layer].entries;
+	uint64_t key_end = 0, value_end = 0;
+	uint32_t end_of_blocks = r.tokens - r.residual_tokens;
+	for (uint32_t i = 0; i < r.blocks; i++) {
+		const struct store_block *b = &index[i];
 		zc_block_shape key_shape = { h->batch, h->kv_heads, b->tokens, h->head_dim_k };
 		zc_block_shape value_shape = { h->batch, h->kv_heads, b->tokens, h->head_dim_v };
 		zc_byte_count key_bytes, value_bytes;
-		if (b->first_token >= l->tokens)
-			break;
-		if (b->first_token != next_token || b->valid_tokens == 0 ||
-		    b->valid_tokens > b->tokens || b->key_offset != key_end ||
-		    b->value_offset != value_end)
-			return ZC_ECORRUPT;
+		uint64_t end = i + 1 < r.blocks ? index[i + 1].first_token : end_of_blocks;
+		if ((i == 0 && b->first_token != 0) || end <= b->first_token || end - b->first_token > b->tokens ||
+		    b->key_offset != key_end || b->value_offset != value_end)
+			return corrupt(reason, size, "layer %u: block %u does not follow its predecessor",
+				       layer, i);
 		if (zc_block_count_bytes(&store->codec, ZC_TENSOR_KEYS, &key_shape, &key_bytes) < 0 ||
 		    zc_block_count_bytes(&store->codec, ZC_TENSOR_VALUES, &value_shape, &value_bytes) < 0 ||
 		    key_bytes.compressed != b->key_bytes || value_bytes.compressed != b->value_bytes ||
 		    key_end + b->key_bytes > h->key_arena_bytes ||
 		    value_end + b->value_bytes > h->value_arena_bytes)
-			return ZC_ECORRUPT;
-		if (b->first_token + b->valid_tokens > l->tokens)
-			b->valid_tokens = l->tokens - b->first_token;
-		next_token += b->valid_tokens;
+			return corrupt(reason, size, "layer %u: block %u has sizes its shape cannot have",
+				       layer, i);
 		key_end += b->key_bytes;
 		value_end += b->value_bytes;
-		totals[0] += key_bytes.compressed;
-		totals[1] += key_bytes.baseline;
-		totals[2] += value_bytes.compressed;
-		totals[3] += value_bytes.baseline;
-		kept++;
+		l->key_compressed += key_bytes.compressed;
+		l->key_baseline += key_bytes.baseline;
+		l->value_compressed += value_bytes.compressed;
+		l->value_baseline += value_bytes.baseline;
 	}
-	if (l->tokens - next_token > h->residual_capacity)
-		return ZC_ECORRUPT;
-	l->blocks = kept;
-	l->residual_tokens = (uint32_t)(l->tokens - next_token);
+	if (r.blocks == 0 && end_of_blocks != 0)
+		return corrupt(reason, size, "layer %u: %u tokens but no blocks and a residual of %u",
+			       layer, r.tokens, r.residual_tokens);
+	if (key_end != r.key_arena_used || value_end != r.value_arena_used)
+		return corrupt(reason, size, "layer %u: arena marks disagree with the blocks", layer);
 	l->key_arena_used = key_end;
 	l->value_arena_used = value_end;
-	l->key_compressed_bytes = totals[0];
-	l->key_baseline_bytes = totals[1];
-	l->value_compressed_bytes = totals[2];
-	l->value_baseline_bytes = totals[3];
-	if (l->reserved_key_arena > h->key_arena_bytes)
-		l->reserved_key_arena = h->key_arena_bytes;
-	if (l->reserved_value_arena > h->value_arena_bytes)
-		l->reserved_value_arena = h->value_arena_bytes;
-	if (l->reserved_view_tokens > h->max_tokens)
-		l->reserved_view_tokens = h->max_tokens;
+
+	struct layer_room *room = &store->room[layer];
+	/* Reservations are not durable (a dropped view may have been punched
+	 * after its mark): every page past what the blocks fill is reserved
+	 * again before it is written. */
+	*room = (struct layer_room){
+		.reserved_key_arena = key_end / PAGE_BYTES * PAGE_BYTES,
+		.reserved_value_arena = value_end / PAGE_BYTES * PAGE_BYTES,
+		.sequence = (__atomic_load_n(&store->shared->layer[layer].sequence, __ATOMIC_RELAXED) |
+			     1) + 1,
+	};
 	return 0;
 }
 
-int store_adopt(const char *path, struct store_budget *budget, struct store **out)
+static bool owner_may_write(int fd, uid_t uid)
+{
+	return uid == 0 || fchmod(fd, 0600) == 0;
+}
+
+int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store_budget *budget,
+		struct store **out, char *reason, size_t reason_size)
 {
 	struct stat st;
-	struct store *store = calloc(1, sizeof(*store));
+	struct store_header copy;
+	struct store *store;
+	char proc_path[64];
+	uid_t uid = geteuid();
 	int rc;
 
-	if (!store)
-		return -ENOMEM;
-	snprintf(store->path, sizeof(store->path), "%s", path);
-	store->fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
-	if (store->fd < 0) {
+	if (reason && reason_size)
+		reason[0] = '\0';
+	int ro = openat(dir_fd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+	if (ro < 0)
+		return -errno;
+	if (fstat(ro, &st) < 0) {
 		rc = -errno;
-		goto out_free;
+		close(ro);
+		return rc;
 	}
-	if (fstat(store->fd, &st) < 0) {
-		rc = -errno;
-		goto out_close;
+	if (!S_ISREG(st.st_mode)) {
+		close(ro);
+		return corrupt(reason, reason_size, "not a regular file");
+	}
+	if (st.st_uid != uid) {
+		close(ro);
+		snprintf(reason, reason_size, "owned by uid %u, not the daemon's %u",
+			 (unsigned)st.st_uid, (unsigned)uid);
+		return -EPERM;
 	}
 	if ((uint64_t)st.st_size < sizeof(struct store_header)) {
-		rc = ZC_ECORRUPT;
-		goto out_close;
+		close(ro);
+		return corrupt(reason, reason_size, "%lld bytes: shorter than a header",
+			       (long long)st.st_size);
 	}
+	/* The file is 0400 so that readers cannot reopen it for writing; its
+	 * owner lifts that for the moment it takes a read-write descriptor. */
+	snprintf(proc_path, sizeof(proc_path), "/proc/self/fd/%d", ro);
+	int fd = -1;
+	if (owner_may_write(ro, uid)) {
+		fd = open(proc_path, O_RDWR | O_CLOEXEC);
+		rc = fd < 0 ? -errno : 0;
+		if (fchmod(ro, 0400) < 0 && rc == 0)
+			rc = -errno;
+	} else {
+		rc = -errno;
+	}
+	if (rc < 0 || pread(ro, &copy, sizeof(copy), 0) != (ssize_t)sizeof(copy)) {
+		rc = rc < 0 ? rc : -EIO;
+		if (fd >= 0)
+			close(fd);
+		close(ro);
+		return rc;
+	}
+	close(ro);
+	rc = header_check(&copy, (uint64_t)st.st_size, reason, reason_size);
+	if (rc < 0) {
+		close(fd);
+		return rc;
+	}
+	rc = store_alloc(&copy, &store);
+	if (rc < 0) {
+		close(fd);
+		return rc;
+	}
+	store->fd = fd;
+	store->dir_fd = dir_fd;
+	snprintf(store->name, sizeof(store->name), "%s", name);
+	snprintf(store->path, sizeof(store->path), "%s/%s", dir_path, name);
 	rc = store_map(store, (size_t)st.st_size);
 	if (rc < 0)
-		goto out_close;
-	rc = header_check(store->header, (uint64_t)st.st_size);
+		goto out_free;
+	/* The commit area's pages may never have been written by a daemon
+	 * that died early: reserve them before reading (a hole reads as 0). */
+	if (fallocate(store->fd, 0, (off_t)copy.commit_offset, (off_t)copy.commit_bytes) < 0) {
+		rc = errno_is_resource(errno) ? ZC_EEXHAUSTED : -errno;
+		goto out_unmap;
+	}
+	store->generation = __atomic_load_n(&store->commit->generation, __ATOMIC_ACQUIRE);
+	for (uint32_t i = 0; rc == 0 && i < copy.layers; i++)
+		rc = layer_recover(store, i, reason, reason_size);
 	if (rc < 0)
 		goto out_unmap;
-	store->codec = header_codec(store->header);
-	for (uint32_t i = 0; rc == 0 && i < store->header->layers; i++)
-		rc = layer_recover(store, i);
-	if (rc < 0)
-		goto out_unmap;
-	for (uint32_t i = 0; i < store->header->layers; i++) {
-		struct store_layer_header *l = &store->header->layer[i];
-		/* A writer killed mid-update left the sequence odd; whatever it
-		 * did not publish (tokens) is not part of the sequence, and the
-		 * view is rebuilt from what was. */
-		if (l->sequence & 1)
-			l->sequence++;
-		l->view_valid = 0;
+	/* Views are not durable: every daemon that adopts a file rebuilds
+	 * them from the committed blocks and residual on first use. */
+	for (uint32_t i = 0; i < copy.layers; i++) {
+		store->room[i].view_valid = false;
+		mirror_layer(store, i);
+		__atomic_store_n(&store->shared->layer[i].sequence, store->room[i].sequence,
+				 __ATOMIC_RELEASE);
 	}
 	/* What an adopted file holds counts, even past the budget: refusing
 	 * it would lose acknowledged tokens. New reservations then wait
@@ -586,11 +1046,10 @@ int store_adopt(const char *path, struct store_budget *budget, struct store **ou
 	return 0;
 
 out_unmap:
-	munmap(store->base, store->file_bytes);
-out_close:
-	close(store->fd);
+	store_unmap(store);
 out_free:
-	free(store);
+	close(store->fd);
+	store_free_memory(store);
 	return rc;
 }
 
@@ -598,12 +1057,15 @@ void store_close(struct store *store, bool remove_file)
 {
 	if (!store)
 		return;
+	if (remove_file) {
+		fault_point("close.unlink");
+		unlinkat(store->dir_fd, store->name, 0);
+		fault_point("close.done");
+	}
 	store_budget_give(store->budget, store->charged);
-	munmap(store->base, store->file_bytes);
+	store_unmap(store);
 	close(store->fd);
-	if (remove_file)
-		unlink(store->path);
-	free(store);
+	store_free_memory(store);
 }
 
 const struct store_header *store_header(const struct store *store)
@@ -623,7 +1085,9 @@ int store_open_readonly(const struct store *store)
 	/* A new open file description, read-only: the client cannot get
 	 * PROT_WRITE on a MAP_SHARED mapping of it, nor truncate the file. */
 	int fd = open(proc_path, O_RDONLY | O_CLOEXEC);
-	return fd < 0 ? -errno : fd;
+	if (fd < 0)
+		return errno_is_resource(errno) ? ZC_EEXHAUSTED : -errno;
+	return fd;
 }
 
 uint64_t store_memory_bytes(const struct store *store)
@@ -636,46 +1100,64 @@ uint64_t store_rebuild_bytes(const struct store *store)
 	const struct store_header *h = store->header;
 	uint64_t bytes = 0;
 	for (uint32_t i = 0; i < h->layers; i++) {
-		if (h->layer[i].view_valid)
+		if (store->room[i].view_valid)
 			continue;
-		uint64_t tokens = h->layer[i].tokens + VIEW_RESERVE_TOKENS;
+		uint64_t tokens = store->layer[i].tokens + VIEW_RESERVE_TOKENS;
 		bytes += heads_of(h) * tokens * (h->head_dim_k + h->head_dim_v) * 2;
 	}
 	return bytes;
 }
 
-/* Compresses a [B, H, tokens, D] block (keys and values, each with its
- * own strides) into the arenas, reconstructs it into the views at
- * first_token and publishes it in the index. Nothing is visible until
- * both tensors have compressed. */
-static int block_append(struct store *store, uint32_t layer, uint32_t first_token,
-			uint32_t tokens, const uint16_t *keys, const zc_strides *key_strides,
-			const uint16_t *values, const zc_strides *value_strides)
+uint32_t store_layer_tokens(const struct store *store, uint32_t layer)
 {
-	struct store_header *h = store->header;
-	struct store_layer_header *l = &h->layer[layer];
+	return __atomic_load_n(&store->layer[layer].tokens, __ATOMIC_ACQUIRE);
+}
+
+uint64_t store_layer_sequence(const struct store *store, uint32_t layer)
+{
+	return __atomic_load_n(&store->room[layer].sequence, __ATOMIC_ACQUIRE);
+}
+
+/* ---- mutations ---------------------------------------------------------------- */
+
+/*
+ * Compresses a [B, H, tokens, D] block (keys and values, each with its own
+ * strides) into the arenas past next's marks, reconstructs it into the
+ * views at first_token and writes its index entry past next's count; then
+ * counts it in next. Nothing is committed here: until the caller commits
+ * next, the block is scratch a crash forgets.
+ */
+static int block_append(struct store *store, uint32_t layer, struct layer_state *next,
+			uint32_t first_token, uint32_t tokens, const uint16_t *keys,
+			const zc_strides *key_strides, const uint16_t *values,
+			const zc_strides *value_strides, const char *step_compress,
+			const char *step_index)
+{
+	const struct store_header *h = store->header;
 	zc_block_shape key_shape = { h->batch, h->kv_heads, tokens, h->head_dim_k };
 	zc_block_shape value_shape = { h->batch, h->kv_heads, tokens, h->head_dim_v };
 	zc_byte_count key_count, value_count;
 	uint8_t *region = layer_region(store, layer);
 	int rc;
 
-	if (l->blocks >= h->max_blocks)
+	if (next->blocks >= h->max_blocks)
 		return ZC_EEXHAUSTED;
 	rc = zc_block_count_bytes(&store->codec, ZC_TENSOR_KEYS, &key_shape, &key_count);
 	if (rc == 0)
 		rc = zc_block_count_bytes(&store->codec, ZC_TENSOR_VALUES, &value_shape, &value_count);
 	if (rc == 0)
-		rc = reserve_index_entry(store, layer, l->blocks);
+		rc = index_grow(store, layer, next->blocks);
 	if (rc == 0)
-		rc = reserve_arena(store, layer, true, l->key_arena_used + key_count.compressed);
+		rc = reserve_index_entry(store, layer, next->blocks);
 	if (rc == 0)
-		rc = reserve_arena(store, layer, false, l->value_arena_used + value_count.compressed);
+		rc = reserve_arena(store, layer, true, next->key_arena_used + key_count.compressed);
+	if (rc == 0)
+		rc = reserve_arena(store, layer, false, next->value_arena_used + value_count.compressed);
 	if (rc < 0)
 		return rc;
 
-	uint8_t *key_out = region + h->key_arena_offset + l->key_arena_used;
-	uint8_t *value_out = region + h->value_arena_offset + l->value_arena_used;
+	uint8_t *key_out = region + h->key_arena_offset + next->key_arena_used;
+	uint8_t *value_out = region + h->value_arena_offset + next->value_arena_used;
 	int64_t written = zc_block_compress_strided(&store->codec, ZC_TENSOR_KEYS, &key_shape, keys,
 						    key_strides, key_out, key_count.compressed);
 	if (written < 0)
@@ -696,53 +1178,63 @@ static int block_append(struct store *store, uint32_t layer, uint32_t first_toke
 					  value_count.compressed,
 					  value_view(store, layer) + (size_t)first_token * h->head_dim_v,
 					  &value_view_strides);
-	if (rc < 0)
+	if (rc < 0) {
+		/* Rows of the view may hold the half-written reconstruction. */
+		store->room[layer].view_valid = false;
 		return rc;
+	}
+	fault_point(step_compress);
 
-	layer_index(store, layer)[l->blocks] = (struct store_block){
+	struct store_block entry = {
 		.first_token = first_token,
 		.tokens = tokens,
 		.valid_tokens = tokens,
-		.key_offset = l->key_arena_used,
+		.key_offset = next->key_arena_used,
 		.key_bytes = key_count.compressed,
-		.value_offset = l->value_arena_used,
+		.value_offset = next->value_arena_used,
 		.value_bytes = value_count.compressed,
 	};
-	l->key_arena_used += key_count.compressed;
-	l->value_arena_used += value_count.compressed;
-	l->key_compressed_bytes += key_count.compressed;
-	l->key_baseline_bytes += key_count.baseline;
-	l->value_compressed_bytes += value_count.compressed;
-	l->value_baseline_bytes += value_count.baseline;
-	__atomic_store_n(&l->blocks, l->blocks + 1, __ATOMIC_RELEASE);
+	store->index[layer].entries[next->blocks] = entry;
+	file_index(store, layer)[next->blocks] = entry;
+	fault_point(step_index);
+	next->blocks++;
+	next->key_arena_used += key_count.compressed;
+	next->value_arena_used += value_count.compressed;
+	next->key_compressed += key_count.compressed;
+	next->key_baseline += key_count.baseline;
+	next->value_compressed += value_count.compressed;
+	next->value_baseline += value_count.baseline;
 	return 0;
 }
 
-static uint16_t *key_residual(const struct store *store, uint32_t layer)
+/* Compresses next's whole residual as one block (the rows stay where they
+ * are: only the counts move). On failure next is as it was. */
+static int residual_to_block(struct store *store, uint32_t layer, struct layer_state *next)
 {
-	return (uint16_t *)(layer_region(store, layer) + store->header->key_residual_offset);
-}
-
-static uint16_t *value_residual(const struct store *store, uint32_t layer)
-{
-	return (uint16_t *)(layer_region(store, layer) + store->header->value_residual_offset);
-}
-
-/* Compresses the whole residual as one block; its view rows are rewritten
- * with the reconstruction. On failure the residual stays as it was. */
-static int residual_flush(struct store *store, uint32_t layer)
-{
-	struct store_header *h = store->header;
-	struct store_layer_header *l = &h->layer[layer];
-	if (l->residual_tokens == 0)
+	const struct store_header *h = store->header;
+	if (next->residual_tokens == 0)
 		return 0;
 	zc_strides key_strides = residual_strides(h, h->head_dim_k);
 	zc_strides value_strides = residual_strides(h, h->head_dim_v);
-	int rc = block_append(store, layer, l->tokens - l->residual_tokens, l->residual_tokens,
-			      key_residual(store, layer), &key_strides, value_residual(store, layer),
-			      &value_strides);
-	if (rc == 0)
-		l->residual_tokens = 0;
+	struct layer_state attempt = *next;
+	int rc = block_append(store, layer, &attempt, next->tokens - next->residual_tokens,
+			      next->residual_tokens, key_residual(store, layer), &key_strides,
+			      value_residual(store, layer), &value_strides, "flush.compress",
+			      "flush.index");
+	if (rc < 0)
+		return rc;
+	attempt.residual_tokens = 0;
+	*next = attempt;
+	return 0;
+}
+
+/* Compresses and commits a full residual on its own. */
+static int residual_flush(struct store *store, uint32_t layer)
+{
+	struct layer_state next = store->layer[layer];
+	int rc = residual_to_block(store, layer, &next);
+	if (rc == 0 && next.blocks != store->layer[layer].blocks)
+		layer_commit(store, layer, &next, "flush.record", "flush.publish");
 	return rc;
 }
 
@@ -762,15 +1254,79 @@ static void rows_copy(uint16_t *target, const zc_strides *strides, size_t at, co
 
 static int views_rebuild_layer(struct store *store, uint32_t layer);
 
+/* A direct block: the residual (if any) becomes its own block first, so
+ * blocks stay in token order; both commit together. */
+static int update_direct(struct store *store, uint32_t layer, uint32_t tokens,
+			 const uint16_t *keys, const uint16_t *values)
+{
+	const struct store_header *h = store->header;
+	struct layer_state next = store->layer[layer];
+	zc_strides key_input = { (size_t)h->kv_heads * tokens * h->head_dim_k,
+				 (size_t)tokens * h->head_dim_k, h->head_dim_k };
+	zc_strides value_input = { (size_t)h->kv_heads * tokens * h->head_dim_v,
+				   (size_t)tokens * h->head_dim_v, h->head_dim_v };
+	int rc = residual_to_block(store, layer, &next);
+	if (rc == 0)
+		rc = block_append(store, layer, &next, next.tokens, tokens, keys, &key_input, values,
+				  &value_input, "append.compress", "append.index");
+	if (rc < 0)
+		return rc;
+	next.tokens += tokens;
+	layer_commit(store, layer, &next, "append.record", "append.publish");
+	return 0;
+}
+
+/* A short streaming block goes into the exact residual (and the views);
+ * a residual that fills up is compressed as one block right after. */
+static int update_residual(struct store *store, uint32_t layer, uint32_t tokens,
+			   const uint16_t *keys, const uint16_t *values)
+{
+	const struct store_header *h = store->header;
+	int rc;
+
+	if (store->layer[layer].residual_tokens + tokens > h->residual_capacity) {
+		/* Only after an earlier flush failed for lack of space, or a
+		 * crash between an update's commit and its flush. */
+		rc = residual_flush(store, layer);
+		if (rc < 0)
+			return rc;
+	}
+	struct layer_state next = store->layer[layer];
+	zc_strides key_res = residual_strides(h, h->head_dim_k);
+	zc_strides value_res = residual_strides(h, h->head_dim_v);
+	zc_strides key_view_s = view_strides(h, h->head_dim_k);
+	zc_strides value_view_s = view_strides(h, h->head_dim_v);
+	rows_copy(key_residual(store, layer), &key_res, next.residual_tokens, keys, h, tokens,
+		  h->head_dim_k);
+	rows_copy(value_residual(store, layer), &value_res, next.residual_tokens, values, h, tokens,
+		  h->head_dim_v);
+	rows_copy(key_view(store, layer), &key_view_s, next.tokens, keys, h, tokens, h->head_dim_k);
+	rows_copy(value_view(store, layer), &value_view_s, next.tokens, values, h, tokens,
+		  h->head_dim_v);
+	fault_point("residual.copy");
+	next.residual_tokens += tokens;
+	next.tokens += tokens;
+	layer_commit(store, layer, &next, "residual.record", "residual.publish");
+	if (next.residual_tokens >= h->residual_tokens) {
+		/* The tokens are stored exactly either way; a failed flush is
+		 * retried on the next update and only costs compression. */
+		rc = residual_flush(store, layer);
+		if (rc < 0)
+			log_warn("store", "residual flush deferred", "session=%llu layer=%u error=%s",
+				 (unsigned long long)h->session_id, layer, zc_strerror(rc));
+	}
+	return 0;
+}
+
 int store_update(struct store *store, uint32_t layer, uint32_t tokens,
 		 const uint16_t *keys, const uint16_t *values)
 {
-	struct store_header *h = store->header;
+	const struct store_header *h = store->header;
 	int rc;
 
 	if (layer >= h->layers || tokens == 0)
 		return ZC_EINVALID;
-	struct store_layer_header *l = &h->layer[layer];
+	const struct layer_state *l = &store->layer[layer];
 	if ((uint64_t)l->tokens + tokens > h->max_tokens)
 		return ZC_EEXHAUSTED;
 	uint64_t heads = heads_of(h);
@@ -786,126 +1342,117 @@ int store_update(struct store *store, uint32_t layer, uint32_t tokens,
 		if (rc < 0)
 			return rc;
 	}
-	if (!l->view_valid) {
+	if (!store->room[layer].view_valid) {
 		rc = views_rebuild_layer(store, layer);
 		if (rc < 0)
 			return rc;
 	}
-	if (l->tokens == 0 && l->blocks == 0 && l->reserved_view_tokens == 0) {
-		rc = reserve_residual(store, layer);
-		if (rc < 0)
-			return rc;
-	}
-	rc = reserve_views(store, layer, (uint64_t)l->tokens + tokens);
+	rc = reserve_residual(store, layer);
+	if (rc == 0)
+		rc = reserve_views(store, layer, (uint64_t)l->tokens + tokens);
 	if (rc < 0)
 		return rc;
 
-	zc_strides key_input = { (size_t)h->kv_heads * tokens * h->head_dim_k,
-				 (size_t)tokens * h->head_dim_k, h->head_dim_k };
-	zc_strides value_input = { (size_t)h->kv_heads * tokens * h->head_dim_v,
-				   (size_t)tokens * h->head_dim_v, h->head_dim_v };
-
-	sequence_begin(l);
-	if (direct) {
-		/* The residual holds earlier tokens: it becomes its own block first,
-		 * so blocks stay in token order. */
-		rc = residual_flush(store, layer);
-		if (rc == 0)
-			rc = block_append(store, layer, l->tokens, tokens, keys, &key_input, values,
-					  &value_input);
-		if (rc == 0)
-			__atomic_store_n(&l->tokens, l->tokens + tokens, __ATOMIC_RELEASE);
-		sequence_end(l);
-		return rc;
-	}
-
-	if (l->residual_tokens + tokens > h->residual_capacity) {
-		/* Only after an earlier flush failed for lack of space. */
-		rc = residual_flush(store, layer);
-		if (rc < 0) {
-			sequence_end(l);
-			return rc;
-		}
-	}
-	zc_strides key_res = residual_strides(h, h->head_dim_k);
-	zc_strides value_res = residual_strides(h, h->head_dim_v);
-	zc_strides key_view_s = view_strides(h, h->head_dim_k);
-	zc_strides value_view_s = view_strides(h, h->head_dim_v);
-	rows_copy(key_residual(store, layer), &key_res, l->residual_tokens, keys, h, tokens,
-		  h->head_dim_k);
-	rows_copy(value_residual(store, layer), &value_res, l->residual_tokens, values, h, tokens,
-		  h->head_dim_v);
-	rows_copy(key_view(store, layer), &key_view_s, l->tokens, keys, h, tokens, h->head_dim_k);
-	rows_copy(value_view(store, layer), &value_view_s, l->tokens, values, h, tokens,
-		  h->head_dim_v);
-	l->residual_tokens += tokens;
-	__atomic_store_n(&l->tokens, l->tokens + tokens, __ATOMIC_RELEASE);
-	if (l->residual_tokens >= h->residual_tokens) {
-		/* The tokens are stored exactly either way; a failed flush is
-		 * retried on the next update and only costs compression. */
-		int flush = residual_flush(store, layer);
-		if (flush < 0)
-			log_warn("store", "residual flush deferred", "session=%llu layer=%u error=%s",
-				 (unsigned long long)h->session_id, layer, zc_strerror(flush));
-	}
-	sequence_end(l);
-	return 0;
+	sequence_begin(store, layer);
+	rc = direct ? update_direct(store, layer, tokens, keys, values) :
+		      update_residual(store, layer, tokens, keys, values);
+	mirror_layer(store, layer);
+	sequence_end(store, layer);
+	return rc;
 }
 
-static uint32_t layer_trim(struct store *store, uint32_t layer, uint32_t tokens)
+/* What trimming `tokens` from a layer leaves (next starts as its state);
+ * returns the tokens cut. Pure: nothing is written. */
+static uint32_t trim_state(const struct store *store, uint32_t layer, uint32_t tokens,
+			   struct layer_state *next)
 {
-	struct store_header *h = store->header;
-	struct store_layer_header *l = &h->layer[layer];
-	struct store_block *index = layer_index(store, layer);
-	uint32_t cut = tokens < l->tokens ? tokens : l->tokens;
-	uint32_t keep = l->tokens - cut;
+	const struct store_header *h = store->header;
+	const struct store_block *index = store->index[layer].entries;
+	uint32_t cut = tokens < next->tokens ? tokens : next->tokens;
+	uint32_t keep = next->tokens - cut;
 
-	if (cut == 0)
-		return 0;
-	sequence_begin(l);
-	if (cut <= l->residual_tokens) {
-		l->residual_tokens -= cut;
+	if (cut <= next->residual_tokens) {
+		next->residual_tokens -= cut;
 	} else {
-		l->residual_tokens = 0;
-		while (l->blocks > 0 && index[l->blocks - 1].first_token >= keep) {
-			const struct store_block *last = &index[l->blocks - 1];
+		next->residual_tokens = 0;
+		/* Blocks are appended in order, so the arenas unwind like a
+		 * stack; a block cut in the middle stays whole (re-encoding its
+		 * prefix would change tokens the model already used). */
+		while (next->blocks > 0 && index[next->blocks - 1].first_token >= keep) {
+			const struct store_block *last = &index[next->blocks - 1];
 			zc_block_shape key_shape = { h->batch, h->kv_heads, last->tokens, h->head_dim_k };
 			zc_block_shape value_shape = { h->batch, h->kv_heads, last->tokens, h->head_dim_v };
 			zc_byte_count key_count = { 0 }, value_count = { 0 };
 			zc_block_count_bytes(&store->codec, ZC_TENSOR_KEYS, &key_shape, &key_count);
 			zc_block_count_bytes(&store->codec, ZC_TENSOR_VALUES, &value_shape, &value_count);
-			l->key_compressed_bytes -= key_count.compressed;
-			l->key_baseline_bytes -= key_count.baseline;
-			l->value_compressed_bytes -= value_count.compressed;
-			l->value_baseline_bytes -= value_count.baseline;
-			/* Blocks are appended in order, so the arenas unwind like a stack. */
-			l->key_arena_used = last->key_offset;
-			l->value_arena_used = last->value_offset;
-			l->blocks--;
-		}
-		if (l->blocks > 0) {
-			/* A block cut in the middle stays whole: re-encoding its
-			 * prefix would change tokens the model already used. */
-			struct store_block *last = &index[l->blocks - 1];
-			if (last->first_token + last->valid_tokens > keep)
-				last->valid_tokens = keep - last->first_token;
+			next->key_compressed -= key_count.compressed;
+			next->key_baseline -= key_count.baseline;
+			next->value_compressed -= value_count.compressed;
+			next->value_baseline -= value_count.baseline;
+			next->key_arena_used = last->key_offset;
+			next->value_arena_used = last->value_offset;
+			next->blocks--;
 		}
 	}
-	__atomic_store_n(&l->tokens, keep, __ATOMIC_RELEASE);
-	sequence_end(l);
+	next->tokens = keep;
 	return cut;
+}
+
+/*
+ * Trims layers [first, first + count) by `tokens` each as one mutation:
+ * every changed layer's record is written under one generation, which is
+ * then published, so a crash leaves all of them trimmed or none.
+ */
+static int trim_layers(struct store *store, uint32_t first, uint32_t count, uint32_t tokens,
+		       uint32_t *trimmed)
+{
+	struct layer_state *next = malloc(count * sizeof(*next));
+	uint64_t generation = store->generation + 1;
+	uint32_t most = 0;
+	bool changed = false;
+
+	if (!next)
+		return -ENOMEM;
+	for (uint32_t i = 0; i < count; i++) {
+		next[i] = store->layer[first + i];
+		uint32_t cut = trim_state(store, first + i, tokens, &next[i]);
+		if (cut > most)
+			most = cut;
+		if (cut == 0)
+			continue;
+		record_write(store, first + i, &next[i], generation);
+		fault_point("trim.record");
+		changed = true;
+	}
+	if (changed) {
+		generation_publish(store, generation);
+		fault_point("trim.publish");
+	}
+	for (uint32_t i = 0; i < count; i++) {
+		uint32_t layer = first + i;
+		if (next[i].tokens == store->layer[layer].tokens)
+			continue;
+		sequence_begin(store, layer);
+		next[i].active = 1u - store->layer[layer].active;
+		store->layer[layer] = next[i];
+		mirror_layer(store, layer);
+		sequence_end(store, layer);
+	}
+	free(next);
+	*trimmed = most;
+	return 0;
 }
 
 int store_trim(struct store *store, uint32_t tokens, uint32_t *trimmed)
 {
-	uint32_t most = 0;
-	for (uint32_t i = 0; i < store->header->layers; i++) {
-		uint32_t cut = layer_trim(store, i, tokens);
-		if (cut > most)
-			most = cut;
-	}
-	*trimmed = most;
-	return 0;
+	return trim_layers(store, 0, store->header->layers, tokens, trimmed);
+}
+
+int store_trim_layer(struct store *store, uint32_t layer, uint32_t tokens, uint32_t *trimmed)
+{
+	if (layer >= store->header->layers)
+		return ZC_EINVALID;
+	return trim_layers(store, layer, 1, tokens, trimmed);
 }
 
 bool store_update_compresses(const struct store *store, uint32_t layer, uint32_t tokens)
@@ -913,33 +1460,25 @@ bool store_update_compresses(const struct store *store, uint32_t layer, uint32_t
 	const struct store_header *h = store->header;
 	if (layer >= h->layers)
 		return false;
-	uint32_t residual = __atomic_load_n(&h->layer[layer].residual_tokens, __ATOMIC_RELAXED);
+	uint32_t residual = __atomic_load_n(&store->layer[layer].residual_tokens, __ATOMIC_RELAXED);
 	return h->policy == STORE_POLICY_PER_CALL || tokens >= h->residual_tokens ||
 	       residual + tokens >= h->residual_tokens;
-}
-
-int store_trim_layer(struct store *store, uint32_t layer, uint32_t tokens, uint32_t *trimmed)
-{
-	if (layer >= store->header->layers)
-		return ZC_EINVALID;
-	*trimmed = layer_trim(store, layer, tokens);
-	return 0;
 }
 
 void store_layer_stats(const struct store *store, uint32_t layer, struct store_layer_stats *out)
 {
 	const struct store_header *h = store->header;
-	const struct store_layer_header *l = &h->layer[layer];
+	const struct layer_state *l = &store->layer[layer];
 	uint64_t heads = heads_of(h);
 
 	*out = (struct store_layer_stats){ .layer = layer };
 	out->tokens = l->tokens;
 	out->residual_tokens = l->residual_tokens;
 	out->blocks = l->blocks;
-	out->key.compressed = l->key_compressed_bytes;
-	out->key.baseline = l->key_baseline_bytes;
-	out->value.compressed = l->value_compressed_bytes;
-	out->value.baseline = l->value_baseline_bytes;
+	out->key.compressed = l->key_compressed;
+	out->key.baseline = l->key_baseline;
+	out->value.compressed = l->value_compressed;
+	out->value.baseline = l->value_baseline;
 	out->key.fp16 = heads * l->tokens * h->head_dim_k * 2;
 	out->value.fp16 = heads * l->tokens * h->head_dim_v * 2;
 	if (l->residual_tokens > 0) {
@@ -963,7 +1502,7 @@ void store_token_range(const struct store *store, uint32_t *min_tokens, uint32_t
 	uint32_t low = UINT32_MAX, high = 0;
 	for (uint32_t i = 0; i < h->layers; i++) {
 		/* The loop thread lists sessions while a worker may be appending. */
-		uint32_t t = __atomic_load_n(&h->layer[i].tokens, __ATOMIC_ACQUIRE);
+		uint32_t t = __atomic_load_n(&store->layer[i].tokens, __ATOMIC_ACQUIRE);
 		if (t < low)
 			low = t;
 		if (t > high)
@@ -973,27 +1512,31 @@ void store_token_range(const struct store *store, uint32_t *min_tokens, uint32_t
 	*max_tokens = high;
 }
 
+/* Views are not durable, so dropping them needs no commit: readers are
+ * told first (view_valid, under the seqlock), then the pages go. */
 int store_drop_views(struct store *store, uint64_t *freed)
 {
-	struct store_header *h = store->header;
+	const struct store_header *h = store->header;
 	uint64_t before = file_allocated(store);
 	int rc = 0;
 
+	charge_sync(store, before);
 	for (uint32_t i = 0; i < h->layers && rc == 0; i++) {
-		struct store_layer_header *l = &h->layer[i];
+		struct layer_room *room = &store->room[i];
 		uint64_t start = store_key_view_offset(store, i);
 		uint64_t bytes = view_bytes(h, h->head_dim_k) + view_bytes(h, h->head_dim_v);
-		if (!l->view_valid || l->reserved_view_tokens == 0)
+		if (!room->view_valid || room->reserved_view_tokens == 0)
 			continue;
-		sequence_begin(l);
+		sequence_begin(store, i);
+		room->view_valid = false;
+		room->reserved_view_tokens = 0;
+		mirror_layer(store, i);
+		fault_point("drop.mark");
 		if (fallocate(store->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)start,
-			      (off_t)bytes) < 0) {
+			      (off_t)bytes) < 0)
 			rc = -errno;
-		} else {
-			l->reserved_view_tokens = 0;
-			l->view_valid = 0;
-		}
-		sequence_end(l);
+		fault_point("drop.punch");
+		sequence_end(store, i);
 	}
 	uint64_t after = file_allocated(store);
 	uint64_t released = before > after ? before - after : 0;
@@ -1008,9 +1551,11 @@ int store_drop_views(struct store *store, uint64_t *freed)
 /* Reconstructs one block's valid tokens into the views. A block cut by
  * trim goes through a scratch buffer, so its dead tail never lands past
  * its valid tokens (or past the end of the view). */
-static int block_restore(struct store *store, uint32_t layer, const struct store_block *block)
+static int block_restore(struct store *store, uint32_t layer, uint32_t i)
 {
 	const struct store_header *h = store->header;
+	const struct store_block *block = &store->index[layer].entries[i];
+	uint32_t valid = block_valid_tokens(store, layer, &store->layer[layer], i);
 	uint8_t *region = layer_region(store, layer);
 	for (int tensor = 0; tensor < 2; tensor++) {
 		zc_tensor kind = tensor == 0 ? ZC_TENSOR_KEYS : ZC_TENSOR_VALUES;
@@ -1023,7 +1568,7 @@ static int block_restore(struct store *store, uint32_t layer, const struct store
 		zc_strides strides = view_strides(h, dim);
 		int rc;
 
-		if (block->valid_tokens == block->tokens) {
+		if (valid == block->tokens) {
 			rc = zc_block_reconstruct(&store->codec, kind, &shape, data, bytes,
 						  view + (size_t)block->first_token * dim, &strides);
 		} else {
@@ -1038,8 +1583,7 @@ static int block_restore(struct store *store, uint32_t layer, const struct store
 				uint16_t *to = view + (head / h->kv_heads) * strides.batch +
 					       (head % h->kv_heads) * strides.head +
 					       (size_t)block->first_token * dim;
-				memcpy(to, scratch + head * head_elements,
-				       (size_t)block->valid_tokens * dim * 2);
+				memcpy(to, scratch + head * head_elements, (size_t)valid * dim * 2);
 			}
 			free(scratch);
 		}
@@ -1051,15 +1595,16 @@ static int block_restore(struct store *store, uint32_t layer, const struct store
 
 static int views_rebuild_layer(struct store *store, uint32_t layer)
 {
-	struct store_header *h = store->header;
-	struct store_layer_header *l = &h->layer[layer];
+	const struct store_header *h = store->header;
+	const struct layer_state *l = &store->layer[layer];
 	int rc = reserve_views(store, layer, l->tokens);
 	if (rc < 0)
 		return rc;
-	sequence_begin(l);
-	const struct store_block *index = layer_index(store, layer);
-	for (uint32_t i = 0; i < l->blocks && rc == 0; i++)
-		rc = block_restore(store, layer, &index[i]);
+	sequence_begin(store, layer);
+	for (uint32_t i = 0; i < l->blocks && rc == 0; i++) {
+		rc = block_restore(store, layer, i);
+		fault_point("rebuild.block");
+	}
 	if (rc == 0 && l->residual_tokens > 0) {
 		uint32_t first = l->tokens - l->residual_tokens;
 		for (int tensor = 0; tensor < 2; tensor++) {
@@ -1078,17 +1623,19 @@ static int views_rebuild_layer(struct store *store, uint32_t layer)
 		}
 	}
 	if (rc == 0) {
-		l->view_valid = 1;
+		store->room[layer].view_valid = true;
 		__atomic_fetch_add(&view_rebuilds, 1, __ATOMIC_RELAXED);
+		mirror_layer(store, layer);
+		fault_point("rebuild.done");
 	}
-	sequence_end(l);
+	sequence_end(store, layer);
 	return rc;
 }
 
 int store_rebuild_views(struct store *store)
 {
 	for (uint32_t i = 0; i < store->header->layers; i++) {
-		if (store->header->layer[i].view_valid)
+		if (store->room[i].view_valid)
 			continue;
 		int rc = views_rebuild_layer(store, i);
 		if (rc < 0)

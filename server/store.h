@@ -8,10 +8,16 @@
 #define ZIPCACHE_STORE_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "zipcache/codec.h"
 #include "store_format.h"
+
+/* Shape limits a session (and an adopted file) must keep. */
+#define STORE_MAX_LAYERS 1024u
+#define STORE_MAX_HEADS 65536u            /* batch x kv_heads */
+#define STORE_MAX_RESIDUAL_TOKENS 65536u
 
 enum store_policy {
 	STORE_POLICY_STREAMING = 0,
@@ -66,17 +72,43 @@ void store_budget_force(struct store_budget *budget, uint64_t bytes);
 
 struct store;
 
-/* Validates params (ZC_EINVALID / codec codes), creates dir/NAME.zcs;
- * its memory is charged to budget (which may be NULL). */
-int store_create(const char *dir, const struct store_params *params,
+/*
+ * Validates params (ZC_EINVALID / ZC_ESHAPE / codec codes; ZC_EEXHAUSTED
+ * for a layout too large to map), creates session-ID.zcs in the directory
+ * dir_fd (borrowed; dir_path is for logs), built under a temporary name
+ * and renamed into place. Its memory is charged to budget (may be NULL).
+ * Resource failures are ZC_EEXHAUSTED; nothing is left behind on failure.
+ */
+int store_create(int dir_fd, const char *dir_path, const struct store_params *params,
 		 struct store_budget *budget, struct store **out);
 
-/* Maps an existing store file after a daemon restart; checks that it is
- * self-consistent (ZC_ECORRUPT otherwise) and charges what it holds. */
-int store_adopt(const char *path, struct store_budget *budget, struct store **out);
+/*
+ * Adopts a file a daemon left in dir_fd after a restart: checks every
+ * field before trusting it and recovers the committed state of each layer
+ * (docs/DURABILITY.md), then charges what it holds. ZC_ECORRUPT with a
+ * reason when the file is inconsistent; -EPERM when it belongs to another
+ * uid; any other negative errno (EMFILE, ENOMEM, ...) is transient and
+ * the file is untouched.
+ */
+int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store_budget *budget,
+		struct store **out, char *reason, size_t reason_size);
 
 /* Unmaps; with remove_file the file is deleted (closed sessions). */
 void store_close(struct store *store, bool remove_file);
+
+/* Tokens readable in a layer, and its readers' sequence after the last
+ * change (safe from the loop thread while a job runs). */
+uint32_t store_layer_tokens(const struct store *store, uint32_t layer);
+uint64_t store_layer_sequence(const struct store *store, uint32_t layer);
+
+/* Charges what the file holds beyond its charge (pages a client's read
+ * faults allocated); returns the bytes added. Not while a job runs. */
+uint64_t store_sync_charge(struct store *store);
+
+/* Bounds the address space all stores may map together (0: none); a
+ * store past it is refused with ZC_EEXHAUSTED. Set once at start. */
+void store_set_map_limit(uint64_t bytes);
+uint64_t store_mapped_bytes_total(void);
 
 const struct store_header *store_header(const struct store *store);
 const char *store_path(const struct store *store);

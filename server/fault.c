@@ -1,0 +1,69 @@
+/* Fault points: see fault.h. */
+#include "fault.h"
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Every step a mutation of the store goes through, in its order. Each one
+ * names the moment right after the work it describes is done. */
+const char *const fault_steps[] = {
+	"create.file",       /* temporary file made and sized */
+	"create.header",     /* header and empty commit area written */
+	"create.rename",     /* renamed to its final name: the open's commit point */
+	"append.compress",   /* block(s) compressed into the arenas, views written */
+	"append.index",      /* index entries written past the committed count */
+	"append.record",     /* the layer's next commit record written */
+	"append.publish",    /* committed generation advanced: the commit point */
+	"residual.copy",     /* rows copied into the residual and the views */
+	"residual.record",
+	"residual.publish",  /* commit point of a short streaming update */
+	"flush.compress",    /* the full residual compressed into the arenas */
+	"flush.index",
+	"flush.record",
+	"flush.publish",     /* commit point of the residual flush */
+	"trim.record",       /* one layer's commit record written (hit once per layer) */
+	"trim.publish",      /* commit point of a trim, of one layer or all */
+	"drop.mark",         /* a layer's view marked invalid for readers */
+	"drop.punch",        /* its pages given back */
+	"rebuild.block",     /* one block reconstructed into a view */
+	"rebuild.done",      /* a layer's view valid again */
+	"close.unlink",      /* about to remove the file: the close's commit point */
+	"close.done",        /* file removed */
+	NULL
+};
+
+static const char *armed_step;
+static uint64_t armed_hit;
+static uint64_t hits;
+static pthread_once_t armed_once = PTHREAD_ONCE_INIT;
+
+static void fault_arm(void)
+{
+	static char step[64];
+	const char *spec = getenv("ZIPCACHED_FAULT");
+	const char *colon = spec ? strrchr(spec, ':') : NULL;
+	if (!colon || (size_t)(colon - spec) >= sizeof(step))
+		return;
+	memcpy(step, spec, (size_t)(colon - spec));
+	step[colon - spec] = '\0';
+	armed_hit = strtoull(colon + 1, NULL, 10);
+	if (armed_hit > 0)
+		armed_step = step;
+}
+
+void fault_point(const char *step)
+{
+	pthread_once(&armed_once, fault_arm);
+	if (!armed_step || strcmp(step, armed_step) != 0)
+		return;
+	if (__atomic_add_fetch(&hits, 1, __ATOMIC_RELAXED) == armed_hit) {
+		static const char message[] = "zipcached: fault injected, exiting\n";
+		ssize_t ignored = write(STDERR_FILENO, message, sizeof(message) - 1);
+		(void)ignored;
+		_exit(FAULT_EXIT_STATUS);
+	}
+}
