@@ -143,7 +143,7 @@ void session_retire(struct session_table *table, struct session *session, bool r
 		}
 	}
 	if (remove_file)
-		unlink(store_path(session->store));
+		store_unlink(session->store);
 }
 
 bool session_release_if_unused(struct session *session)

@@ -78,6 +78,7 @@ struct store {
 	uint64_t mapped;          /* bytes of the address-space bound that are this file's */
 	int dir_fd;               /* borrowed: the shm-dir */
 	int fd;
+	bool unlinked;
 	uint8_t *base;
 	size_t file_bytes;
 	struct store_header *header;      /* private copy: shape, codec, layout */
@@ -1053,15 +1054,24 @@ out_free:
 	return rc;
 }
 
+void store_unlink(struct store *store)
+{
+	if (store->unlinked)
+		return;
+	fault_point("close.unlink");
+	if (unlinkat(store->dir_fd, store->name, 0) < 0)
+		log_warn("store", "cannot remove session file", "path=%s error=%s", store->path,
+			 strerror(errno));
+	store->unlinked = true;
+	fault_point("close.done");
+}
+
 void store_close(struct store *store, bool remove_file)
 {
 	if (!store)
 		return;
-	if (remove_file) {
-		fault_point("close.unlink");
-		unlinkat(store->dir_fd, store->name, 0);
-		fault_point("close.done");
-	}
+	if (remove_file)
+		store_unlink(store);
 	store_budget_give(store->budget, store->charged);
 	store_unmap(store);
 	close(store->fd);

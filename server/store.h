@@ -96,6 +96,10 @@ int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store
 /* Unmaps; with remove_file the file is deleted (closed sessions). */
 void store_close(struct store *store, bool remove_file);
 
+/* Deletes the file now (the commit point of a close); the mapping stays
+ * until store_close. */
+void store_unlink(struct store *store);
+
 /* Tokens readable in a layer, and its readers' sequence after the last
  * change (safe from the loop thread while a job runs). */
 uint32_t store_layer_tokens(const struct store *store, uint32_t layer);

@@ -260,12 +260,36 @@ void daemon_start(struct daemon_harness *daemon, const char *const *extra_args)
 		      "socket path too long under %s", daemon->dir);
 	snprintf(daemon->shm_dir, sizeof(daemon->shm_dir), "%s/shm", daemon->dir);
 	snprintf(daemon->log_path, sizeof(daemon->log_path), "%s/daemon.log", daemon->dir);
+	daemon_set_extra_args(daemon, extra_args);
+	daemon_launch(daemon);
+}
+
+void daemon_set_extra_args(struct daemon_harness *daemon, const char *const *extra_args)
+{
+	daemon->n_extra_args = 0;
 	for (int i = 0; extra_args && extra_args[i]; i++) {
 		ck_assert_msg(i < DAEMON_MAX_EXTRA_ARGS, "too many extra daemon flags");
 		snprintf(daemon->extra_args[i], sizeof(daemon->extra_args[i]), "%s", extra_args[i]);
 		daemon->n_extra_args = i + 1;
 	}
-	daemon_launch(daemon);
+}
+
+int daemon_wait_exit(struct daemon_harness *daemon, int timeout_ms)
+{
+	int64_t deadline = now_ms() + timeout_ms;
+	int status = 0;
+	ck_assert_msg(daemon->pid > 0, "daemon_wait_exit without a running daemon");
+	for (;;) {
+		pid_t done = waitpid(daemon->pid, &status, WNOHANG);
+		if (done == daemon->pid)
+			break;
+		ck_assert_msg(done == 0, "waitpid: %s", strerror(errno));
+		if (now_ms() > deadline)
+			return -1;
+		sleep_ms(5);
+	}
+	daemon->pid = 0;
+	return status;
 }
 
 void daemon_restart(struct daemon_harness *daemon)

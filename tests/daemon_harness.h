@@ -66,6 +66,13 @@ void daemon_restart(struct daemon_harness *daemon);
  * that the daemon exited with status 0 and removed its socket file. */
 void daemon_stop(struct daemon_harness *daemon);
 
+/* The flags the next daemon_restart() passes (a NULL-terminated list). */
+void daemon_set_extra_args(struct daemon_harness *daemon, const char *const *extra_args);
+
+/* Waits up to timeout_ms for the daemon to exit by itself and reaps it:
+ * its wait status, or -1 when it still runs (it is left running). */
+int daemon_wait_exit(struct daemon_harness *daemon, int timeout_ms);
+
 /* SIGKILL and reap: a crash. The socket file and sessions stay behind. */
 void daemon_kill(struct daemon_harness *daemon);
 

@@ -270,27 +270,33 @@ int model_update(struct model *model, uint32_t layer, uint32_t tokens, const uin
 	return 0;
 }
 
+uint32_t model_trim_layer(struct model *model, uint32_t layer, uint32_t tokens)
+{
+	struct model_layer *l = &model->layer[layer];
+	uint32_t cut = tokens < l->tokens ? tokens : l->tokens;
+	uint32_t keep = l->tokens - cut;
+
+	if (cut == 0)
+		return 0;
+	if (cut <= l->residual) {
+		l->residual -= cut;
+	} else {
+		l->residual = 0;
+		while (l->n_blocks > 0 && l->blocks[l->n_blocks - 1].first_token >= keep)
+			l->n_blocks--;
+	}
+	l->tokens = keep;
+	return cut;
+}
+
 uint32_t model_trim(struct model *model, uint32_t tokens)
 {
 	uint32_t most = 0;
 
 	for (uint32_t i = 0; i < model->layers; i++) {
-		struct model_layer *l = &model->layer[i];
-		uint32_t cut = tokens < l->tokens ? tokens : l->tokens;
-		uint32_t keep = l->tokens - cut;
-
+		uint32_t cut = model_trim_layer(model, i, tokens);
 		if (cut > most)
 			most = cut;
-		if (cut == 0)
-			continue;
-		if (cut <= l->residual) {
-			l->residual -= cut;
-		} else {
-			l->residual = 0;
-			while (l->n_blocks > 0 && l->blocks[l->n_blocks - 1].first_token >= keep)
-				l->n_blocks--;
-		}
-		l->tokens = keep;
 	}
 	return most;
 }

@@ -130,6 +130,9 @@ int model_update(struct model *model, uint32_t layer, uint32_t tokens, const uin
  */
 uint32_t model_trim(struct model *model, uint32_t tokens);
 
+/* The same for one layer; returns what it lost. */
+uint32_t model_trim_layer(struct model *model, uint32_t layer, uint32_t tokens);
+
 /* The seed's accounting: blocks as stored, plus the residual as the fp16
  * it really is (its baseline is that of the block it will become). */
 void model_layer_stats(const struct model *model, uint32_t layer, zc_layer_stats *out);

@@ -1,0 +1,679 @@
+/*
+ * Durability, checked deterministically (docs/DURABILITY.md).
+ *
+ *   fault_points   For every named step of every mutation (server/fault.c)
+ *                  and for several of its hits, a daemon started with
+ *                  ZIPCACHED_FAULT=STEP:N dies on the spot while one client
+ *                  runs a fixed script that reaches every mutation: open,
+ *                  direct blocks, residual appends and flushes, a flush
+ *                  ahead of a direct block, trims of one layer and of all
+ *                  (cutting through blocks), per_call blocks, views dropped
+ *                  by memory relief and rebuilt, close. A daemon without
+ *                  the fault then adopts the files, and every session must
+ *                  equal, bit for bit (views and accounting), the model of
+ *                  the acknowledged operations, with the operation in
+ *                  flight either wholly applied or wholly absent.
+ *   adoption       Files that cannot be opened for a passing reason (a
+ *                  descriptor limit) stay where they are, untouched, and
+ *                  come back once the daemon can open them; files that
+ *                  fail a real check are set aside with a reason; files of
+ *                  an unfinished open are removed.
+ *   trust          The shared-memory directory must be the daemon's own:
+ *                  another owner, group or other access, or a symlink, and
+ *                  the daemon refuses to start; a planted .lock symlink is
+ *                  never followed.
+ */
+#include <check.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "daemon_harness.h"
+#include "../server/fault.h"
+#include "layer_model.h"
+#include "process_run.h"
+#include "suite_main.h"
+#include "zipcache/client.h"
+#include "zipcache/error.h"
+
+#define TEST_TIMEOUT_SECONDS 600
+
+/* ---- the script ------------------------------------------------------------ */
+
+enum op_kind { OP_OPEN, OP_UPDATE, OP_TRIM, OP_TRIM_LAYER, OP_ATTACH, OP_CLOSE };
+
+#define SESSIONS 4
+
+enum { S_STREAM, S_PER_CALL, S_IDLE, S_GROWER };
+
+struct op {
+	enum op_kind kind;
+	int session;
+	uint32_t layer, tokens;
+};
+
+/* The budget under which the grower's blocks make relief drop the idle
+ * sessions' views (and the idle session's rebuild drop the grower's). */
+#define SCRIPT_BUDGET "10M"
+
+static zc_session_config script_config(int session)
+{
+	static const char *const names[SESSIONS] = { "stream", "per-call", "idle", "grower" };
+	zc_session_config c;
+	zc_session_config_default(&c);
+	c.name = names[session];
+	c.batch = 1;
+	switch (session) {
+	case S_STREAM:
+		c.layers = 2, c.kv_heads = 2, c.head_dim_k = c.head_dim_v = 32, c.max_tokens = 1024;
+		c.residual_tokens = 8;
+		break;
+	case S_PER_CALL:
+		c.layers = 2, c.kv_heads = 2, c.head_dim_k = 32, c.head_dim_v = 16, c.max_tokens = 256;
+		c.policy = ZC_POLICY_PER_CALL;
+		break;
+	default:
+		c.layers = 1, c.kv_heads = 8, c.head_dim_k = c.head_dim_v = 128, c.max_tokens = 2048;
+		break;
+	}
+	return c;
+}
+
+static size_t script_make(struct op *ops, size_t capacity)
+{
+	size_t n = 0;
+#define OP(k, s, l, t)                                                                    \
+	do {                                                                               \
+		ck_assert(n < capacity);                                                   \
+		ops[n++] = (struct op){ k, s, l, t };                                      \
+	} while (0)
+	OP(OP_OPEN, S_STREAM, 0, 0);
+	OP(OP_OPEN, S_PER_CALL, 0, 0);
+	OP(OP_UPDATE, S_STREAM, 0, 20);
+	OP(OP_UPDATE, S_STREAM, 1, 20);
+	for (int i = 0; i < 5; i++) {     /* 3, 6, 9 (flushed), 3, 6 */
+		OP(OP_UPDATE, S_STREAM, 0, 3);
+		OP(OP_UPDATE, S_STREAM, 1, 3);
+	}
+	OP(OP_UPDATE, S_STREAM, 0, 10);   /* the residual of 6 goes ahead as its own block */
+	OP(OP_TRIM_LAYER, S_STREAM, 1, 4);
+	OP(OP_TRIM, S_STREAM, 0, 15);      /* cuts through blocks of both layers */
+	OP(OP_UPDATE, S_STREAM, 0, 3);
+	OP(OP_UPDATE, S_STREAM, 1, 3);
+	OP(OP_UPDATE, S_STREAM, 0, 12);
+	for (int i = 0; i < 3; i++) {
+		OP(OP_UPDATE, S_PER_CALL, 0, 1);
+		OP(OP_UPDATE, S_PER_CALL, 1, 1 + (uint32_t)i);
+	}
+	OP(OP_TRIM, S_PER_CALL, 0, 2);
+	OP(OP_UPDATE, S_PER_CALL, 0, 5);
+	OP(OP_OPEN, S_IDLE, 0, 0);
+	OP(OP_UPDATE, S_IDLE, 0, 512);
+	OP(OP_UPDATE, S_IDLE, 0, 512);
+	OP(OP_OPEN, S_GROWER, 0, 0);
+	for (int i = 0; i < 8; i++)
+		OP(OP_UPDATE, S_GROWER, 0, 256);
+	OP(OP_ATTACH, S_IDLE, 0, 0);       /* its views come back */
+	OP(OP_UPDATE, S_STREAM, 1, 2);     /* into a dropped view */
+	OP(OP_CLOSE, S_PER_CALL, 0, 0);
+	OP(OP_UPDATE, S_STREAM, 0, 3);
+#undef OP
+	return n;
+}
+
+/* The K/V of op i, the same in every run and replay. */
+static void op_block(const struct op *op, size_t i, const struct model *model, struct block *b)
+{
+	struct rng rng;
+	rng_seed(&rng, 0x5eed0000u + i);
+	block_make(b, model, op->tokens, &rng);
+}
+
+/* What the run saw of each operation. */
+struct outcome {
+	int rc;          /* its code when acknowledged */
+};
+
+static bool lost(int rc)
+{
+	/* Anything but a reply: the daemon is gone. */
+	return rc == ZC_EPROTOCOL || rc == -EPIPE || rc == -ECONNRESET || rc == -ENOTCONN ||
+	       rc == -ETIMEDOUT || rc == ZC_ERESTARTED || rc == -ECONNREFUSED || rc == -ENOENT ||
+	       rc == ZC_EINTERNAL || (rc < 0 && rc > -200 && rc != -ENOMEM);
+}
+
+/*
+ * Runs the script until the daemon dies; returns how many operations were
+ * acknowledged (outcomes[0..n) hold their codes); *died says whether it
+ * stopped because the daemon went away.
+ */
+static size_t script_run(const struct daemon_harness *daemon, const struct op *ops, size_t n_ops,
+			 struct outcome *outcomes, bool *died)
+{
+	zc_client *client = NULL;
+	zc_session *sessions[SESSIONS] = { 0 };
+	struct model models[SESSIONS];
+	bool open[SESSIONS] = { 0 };
+	size_t i = 0;
+
+	*died = false;
+	int rc = zc_client_connect(daemon->socket_path, CLIENT_TIMEOUT_MS, &client);
+	ck_assert_msg(rc == 0, "connect: %s", zc_strerror(rc));
+	for (; i < n_ops; i++) {
+		const struct op *op = &ops[i];
+		zc_session_config config = script_config(op->session);
+		uint32_t trimmed = 0;
+		struct block block = { 0 };
+		zc_view view;
+
+		switch (op->kind) {
+		case OP_OPEN:
+		case OP_ATTACH:
+			config.attach = op->kind == OP_ATTACH;
+			if (sessions[op->session])
+				zc_session_release(sessions[op->session]);
+			sessions[op->session] = NULL;
+			rc = zc_session_open(client, &config, &sessions[op->session]);
+			if (rc == 0 && !open[op->session]) {
+				model_init(&models[op->session], &config);
+				open[op->session] = true;
+			}
+			break;
+		case OP_UPDATE:
+			op_block(op, i, &models[op->session], &block);
+			rc = zc_update_and_fetch(sessions[op->session], op->layer, op->tokens, block.keys,
+						 block.values, &view, NULL);
+			block_free(&block);
+			break;
+		case OP_TRIM:
+			rc = zc_session_trim(sessions[op->session], op->tokens, &trimmed);
+			break;
+		case OP_TRIM_LAYER:
+			rc = zc_session_trim_layer(sessions[op->session], op->layer, op->tokens, &trimmed);
+			break;
+		case OP_CLOSE:
+			rc = zc_session_close(sessions[op->session]);
+			sessions[op->session] = NULL;
+			break;
+		}
+		if (rc < 0 && lost(rc)) {
+			*died = true;
+			break;
+		}
+		/* Only the budget may refuse anything in the script. */
+		ck_assert_msg(rc == 0 || rc == ZC_EEXHAUSTED, "op %zu: %s: %s", i, zc_error_name(rc),
+			      zc_client_last_error(client));
+		outcomes[i].rc = rc;
+	}
+	for (int s = 0; s < SESSIONS; s++) {
+		if (sessions[s])
+			zc_session_release(sessions[s]);
+		if (open[s])
+			model_free(&models[s]);
+	}
+	zc_client_close(client);
+	return i;
+}
+
+/* ---- the expected state ------------------------------------------------------- */
+
+/* How the operation in flight at the crash is taken. */
+enum variant {
+	ABSENT,            /* never happened */
+	APPLIED,           /* wholly applied (a short update: its residual flushed) */
+	APPLIED_UNFLUSHED  /* a short update that filled the residual, before its flush */
+};
+
+struct expected {
+	struct model models[SESSIONS];
+	bool exists[SESSIONS];
+};
+
+static void expected_free(struct expected *e)
+{
+	for (int s = 0; s < SESSIONS; s++)
+		if (e->exists[s])
+			model_free(&e->models[s]);
+}
+
+static void op_apply(struct expected *e, const struct op *ops, size_t i, enum variant variant)
+{
+	const struct op *op = &ops[i];
+	struct model *m = &e->models[op->session];
+	struct block block;
+
+	switch (op->kind) {
+	case OP_OPEN: {
+		zc_session_config config = script_config(op->session);
+		if (!e->exists[op->session])
+			model_init(m, &config);
+		e->exists[op->session] = true;
+		break;
+	}
+	case OP_ATTACH:
+		break;
+	case OP_UPDATE:
+		op_block(op, i, m, &block);
+		if (variant == APPLIED_UNFLUSHED)
+			model_append_exact(m, op->layer, op->tokens, block.keys, block.values);
+		else
+			ck_assert_int_eq(model_update(m, op->layer, op->tokens, block.keys, block.values), 0);
+		block_free(&block);
+		break;
+	case OP_TRIM:
+		model_trim(m, op->tokens);
+		break;
+	case OP_TRIM_LAYER:
+		model_trim_layer(m, op->layer, op->tokens);
+		break;
+	case OP_CLOSE:
+		model_free(m);
+		e->exists[op->session] = false;
+		break;
+	}
+}
+
+/* The acknowledged operations (those refused by the budget changed
+ * nothing), then the one in flight as `variant`. */
+static void expected_build(struct expected *e, const struct op *ops, const struct outcome *outcomes,
+			   size_t acked, bool in_flight, enum variant variant)
+{
+	memset(e, 0, sizeof(*e));
+	for (size_t i = 0; i < acked; i++)
+		if (outcomes[i].rc == 0)
+			op_apply(e, ops, i, APPLIED);
+	if (in_flight && variant != ABSENT)
+		op_apply(e, ops, acked, variant);
+}
+
+/* Whether the in-flight op can be taken as `variant` at all. */
+static bool variant_possible(const struct op *op, const struct expected *acked, enum variant v)
+{
+	if (v != APPLIED_UNFLUSHED)
+		return true;
+	if (op->kind != OP_UPDATE || !acked->exists[op->session])
+		return false;
+	const struct model *m = &acked->models[op->session];
+	return !model_direct(m, op->tokens) &&
+	       m->layer[op->layer].residual + op->tokens >= m->residual_threshold;
+}
+
+/* Every session the daemon holds now against `e`; a sentence in why if not. */
+static bool daemon_matches(zc_client *client, const struct expected *e, char *why, size_t size)
+{
+	zc_session_info infos[16];
+	size_t count = 0;
+	int rc = zc_client_list_sessions(client, infos, 16, &count);
+	if (rc < 0)
+		return fail_with(why, size, "list: %s", zc_strerror(rc));
+	for (int s = 0; s < SESSIONS; s++) {
+		zc_session_config config = script_config(s);
+		bool found = false;
+		for (size_t i = 0; i < count; i++)
+			found |= strcmp(infos[i].name, config.name) == 0;
+		if (found != e->exists[s])
+			return fail_with(why, size, "session '%s' %s", config.name,
+					 found ? "exists but should not" : "is missing");
+		if (!found)
+			continue;
+		zc_session *session;
+		config.attach = true;
+		rc = zc_session_open(client, &config, &session);
+		if (rc < 0)
+			return fail_with(why, size, "attach '%s': %s: %s", config.name, zc_strerror(rc),
+					 zc_client_last_error(client));
+		char inner[WHY_BYTES];
+		bool ok = session_matches(session, &e->models[s], inner, sizeof(inner));
+		zc_session_release(session);
+		if (!ok)
+			return fail_with(why, size, "session '%s': %s", config.name, inner);
+	}
+	return true;
+}
+
+/* ---- fault points ------------------------------------------------------------------- */
+
+static const char *op_name(enum op_kind kind)
+{
+	static const char *const names[] = { "open", "update", "trim", "trim_layer", "attach", "close" };
+	return names[kind];
+}
+
+/* One run: the script under STEP:HIT, then adoption checked. Returns
+ * false when the step was not reached that many times. */
+static bool fault_run(const char *step, int hit, const struct op *ops, size_t n_ops)
+{
+	struct daemon_harness daemon;
+	const char *const args[] = { "--memory-budget", SCRIPT_BUDGET, "--idle-ttl", "0", NULL };
+	const char *const plain[] = { "--idle-ttl", "0", NULL };
+	struct outcome outcomes[128] = { 0 };
+	char spec[96], tail[4096];
+	bool died;
+
+	snprintf(spec, sizeof(spec), "%s:%d", step, hit);
+	setenv("ZIPCACHED_FAULT", spec, 1);
+	daemon_start(&daemon, args);
+	unsetenv("ZIPCACHED_FAULT");
+	size_t acked = script_run(&daemon, ops, n_ops, outcomes, &died);
+	if (!died) {
+		daemon_stop(&daemon);
+		daemon_cleanup(&daemon);
+		return false;
+	}
+	int status = daemon_wait_exit(&daemon, 20000);
+	ck_assert_msg(status != -1, "%s: the client lost the daemon at op %zu, but it still runs",
+		      spec, acked);
+	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == FAULT_EXIT_STATUS,
+		      "%s: the daemon ended with status 0x%x, not by the fault; log:\n%s", spec,
+		      status, daemon_log_tail(&daemon, tail, sizeof(tail)));
+
+	/* Without a budget, so that every view can be rebuilt to be read. */
+	daemon_set_extra_args(&daemon, plain);
+	daemon_restart(&daemon);
+	zc_client *client = connect_client(&daemon);
+	const struct op *inflight = &ops[acked];
+	struct expected acked_state;
+	expected_build(&acked_state, ops, outcomes, acked, false, ABSENT);
+	char whys[3][WHY_BYTES] = { "", "", "" };
+	bool ok = false;
+	for (enum variant v = ABSENT; v <= APPLIED_UNFLUSHED && !ok; v++) {
+		if (!variant_possible(inflight, &acked_state, v)) {
+			snprintf(whys[v], sizeof(whys[v]), "not possible");
+			continue;
+		}
+		struct expected e;
+		expected_build(&e, ops, outcomes, acked, true, v);
+		ok = daemon_matches(client, &e, whys[v], sizeof(whys[v]));
+		expected_free(&e);
+	}
+	expected_free(&acked_state);
+	ck_assert_msg(ok,
+		      "%s: killed during op %zu (%s of session %d), after adoption neither state "
+		      "holds:\n  without it: %s\n  with it: %s\n  with it, residual not flushed: %s\n"
+		      "log:\n%s",
+		      spec, acked, op_name(inflight->kind), inflight->session, whys[ABSENT],
+		      whys[APPLIED], whys[APPLIED_UNFLUSHED], daemon_log_tail(&daemon, tail, sizeof(tail)));
+
+	/* The adopted sessions go on: one more update where the script stopped. */
+	zc_client_close(client);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+	return true;
+}
+
+START_TEST(every_step_of_every_mutation)
+{
+	static const int hits[] = { 1, 2, 3, 5, 8 };
+	struct op ops[128];
+	size_t n_ops = script_make(ops, 128);
+	int runs = 0;
+
+	for (size_t s = 0; fault_steps[s]; s++) {
+		for (size_t h = 0; h < sizeof(hits) / sizeof(hits[0]); h++) {
+			bool reached = fault_run(fault_steps[s], hits[h], ops, n_ops);
+			ck_assert_msg(reached || h > 0,
+				      "the script never reaches step %s: it does not test it",
+				      fault_steps[s]);
+			if (!reached)
+				break;
+			runs++;
+		}
+	}
+	fprintf(stderr, "fault points: %d crashes, every one adopted as acknowledged\n", runs);
+}
+END_TEST
+
+/* The script itself, without faults, leaves what the model says (and
+ * shows the budget really dropped views and refused nothing it should not). */
+START_TEST(script_without_faults)
+{
+	struct daemon_harness daemon;
+	const char *const args[] = { "--memory-budget", SCRIPT_BUDGET, "--idle-ttl", "0", NULL };
+	struct op ops[128];
+	struct outcome outcomes[128] = { 0 };
+	size_t n_ops = script_make(ops, 128);
+	bool died;
+
+	daemon_start(&daemon, args);
+	size_t done = script_run(&daemon, ops, n_ops, outcomes, &died);
+	ck_assert_msg(!died && done == n_ops, "the daemon died at op %zu", done);
+	zc_client *client = connect_client(&daemon);
+	zc_server_stats stats;
+	ck_assert_int_eq(zc_client_stats(client, &stats), 0);
+	zc_client_close(client);
+	daemon_stop(&daemon);
+	daemon_set_extra_args(&daemon, NULL);
+	daemon_restart(&daemon);
+	client = connect_client(&daemon);
+	struct expected e;
+	expected_build(&e, ops, outcomes, n_ops, false, ABSENT);
+	CHECK(daemon_matches, client, &e);
+	expected_free(&e);
+	zc_client_close(client);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+}
+END_TEST
+
+/* ---- adoption ------------------------------------------------------------------------ */
+
+static int count_files(const char *dir, const char *suffix)
+{
+	char command[PATH_MAX + 64];
+	snprintf(command, sizeof(command), "ls -a '%s' | grep -c -- '%s$'", dir, suffix);
+	FILE *p = popen(command, "r");
+	int n = 0;
+	if (p) {
+		if (fscanf(p, "%d", &n) != 1)
+			n = 0;
+		pclose(p);
+	}
+	return n;
+}
+
+START_TEST(descriptor_limit_never_sets_files_aside)
+{
+	enum { FILES = 60 };
+	struct daemon_harness daemon;
+	const char *const args[] = { "--idle-ttl", "0", NULL };
+	zc_session_config config = script_config(S_STREAM);
+	char names[FILES][16];
+
+	daemon_start(&daemon, args);
+	zc_client *client = connect_client(&daemon);
+	for (int i = 0; i < FILES; i++) {
+		snprintf(names[i], sizeof(names[i]), "s%d", i);
+		config.name = names[i];
+		zc_session *session = open_session(client, &config);
+		struct model model;
+		struct rng rng;
+		model_init(&model, &config);
+		rng_seed(&rng, (uint64_t)i);
+		CHECK(update_checked, client, session, &model, &rng, 0, 5 + (uint32_t)i % 7);
+		model_free(&model);
+		zc_session_release(session);
+	}
+	zc_client_close(client);
+	daemon_kill(&daemon);
+
+	/* A daemon that can open only a few files: the rest must stay where
+	 * they are, untouched (it may not even get to listen). */
+	pid_t pid = fork_dying_with_parent(1);
+	if (pid == 0) {
+		char sock[PATH_MAX];
+		struct rlimit low = { 24, 24 };
+		snprintf(sock, sizeof(sock), "%s/low.sock", daemon.dir);
+		char log_path[PATH_MAX];
+		snprintf(log_path, sizeof(log_path), "%s/low.log", daemon.dir);
+		if (!freopen(log_path, "w", stderr) || setrlimit(RLIMIT_NOFILE, &low) < 0)
+			_exit(2);
+		execl(daemon_binary_path(), "zipcached", "--socket", sock, "--shm-dir", daemon.shm_dir,
+		      "--metrics-listen", "off", "--idle-ttl", "0", (char *)NULL);
+		_exit(3);
+	}
+	sleep_ms(500);
+	kill(pid, SIGKILL);
+	int status;
+	waitpid(pid, &status, 0);
+	ck_assert_msg(!WIFEXITED(status) || WEXITSTATUS(status) == 1,
+		      "the low-limit daemon did not run (status 0x%x)", status);
+	ck_assert_int_eq(count_files(daemon.shm_dir, ".corrupt"), 0);
+	ck_assert_int_eq(count_files(daemon.shm_dir, ".zcs"), FILES);
+
+	daemon_restart(&daemon);
+	ck_assert_int_eq(count_files(daemon.shm_dir, ".corrupt"), 0);
+	client = connect_client(&daemon);
+	zc_session_info infos[FILES + 1];
+	size_t count = 0;
+	ck_assert_int_eq(zc_client_list_sessions(client, infos, FILES + 1, &count), 0);
+	ck_assert_msg(count == FILES, "%zu of %d sessions came back after the descriptor limit",
+		      count, FILES);
+	zc_client_close(client);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+}
+END_TEST
+
+/* A file that fails its checks is set aside with the reason logged; an
+ * unfinished open's temporary file is removed; healthy neighbours stay. */
+START_TEST(corrupt_files_set_aside_healthy_ones_adopted)
+{
+	struct daemon_harness daemon;
+	const char *const args[] = { "--idle-ttl", "0", NULL };
+	zc_session_config config = script_config(S_STREAM);
+	char path[PATH_MAX + 64], tail[4096];
+
+	daemon_start(&daemon, args);
+	zc_client *client = connect_client(&daemon);
+	config.name = "healthy";
+	zc_session *healthy = open_session(client, &config);
+	struct model model;
+	struct rng rng;
+	model_init(&model, &config);
+	rng_seed(&rng, 7);
+	CHECK(update_checked, client, healthy, &model, &rng, 0, 40);
+	config.name = "broken";
+	zc_session *broken = open_session(client, &config);
+	uint64_t broken_id = zc_session_get_info(broken)->id;
+	zc_session_release(broken);
+	zc_session_release(healthy);
+	zc_client_close(client);
+	daemon_kill(&daemon);
+
+	/* Break the second file's header; plant an unfinished open. */
+	snprintf(path, sizeof(path), "%s/session-%016" PRIx64 ".zcs", daemon.shm_dir, broken_id);
+	FILE *f = fopen(path, "r+");
+	ck_assert_ptr_nonnull(f);
+	fseek(f, 8, SEEK_SET);
+	fputc(0x7f, f);   /* the version */
+	fclose(f);
+	snprintf(path, sizeof(path), "%s/.session-00000000000000aa.zcs.tmp", daemon.shm_dir);
+	f = fopen(path, "w");
+	ck_assert_ptr_nonnull(f);
+	fclose(f);
+
+	daemon_restart(&daemon);
+	ck_assert_int_eq(count_files(daemon.shm_dir, ".corrupt"), 1);
+	ck_assert_int_eq(count_files(daemon.shm_dir, ".tmp"), 0);
+	ck_assert_msg(strstr(daemon_log_tail(&daemon, tail, sizeof(tail)), "format version") != NULL,
+		      "the log does not say why the file was set aside:\n%s", tail);
+	client = connect_client(&daemon);
+	config.name = "healthy";
+	config.attach = true;
+	healthy = open_session(client, &config);
+	CHECK(session_matches, healthy, &model);
+	/* A new session never takes the id of the file set aside. */
+	config.name = "new";
+	config.attach = false;
+	zc_session *fresh = open_session(client, &config);
+	ck_assert_uint_gt(zc_session_get_info(fresh)->id, broken_id);
+	zc_session_release(fresh);
+	zc_session_release(healthy);
+	model_free(&model);
+	zc_client_close(client);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+}
+END_TEST
+
+/* ---- trust ------------------------------------------------------------------------------ */
+
+/* Runs zipcached on dir/shm as it is, expecting it to refuse to start. */
+static void expect_refusal(const struct daemon_harness *d, const char *shm, const char *needle)
+{
+	char sock[PATH_MAX];
+	char out[4096], err[8192];
+	int status = 0;
+	snprintf(sock, sizeof(sock), "%s/refused.sock", d->dir);
+	const char *const argv[] = { daemon_binary_path(), "--socket", sock, "--shm-dir", shm,
+				     "--metrics-listen", "off", NULL };
+	ck_assert_int_eq(program_run(argv, &status, out, sizeof(out), err, sizeof(err)), 0);
+	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) != 0,
+		      "zipcached started on an untrusted shm-dir %s (status 0x%x)", shm, status);
+	ck_assert_msg(strstr(err, needle) != NULL, "the refusal does not say '%s':\n%s", needle, err);
+}
+
+START_TEST(untrusted_shm_dir_is_refused)
+{
+	struct daemon_harness daemon;
+	char shm[PATH_MAX], target[PATH_MAX], link_path[PATH_MAX + 16];
+	struct stat st;
+
+	daemon_start(&daemon, NULL);
+	daemon_stop(&daemon);
+
+	/* Owned by another user. */
+	snprintf(shm, sizeof(shm), "%s/foreign", daemon.dir);
+	ck_assert_int_eq(mkdir(shm, 0700), 0);
+	ck_assert_int_eq(chown(shm, 65534, 65534), 0);
+	expect_refusal(&daemon, shm, "untrusted");
+	/* Ours, but open to the group. */
+	snprintf(shm, sizeof(shm), "%s/open", daemon.dir);
+	ck_assert_int_eq(mkdir(shm, 0700), 0);
+	ck_assert_int_eq(chmod(shm, 0770), 0);
+	expect_refusal(&daemon, shm, "untrusted");
+	/* A symlink to a directory of ours. */
+	snprintf(target, sizeof(target), "%s/real", daemon.dir);
+	ck_assert_int_eq(mkdir(target, 0700), 0);
+	snprintf(shm, sizeof(shm), "%s/link", daemon.dir);
+	ck_assert_int_eq(symlink(target, shm), 0);
+	expect_refusal(&daemon, shm, "shared-memory directory");
+	/* A planted .lock symlink is never followed. */
+	snprintf(shm, sizeof(shm), "%s/planted", daemon.dir);
+	ck_assert_int_eq(mkdir(shm, 0700), 0);
+	snprintf(link_path, sizeof(link_path), "%s/.lock", shm);
+	snprintf(target, sizeof(target), "%s/victim", daemon.dir);
+	ck_assert_int_eq(symlink(target, link_path), 0);
+	expect_refusal(&daemon, shm, "shared-memory directory");
+	ck_assert_msg(lstat(target, &st) < 0 && errno == ENOENT,
+		      "the daemon created %s through a planted symlink", target);
+	daemon_cleanup(&daemon);
+}
+END_TEST
+
+static Suite *durability_suite(void)
+{
+	Suite *suite = suite_create("durability");
+	const struct test_case cases[] = {
+		{ "faults", { every_step_of_every_mutation, script_without_faults, NULL } },
+		{ "adoption",
+		  { descriptor_limit_never_sets_files_aside, corrupt_files_set_aside_healthy_ones_adopted,
+		    NULL } },
+		{ "trust", { untrusted_shm_dir_is_refused, NULL } },
+	};
+	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);
+	return suite;
+}
+
+int main(void)
+{
+	return suite_main(durability_suite(), CK_FORK);
+}
