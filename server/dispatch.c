@@ -373,6 +373,12 @@ static void handle_open(struct connection *connection, const wire_request *reque
 			params.codec.quantize_values = c->quantize_values;
 	}
 	rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, &server->budget, &store);
+	for (int tries = 0; rc == ZC_EEXISTS && tries < 3; tries++) {
+		/* A file nobody adopted holds this id: take the next. */
+		params.session_id = ++server->sessions.next_id;
+		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, &server->budget,
+				  &store);
+	}
 	if (rc == STORE_EBUDGET && server_relieve_memory(server, 1u << 20, NULL) > 0)
 		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, &server->budget, &store);
 	if (rc == STORE_EBUDGET) {
@@ -380,6 +386,18 @@ static void handle_open(struct connection *connection, const wire_request *reque
 			    "memory budget of %llu bytes is exhausted (%llu in use)",
 			    (unsigned long long)server->budget.limit,
 			    (unsigned long long)server_memory_bytes(server));
+		return;
+	}
+	uint64_t layout_bytes = 0;
+	if (rc == ZC_EEXHAUSTED && store_layout_bytes(&params, &layout_bytes) != ZC_ESHAPE &&
+	    (layout_bytes == 0 || store_mapped_bytes_total() + layout_bytes > store_map_limit())) {
+		reply_error(connection, &connection->current, id, rc,
+			    "cannot open session '%s': its layout needs %llu bytes of address space (0: more "
+			    "than fits); "
+			    "one session may map at most %llu, and all of them --max-mapped-bytes %llu "
+			    "(%llu mapped)", name, (unsigned long long)layout_bytes,
+			    (unsigned long long)store_max_file_bytes(), (unsigned long long)store_map_limit(),
+			    (unsigned long long)store_mapped_bytes_total());
 		return;
 	}
 	if (rc < 0) {

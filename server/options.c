@@ -81,6 +81,10 @@ void options_print_help(const char *program)
 	       d.max_inline_bytes, d.max_connections, d.max_sessions, d.max_tokens,
 	       (unsigned long long)d.max_staging_bytes, (unsigned long long)d.idle_ttl_seconds,
 	       d.offload_elements, d.metrics_listen);
+	printf("  --max-mapped-bytes N     address space all session files may map together; 0 = the\n"
+	       "                           default: half the address-space limit (ulimit -v), at most 64T\n"
+	       "                           (each session is one mapping: vm.max_map_count bounds sessions\n"
+	       "                           well above --max-sessions; see docs/DURABILITY.md)\n");
 }
 
 /* A non-negative integer with an optional K/M/G suffix, nothing else. */
@@ -112,7 +116,8 @@ enum option_id {
 	OPT_SOCKET = 1000, OPT_SOCKET_MODE, OPT_SHM_DIR, OPT_MAX_FRAME, OPT_MAX_INLINE,
 	OPT_MAX_CONNECTIONS, OPT_MAX_SESSIONS, OPT_MAX_TOKENS, OPT_MAX_STAGING, OPT_BUDGET,
 	OPT_TTL, OPT_OFFLOAD, OPT_NO_ADOPT, OPT_LOG_LEVEL, OPT_METRICS, OPT_CONFIG, OPT_HELP,
-	OPT_VERSION
+	OPT_VERSION,
+	OPT_MAX_MAPPED
 };
 
 static const struct option long_options[] = {
@@ -134,6 +139,7 @@ static const struct option long_options[] = {
 	{ "config", required_argument, NULL, OPT_CONFIG },
 	{ "help", no_argument, NULL, OPT_HELP },
 	{ "version", no_argument, NULL, OPT_VERSION },
+	{ "max-mapped-bytes", required_argument, NULL, OPT_MAX_MAPPED },
 	{ NULL, 0, NULL, 0 }
 };
 
@@ -209,6 +215,9 @@ static int option_apply(struct options *o, int id, const char *arg)
 		return 0;
 	case OPT_BUDGET:
 		o->memory_budget = value;
+		return 0;
+	case OPT_MAX_MAPPED:
+		o->max_mapped_bytes = value;
 		return 0;
 	case OPT_TTL:
 		/* Counted in milliseconds later: keep seconds * 1000 in range. */

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <linux/magic.h>
 #include <sys/stat.h>
@@ -255,6 +256,18 @@ void server_stop(struct server *server)
 	server_stop_progress(server);
 }
 
+/* Sparse session files cost address space, not memory: half the
+ * address-space limit, and at most half of x86-64's 128 TiB of user space,
+ * so that libraries, heaps and thread stacks always have room. */
+static uint64_t map_limit_default(void)
+{
+	uint64_t limit = UINT64_C(64) << 40;
+	struct rlimit as;
+	if (getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY && as.rlim_cur / 2 < limit)
+		limit = as.rlim_cur / 2;
+	return limit;
+}
+
 static int boot_epoch_make(uint64_t *epoch)
 {
 	if (getrandom(epoch, sizeof(*epoch), 0) != sizeof(*epoch))
@@ -278,6 +291,7 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	server->started_ms = uv_now(loop);
 	server->budget.limit = options->memory_budget;
 	session_table_init(&server->sessions, loop);
+	store_set_map_limit(options->max_mapped_bytes ? options->max_mapped_bytes : map_limit_default());
 	rc = boot_epoch_make(&server->boot_epoch);
 	if (rc < 0)
 		return rc;

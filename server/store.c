@@ -107,6 +107,11 @@ void store_set_map_limit(uint64_t bytes)
 	mapped_limit = bytes;
 }
 
+uint64_t store_map_limit(void)
+{
+	return mapped_limit;
+}
+
 uint64_t store_mapped_bytes_total(void)
 {
 	return __atomic_load_n(&mapped_total, __ATOMIC_RELAXED);
@@ -688,6 +693,46 @@ static void file_name(char *out, size_t size, uint64_t session_id, bool temporar
 		 (unsigned long long)session_id, temporary ? ".tmp" : "");
 }
 
+static void layout_from_params(struct store_header *layout, const struct store_params *params)
+{
+	layout->layers = params->layers;
+	layout->batch = params->batch;
+	layout->kv_heads = params->kv_heads;
+	layout->head_dim_k = params->head_dim_k;
+	layout->head_dim_v = params->head_dim_v;
+	layout->max_tokens = params->max_tokens;
+	layout->policy = (uint32_t)params->policy;
+	layout->residual_tokens = params->policy == STORE_POLICY_STREAMING ? params->residual_tokens : 0;
+	layout->residual_capacity = residual_capacity_of(layout->residual_tokens, layout->max_tokens);
+	layout->version = STORE_VERSION;
+	layout->session_id = params->session_id;
+	layout->created_epoch = params->boot_epoch;
+	layout->owner_uid = params->owner_uid;
+	layout->hi_bits = params->codec.hi_bits;
+	layout->lo_bits = params->codec.lo_bits;
+	layout->hi_fraction = params->codec.hi_fraction;
+	layout->group_size = params->codec.group_size;
+	layout->quantize_values = params->codec.quantize_values;
+	snprintf(layout->name, sizeof(layout->name), "%s", params->name);
+}
+
+int store_layout_bytes(const struct store_params *params, uint64_t *bytes)
+{
+	struct store_header layout = { 0 };
+	int rc = params_validate(params);
+	if (rc < 0)
+		return rc;
+	layout_from_params(&layout, params);
+	rc = header_layout(&layout);
+	*bytes = rc == 0 ? layout.file_bytes : 0;
+	return rc;
+}
+
+uint64_t store_max_file_bytes(void)
+{
+	return STORE_MAX_FILE_BYTES;
+}
+
 int store_create(int dir_fd, const char *dir_path, const struct store_params *params,
 		 struct store_budget *budget, struct store **out)
 {
@@ -698,25 +743,7 @@ int store_create(int dir_fd, const char *dir_path, const struct store_params *pa
 
 	if (rc < 0)
 		return rc;
-	layout.layers = params->layers;
-	layout.batch = params->batch;
-	layout.kv_heads = params->kv_heads;
-	layout.head_dim_k = params->head_dim_k;
-	layout.head_dim_v = params->head_dim_v;
-	layout.max_tokens = params->max_tokens;
-	layout.policy = (uint32_t)params->policy;
-	layout.residual_tokens = params->policy == STORE_POLICY_STREAMING ? params->residual_tokens : 0;
-	layout.residual_capacity = residual_capacity_of(layout.residual_tokens, layout.max_tokens);
-	layout.version = STORE_VERSION;
-	layout.session_id = params->session_id;
-	layout.created_epoch = params->boot_epoch;
-	layout.owner_uid = params->owner_uid;
-	layout.hi_bits = params->codec.hi_bits;
-	layout.lo_bits = params->codec.lo_bits;
-	layout.hi_fraction = params->codec.hi_fraction;
-	layout.group_size = params->codec.group_size;
-	layout.quantize_values = params->codec.quantize_values;
-	snprintf(layout.name, sizeof(layout.name), "%s", params->name);
+	layout_from_params(&layout, params);
 	rc = header_layout(&layout);
 	if (rc < 0)
 		return rc;

@@ -82,6 +82,12 @@ struct store;
 int store_create(int dir_fd, const char *dir_path, const struct store_params *params,
 		 struct store_budget *budget, struct store **out);
 
+/* The file (and mapping) size a session with these params needs: 0, or
+ * ZC_EEXHAUSTED past store_max_file_bytes(), or a validation code. */
+int store_layout_bytes(const struct store_params *params, uint64_t *bytes);
+uint64_t store_max_file_bytes(void);
+uint64_t store_map_limit(void);
+
 /*
  * Adopts a file a daemon left in dir_fd after a restart: checks every
  * field before trusting it and recovers the committed state of each layer

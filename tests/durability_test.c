@@ -18,19 +18,24 @@
  *                  come back once the daemon can open them; files that
  *                  fail a real check are set aside with a reason; files of
  *                  an unfinished open are removed.
- *   trust          The shared-memory directory must be the daemon's own:
+ *   trust          A client of the daemon's own uid, with write access it
+ *                  took, cannot crash it or change what it answers.
+ *                  The shared-memory directory must be the daemon's own:
  *                  another owner, group or other access, or a symlink, and
  *                  the daemon refuses to start; a planted .lock symlink is
  *                  never followed.
  */
 #include <check.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -39,6 +44,7 @@
 #include "daemon_harness.h"
 #include "../server/fault.h"
 #include "layer_model.h"
+#include "store_format.h"
 #include "process_run.h"
 #include "suite_main.h"
 #include "zipcache/client.h"
@@ -659,6 +665,167 @@ START_TEST(untrusted_shm_dir_is_refused)
 }
 END_TEST
 
+
+/* ---- a client of the daemon's own uid ------------------------------------------ */
+
+#define NOBODY 65534u
+
+static int drop_to_nobody(void)
+{
+	if (setgroups(0, NULL) < 0 || setgid(NOBODY) < 0 || setuid(NOBODY) < 0)
+		return -errno;
+	return getuid() == NOBODY && geteuid() == NOBODY ? 0 : -EPERM;
+}
+
+/* The session file behind this process's mapping of the views. */
+static bool mapped_session_file(char *path, size_t size)
+{
+	FILE *maps = fopen("/proc/self/maps", "r");
+	char line[PATH_MAX + 256];
+	bool found = false;
+	while (maps && !found && fgets(line, sizeof(line), maps)) {
+		char *p = strstr(line, "/session-");
+		char *start = strchr(line, '/');
+		if (!p || !start)
+			continue;
+		start[strcspn(start, "\n")] = '\0';
+		snprintf(path, size, "%s", start);
+		found = true;
+	}
+	if (maps)
+		fclose(maps);
+	return found;
+}
+
+/*
+ * The attacker: same uid as the daemon. Its view descriptor cannot be
+ * reopened for writing; having made the file writable anyway (it owns
+ * it), it scribbles over the header, the layer headers, the commit area
+ * and the index. The daemon must go on serving, from its own state.
+ */
+static int same_uid_body(const char *socket_path, int report_fd)
+{
+	char why[WHY_BYTES] = "", path[PATH_MAX];
+	zc_client *client;
+	zc_session *session;
+	struct model model;
+	struct rng rng;
+	zc_session_config config = script_config(S_STREAM);
+
+	if (drop_to_nobody() < 0)
+		return 10;
+	if (zc_client_connect(socket_path, CLIENT_TIMEOUT_MS, &client) < 0)
+		return 11;
+	if (zc_session_open(client, &config, &session) < 0)
+		return 12;
+	model_init(&model, &config);
+	rng_seed(&rng, 3);
+	for (uint32_t step = 0; step < 12; step++)
+		if (!update_checked(client, session, &model, &rng, step % 2, 1 + step * 5 % 23, why,
+				    sizeof(why)))
+			return 13;
+	if (!mapped_session_file(path, sizeof(path)))
+		return 14;
+	if (open(path, O_RDWR) >= 0 || errno != EACCES)
+		return 15;                       /* mode 0400: no reopening for writing */
+	if (chmod(path, 0600) < 0)
+		return 16;
+	int fd = open(path, O_RDWR);
+	if (fd < 0)
+		return 17;
+	struct stat st;
+	fstat(fd, &st);
+	uint8_t *file = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (file == MAP_FAILED)
+		return 18;
+	zc_view view;
+	/* The commit area and what follows it: past the client's mapping. */
+	size_t views_end = (size_t)((const struct store_header *)file)->commit_offset;
+	if (views_end == 0 || views_end >= (size_t)st.st_size)
+		return 21;
+	size_t scribble = (size_t)st.st_size - views_end < (64u << 10) ? (size_t)st.st_size - views_end :
+									 (64u << 10);
+	/* Header and layer headers. */
+	memset(file + 8, 0xff, 4096 - 8);
+	memset(file + views_end, 0xa5, scribble);
+	munmap(file, (size_t)st.st_size);
+	close(fd);
+
+	/* The daemon goes on: what it answers is still the model. */
+	for (uint32_t step = 0; step < 12; step++) {
+		struct block block;
+		block_make(&block, &model, 1 + step % 9, &rng);
+		zc_layer_stats stats, want;
+		int rc = zc_update_and_fetch(session, step % 2, block.tokens, block.keys, block.values,
+					     &view, &stats);
+		if (rc < 0)
+			return 19;
+		model_update(&model, step % 2, block.tokens, block.keys, block.values);
+		model_layer_stats(&model, step % 2, &want);
+		block_free(&block);
+		if (!stats_match("stats after the scribbling", &stats, &want, true, why, sizeof(why)))
+			return 20;
+	}
+	ssize_t ignored = write(report_fd, "ok", 2);
+	(void)ignored;
+	zc_session_release(session);
+	zc_client_close(client);
+	model_free(&model);
+	return 0;
+}
+
+START_TEST(a_client_of_the_daemons_uid_cannot_hurt_it)
+{
+	char dir[] = "/dev/shm/zc_same_uid.XXXXXX", sock[PATH_MAX], shm[PATH_MAX], log_path[PATH_MAX];
+	int report[2];
+
+	if (geteuid() != 0) {
+		fprintf(stderr, "durability_test: not root: cannot run the daemon as another user\n");
+		return;
+	}
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	ck_assert_int_eq(chown(dir, NOBODY, NOBODY), 0);
+	ck_assert_int_eq(chmod(dir, 0755), 0);
+	snprintf(sock, sizeof(sock), "%s/z.sock", dir);
+	snprintf(shm, sizeof(shm), "%s/shm", dir);
+	snprintf(log_path, sizeof(log_path), "%s/daemon.log", dir);
+	pid_t daemon = fork_dying_with_parent(1);
+	if (daemon == 0) {
+		if (!freopen(log_path, "w", stderr) || drop_to_nobody() < 0)
+			_exit(2);
+		execl(daemon_binary_path(), "zipcached", "--socket", sock, "--shm-dir", shm,
+		      "--metrics-listen", "off", (char *)NULL);
+		_exit(3);
+	}
+	for (int i = 0; i < 1000 && !socket_accepts(sock); i++)
+		sleep_ms(10);
+	ck_assert_msg(socket_accepts(sock), "the daemon running as nobody does not listen");
+	ck_assert_int_eq(pipe(report), 0);
+	pid_t attacker = fork_dying_with_parent(1);
+	if (attacker == 0) {
+		close(report[0]);
+		_exit(same_uid_body(sock, report[1]));
+	}
+	close(report[1]);
+	int status = 0;
+	waitpid(attacker, &status, 0);
+	char said[4] = "";
+	ssize_t got = read(report[0], said, 2);
+	close(report[0]);
+	int daemon_status = 0;
+	pid_t gone = waitpid(daemon, &daemon_status, WNOHANG);
+	kill(daemon, SIGKILL);
+	waitpid(daemon, NULL, 0);
+	char *log = file_read_whole(log_path, NULL);
+	ck_assert_msg(gone == 0, "the daemon died (status 0x%x); log:\n%s", daemon_status, log);
+	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0 && got == 2,
+		      "the same-uid client failed at step %d (status 0x%x); log:\n%s",
+		      WIFEXITED(status) ? WEXITSTATUS(status) : -1, status, log);
+	free(log);
+	directory_remove(dir);
+}
+END_TEST
+
 static Suite *durability_suite(void)
 {
 	Suite *suite = suite_create("durability");
@@ -667,7 +834,8 @@ static Suite *durability_suite(void)
 		{ "adoption",
 		  { descriptor_limit_never_sets_files_aside, corrupt_files_set_aside_healthy_ones_adopted,
 		    NULL } },
-		{ "trust", { untrusted_shm_dir_is_refused, NULL } },
+		{ "trust", { untrusted_shm_dir_is_refused, a_client_of_the_daemons_uid_cannot_hurt_it,
+			     NULL } },
 	};
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);
 	return suite;
