@@ -36,6 +36,7 @@
 #include <string.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -51,6 +52,15 @@
 #include "zipcache/error.h"
 
 #define TEST_TIMEOUT_SECONDS 600
+
+static void daemon_alive_check(zc_client *client, const char *after,
+			       const struct daemon_harness *daemon, char *tail, size_t size)
+{
+	zc_server_stats stats;
+	int rc = zc_client_stats(client, &stats);
+	ck_assert_msg(rc == 0, "the daemon does not answer after %s: %s; log:\n%s", after,
+		      zc_strerror(rc), daemon_log_tail(daemon, tail, size));
+}
 
 /* ---- the script ------------------------------------------------------------ */
 
@@ -826,6 +836,93 @@ START_TEST(a_client_of_the_daemons_uid_cannot_hurt_it)
 }
 END_TEST
 
+
+/* ---- a full tmpfs ------------------------------------------------------------------ */
+
+/* Fills the file system under dir: returns the filler's path. */
+static void tmpfs_fill(const char *dir, char *filler, size_t size)
+{
+	static char chunk[1 << 16];
+	snprintf(filler, size, "%s/filler", dir);
+	int fd = open(filler, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+	ck_assert_int_ge(fd, 0);
+	while (write(fd, chunk, sizeof(chunk)) > 0)
+		;
+	close(fd);
+}
+
+/*
+ * Views punched by memory relief, then a crash before the daemon could
+ * say so: the next daemon, on a full tmpfs, must answer the attach that
+ * needs those pages with RESOURCE_EXHAUSTED — not die of SIGBUS — and
+ * serve it bit for bit once there is room again.
+ */
+START_TEST(full_tmpfs_is_an_error_not_a_sigbus)
+{
+	struct daemon_harness daemon;
+	char mount_dir[] = "/tmp/zc_tmpfs.XXXXXX", shm[PATH_MAX], filler[PATH_MAX], tail[4096];
+
+	ck_assert_ptr_nonnull(mkdtemp(mount_dir));
+	if (mount("zc-test", mount_dir, "tmpfs", 0, "size=16m,mode=0700") < 0) {
+		fprintf(stderr, "durability_test: cannot mount a tmpfs here (%s): the full-tmpfs "
+				"test checks nothing\n", strerror(errno));
+		rmdir(mount_dir);
+		return;
+	}
+	snprintf(shm, sizeof(shm), "%s/shm", mount_dir);
+	const char *const args[] = { "--shm-dir", shm, "--memory-budget", "4M", "--idle-ttl", "0",
+				     NULL };
+	const char *const plain[] = { "--shm-dir", shm, "--idle-ttl", "0", NULL };
+	zc_session_config config = script_config(S_IDLE);
+	struct model model;
+	struct rng rng;
+
+	setenv("ZIPCACHED_FAULT", "drop.punch:1", 1);
+	daemon_start(&daemon, args);
+	unsetenv("ZIPCACHED_FAULT");
+	zc_client *client = connect_client(&daemon);
+	config.name = "dropped";
+	zc_session *dropped = open_session(client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 11);
+	CHECK(update_checked, client, dropped, &model, &rng, 0, 256);
+	config.name = "pressing";
+	zc_session *pressing = open_session(client, &config);
+	struct block block;
+	block_make(&block, &model, 256, &rng);
+	zc_view view;
+	int rc = zc_update_and_fetch(pressing, 0, 256, block.keys, block.values, &view, NULL);
+	block_free(&block);
+	ck_assert_msg(rc < 0, "relief never dropped the idle views (the update went through)");
+	ck_assert_int_eq(daemon_wait_exit(&daemon, 20000) >> 8, FAULT_EXIT_STATUS);
+	zc_session_release(pressing);
+	zc_session_release(dropped);
+	zc_client_close(client);
+
+	tmpfs_fill(mount_dir, filler, sizeof(filler));
+	daemon_set_extra_args(&daemon, plain);
+	daemon_restart(&daemon);
+	client = connect_client(&daemon);
+	config.name = "dropped";
+	config.attach = true;
+	rc = zc_session_open(client, &config, &dropped);
+	ck_assert_msg(rc == ZC_EEXHAUSTED, "attach on a full tmpfs: %s (%s), want ZC_EEXHAUSTED",
+		      zc_error_name(rc), zc_client_last_error(client));
+	daemon_alive_check(client, "an attach on a full tmpfs", &daemon, tail, sizeof(tail));
+
+	unlink(filler);
+	dropped = open_session(client, &config);
+	CHECK(session_matches, dropped, &model);
+	zc_session_release(dropped);
+	zc_client_close(client);
+	model_free(&model);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+	umount(mount_dir);
+	rmdir(mount_dir);
+}
+END_TEST
+
 static Suite *durability_suite(void)
 {
 	Suite *suite = suite_create("durability");
@@ -834,6 +931,7 @@ static Suite *durability_suite(void)
 		{ "adoption",
 		  { descriptor_limit_never_sets_files_aside, corrupt_files_set_aside_healthy_ones_adopted,
 		    NULL } },
+		{ "tmpfs", { full_tmpfs_is_an_error_not_a_sigbus, NULL } },
 		{ "trust", { untrusted_shm_dir_is_refused, a_client_of_the_daemons_uid_cannot_hurt_it,
 			     NULL } },
 	};
