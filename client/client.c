@@ -323,8 +323,12 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 	zipcache_v1_OpenSessionRequest *open = &request.msg.op.open_session;
 	int fd = -1, rc;
 
-	if (config->name && strlen(config->name) >= sizeof(open->name))
-		return error_set(client, ZC_EINVALID, "session name longer than 64 bytes");
+	if (config->name && strlen(config->name) >= sizeof(open->name)) {
+		char message[80];
+		snprintf(message, sizeof(message), "session name is %zu bytes; the limit is %zu",
+			 strlen(config->name), sizeof(open->name) - 1);
+		return error_set(client, ZC_EINVALID, message);
+	}
 	request.msg.which_op = zipcache_v1_Request_open_session_tag;
 	if (config->name)
 		snprintf(open->name, sizeof(open->name), "%s", config->name);

@@ -945,8 +945,10 @@ void dispatch_request(struct connection *connection, const uint8_t *frame, size_
 	if (rc == 0)
 		connection->current.op = metrics_op_of(request.msg.which_op);
 	if (rc < 0) {
-		/* Framing is intact, so the connection stays usable. */
-		reply_error(connection, &connection->current, 0, ZC_EPROTOCOL, "malformed request: %s",
+		/* Framing is intact, so the connection stays usable. The decoder
+		 * recovers the request's id whenever it could be read (else 0). */
+		reply_error(connection, &connection->current, request.msg.request_id, ZC_EPROTOCOL,
+			    "malformed request: %s",
 			    request.error ? request.error : zc_strerror(rc));
 		connection_request_done(connection);
 		return;
