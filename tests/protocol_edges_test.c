@@ -7,6 +7,9 @@
  *   - an over-long name and an enum value past 32 bits were refused with
  *     request id 0 and no word of the limit: now the request's own id and
  *     the limit ("is 80 bytes; the limit is 64");
+ *   - attach = true with another codec config, policy, residual_tokens or
+ *     max_tokens returned the existing session as if it matched: now
+ *     refused, naming each difference, and the session is left as it was.
  *
  * Every refusal is checked to have created or changed nothing.
  */
@@ -229,11 +232,152 @@ START_TEST(limits_broken_in_decoding_echo_the_id_and_name_the_limit)
 }
 END_TEST
 
+static zc_session_config attach_base(void)
+{
+	zc_session_config config;
+
+	zc_session_config_default(&config);
+	config.name = "shared";
+	config.layers = 2;
+	config.kv_heads = 2;
+	config.head_dim_k = config.head_dim_v = 16;
+	config.max_tokens = 256;
+	config.residual_tokens = 32;
+	return config;
+}
+
+/* The session still holds what it held: 8 tokens in layer 0, 0 in layer 1. */
+static void assert_untouched(zc_session *session, const char *what)
+{
+	zc_view view;
+
+	ck_assert_int_eq(zc_session_view(session, 0, &view), 0);
+	ck_assert_msg(view.tokens == 8, "%s: layer 0 holds %u tokens, not 8", what, view.tokens);
+	ck_assert_int_eq(zc_session_view(session, 1, &view), 0);
+	ck_assert_msg(view.tokens == 0, "%s: layer 1 holds %u tokens, not 0", what, view.tokens);
+}
+
+START_TEST(attach_with_other_settings_is_refused)
+{
+	struct daemon_harness daemon;
+	zc_session_config base = attach_base();
+	struct block block;
+	struct rng rng;
+	zc_view view;
+
+	daemon_start(&daemon, NULL);
+	zc_client *client = connect_client(&daemon);
+	zc_session *session = open_session(client, &base);
+	rng_seed(&rng, 9);
+	block_make_shape(&block, 2, 16, 16, 8, &rng);
+	ck_assert_int_eq(zc_update_and_fetch(session, 0, 8, block.keys, block.values, &view, NULL), 0);
+	block_free(&block);
+
+	/* One difference each (the switch below makes it), then two at once. */
+	static const struct {
+		const char *what;
+		const char *needle;
+	} cases[] = {
+		{ "hi_bits", "codec.hi_bits is 4, not 3" },
+		{ "lo_bits", "codec.lo_bits is 2, not 1" },
+		{ "hi_fraction", "codec.hi_fraction is 0.2, not 0.25" },
+		{ "group_size", "codec.group_size is 32, not 16" },
+		{ "quantize_values", "codec.quantize_values is true, not false" },
+		{ "policy", "a different policy: policy is streaming, not per_call" },
+		{ "residual_tokens", "residual_tokens is 32, not 64" },
+		{ "max_tokens", "max_tokens is 256, not 512" },
+		{ "kv_heads", "a different shape: shape.kv_heads is 2, not 4" },
+		{ "policy and codec",
+		  "a different policy, codec: policy is streaming, not per_call; codec.hi_bits is 4, not 5" },
+	};
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		zc_session_config config = base;
+		zc_session *attached = NULL;
+
+		config.attach = true;
+		switch (i) {
+		case 0: config.codec.hi_bits = 3; break;
+		case 1: config.codec.lo_bits = 1; break;
+		case 2: config.codec.hi_fraction = 0.25; break;
+		case 3: config.codec.group_size = 16; break;
+		case 4: config.codec.quantize_values = false; break;
+		case 5: config.policy = ZC_POLICY_PER_CALL; break;
+		case 6: config.residual_tokens = 64; break;
+		case 7: config.max_tokens = 512; break;
+		case 8: config.kv_heads = 4; break;
+		case 9: config.policy = ZC_POLICY_PER_CALL; config.codec.hi_bits = 5; break;
+		}
+		int rc = zc_session_open(client, &config, &attached);
+		assert_refused(client, rc, ZC_EINVALID, cases[i].needle, cases[i].what);
+		ck_assert_ptr_null(attached);
+		assert_untouched(session, cases[i].what);
+	}
+
+	/* The same settings attach; residual_tokens 0 means "not given". */
+	zc_session_config same = base;
+	same.attach = true;
+	zc_session *again = open_session(client, &same);
+	assert_untouched(again, "attached with the same settings");
+	zc_session_release(again);
+	same.residual_tokens = 0;
+	again = open_session(client, &same);
+	zc_session_release(again);
+
+	/* A raw attach gives only what it sets. */
+	int fd = raw_connect(daemon.socket_path);
+	ck_assert_int_ge(fd, 0);
+	wire_request request;
+	wire_response reply;
+
+	memset(&request, 0, sizeof(request));
+	request.msg.request_id = 31;
+	request.msg.which_op = zipcache_v1_Request_open_session_tag;
+	snprintf(request.msg.op.open_session.name, sizeof(request.msg.op.open_session.name), "shared");
+	request.msg.op.open_session.attach = true;
+	/* A name alone: a lookup, STREAMING or unset alike. */
+	ck_assert_int_eq(raw_call(fd, &request, &reply, NULL), 0);
+	ck_assert_msg(reply.msg.status == zipcache_v1_Status_OK, "attach by name: %s '%s'",
+		      response_status_name(reply.msg.status), reply.msg.message);
+	ck_assert(reply.msg.op.open_session.attached);
+	wire_response_free(&reply);
+	/* A codec with one field present, equal: fine. */
+	request.msg.request_id = 32;
+	request.msg.op.open_session.has_codec = true;
+	request.msg.op.open_session.codec.has_group_size = true;
+	request.msg.op.open_session.codec.group_size = 32;
+	ck_assert_int_eq(raw_call(fd, &request, &reply, NULL), 0);
+	ck_assert_int_eq(reply.msg.status, zipcache_v1_Status_OK);
+	wire_response_free(&reply);
+	/* ...and different: refused with this request's id. */
+	request.msg.request_id = 33;
+	request.msg.op.open_session.codec.group_size = 64;
+	ck_assert_int_eq(raw_call(fd, &request, &reply, NULL), 0);
+	assert_refusal(&reply, zipcache_v1_Status_INVALID_ARGUMENT, 33,
+		       "codec.group_size is 32, not 64", "raw attach with group_size 64");
+	/* PER_CALL needs no shape to count as given. */
+	request.msg.request_id = 34;
+	request.msg.op.open_session.has_codec = false;
+	request.msg.op.open_session.policy = zipcache_v1_BlockPolicy_PER_CALL;
+	ck_assert_int_eq(raw_call(fd, &request, &reply, NULL), 0);
+	assert_refusal(&reply, zipcache_v1_Status_INVALID_ARGUMENT, 34,
+		       "policy is streaming, not per_call", "raw attach with PER_CALL");
+	close(fd);
+
+	assert_untouched(session, "after the raw attaches");
+	ck_assert_uint_eq(session_count(client), 1);
+	zc_session_release(session);
+	zc_client_close(client);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+}
+END_TEST
+
 int main(void)
 {
 	const struct test_case cases[] = {
 		{ "names", { nul_in_a_name_is_refused_not_cut_short,
 			     limits_broken_in_decoding_echo_the_id_and_name_the_limit, NULL } },
+		{ "attach", { attach_with_other_settings_is_refused, NULL } },
 	};
 	Suite *suite = suite_create("protocol_edges");
 

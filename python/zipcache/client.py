@@ -485,10 +485,12 @@ class Session:
     must match it. ``head_dim`` is K's head dim and also V's unless
     ``head_dim_v`` says otherwise. ``name`` must be unique per user (None:
     the daemon picks one); ``attach=True`` reuses the session of that name
-    if it exists (its shape must match). ``check_finite=True`` rejects
-    NaN/Inf before sending rather than leaving it to the daemon (which
-    always checks): it saves a round trip on bad data at the cost of a
-    scan of every block.
+    if it exists, provided it has the shape, max_tokens, codec and policy
+    given here (and residual_tokens, unless 0): any difference raises
+    InvalidArgument naming it, and the session is left as it was.
+    ``check_finite=True`` rejects NaN/Inf before sending rather than
+    leaving it to the daemon (which always checks): it saves a round trip
+    on bad data at the cost of a scan of every block.
 
     A Session is a context manager: leaving the block closes it on the
     daemon. ``release()`` drops only this handle and keeps the daemon's
