@@ -263,10 +263,11 @@ static const char *policy_text(uint32_t store_policy)
 /*
  * Whether an attach request fits the session it names. Only what the
  * request gives is compared (zipcache.proto, OpenSessionRequest.attach):
- * the shape when present, max_tokens when not 0, residual_tokens and each
- * codec field when present, the policy when not STREAMING or when a shape
- * is given (proto3 cannot tell STREAMING from unset; a request with a
- * shape describes a whole session, as the C and Python clients send).
+ * the shape when present, max_tokens when not 0, each codec field when
+ * present, residual_tokens when present and the session streams, the
+ * policy when not STREAMING or when a shape is given (proto3 cannot tell
+ * STREAMING from unset; a request with a shape describes a whole session,
+ * as the C and Python clients send).
  */
 static bool attach_matches(const zipcache_v1_OpenSessionRequest *open, const struct store_header *h,
 			   struct mismatch *m)
@@ -299,7 +300,9 @@ static bool attach_matches(const zipcache_v1_OpenSessionRequest *open, const str
 	if ((open->has_shape || open->policy != zipcache_v1_BlockPolicy_STREAMING) && policy != h->policy)
 		mismatch_note(m, policy_group, "policy is %s, not %s", policy_text(h->policy),
 			      policy_text(policy));
-	if (open->has_residual_tokens && open->residual_tokens != h->residual_tokens)
+	/* A per_call session has no residual (it keeps 0, whatever was asked). */
+	if (open->has_residual_tokens && h->policy == STORE_POLICY_STREAMING &&
+	    open->residual_tokens != h->residual_tokens)
 		mismatch_note(m, residual, "residual_tokens is %u, not %u", h->residual_tokens,
 			      open->residual_tokens);
 	if (open->has_codec) {

@@ -365,6 +365,18 @@ START_TEST(attach_with_other_settings_is_refused)
 
 	assert_untouched(session, "after the raw attaches");
 	ck_assert_uint_eq(session_count(client), 1);
+
+	/* A per_call session keeps no residual: residual_tokens is not compared. */
+	zc_session_config per_call = base;
+	per_call.name = "per-call";
+	per_call.policy = ZC_POLICY_PER_CALL;
+	zc_session *first = open_session(client, &per_call);
+	per_call.attach = true;
+	per_call.residual_tokens = 48;
+	zc_session *second = open_session(client, &per_call);
+	ck_assert_uint_eq(zc_session_get_info(second)->id, zc_session_get_info(first)->id);
+	zc_session_release(second);
+	zc_session_release(first);
 	zc_session_release(session);
 	zc_client_close(client);
 	daemon_stop(&daemon);

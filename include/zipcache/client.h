@@ -76,8 +76,8 @@ typedef struct zc_session_config {
 	uint32_t residual_tokens;  /* streaming threshold; 0 means the default, 128 */
 	bool attach;               /* reuse the session of this name if it exists
 				    * with this shape, max_tokens, codec, policy
-				    * and (unless 0) residual_tokens; any
-				    * difference is ZC_EINVALID naming it */
+				    * and (unless 0, or per_call) residual_tokens;
+				    * any difference is ZC_EINVALID naming it */
 } zc_session_config;
 
 /* A layer's fp16 K and V as the daemon holds them, read-only. Element

@@ -486,8 +486,8 @@ class Session:
     ``head_dim_v`` says otherwise. ``name`` must be unique per user (None:
     the daemon picks one); ``attach=True`` reuses the session of that name
     if it exists, provided it has the shape, max_tokens, codec and policy
-    given here (and residual_tokens, unless 0): any difference raises
-    InvalidArgument naming it, and the session is left as it was.
+    given here (and residual_tokens, unless 0 or per_call): any difference
+    raises InvalidArgument naming it, and the session is left as it was.
     ``check_finite=True`` rejects NaN/Inf before sending rather than
     leaving it to the daemon (which always checks): it saves a round trip
     on bad data at the cost of a scan of every block.
