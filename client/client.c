@@ -1,7 +1,12 @@
 /*
  * libzipcache: requests, replies and the read-only view mappings. One
  * request is in flight at a time (the API is blocking), so the next reply
- * on the socket is always the one we wait for.
+ * on the socket is always the one we wait for, as long as every request
+ * sent got its reply read. When that fails (a timeout, a reply that makes
+ * no sense, the daemon gone) the stream can no longer be trusted: a late
+ * reply, with its descriptors, may still arrive and would answer the next
+ * request. So the connection is marked broken, as hiredis's c->err, and
+ * refuses every call until zc_client_reconnect() dials afresh.
  */
 #include "zipcache/client.h"
 
@@ -40,6 +45,8 @@ struct zc_client {
 	uint64_t next_request_id;
 	zc_server_info server;
 	char last_error[257];
+	int broken;                /* 0, or the code of the failure that broke the connection */
+	char broken_error[257];    /* the last_error of that failure */
 	uint8_t *send_buffer;
 	size_t send_capacity;
 	uint8_t *staging;
@@ -53,6 +60,28 @@ static int error_set(zc_client *client, int rc, const char *message)
 	return rc;
 }
 
+/* A failure after which the stream is out of step: see the top of file.
+ * message NULL keeps the last error's sentence. */
+static int client_break(zc_client *client, int rc, const char *message)
+{
+	if (message)
+		error_set(client, rc, message);
+	if (!client->broken) {
+		client->broken = rc;
+		memcpy(client->broken_error, client->last_error, sizeof(client->broken_error));
+	}
+	return rc;
+}
+
+/* What every call on a broken connection returns, before the socket. */
+static int client_refuse_broken(zc_client *client)
+{
+	snprintf(client->last_error, sizeof(client->last_error),
+		 "the connection broke earlier (%s: %.180s); call zc_client_reconnect",
+		 zc_error_name(client->broken), client->broken_error);
+	return ZC_EBROKEN;
+}
+
 /* Sends one request and waits for its reply; on success *response holds
  * it (free with wire_response_free) and any descriptors it carried are in
  * fds[0..n_fds). */
@@ -61,8 +90,11 @@ static int call(zc_client *client, wire_request *request, wire_response *respons
 {
 	size_t size, len;
 	const uint8_t *frame;
+	char message[160];
 	int rc;
 
+	if (client->broken)
+		return client_refuse_broken(client);
 	client->last_error[0] = '\0';
 	request->msg.request_id = client->next_request_id++;
 	rc = wire_request_frame_size(request, &size);
@@ -78,34 +110,59 @@ static int call(zc_client *client, wire_request *request, wire_response *respons
 	rc = wire_request_encode(request, client->send_buffer, client->send_capacity, &len);
 	if (rc < 0)
 		return error_set(client, rc, "request cannot be encoded");
+	/* From here on a failure leaves the request's fate unknown and the
+	 * stream out of step: each one breaks the connection. */
 	int sent = transport_send(&client->transport, client->send_buffer, len);
 	if (sent < 0 && sent != -EPIPE && sent != -ECONNRESET)
-		return error_set(client, sent, "cannot send the request");
+		return client_break(client, sent, sent == -ETIMEDOUT ?
+				    "timed out sending the request" : "cannot send the request");
 	/* A daemon that refused the connection (a limit, a stop) said why
 	 * before closing: the reply may be waiting even though the send failed. */
 	rc = transport_receive(&client->transport, &frame, &len);
 	if (rc < 0)
-		return error_set(client, sent < 0 ? sent : rc,
-				 sent < 0 ? "cannot send the request" : "no reply from the daemon");
+		return client_break(client, sent < 0 ? sent : rc,
+				    sent < 0 ? "cannot send the request" :
+				    rc == -ETIMEDOUT ? "timed out waiting for the daemon's reply" :
+				    rc == -ECONNRESET ? "the daemon closed the connection" :
+				    "no reply from the daemon");
 	rc = wire_response_decode(frame, len, response);
 	transport_consume(&client->transport);
 	if (rc < 0)
-		return error_set(client, rc, "malformed reply from the daemon");
+		return client_break(client, rc, "malformed reply from the daemon");
 	if (response->msg.request_id == 0 && response->msg.status != zipcache_v1_Status_OK) {
-		/* About the connection, not a request: a limit, a stop, a bad frame. */
+		/* About the connection, not a request (a limit, a stop, a frame
+		 * too large): the daemon closes it after saying so. */
 		rc = wire_error_from_status(response->msg.status);
-		error_set(client, rc, response->msg.message);
+		client_break(client, rc, response->msg.message);
 		wire_response_free(response);
 		return rc;
 	}
 	if (response->msg.request_id != request->msg.request_id) {
+		snprintf(message, sizeof(message), "reply to request %llu, expected %llu",
+			 (unsigned long long)response->msg.request_id,
+			 (unsigned long long)request->msg.request_id);
 		wire_response_free(response);
-		return error_set(client, ZC_EPROTOCOL, "reply to another request");
+		return client_break(client, ZC_EPROTOCOL, message);
+	}
+	if (response->msg.fds > (uint32_t)max_fds) {
+		snprintf(message, sizeof(message), "reply announced %u descriptors; at most %d "
+			 "were expected", response->msg.fds, max_fds);
+		wire_response_free(response);
+		return client_break(client, ZC_EPROTOCOL, message);
 	}
 	int n_fds = (int)response->msg.fds;
-	if (n_fds > max_fds || transport_take_fds(&client->transport, fds, n_fds) < 0) {
+	if (transport_take_fds(&client->transport, fds, n_fds) < 0) {
+		snprintf(message, sizeof(message), "reply announced %d descriptors, %d arrived",
+			 n_fds, transport_unclaimed_fds(&client->transport));
 		wire_response_free(response);
-		return error_set(client, ZC_EPROTOCOL, "reply carried unexpected descriptors");
+		return client_break(client, ZC_EPROTOCOL, message);
+	}
+	if (transport_unclaimed_fds(&client->transport) > 0) {
+		/* Descriptors no reply announced belong to no call. */
+		for (int i = 0; i < n_fds; i++)
+			close(fds[i]);
+		wire_response_free(response);
+		return client_break(client, ZC_EPROTOCOL, "descriptors arrived that no reply announced");
 	}
 	if (response->msg.status != zipcache_v1_Status_OK) {
 		rc = wire_error_from_status(response->msg.status);
@@ -133,7 +190,7 @@ static int hello(zc_client *client)
 	if (response.msg.which_op != zipcache_v1_Response_hello_tag ||
 	    h->protocol_version != ZIPCACHE_PROTOCOL_VERSION) {
 		wire_response_free(&response);
-		return error_set(client, ZC_EPROTOCOL, "daemon speaks another protocol version");
+		return client_break(client, ZC_EPROTOCOL, "daemon speaks another protocol version");
 	}
 	client->server.protocol_version = h->protocol_version;
 	memcpy(client->server.server_version, h->server_version, sizeof(client->server.server_version));
@@ -197,17 +254,39 @@ void zc_client_close(zc_client *client)
 int zc_client_reconnect(zc_client *client)
 {
 	uint64_t epoch = client->server.boot_epoch;
+	/* Whatever the old socket still holds (a late reply, its descriptors)
+	 * goes with it. */
 	transport_close(&client->transport);
 	/* The daemon's staging buffer belonged to the old connection. */
 	staging_unmap(client);
+	client->broken = 0;
 	int rc = transport_connect(&client->transport, client->socket_path, client->timeout_ms);
-	if (rc == 0)
-		rc = hello(client);
 	if (rc < 0)
+		return client_break(client, rc, "cannot connect to the daemon");
+	rc = hello(client);
+	if (rc < 0) {
+		/* A hello the daemon refused is a connection it does not want. */
+		if (!client->broken)
+			client_break(client, rc, NULL);
 		return rc;
+	}
 	if (client->server.boot_epoch != epoch)
 		return error_set(client, ZC_ERESTARTED, "the daemon restarted: reopen sessions with attach");
 	return 0;
+}
+
+int zc_client_set_timeout(zc_client *client, int timeout_ms)
+{
+	if (timeout_ms < 0)
+		return error_set(client, -EINVAL, "a timeout is 0 (none) or a positive number of ms");
+	client->timeout_ms = timeout_ms;
+	client->transport.timeout_ms = timeout_ms;
+	return 0;
+}
+
+int zc_client_broken(const zc_client *client)
+{
+	return client->broken;
 }
 
 const zc_server_info *zc_client_server_info(const zc_client *client)
@@ -323,6 +402,8 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 	zipcache_v1_OpenSessionRequest *open = &request.msg.op.open_session;
 	int fd = -1, rc;
 
+	if (client->broken)
+		return client_refuse_broken(client);
 	if (config->name && strlen(config->name) >= sizeof(open->name)) {
 		char message[80];
 		snprintf(message, sizeof(message), "session name is %zu bytes; the limit is %zu",
@@ -362,7 +443,7 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 		if (rc == 1)
 			close(fd);
 		wire_response_free(&response);
-		return error_set(client, ZC_EPROTOCOL, "open reply without a view");
+		return client_break(client, ZC_EPROTOCOL, "open reply without a view");
 	}
 	zc_session *session = calloc(1, sizeof(*session));
 	if (!session) {
@@ -374,7 +455,12 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 	rc = session_map(session, fd, &response.msg.op.open_session.view);
 	if (rc < 0) {
 		session_free(session);
-		error_set(client, rc, "cannot map the session's views");
+		/* A layout that does not fit its mapping is the daemon's mistake;
+		 * a failed mmap is ours, and the session exists on the daemon. */
+		if (rc == ZC_EPROTOCOL)
+			client_break(client, rc, "the open reply's view layout does not fit its mapping");
+		else
+			error_set(client, rc, "cannot map the session's views");
 		goto out_close;
 	}
 	session->next = client->sessions;
@@ -446,7 +532,7 @@ static int update_call(zc_session *session, wire_request *request, uint32_t laye
 	if (response.msg.which_op != zipcache_v1_Response_update_and_fetch_tag ||
 	    reply->tokens > session->info.max_tokens) {
 		wire_response_free(&response);
-		return error_set(session->client, ZC_EPROTOCOL, "bad update_and_fetch reply");
+		return client_break(session->client, ZC_EPROTOCOL, "bad update_and_fetch reply");
 	}
 	if (view)
 		view_fill(session, layer, reply->tokens, reply->sequence, view);
@@ -492,6 +578,8 @@ int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
 	uint64_t limit = client->server.max_inline_bytes < INLINE_LIMIT_BYTES ?
 				 client->server.max_inline_bytes : INLINE_LIMIT_BYTES;
 
+	if (client->broken)
+		return client_refuse_broken(client);
 	if (key_bytes + value_bytes > limit) {
 		void *buffer;
 		int rc = zc_client_staging(client, key_bytes + value_bytes, &buffer);
@@ -514,6 +602,8 @@ int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
 
 int zc_client_staging(zc_client *client, size_t bytes, void **buffer)
 {
+	if (client->broken)
+		return client_refuse_broken(client);
 	if (client->staging && client->staging_bytes >= bytes) {
 		*buffer = client->staging;
 		return 0;
@@ -531,7 +621,7 @@ int zc_client_staging(zc_client *client, size_t bytes, void **buffer)
 	if (rc != 1 || granted < bytes) {
 		if (rc == 1)
 			close(fd);
-		return error_set(client, ZC_EPROTOCOL, "staging reply without a buffer");
+		return client_break(client, ZC_EPROTOCOL, "staging reply without a buffer");
 	}
 	void *mapping = mmap(NULL, granted, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	close(fd);
@@ -546,6 +636,8 @@ int zc_client_staging(zc_client *client, size_t bytes, void **buffer)
 
 int zc_session_view(zc_session *session, uint32_t layer, zc_view *view)
 {
+	if (session->client->broken)
+		return client_refuse_broken(session->client);
 	if (layer >= session->info.layers)
 		return error_set(session->client, ZC_EINVALID, "layer out of range");
 	const struct store_header *header = (const struct store_header *)session->mapping;
@@ -636,6 +728,8 @@ int zc_session_stats(zc_session *session, zc_layer_stats *layers, size_t capacit
 int zc_client_session_stats(zc_client *client, uint64_t session_id, zc_layer_stats *layers,
 			    size_t capacity, zc_layer_stats *total, zc_session_info *info)
 {
+	if (client->broken)
+		return client_refuse_broken(client);
 	if (session_id == 0)
 		return error_set(client, ZC_EINVALID, "session id 0 names no session");
 	return stats_call(client, session_id, false, layers, capacity, total, info);

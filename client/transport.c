@@ -208,3 +208,8 @@ int transport_take_fds(struct transport *transport, int *fds, int n)
 	transport->n_fds -= n;
 	return 0;
 }
+
+int transport_unclaimed_fds(const struct transport *transport)
+{
+	return transport->n_fds;
+}

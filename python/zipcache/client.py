@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import errno
 import os
 import threading
 import weakref
@@ -330,6 +331,16 @@ def _mapped_array(pointer: Any, shape: tuple[int, int, int, int], strides: _lib.
 # --- Client -------------------------------------------------------------------
 
 
+def _timeout_ms(seconds: float | None) -> int:
+    """libzipcache's timeout: milliseconds, at least 1; 0 for none."""
+    if seconds is None:
+        return 0
+    if not seconds >= 0:
+        raise InvalidArgument(-errno.EINVAL, f"a timeout is seconds >= 0 or None, got {seconds!r}",
+                              operation="timeout")
+    return max(1, int(round(seconds * 1000)))
+
+
 class Client:
     """A connection to zipcached (zc_client).
 
@@ -338,20 +349,29 @@ class Client:
     as a context manager; closing releases this client's session handles
     (the daemon keeps the sessions, as zc_client_close does; close them
     first to free them).
+
+    After a failure. A call the daemon refuses (InvalidArgument, NotFound,
+    ResourceExhausted, ...) changed nothing and the client stays usable. A
+    timeout, the daemon gone or a reply that makes no sense (Unavailable)
+    breaks the connection: every later call raises ConnectionBroken until
+    ``reconnect()``, and the failed request is applied wholly or not at
+    all, perhaps later (zipcache/client.h, "Failures", says how to find
+    out).
     """
 
     def __init__(self, socket_path: str | os.PathLike[str] | None = None, *,
                  timeout: float | None = 30.0) -> None:
         self.socket_path = os.fspath(socket_path) if socket_path is not None else default_socket_path()
-        timeout_ms = 0 if timeout is None else max(1, int(round(timeout * 1000)))
         ptr = _lib.zc_client_p()
-        rc = lib.zc_client_connect(self.socket_path.encode(), timeout_ms, ctypes.byref(ptr))
+        rc = lib.zc_client_connect(self.socket_path.encode(), _timeout_ms(timeout),
+                                   ctypes.byref(ptr))
         if rc < 0:
             reason = lib.zc_strerror(rc).decode()
             raise error_from_code(rc, f"cannot connect to zipcached at {self.socket_path}: {reason}",
                                   "connect")
         self._handle: _ClientHandle | None = _ClientHandle(ptr.value)
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
+        self._timeout = timeout
 
     # -- plumbing
 
@@ -398,12 +418,32 @@ class Client:
         Returns True when the same daemon answered. Raises DaemonRestarted
         when a new one did: its sessions were adopted with their tokens,
         but every Session of this client must be reopened with attach=True
-        (their mappings are stale).
+        (their mappings are stale). Either way the connection is usable
+        again after ConnectionBroken; a failed reconnect leaves it broken.
         """
         handle = self._native()
         with handle.lock:
             handle.check(lib.zc_client_reconnect(handle.ptr), "reconnect")
         return True
+
+    @property
+    def broken(self) -> int:
+        """0 while usable; else the (negative) code of the failure that broke the connection."""
+        handle = self._native()
+        with handle.lock:
+            return lib.zc_client_broken(handle.ptr)
+
+    @property
+    def timeout(self) -> float | None:
+        """The bound on every later wait, in seconds (None: no limit); settable."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        handle = self._native()
+        with handle.lock:
+            handle.check(lib.zc_client_set_timeout(handle.ptr, _timeout_ms(value)), "timeout")
+        self._timeout = value
 
     @property
     def server_info(self) -> ServerInfo:
@@ -631,7 +671,9 @@ class Session:
         The result is a pair of read-only float16 arrays [B, H, offset, D]
         that are views of the shared mapping, not copies (see the module
         docstring for how long their contents hold). Shape and dtype are
-        checked before anything is sent; on any error nothing was stored.
+        checked before anything is sent. After a refusal nothing was
+        stored; after Unavailable (the connection broke, see Client) the
+        block is there wholly or not at all, and may still land later.
         """
         handle = self._native()
         layer = self._check_layer(layer, "update_and_fetch")
