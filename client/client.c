@@ -16,6 +16,7 @@
 #include <string.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "store_format.h"
@@ -26,6 +27,12 @@
 /* Below this many K+V bytes a block goes inline: a copy into the frame is
  * cheaper than the staging round trip's bookkeeping. */
 #define INLINE_LIMIT_BYTES (256u << 10)
+
+/* A daemon's write of one layer takes microseconds to milliseconds: a
+ * reader yields this many times before it starts to look at the clock and
+ * the socket, then looks once per VIEW_POLL_NS. */
+#define VIEW_SPINS 1000
+#define VIEW_POLL_NS 1000000
 
 struct zc_session {
 	zc_client *client;
@@ -80,6 +87,13 @@ static int client_refuse_broken(zc_client *client)
 		 "the connection broke earlier (%s: %.180s); call zc_client_reconnect",
 		 zc_error_name(client->broken), client->broken_error);
 	return ZC_EBROKEN;
+}
+
+static int64_t now_ms(void)
+{
+	struct timespec now;
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	return (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
 }
 
 /* Sends one request and waits for its reply; on success *response holds
@@ -634,12 +648,58 @@ int zc_client_staging(zc_client *client, size_t bytes, void **buffer)
 	return 0;
 }
 
+/*
+ * Waits, within the client's timeout, for the daemon to finish a write of
+ * the layer (an odd sequence). A daemon killed in the middle of one leaves
+ * the sequence odd for good: its end of the socket closes, which is what
+ * tells a death from a long write (or a stopped daemon) before the time is
+ * up. Returns 0 once the sequence is even.
+ */
+static int view_wait_for_writer(zc_session *session, uint32_t layer,
+				const struct store_layer_header *l, unsigned *spins,
+				int64_t *deadline)
+{
+	zc_client *client = session->client;
+	char message[200];
+
+	if (!(__atomic_load_n(&l->sequence, __ATOMIC_ACQUIRE) & 1))
+		return 0;
+	if (++*spins < VIEW_SPINS) {
+		sched_yield();
+		return 0;
+	}
+	if (*deadline == 0)
+		*deadline = client->timeout_ms > 0 ? now_ms() + client->timeout_ms : -1;
+	while (__atomic_load_n(&l->sequence, __ATOMIC_ACQUIRE) & 1) {
+		uint64_t sequence = __atomic_load_n(&l->sequence, __ATOMIC_ACQUIRE);
+		if (transport_peer_closed(&client->transport) < 0) {
+			snprintf(message, sizeof(message),
+				 "the daemon is gone, and it left layer %u in the middle of a write "
+				 "(sequence %llu): reconnect, and a restarted daemon repairs the layer",
+				 layer, (unsigned long long)sequence);
+			return client_break(client, -ECONNRESET, message);
+		}
+		if (*deadline >= 0 && now_ms() >= *deadline) {
+			snprintf(message, sizeof(message),
+				 "layer %u was still being written (sequence %llu) after %d ms",
+				 layer, (unsigned long long)sequence, client->timeout_ms);
+			return error_set(client, -ETIMEDOUT, message);
+		}
+		nanosleep(&(struct timespec){ 0, VIEW_POLL_NS }, NULL);
+	}
+	return 0;
+}
+
 int zc_session_view(zc_session *session, uint32_t layer, zc_view *view)
 {
-	if (session->client->broken)
-		return client_refuse_broken(session->client);
+	zc_client *client = session->client;
+	unsigned spins = 0;
+	int64_t deadline = 0;  /* set once waiting starts; -1: none */
+
+	if (client->broken)
+		return client_refuse_broken(client);
 	if (layer >= session->info.layers)
-		return error_set(session->client, ZC_EINVALID, "layer out of range");
+		return error_set(client, ZC_EINVALID, "layer out of range");
 	const struct store_header *header = (const struct store_header *)session->mapping;
 	const struct store_layer_header *l = &header->layer[layer];
 	/* Views the daemon dropped under memory pressure come back with any
@@ -652,17 +712,22 @@ int zc_session_view(zc_session *session, uint32_t layer, zc_view *view)
 	/* The layer's seqlock: odd while the daemon writes; a read is good
 	 * when the counter was even and unchanged around it. */
 	for (;;) {
+		int rc = view_wait_for_writer(session, layer, l, &spins, &deadline);
+		if (rc < 0)
+			return rc;
 		uint64_t before = __atomic_load_n(&l->sequence, __ATOMIC_ACQUIRE);
-		if (before & 1) {
-			sched_yield();
+		if (before & 1)
 			continue;
-		}
 		uint32_t tokens = __atomic_load_n(&l->tokens, __ATOMIC_ACQUIRE);
 		__atomic_thread_fence(__ATOMIC_ACQUIRE);
-		if (__atomic_load_n(&l->sequence, __ATOMIC_ACQUIRE) == before) {
-			view_fill(session, layer, tokens, before, view);
-			return 0;
-		}
+		if (__atomic_load_n(&l->sequence, __ATOMIC_ACQUIRE) != before)
+			continue;
+		/* The views are sized for max_tokens: a count past it is not ours to follow. */
+		if (tokens > session->info.max_tokens)
+			return client_break(client, ZC_EPROTOCOL, "the layer header counts more tokens "
+					    "than the session's views hold");
+		view_fill(session, layer, tokens, before, view);
+		return 0;
 	}
 }
 

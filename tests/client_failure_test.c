@@ -11,7 +11,8 @@
  * speaking the wire protocol from a script: it holds a reply until the
  * test says so, answers another request id, announces descriptors it does
  * not send, sends garbage, hangs up), a real zipcached stopped with
- * SIGSTOP. No assertion depends
+ * SIGSTOP, and a real session file whose layer sequence is left odd, as a
+ * daemon killed in the middle of a write leaves it. No assertion depends
  * on how fast anything runs: the short client timeouts only ever expire
  * against a peer that cannot answer, and every other wait is generous.
  */
@@ -36,6 +37,7 @@
 #include "frame.h"
 #include "layer_model.h"
 #include "process_run.h"
+#include "store_format.h"
 #include "version.h"
 #include "wire.h"
 #include "zipcache/client.h"
@@ -537,6 +539,149 @@ START_TEST(stopped_daemon_times_out_and_the_session_stays_whole)
 }
 END_TEST
 
+/* ---- an odd layer sequence ------------------------------------------------------- */
+
+/* The session file of this id in the daemon's --shm-dir, opened read-write. */
+static int session_file_open(const struct daemon_harness *daemon, uint64_t id)
+{
+	DIR *dir = opendir(daemon->shm_dir);
+	struct dirent *entry;
+	int found = -1;
+
+	ck_assert_ptr_nonnull(dir);
+	while (found < 0 && (entry = readdir(dir))) {
+		char path[PATH_MAX + 256];
+		struct store_header header;
+		size_t n = strlen(entry->d_name);
+
+		if (n < 4 || strcmp(entry->d_name + n - 4, ".zcs") != 0)
+			continue;
+		snprintf(path, sizeof(path), "%s/%s", daemon->shm_dir, entry->d_name);
+		int fd = open(path, O_RDWR | O_CLOEXEC);
+		if (fd < 0)
+			continue;
+		if (pread(fd, &header, sizeof(header), 0) == sizeof(header) && header.session_id == id)
+			found = fd;
+		else
+			close(fd);
+	}
+	closedir(dir);
+	ck_assert_msg(found >= 0, "no session file of session %" PRIu64 " in %s", id, daemon->shm_dir);
+	return found;
+}
+
+static off_t sequence_offset(uint32_t layer)
+{
+	return (off_t)(offsetof(struct store_header, layer) +
+		       layer * sizeof(struct store_layer_header) +
+		       offsetof(struct store_layer_header, sequence));
+}
+
+/* Leaves the layer as a writer killed mid-write does; returns the old value. */
+static uint64_t sequence_make_odd(int fd, uint32_t layer)
+{
+	uint64_t sequence, odd;
+
+	ck_assert_int_eq(pread(fd, &sequence, sizeof(sequence), sequence_offset(layer)),
+			 sizeof(sequence));
+	ck_assert_msg(!(sequence & 1), "layer %u is already mid-write", layer);
+	odd = sequence + 1;
+	ck_assert_int_eq(pwrite(fd, &odd, sizeof(odd), sequence_offset(layer)), sizeof(odd));
+	return sequence;
+}
+
+START_TEST(odd_sequence_of_a_live_daemon_times_out)
+{
+	struct daemon_harness daemon;
+	zc_session_config config = small_config("odd");
+	struct model model;
+	struct rng rng;
+	zc_server_stats stats;
+	zc_view view;
+
+	daemon_start(&daemon, NULL);
+	zc_client *client = connect_client(&daemon);
+	zc_session *session = open_session(client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 22);
+	CHECK(update_checked, client, session, &model, &rng, 0, 9);
+	int fd = session_file_open(&daemon, zc_session_get_info(session)->id);
+	uint64_t sequence = sequence_make_odd(fd, 0);
+
+	ck_assert_int_eq(zc_client_set_timeout(client, SHORT_TIMEOUT_MS), 0);
+	int rc = zc_session_view(session, 0, &view);
+	assert_refused(client, rc, -ETIMEDOUT, "still being written", "view of an odd layer");
+	/* Nothing went over the socket: the connection is fine. */
+	ck_assert_int_eq(zc_client_broken(client), 0);
+	ck_assert_int_eq(zc_client_set_timeout(client, CLIENT_TIMEOUT_MS), 0);
+	ck_assert_int_eq(zc_client_stats(client, &stats), 0);
+	ck_assert_int_eq(zc_session_view(session, 1, &view), 0);
+
+	/* The writer "finishes": the layer reads as before. */
+	ck_assert_int_eq(pwrite(fd, &sequence, sizeof(sequence), sequence_offset(0)), sizeof(sequence));
+	close(fd);
+	CHECK(session_matches, session, &model);
+	CHECK(update_checked, client, session, &model, &rng, 0, 3);
+
+	model_free(&model);
+	zc_session_release(session);
+	zc_client_close(client);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+}
+END_TEST
+
+START_TEST(daemon_killed_mid_write_is_reported_not_waited_for)
+{
+	struct daemon_harness daemon;
+	zc_session_config config = small_config("killed");
+	struct model model;
+	struct rng rng;
+	zc_view view;
+	zc_client *client;
+
+	daemon_start(&daemon, NULL);
+	/* No timeout at all: only the daemon's death can end the wait. */
+	ck_assert_int_eq(zc_client_connect(daemon.socket_path, 0, &client), 0);
+	zc_session *session = open_session(client, &config);
+	uint64_t id = zc_session_get_info(session)->id;
+	model_init(&model, &config);
+	rng_seed(&rng, 23);
+	CHECK(update_checked, client, session, &model, &rng, 1, 20);
+	CHECK(update_checked, client, session, &model, &rng, 0, 4);
+
+	/* Killed in the middle of a write of layer 1. */
+	int fd = session_file_open(&daemon, id);
+	daemon_kill(&daemon);
+	sequence_make_odd(fd, 1);
+	close(fd);
+	int rc = zc_session_view(session, 1, &view);
+	assert_refused(client, rc, -ECONNRESET, "daemon is gone", "view after the daemon died");
+	assert_broken(client, -ECONNRESET, "after the daemon died mid-write");
+	/* A layer the daemon was not writing still waits for nobody. */
+	ck_assert_int_eq(zc_session_view(session, 0, &view), ZC_EBROKEN);
+
+	/* The next daemon repairs the layer: every acknowledged token is there. */
+	daemon_restart(&daemon);
+	ck_assert_int_eq(zc_client_set_timeout(client, CLIENT_TIMEOUT_MS), 0);
+	rc = zc_client_reconnect(client);
+	ck_assert_msg(rc == ZC_ERESTARTED, "reconnect: %s '%s'", zc_error_name(rc),
+		      zc_client_last_error(client));
+	zc_session_release(session);
+	config.attach = true;
+	session = open_session(client, &config);
+	ck_assert_uint_eq(zc_session_get_info(session)->id, id);
+	CHECK(session_matches, session, &model);
+	CHECK(update_checked, client, session, &model, &rng, 1, 2);
+
+	model_free(&model);
+	zc_session_release(session);
+	zc_client_close(client);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+}
+END_TEST
+
 int main(void)
 {
 	const struct test_case cases[] = {
@@ -544,6 +689,8 @@ int main(void)
 				 protocol_errors_break_the_connection, failed_reconnect_stays_broken,
 				 NULL } },
 		{ "stopped_daemon", { stopped_daemon_times_out_and_the_session_stays_whole, NULL } },
+		{ "seqlock", { odd_sequence_of_a_live_daemon_times_out,
+			       daemon_killed_mid_write_is_reported_not_waited_for, NULL } },
 	};
 	Suite *suite = suite_create("client_failure");
 

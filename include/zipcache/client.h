@@ -249,7 +249,13 @@ int zc_update_and_fetch_staged(zc_session *session, uint32_t layer, uint32_t tok
 			       size_t keys_offset, size_t values_offset, zc_view *view,
 			       zc_layer_stats *stats);
 
-/* The layer as it is now, without an update. */
+/* The layer as it is now, without an update: no round trip unless the
+ * daemon dropped the views (then one stats request rebuilds them). While
+ * the daemon writes the layer this waits, at most the client's timeout:
+ * -ETIMEDOUT if the write is still going on then (a stopped daemon; the
+ * connection stays usable), -ECONNRESET at once if the daemon is gone and
+ * left the write unfinished (this breaks the connection: reconnect, and a
+ * restarted daemon repairs the layer). */
 int zc_session_view(zc_session *session, uint32_t layer, zc_view *view);
 
 /* Drops the last `tokens` tokens of every layer (speculative decoding). */
