@@ -5,8 +5,10 @@
  *	zc_session *session;
  *	zc_session_config config;
  *	zc_view view;
+ *	char path[108];
  *
- *	zc_client_connect("/run/zipcached.sock", 1000, &client);
+ *	zc_default_socket_path(path, sizeof(path));      (or a path of one's own)
+ *	zc_client_connect(path, 1000, &client);
  *	zc_session_config_default(&config);
  *	config.name = "worker-0/request-17";
  *	config.layers = 32; config.batch = 1; config.kv_heads = 8;
@@ -186,6 +188,32 @@ typedef struct zc_server_stats {
 	uint64_t uptime_ms;
 	uint64_t boot_epoch;
 } zc_server_stats;
+
+/*
+ * The default socket, one rule shared by zipcached, zipcachectl, this
+ * library's users and the Python client (zipcache.default_socket_path):
+ *
+ *   zipcached without --socket listens at zc_daemon_socket_path():
+ *     $RUNTIME_DIRECTORY/zipcached.sock when systemd gives it one (the
+ *     first, if the unit names several), else the user's place:
+ *     /run/zipcached.sock for root, else $XDG_RUNTIME_DIR/zipcached.sock,
+ *     else /tmp/zipcached-UID.sock.
+ *   A client without a path dials zc_default_socket_path():
+ *     $ZIPCACHE_SOCKET when set, else the user's place as above (not
+ *     $RUNTIME_DIRECTORY, which names the client's own unit's directory),
+ *     and when no socket is there but the system service's is
+ *     (ZC_SERVICE_SOCKET_PATH, deploy/zipcached.service), that one.
+ *
+ * So a daemon a user starts by hand is the one that user's tools find, and
+ * so is the machine's service. Both write the path into buf (len bytes)
+ * and return 0, or -ENAMETOOLONG when it does not fit (buf holds what
+ * did). Neither checks that a daemon is there.
+ */
+#define ZC_SOCKET_NAME "zipcached.sock"
+#define ZC_SERVICE_SOCKET_PATH "/run/zipcached/zipcached.sock"
+
+int zc_default_socket_path(char *buf, size_t len);
+int zc_daemon_socket_path(char *buf, size_t len);
 
 /* Connects and says hello; timeout_ms bounds the connect and every reply
  * wait (0: wait forever). */

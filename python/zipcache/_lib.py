@@ -251,6 +251,8 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
         ],
     ),
     # client.h
+    "zc_default_socket_path": (c_int, [c_char_p, c_size_t]),
+    "zc_daemon_socket_path": (c_int, [c_char_p, c_size_t]),
     "zc_client_connect": (c_int, [c_char_p, c_int, POINTER(zc_client_p)]),
     "zc_client_close": (None, [zc_client_p]),
     "zc_client_reconnect": (c_int, [zc_client_p]),

@@ -216,19 +216,21 @@ class ServerStats:
 
 
 def default_socket_path() -> str:
-    """Where zipcached listens by default (its --socket default), or $ZIPCACHE_SOCKET."""
-    env = os.environ.get("ZIPCACHE_SOCKET")
-    if env:
-        return env
-    runtime = os.environ.get("RUNTIME_DIRECTORY")
-    if runtime:
-        return os.path.join(runtime.split(":")[0], "zipcached.sock")
-    if os.geteuid() == 0:
-        return "/run/zipcached.sock"
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg:
-        return os.path.join(xdg, "zipcached.sock")
-    return "/run/zipcached.sock"
+    """The socket a Client dials without a path: libzipcache's one rule.
+
+    The same rule as zipcachectl's and as where zipcached listens when
+    started without --socket (zc_default_socket_path in zipcache/client.h):
+    $ZIPCACHE_SOCKET when set; else /run/zipcached.sock for root, else
+    $XDG_RUNTIME_DIR/zipcached.sock, else /tmp/zipcached-UID.sock; and when
+    no socket is there but the system service's /run/zipcached/zipcached.sock
+    is, that one.
+    """
+    buffer = ctypes.create_string_buffer(4096)
+    rc = lib.zc_default_socket_path(buffer, len(buffer))
+    if rc < 0:
+        raise error_from_code(rc, "the default socket path is too long "
+                              "(see $ZIPCACHE_SOCKET and $XDG_RUNTIME_DIR)", "default_socket_path")
+    return os.fsdecode(buffer.value)
 
 
 # --- native handles ----------------------------------------------------------
