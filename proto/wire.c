@@ -168,55 +168,36 @@ struct field_name {
 };
 
 #define WIRE_FIELD_NAME(a, allocation, kind, ltype, field, tag) { tag, #field },
+#define WIRE_NAMES(message)                                                        \
+	static const struct field_name names_##message[] = {                       \
+		zipcache_v1_##message##_FIELDLIST(WIRE_FIELD_NAME, 0)               \
+	}
 
-static const struct field_name names_request[] = {
-	zipcache_v1_Request_FIELDLIST(WIRE_FIELD_NAME, 0)
-};
-static const struct field_name names_hello[] = {
-	zipcache_v1_HelloRequest_FIELDLIST(WIRE_FIELD_NAME, 0)
-};
-static const struct field_name names_open[] = {
-	zipcache_v1_OpenSessionRequest_FIELDLIST(WIRE_FIELD_NAME, 0)
-};
-static const struct field_name names_shape[] = {
-	zipcache_v1_SessionShape_FIELDLIST(WIRE_FIELD_NAME, 0)
-};
-static const struct field_name names_codec[] = {
-	zipcache_v1_CodecConfig_FIELDLIST(WIRE_FIELD_NAME, 0)
-};
-static const struct field_name names_update[] = {
-	zipcache_v1_UpdateAndFetchRequest_FIELDLIST(WIRE_FIELD_NAME, 0)
-};
-static const struct field_name names_trim[] = {
-	zipcache_v1_TrimRequest_FIELDLIST(WIRE_FIELD_NAME, 0)
-};
-static const struct field_name names_close[] = {
-	zipcache_v1_CloseSessionRequest_FIELDLIST(WIRE_FIELD_NAME, 0)
-};
-static const struct field_name names_stats[] = {
-	zipcache_v1_StatsRequest_FIELDLIST(WIRE_FIELD_NAME, 0)
-};
-static const struct field_name names_staging[] = {
-	zipcache_v1_StagingRequest_FIELDLIST(WIRE_FIELD_NAME, 0)
-};
+WIRE_NAMES(Request);
+WIRE_NAMES(HelloRequest);
+WIRE_NAMES(OpenSessionRequest);
+WIRE_NAMES(SessionShape);
+WIRE_NAMES(CodecConfig);
+WIRE_NAMES(UpdateAndFetchRequest);
+WIRE_NAMES(TrimRequest);
+WIRE_NAMES(CloseSessionRequest);
+WIRE_NAMES(StatsRequest);
+WIRE_NAMES(StagingRequest);
 
-#define NAMES(desc, names) { &desc, names, sizeof(names) / sizeof(names[0]) }
+#define WIRE_NAMES_ENTRY(message)                                                  \
+	{ &zipcache_v1_##message##_msg, names_##message,                             \
+	  sizeof(names_##message) / sizeof(names_##message[0]) }
 
 static const struct message_names {
 	const pb_msgdesc_t *desc;
 	const struct field_name *names;
 	size_t count;
 } message_names[] = {
-	NAMES(zipcache_v1_Request_msg, names_request),
-	NAMES(zipcache_v1_HelloRequest_msg, names_hello),
-	NAMES(zipcache_v1_OpenSessionRequest_msg, names_open),
-	NAMES(zipcache_v1_SessionShape_msg, names_shape),
-	NAMES(zipcache_v1_CodecConfig_msg, names_codec),
-	NAMES(zipcache_v1_UpdateAndFetchRequest_msg, names_update),
-	NAMES(zipcache_v1_TrimRequest_msg, names_trim),
-	NAMES(zipcache_v1_CloseSessionRequest_msg, names_close),
-	NAMES(zipcache_v1_StatsRequest_msg, names_stats),
-	NAMES(zipcache_v1_StagingRequest_msg, names_staging),
+	WIRE_NAMES_ENTRY(Request), WIRE_NAMES_ENTRY(HelloRequest),
+	WIRE_NAMES_ENTRY(OpenSessionRequest), WIRE_NAMES_ENTRY(SessionShape),
+	WIRE_NAMES_ENTRY(CodecConfig), WIRE_NAMES_ENTRY(UpdateAndFetchRequest),
+	WIRE_NAMES_ENTRY(TrimRequest), WIRE_NAMES_ENTRY(CloseSessionRequest),
+	WIRE_NAMES_ENTRY(StatsRequest), WIRE_NAMES_ENTRY(StagingRequest),
 };
 
 /* The enums of requests; nanopb's descriptors store them as plain uint32. */

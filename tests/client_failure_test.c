@@ -458,18 +458,34 @@ END_TEST
 
 /* ---- a real daemon, stopped ------------------------------------------------------ */
 
-static zc_session_config small_config(const char *name)
-{
+/* A real daemon, a client, one small streaming session and its model. */
+struct live {
+	struct daemon_harness daemon;
 	zc_session_config config;
+	zc_client *client;
+	zc_session *session;
+	struct model model;
+	struct rng rng;
+};
 
-	zc_session_config_default(&config);
-	config.name = name;
-	config.layers = 2;
-	config.kv_heads = 2;
-	config.head_dim_k = config.head_dim_v = 32;
-	config.max_tokens = 512;
-	config.residual_tokens = 16;
-	return config;
+static void live_start(struct live *t, const char *name, uint64_t seed)
+{
+	daemon_start(&t->daemon, NULL);
+	t->config = streaming_config(name, 2, 2, 32, 512, 16);
+	t->client = connect_client(&t->daemon);
+	t->session = open_session(t->client, &t->config);
+	model_init(&t->model, &t->config);
+	rng_seed(&t->rng, seed);
+}
+
+/* Everything goes, and the daemon exits 0. */
+static void live_finish(struct live *t)
+{
+	model_free(&t->model);
+	zc_session_release(t->session);
+	zc_client_close(t->client);
+	daemon_stop(&t->daemon);
+	daemon_cleanup(&t->daemon);
 }
 
 /* Tokens in one layer, through the view (generous bound on the wait). */
@@ -489,53 +505,41 @@ static uint32_t wait_layer_tokens(zc_session *session, uint32_t layer, uint32_t 
 
 START_TEST(stopped_daemon_times_out_and_the_session_stays_whole)
 {
-	struct daemon_harness daemon;
-	zc_session_config config = small_config("stopped");
-	struct model model;
+	struct live t;
 	struct block block;
-	struct rng rng;
 	zc_view view;
 
-	daemon_start(&daemon, NULL);
-	zc_client *client = connect_client(&daemon);
-	zc_session *session = open_session(client, &config);
-	model_init(&model, &config);
-	rng_seed(&rng, 21);
+	live_start(&t, "stopped", 21);
 	for (uint32_t step = 0; step < 6; step++)
-		CHECK(update_checked, client, session, &model, &rng, step % 2, 5 + step);
-	uint32_t before = model.layer[0].tokens;
+		CHECK(update_checked, t.client, t.session, &t.model, &t.rng, step % 2, 5 + step);
+	uint32_t before = t.model.layer[0].tokens;
 
-	ck_assert_int_eq(kill(daemon.pid, SIGSTOP), 0);
-	ck_assert_int_eq(zc_client_set_timeout(client, SHORT_TIMEOUT_MS), 0);
-	block_make(&block, &model, 7, &rng);
-	int rc = zc_update_and_fetch(session, 0, 7, block.keys, block.values, &view, NULL);
-	assert_refused(client, rc, -ETIMEDOUT, "timed out", "update to a stopped daemon");
-	assert_broken(client, -ETIMEDOUT, "while the daemon is stopped");
-	ck_assert_int_eq(zc_session_view(session, 1, &view), ZC_EBROKEN);
-	ck_assert_int_eq(zc_update_and_fetch(session, 1, 1, block.keys, block.values, &view, NULL),
+	ck_assert_int_eq(kill(t.daemon.pid, SIGSTOP), 0);
+	ck_assert_int_eq(zc_client_set_timeout(t.client, SHORT_TIMEOUT_MS), 0);
+	block_make(&block, &t.model, 7, &t.rng);
+	int rc = zc_update_and_fetch(t.session, 0, 7, block.keys, block.values, &view, NULL);
+	assert_refused(t.client, rc, -ETIMEDOUT, "timed out", "update to a stopped daemon");
+	assert_broken(t.client, -ETIMEDOUT, "while the daemon is stopped");
+	ck_assert_int_eq(zc_session_view(t.session, 1, &view), ZC_EBROKEN);
+	ck_assert_int_eq(zc_update_and_fetch(t.session, 1, 1, block.keys, block.values, &view, NULL),
 			 ZC_EBROKEN);
 
-	ck_assert_int_eq(kill(daemon.pid, SIGCONT), 0);
-	ck_assert_int_eq(zc_client_set_timeout(client, CLIENT_TIMEOUT_MS), 0);
+	ck_assert_int_eq(kill(t.daemon.pid, SIGCONT), 0);
+	ck_assert_int_eq(zc_client_set_timeout(t.client, CLIENT_TIMEOUT_MS), 0);
 	/* The daemon runs again, and its late reply may be on its way: still broken. */
-	assert_broken(client, -ETIMEDOUT, "after SIGCONT");
-	rc = zc_client_reconnect(client);
-	ck_assert_msg(rc == 0, "reconnect: %s '%s'", zc_error_name(rc), zc_client_last_error(client));
+	assert_broken(t.client, -ETIMEDOUT, "after SIGCONT");
+	rc = zc_client_reconnect(t.client);
+	ck_assert_msg(rc == 0, "reconnect: %s '%s'", zc_error_name(rc), zc_client_last_error(t.client));
 
 	/* The request was whole in the daemon's socket: it lands, once and whole. */
-	ck_assert_uint_eq(wait_layer_tokens(session, 0, before + 7), before + 7);
-	ck_assert_int_eq(model_update(&model, 0, 7, block.keys, block.values), 0);
+	ck_assert_uint_eq(wait_layer_tokens(t.session, 0, before + 7), before + 7);
+	ck_assert_int_eq(model_update(&t.model, 0, 7, block.keys, block.values), 0);
 	block_free(&block);
-	CHECK(session_matches, session, &model);
+	CHECK(session_matches, t.session, &t.model);
 	for (uint32_t step = 0; step < 4; step++)
-		CHECK(update_checked, client, session, &model, &rng, step % 2, 3);
-	CHECK(session_matches, session, &model);
-
-	model_free(&model);
-	zc_session_release(session);
-	zc_client_close(client);
-	daemon_stop(&daemon);
-	daemon_cleanup(&daemon);
+		CHECK(update_checked, t.client, t.session, &t.model, &t.rng, step % 2, 3);
+	CHECK(session_matches, t.session, &t.model);
+	live_finish(&t);
 }
 END_TEST
 
@@ -592,93 +596,69 @@ static uint64_t sequence_make_odd(int fd, uint32_t layer)
 
 START_TEST(odd_sequence_of_a_live_daemon_times_out)
 {
-	struct daemon_harness daemon;
-	zc_session_config config = small_config("odd");
-	struct model model;
-	struct rng rng;
+	struct live t;
 	zc_server_stats stats;
 	zc_view view;
 
-	daemon_start(&daemon, NULL);
-	zc_client *client = connect_client(&daemon);
-	zc_session *session = open_session(client, &config);
-	model_init(&model, &config);
-	rng_seed(&rng, 22);
-	CHECK(update_checked, client, session, &model, &rng, 0, 9);
-	int fd = session_file_open(&daemon, zc_session_get_info(session)->id);
+	live_start(&t, "odd", 22);
+	CHECK(update_checked, t.client, t.session, &t.model, &t.rng, 0, 9);
+	int fd = session_file_open(&t.daemon, zc_session_get_info(t.session)->id);
 	uint64_t sequence = sequence_make_odd(fd, 0);
 
-	ck_assert_int_eq(zc_client_set_timeout(client, SHORT_TIMEOUT_MS), 0);
-	int rc = zc_session_view(session, 0, &view);
-	assert_refused(client, rc, -ETIMEDOUT, "still being written", "view of an odd layer");
+	ck_assert_int_eq(zc_client_set_timeout(t.client, SHORT_TIMEOUT_MS), 0);
+	int rc = zc_session_view(t.session, 0, &view);
+	assert_refused(t.client, rc, -ETIMEDOUT, "still being written", "view of an odd layer");
 	/* Nothing went over the socket: the connection is fine. */
-	ck_assert_int_eq(zc_client_broken(client), 0);
-	ck_assert_int_eq(zc_client_set_timeout(client, CLIENT_TIMEOUT_MS), 0);
-	ck_assert_int_eq(zc_client_stats(client, &stats), 0);
-	ck_assert_int_eq(zc_session_view(session, 1, &view), 0);
+	ck_assert_int_eq(zc_client_broken(t.client), 0);
+	ck_assert_int_eq(zc_client_set_timeout(t.client, CLIENT_TIMEOUT_MS), 0);
+	ck_assert_int_eq(zc_client_stats(t.client, &stats), 0);
+	ck_assert_int_eq(zc_session_view(t.session, 1, &view), 0);
 
 	/* The writer "finishes": the layer reads as before. */
 	ck_assert_int_eq(pwrite(fd, &sequence, sizeof(sequence), sequence_offset(0)), sizeof(sequence));
 	close(fd);
-	CHECK(session_matches, session, &model);
-	CHECK(update_checked, client, session, &model, &rng, 0, 3);
-
-	model_free(&model);
-	zc_session_release(session);
-	zc_client_close(client);
-	daemon_stop(&daemon);
-	daemon_cleanup(&daemon);
+	CHECK(session_matches, t.session, &t.model);
+	CHECK(update_checked, t.client, t.session, &t.model, &t.rng, 0, 3);
+	live_finish(&t);
 }
 END_TEST
 
 START_TEST(daemon_killed_mid_write_is_reported_not_waited_for)
 {
-	struct daemon_harness daemon;
-	zc_session_config config = small_config("killed");
-	struct model model;
-	struct rng rng;
+	struct live t;
 	zc_view view;
-	zc_client *client;
 
-	daemon_start(&daemon, NULL);
+	live_start(&t, "killed", 23);
 	/* No timeout at all: only the daemon's death can end the wait. */
-	ck_assert_int_eq(zc_client_connect(daemon.socket_path, 0, &client), 0);
-	zc_session *session = open_session(client, &config);
-	uint64_t id = zc_session_get_info(session)->id;
-	model_init(&model, &config);
-	rng_seed(&rng, 23);
-	CHECK(update_checked, client, session, &model, &rng, 1, 20);
-	CHECK(update_checked, client, session, &model, &rng, 0, 4);
+	ck_assert_int_eq(zc_client_set_timeout(t.client, 0), 0);
+	uint64_t id = zc_session_get_info(t.session)->id;
+	CHECK(update_checked, t.client, t.session, &t.model, &t.rng, 1, 20);
+	CHECK(update_checked, t.client, t.session, &t.model, &t.rng, 0, 4);
 
 	/* Killed in the middle of a write of layer 1. */
-	int fd = session_file_open(&daemon, id);
-	daemon_kill(&daemon);
+	int fd = session_file_open(&t.daemon, id);
+	daemon_kill(&t.daemon);
 	sequence_make_odd(fd, 1);
 	close(fd);
-	int rc = zc_session_view(session, 1, &view);
-	assert_refused(client, rc, -ECONNRESET, "daemon is gone", "view after the daemon died");
-	assert_broken(client, -ECONNRESET, "after the daemon died mid-write");
-	/* A layer the daemon was not writing still waits for nobody. */
-	ck_assert_int_eq(zc_session_view(session, 0, &view), ZC_EBROKEN);
+	int rc = zc_session_view(t.session, 1, &view);
+	assert_refused(t.client, rc, -ECONNRESET, "daemon is gone", "view after the daemon died");
+	assert_broken(t.client, -ECONNRESET, "after the daemon died mid-write");
+	/* A layer the daemon was not writing is refused as well: the client is broken. */
+	ck_assert_int_eq(zc_session_view(t.session, 0, &view), ZC_EBROKEN);
 
 	/* The next daemon repairs the layer: every acknowledged token is there. */
-	daemon_restart(&daemon);
-	ck_assert_int_eq(zc_client_set_timeout(client, CLIENT_TIMEOUT_MS), 0);
-	rc = zc_client_reconnect(client);
+	daemon_restart(&t.daemon);
+	ck_assert_int_eq(zc_client_set_timeout(t.client, CLIENT_TIMEOUT_MS), 0);
+	rc = zc_client_reconnect(t.client);
 	ck_assert_msg(rc == ZC_ERESTARTED, "reconnect: %s '%s'", zc_error_name(rc),
-		      zc_client_last_error(client));
-	zc_session_release(session);
-	config.attach = true;
-	session = open_session(client, &config);
-	ck_assert_uint_eq(zc_session_get_info(session)->id, id);
-	CHECK(session_matches, session, &model);
-	CHECK(update_checked, client, session, &model, &rng, 1, 2);
-
-	model_free(&model);
-	zc_session_release(session);
-	zc_client_close(client);
-	daemon_stop(&daemon);
-	daemon_cleanup(&daemon);
+		      zc_client_last_error(t.client));
+	zc_session_release(t.session);
+	t.config.attach = true;
+	t.session = open_session(t.client, &t.config);
+	ck_assert_uint_eq(zc_session_get_info(t.session)->id, id);
+	CHECK(session_matches, t.session, &t.model);
+	CHECK(update_checked, t.client, t.session, &t.model, &t.rng, 1, 2);
+	live_finish(&t);
 }
 END_TEST
 

@@ -92,6 +92,12 @@ static void assert_refusal(wire_response *reply, zipcache_v1_Status status, uint
 	wire_response_free(reply);
 }
 
+/* The smallest session a test needs: one layer, one head of 16. */
+static zc_session_config tiny_config(const char *name)
+{
+	return streaming_config(name, 1, 1, 16, 64, 0);
+}
+
 static size_t session_count(zc_client *client)
 {
 	size_t count = 0;
@@ -118,13 +124,7 @@ START_TEST(nul_in_a_name_is_refused_not_cut_short)
 	ck_assert_uint_eq(session_count(client), 0);
 
 	/* The session "a" exists; "a\0x" is not a way to reach it. */
-	zc_session_config config;
-	zc_session_config_default(&config);
-	config.name = "a";
-	config.layers = 1;
-	config.kv_heads = 1;
-	config.head_dim_k = config.head_dim_v = 16;
-	config.max_tokens = 64;
+	zc_session_config config = tiny_config("a");
 	zc_session *a = open_session(client, &config);
 	open_bytes(&request, 12, "a\0x", 3, true);
 	bytes_call(fd, &request, &reply, "attach 'a\\0x'");
@@ -213,14 +213,8 @@ START_TEST(limits_broken_in_decoding_echo_the_id_and_name_the_limit)
 	wire_response_free(&reply);
 
 	/* The C client says the same before it sends anything. */
-	zc_session_config config;
+	zc_session_config config = tiny_config(name);
 	zc_session *session = NULL;
-	zc_session_config_default(&config);
-	config.name = name;
-	config.layers = 1;
-	config.kv_heads = 1;
-	config.head_dim_k = config.head_dim_v = 16;
-	config.max_tokens = 64;
 	int rc = zc_session_open(client, &config, &session);
 	assert_refused(client, rc, ZC_EINVALID, "is 80 bytes; the limit is 64", "80-byte name in C");
 	ck_assert_uint_eq(session_count(client), 0);
@@ -234,16 +228,7 @@ END_TEST
 
 static zc_session_config attach_base(void)
 {
-	zc_session_config config;
-
-	zc_session_config_default(&config);
-	config.name = "shared";
-	config.layers = 2;
-	config.kv_heads = 2;
-	config.head_dim_k = config.head_dim_v = 16;
-	config.max_tokens = 256;
-	config.residual_tokens = 32;
-	return config;
+	return streaming_config("shared", 2, 2, 16, 256, 32);
 }
 
 /* The session still holds what it held: 8 tokens in layer 0, 0 in layer 1. */
