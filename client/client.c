@@ -1,7 +1,12 @@
 /*
  * libzipcache: requests, replies and the read-only view mappings. One
  * request is in flight at a time (the API is blocking), so the next reply
- * on the socket is always the one we wait for.
+ * on the socket is always the one we wait for, as long as every request
+ * sent got its reply read. When that fails (a timeout, a reply that makes
+ * no sense, the daemon gone) the stream can no longer be trusted: a late
+ * reply, with its descriptors, may still arrive and would answer the next
+ * request. So the connection is marked broken, as hiredis's c->err, and
+ * refuses every call until zc_client_reconnect() dials afresh.
  */
 #include "zipcache/client.h"
 
@@ -11,6 +16,7 @@
 #include <string.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "store_format.h"
@@ -21,6 +27,12 @@
 /* Below this many K+V bytes a block goes inline: a copy into the frame is
  * cheaper than the staging round trip's bookkeeping. */
 #define INLINE_LIMIT_BYTES (256u << 10)
+
+/* A daemon's write of one layer takes microseconds to milliseconds: a
+ * reader yields this many times before it starts to look at the clock and
+ * the socket, then looks once per VIEW_POLL_NS. */
+#define VIEW_SPINS 1000
+#define VIEW_POLL_NS 1000000
 
 struct zc_session {
 	zc_client *client;
@@ -40,6 +52,8 @@ struct zc_client {
 	uint64_t next_request_id;
 	zc_server_info server;
 	char last_error[257];
+	int broken;                /* 0, or the code of the failure that broke the connection */
+	char broken_error[257];    /* the last_error of that failure */
 	uint8_t *send_buffer;
 	size_t send_capacity;
 	uint8_t *staging;
@@ -53,6 +67,35 @@ static int error_set(zc_client *client, int rc, const char *message)
 	return rc;
 }
 
+/* A failure after which the stream is out of step: see the top of file.
+ * message NULL keeps the last error's sentence. */
+static int client_break(zc_client *client, int rc, const char *message)
+{
+	if (message)
+		error_set(client, rc, message);
+	if (!client->broken) {
+		client->broken = rc;
+		memcpy(client->broken_error, client->last_error, sizeof(client->broken_error));
+	}
+	return rc;
+}
+
+/* What every call on a broken connection returns, before the socket. */
+static int client_refuse_broken(zc_client *client)
+{
+	snprintf(client->last_error, sizeof(client->last_error),
+		 "the connection broke earlier (%s: %.180s); call zc_client_reconnect",
+		 zc_error_name(client->broken), client->broken_error);
+	return ZC_EBROKEN;
+}
+
+static int64_t now_ms(void)
+{
+	struct timespec now;
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	return (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
+}
+
 /* Sends one request and waits for its reply; on success *response holds
  * it (free with wire_response_free) and any descriptors it carried are in
  * fds[0..n_fds). */
@@ -61,8 +104,11 @@ static int call(zc_client *client, wire_request *request, wire_response *respons
 {
 	size_t size, len;
 	const uint8_t *frame;
+	char message[160];
 	int rc;
 
+	if (client->broken)
+		return client_refuse_broken(client);
 	client->last_error[0] = '\0';
 	request->msg.request_id = client->next_request_id++;
 	rc = wire_request_frame_size(request, &size);
@@ -78,34 +124,59 @@ static int call(zc_client *client, wire_request *request, wire_response *respons
 	rc = wire_request_encode(request, client->send_buffer, client->send_capacity, &len);
 	if (rc < 0)
 		return error_set(client, rc, "request cannot be encoded");
+	/* From here on a failure leaves the request's fate unknown and the
+	 * stream out of step: each one breaks the connection. */
 	int sent = transport_send(&client->transport, client->send_buffer, len);
 	if (sent < 0 && sent != -EPIPE && sent != -ECONNRESET)
-		return error_set(client, sent, "cannot send the request");
+		return client_break(client, sent, sent == -ETIMEDOUT ?
+				    "timed out sending the request" : "cannot send the request");
 	/* A daemon that refused the connection (a limit, a stop) said why
 	 * before closing: the reply may be waiting even though the send failed. */
 	rc = transport_receive(&client->transport, &frame, &len);
 	if (rc < 0)
-		return error_set(client, sent < 0 ? sent : rc,
-				 sent < 0 ? "cannot send the request" : "no reply from the daemon");
+		return client_break(client, sent < 0 ? sent : rc,
+				    sent < 0 ? "cannot send the request" :
+				    rc == -ETIMEDOUT ? "timed out waiting for the daemon's reply" :
+				    rc == -ECONNRESET ? "the daemon closed the connection" :
+				    "no reply from the daemon");
 	rc = wire_response_decode(frame, len, response);
 	transport_consume(&client->transport);
 	if (rc < 0)
-		return error_set(client, rc, "malformed reply from the daemon");
+		return client_break(client, rc, "malformed reply from the daemon");
 	if (response->msg.request_id == 0 && response->msg.status != zipcache_v1_Status_OK) {
-		/* About the connection, not a request: a limit, a stop, a bad frame. */
+		/* About the connection, not a request (a limit, a stop, a frame
+		 * too large): the daemon closes it after saying so. */
 		rc = wire_error_from_status(response->msg.status);
-		error_set(client, rc, response->msg.message);
+		client_break(client, rc, response->msg.message);
 		wire_response_free(response);
 		return rc;
 	}
 	if (response->msg.request_id != request->msg.request_id) {
+		snprintf(message, sizeof(message), "reply to request %llu, expected %llu",
+			 (unsigned long long)response->msg.request_id,
+			 (unsigned long long)request->msg.request_id);
 		wire_response_free(response);
-		return error_set(client, ZC_EPROTOCOL, "reply to another request");
+		return client_break(client, ZC_EPROTOCOL, message);
+	}
+	if (response->msg.fds > (uint32_t)max_fds) {
+		snprintf(message, sizeof(message), "reply announced %u descriptors; at most %d "
+			 "were expected", response->msg.fds, max_fds);
+		wire_response_free(response);
+		return client_break(client, ZC_EPROTOCOL, message);
 	}
 	int n_fds = (int)response->msg.fds;
-	if (n_fds > max_fds || transport_take_fds(&client->transport, fds, n_fds) < 0) {
+	if (transport_take_fds(&client->transport, fds, n_fds) < 0) {
+		snprintf(message, sizeof(message), "reply announced %d descriptors, %d arrived",
+			 n_fds, transport_unclaimed_fds(&client->transport));
 		wire_response_free(response);
-		return error_set(client, ZC_EPROTOCOL, "reply carried unexpected descriptors");
+		return client_break(client, ZC_EPROTOCOL, message);
+	}
+	if (transport_unclaimed_fds(&client->transport) > 0) {
+		/* Descriptors no reply announced belong to no call. */
+		for (int i = 0; i < n_fds; i++)
+			close(fds[i]);
+		wire_response_free(response);
+		return client_break(client, ZC_EPROTOCOL, "descriptors arrived that no reply announced");
 	}
 	if (response->msg.status != zipcache_v1_Status_OK) {
 		rc = wire_error_from_status(response->msg.status);
@@ -133,7 +204,7 @@ static int hello(zc_client *client)
 	if (response.msg.which_op != zipcache_v1_Response_hello_tag ||
 	    h->protocol_version != ZIPCACHE_PROTOCOL_VERSION) {
 		wire_response_free(&response);
-		return error_set(client, ZC_EPROTOCOL, "daemon speaks another protocol version");
+		return client_break(client, ZC_EPROTOCOL, "daemon speaks another protocol version");
 	}
 	client->server.protocol_version = h->protocol_version;
 	memcpy(client->server.server_version, h->server_version, sizeof(client->server.server_version));
@@ -197,17 +268,39 @@ void zc_client_close(zc_client *client)
 int zc_client_reconnect(zc_client *client)
 {
 	uint64_t epoch = client->server.boot_epoch;
+	/* Whatever the old socket still holds (a late reply, its descriptors)
+	 * goes with it. */
 	transport_close(&client->transport);
 	/* The daemon's staging buffer belonged to the old connection. */
 	staging_unmap(client);
+	client->broken = 0;
 	int rc = transport_connect(&client->transport, client->socket_path, client->timeout_ms);
-	if (rc == 0)
-		rc = hello(client);
 	if (rc < 0)
+		return client_break(client, rc, "cannot connect to the daemon");
+	rc = hello(client);
+	if (rc < 0) {
+		/* A hello the daemon refused is a connection it does not want. */
+		if (!client->broken)
+			client_break(client, rc, NULL);
 		return rc;
+	}
 	if (client->server.boot_epoch != epoch)
 		return error_set(client, ZC_ERESTARTED, "the daemon restarted: reopen sessions with attach");
 	return 0;
+}
+
+int zc_client_set_timeout(zc_client *client, int timeout_ms)
+{
+	if (timeout_ms < 0)
+		return error_set(client, -EINVAL, "a timeout is 0 (none) or a positive number of ms");
+	client->timeout_ms = timeout_ms;
+	client->transport.timeout_ms = timeout_ms;
+	return 0;
+}
+
+int zc_client_broken(const zc_client *client)
+{
+	return client->broken;
 }
 
 const zc_server_info *zc_client_server_info(const zc_client *client)
@@ -323,8 +416,14 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 	zipcache_v1_OpenSessionRequest *open = &request.msg.op.open_session;
 	int fd = -1, rc;
 
-	if (config->name && strlen(config->name) >= sizeof(open->name))
-		return error_set(client, ZC_EINVALID, "session name longer than 64 bytes");
+	if (client->broken)
+		return client_refuse_broken(client);
+	if (config->name && strlen(config->name) >= sizeof(open->name)) {
+		char message[80];
+		snprintf(message, sizeof(message), "session name is %zu bytes; the limit is %zu",
+			 strlen(config->name), sizeof(open->name) - 1);
+		return error_set(client, ZC_EINVALID, message);
+	}
 	request.msg.which_op = zipcache_v1_Request_open_session_tag;
 	if (config->name)
 		snprintf(open->name, sizeof(open->name), "%s", config->name);
@@ -358,7 +457,7 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 		if (rc == 1)
 			close(fd);
 		wire_response_free(&response);
-		return error_set(client, ZC_EPROTOCOL, "open reply without a view");
+		return client_break(client, ZC_EPROTOCOL, "open reply without a view");
 	}
 	zc_session *session = calloc(1, sizeof(*session));
 	if (!session) {
@@ -370,7 +469,12 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 	rc = session_map(session, fd, &response.msg.op.open_session.view);
 	if (rc < 0) {
 		session_free(session);
-		error_set(client, rc, "cannot map the session's views");
+		/* A layout that does not fit its mapping is the daemon's mistake;
+		 * a failed mmap is ours, and the session exists on the daemon. */
+		if (rc == ZC_EPROTOCOL)
+			client_break(client, rc, "the open reply's view layout does not fit its mapping");
+		else
+			error_set(client, rc, "cannot map the session's views");
 		goto out_close;
 	}
 	session->next = client->sessions;
@@ -442,7 +546,7 @@ static int update_call(zc_session *session, wire_request *request, uint32_t laye
 	if (response.msg.which_op != zipcache_v1_Response_update_and_fetch_tag ||
 	    reply->tokens > session->info.max_tokens) {
 		wire_response_free(&response);
-		return error_set(session->client, ZC_EPROTOCOL, "bad update_and_fetch reply");
+		return client_break(session->client, ZC_EPROTOCOL, "bad update_and_fetch reply");
 	}
 	if (view)
 		view_fill(session, layer, reply->tokens, reply->sequence, view);
@@ -488,6 +592,8 @@ int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
 	uint64_t limit = client->server.max_inline_bytes < INLINE_LIMIT_BYTES ?
 				 client->server.max_inline_bytes : INLINE_LIMIT_BYTES;
 
+	if (client->broken)
+		return client_refuse_broken(client);
 	if (key_bytes + value_bytes > limit) {
 		void *buffer;
 		int rc = zc_client_staging(client, key_bytes + value_bytes, &buffer);
@@ -510,6 +616,8 @@ int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
 
 int zc_client_staging(zc_client *client, size_t bytes, void **buffer)
 {
+	if (client->broken)
+		return client_refuse_broken(client);
 	if (client->staging && client->staging_bytes >= bytes) {
 		*buffer = client->staging;
 		return 0;
@@ -527,7 +635,7 @@ int zc_client_staging(zc_client *client, size_t bytes, void **buffer)
 	if (rc != 1 || granted < bytes) {
 		if (rc == 1)
 			close(fd);
-		return error_set(client, ZC_EPROTOCOL, "staging reply without a buffer");
+		return client_break(client, ZC_EPROTOCOL, "staging reply without a buffer");
 	}
 	void *mapping = mmap(NULL, granted, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	close(fd);
@@ -540,10 +648,58 @@ int zc_client_staging(zc_client *client, size_t bytes, void **buffer)
 	return 0;
 }
 
+/*
+ * Waits, within the client's timeout, for the daemon to finish a write of
+ * the layer (an odd sequence). A daemon killed in the middle of one leaves
+ * the sequence odd for good: its end of the socket closes, which is what
+ * tells a death from a long write (or a stopped daemon) before the time is
+ * up. Returns 0 once the sequence is even.
+ */
+static int view_wait_for_writer(zc_session *session, uint32_t layer,
+				const struct store_layer_header *l, unsigned *spins,
+				int64_t *deadline)
+{
+	zc_client *client = session->client;
+	char message[200];
+
+	if (!(__atomic_load_n(&l->sequence, __ATOMIC_ACQUIRE) & 1))
+		return 0;
+	if (++*spins < VIEW_SPINS) {
+		sched_yield();
+		return 0;
+	}
+	if (*deadline == 0)
+		*deadline = client->timeout_ms > 0 ? now_ms() + client->timeout_ms : -1;
+	while (__atomic_load_n(&l->sequence, __ATOMIC_ACQUIRE) & 1) {
+		uint64_t sequence = __atomic_load_n(&l->sequence, __ATOMIC_ACQUIRE);
+		if (transport_peer_closed(&client->transport) < 0) {
+			snprintf(message, sizeof(message),
+				 "the daemon is gone, and it left layer %u in the middle of a write "
+				 "(sequence %llu): reconnect, and a restarted daemon repairs the layer",
+				 layer, (unsigned long long)sequence);
+			return client_break(client, -ECONNRESET, message);
+		}
+		if (*deadline >= 0 && now_ms() >= *deadline) {
+			snprintf(message, sizeof(message),
+				 "layer %u was still being written (sequence %llu) after %d ms",
+				 layer, (unsigned long long)sequence, client->timeout_ms);
+			return error_set(client, -ETIMEDOUT, message);
+		}
+		nanosleep(&(struct timespec){ 0, VIEW_POLL_NS }, NULL);
+	}
+	return 0;
+}
+
 int zc_session_view(zc_session *session, uint32_t layer, zc_view *view)
 {
+	zc_client *client = session->client;
+	unsigned spins = 0;
+	int64_t deadline = 0;  /* set once waiting starts; -1: none */
+
+	if (client->broken)
+		return client_refuse_broken(client);
 	if (layer >= session->info.layers)
-		return error_set(session->client, ZC_EINVALID, "layer out of range");
+		return error_set(client, ZC_EINVALID, "layer out of range");
 	const struct store_header *header = (const struct store_header *)session->mapping;
 	const struct store_layer_header *l = &header->layer[layer];
 	/* Views the daemon dropped under memory pressure come back with any
@@ -556,17 +712,22 @@ int zc_session_view(zc_session *session, uint32_t layer, zc_view *view)
 	/* The layer's seqlock: odd while the daemon writes; a read is good
 	 * when the counter was even and unchanged around it. */
 	for (;;) {
+		int rc = view_wait_for_writer(session, layer, l, &spins, &deadline);
+		if (rc < 0)
+			return rc;
 		uint64_t before = __atomic_load_n(&l->sequence, __ATOMIC_ACQUIRE);
-		if (before & 1) {
-			sched_yield();
+		if (before & 1)
 			continue;
-		}
 		uint32_t tokens = __atomic_load_n(&l->tokens, __ATOMIC_ACQUIRE);
 		__atomic_thread_fence(__ATOMIC_ACQUIRE);
-		if (__atomic_load_n(&l->sequence, __ATOMIC_ACQUIRE) == before) {
-			view_fill(session, layer, tokens, before, view);
-			return 0;
-		}
+		if (__atomic_load_n(&l->sequence, __ATOMIC_ACQUIRE) != before)
+			continue;
+		/* The views are sized for max_tokens: a count past it is not ours to follow. */
+		if (tokens > session->info.max_tokens)
+			return client_break(client, ZC_EPROTOCOL, "the layer header counts more tokens "
+					    "than the session's views hold");
+		view_fill(session, layer, tokens, before, view);
+		return 0;
 	}
 }
 
@@ -632,6 +793,8 @@ int zc_session_stats(zc_session *session, zc_layer_stats *layers, size_t capacit
 int zc_client_session_stats(zc_client *client, uint64_t session_id, zc_layer_stats *layers,
 			    size_t capacity, zc_layer_stats *total, zc_session_info *info)
 {
+	if (client->broken)
+		return client_refuse_broken(client);
 	if (session_id == 0)
 		return error_set(client, ZC_EINVALID, "session id 0 names no session");
 	return stats_call(client, session_id, false, layers, capacity, total, info);

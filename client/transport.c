@@ -208,3 +208,22 @@ int transport_take_fds(struct transport *transport, int *fds, int n)
 	transport->n_fds -= n;
 	return 0;
 }
+
+int transport_unclaimed_fds(const struct transport *transport)
+{
+	return transport->n_fds;
+}
+
+int transport_peer_closed(const struct transport *transport)
+{
+	struct pollfd p = { .fd = transport->fd, .events = POLLIN | POLLRDHUP };
+
+	if (transport->fd < 0)
+		return -ENOTCONN;
+	/* A dead daemon's socket reads as end of stream: POLLRDHUP, or POLLHUP
+	 * once both directions are gone. Bytes waiting (POLLIN alone) are not
+	 * an end. */
+	if (poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)))
+		return -ECONNRESET;
+	return 0;
+}

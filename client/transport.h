@@ -35,4 +35,11 @@ void transport_consume(struct transport *transport);
 /* Takes the oldest n received descriptors (ZC_EPROTOCOL if fewer came). */
 int transport_take_fds(struct transport *transport, int *fds, int n);
 
+/* Received descriptors no reply has claimed. */
+int transport_unclaimed_fds(const struct transport *transport);
+
+/* Whether the daemon has closed its end (it stopped, or died): -ECONNRESET
+ * then, else 0. Looks without waiting and reads nothing. */
+int transport_peer_closed(const struct transport *transport);
+
 #endif

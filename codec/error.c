@@ -28,6 +28,7 @@ static const struct error_text error_texts[] = {
 	{ ZC_EINTERNAL, "ZC_EINTERNAL", "internal error in the daemon" },
 	{ ZC_EINVALID, "ZC_EINVALID", "invalid argument" },
 	{ ZC_ERESTARTED, "ZC_ERESTARTED", "the daemon restarted; reopen sessions to remap them" },
+	{ ZC_EBROKEN, "ZC_EBROKEN", "the connection broke in an earlier call; call zc_client_reconnect" },
 };
 
 static const struct error_text *error_find(int code)

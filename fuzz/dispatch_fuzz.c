@@ -388,9 +388,10 @@ static bool replies_read(int fd, struct reply_log *log, bool *eof)
 
 /*
  * The request ids the daemon must answer, one per complete frame in the
- * order sent, as the daemon's own decoder reads them (0 for a frame that
- * does not decode); an oversized header ends the stream with one more
- * reply (id 0), and nothing after it is read.
+ * order sent, as the daemon's own decoder reads them (for a frame that
+ * does not decode, the id it could still read, else 0); an oversized
+ * header ends the stream with one more reply (id 0), and nothing after it
+ * is read.
  */
 static void expected_ids(const uint8_t *data, size_t size, uint64_t **ids, size_t *n)
 {
@@ -406,8 +407,9 @@ static void expected_ids(const uint8_t *data, size_t size, uint64_t **ids, size_
 		fuzz_fail("out of memory");
 	while ((rc = frame_reader_next(&reader, &frame, &len)) == 1) {
 		wire_request request;
-		uint64_t id = wire_request_decode(frame, len, &request) == 0 ? request.msg.request_id : 0;
-		ids_push(ids, n, &cap, id);
+		/* A refused frame keeps the id the decoder could read. */
+		(void)wire_request_decode(frame, len, &request);
+		ids_push(ids, n, &cap, request.msg.request_id);
 		frame_reader_consume(&reader);
 	}
 	if (rc < 0)

@@ -25,11 +25,14 @@
 #include "wire.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <pb_common.h>
 #include <pb_decode.h>
 #include <pb_encode.h>
 
@@ -145,6 +148,222 @@ static bool decode_session(pb_istream_t *stream, const pb_field_t *field, void *
 				 &zipcache_v1_SessionInfo_msg);
 }
 
+/*
+ * The second look at a request: what nanopb does not check or does not
+ * say. nanopb refuses a string longer than its array, or an integer wider
+ * than its field, with "string overflow" / "integer too large" and no word
+ * of which field; it accepts a string with a NUL byte inside, which C
+ * then reads cut short (so "a\0x" would name the session "a"), and an
+ * enum value the enum does not define. And a failed pb_decode() leaves us
+ * no request id to answer with. So a refused request, and every request
+ * that carries strings or enums (hello, open_session, both rare), is
+ * walked field by field once more against the descriptors, to recover
+ * the id and to name the first field that broke its type's limit.
+ */
+
+/* Field names from the generated FIELDLIST macros, for messages only. */
+struct field_name {
+	uint32_t tag;
+	const char *name;  /* "layers", or "(op,hello,op.hello)" for a oneof member */
+};
+
+#define WIRE_FIELD_NAME(a, allocation, kind, ltype, field, tag) { tag, #field },
+#define WIRE_NAMES(message)                                                        \
+	static const struct field_name names_##message[] = {                       \
+		zipcache_v1_##message##_FIELDLIST(WIRE_FIELD_NAME, 0)               \
+	}
+
+WIRE_NAMES(Request);
+WIRE_NAMES(HelloRequest);
+WIRE_NAMES(OpenSessionRequest);
+WIRE_NAMES(SessionShape);
+WIRE_NAMES(CodecConfig);
+WIRE_NAMES(UpdateAndFetchRequest);
+WIRE_NAMES(TrimRequest);
+WIRE_NAMES(CloseSessionRequest);
+WIRE_NAMES(StatsRequest);
+WIRE_NAMES(StagingRequest);
+
+#define WIRE_NAMES_ENTRY(message)                                                  \
+	{ &zipcache_v1_##message##_msg, names_##message,                             \
+	  sizeof(names_##message) / sizeof(names_##message[0]) }
+
+static const struct message_names {
+	const pb_msgdesc_t *desc;
+	const struct field_name *names;
+	size_t count;
+} message_names[] = {
+	WIRE_NAMES_ENTRY(Request), WIRE_NAMES_ENTRY(HelloRequest),
+	WIRE_NAMES_ENTRY(OpenSessionRequest), WIRE_NAMES_ENTRY(SessionShape),
+	WIRE_NAMES_ENTRY(CodecConfig), WIRE_NAMES_ENTRY(UpdateAndFetchRequest),
+	WIRE_NAMES_ENTRY(TrimRequest), WIRE_NAMES_ENTRY(CloseSessionRequest),
+	WIRE_NAMES_ENTRY(StatsRequest), WIRE_NAMES_ENTRY(StagingRequest),
+};
+
+/* The enums of requests; nanopb's descriptors store them as plain uint32. */
+static const struct enum_field {
+	const pb_msgdesc_t *desc;
+	uint32_t tag;
+	int64_t min, max;
+	const char *what;
+} enum_fields[] = {
+	{ &zipcache_v1_OpenSessionRequest_msg, zipcache_v1_OpenSessionRequest_policy_tag,
+	  _zipcache_v1_BlockPolicy_MIN, _zipcache_v1_BlockPolicy_MAX,
+	  "0 (STREAMING) or 1 (PER_CALL)" },
+};
+
+struct request_check {
+	uint64_t request_id;  /* the last well-formed field 1, else 0 */
+	char *why;            /* the first limit broken; "" while none */
+	size_t why_size;
+};
+
+/* "open_session.shape.layers": parent's path, a dot, this field's name. */
+static void field_path(char *path, size_t size, const char *parent, const pb_msgdesc_t *desc,
+		       uint32_t tag)
+{
+	const char *name = NULL;
+	int length;
+
+	for (size_t i = 0; i < sizeof(message_names) / sizeof(message_names[0]) && !name; i++)
+		for (size_t j = 0; message_names[i].desc == desc && j < message_names[i].count; j++)
+			if (message_names[i].names[j].tag == tag)
+				name = message_names[i].names[j].name;
+	if (!name) {
+		snprintf(path, size, "%s%sfield %u", parent, *parent ? "." : "", (unsigned)tag);
+		return;
+	}
+	length = (int)strlen(name);
+	if (name[0] == '(') {
+		/* A oneof member: the second of "(oneof,member,path)". */
+		const char *member = strchr(name, ',') + 1;
+		name = member;
+		length = (int)(strchr(member, ',') - member);
+	}
+	snprintf(path, size, "%s%s%.*s", parent, *parent ? "." : "", length, name);
+}
+
+__attribute__((format(printf, 2, 3)))
+static void check_note(struct request_check *check, const char *format, ...)
+{
+	va_list args;
+
+	if (check->why[0])
+		return;  /* the first broken limit is the one to name */
+	va_start(args, format);
+	vsnprintf(check->why, check->why_size, format, args);
+	va_end(args);
+}
+
+static const struct enum_field *enum_field_find(const pb_msgdesc_t *desc, uint32_t tag)
+{
+	for (size_t i = 0; i < sizeof(enum_fields) / sizeof(enum_fields[0]); i++)
+		if (enum_fields[i].desc == desc && enum_fields[i].tag == tag)
+			return &enum_fields[i];
+	return NULL;
+}
+
+/* A varint field's value against what its field can hold. */
+static void check_varint(struct request_check *check, const pb_field_iter_t *iter,
+			 const char *path, uint64_t value)
+{
+	const struct enum_field *e = enum_field_find(iter->descriptor, iter->tag);
+
+	if (e) {
+		/* proto3 enums are int32: a negative one arrives sign-extended. */
+		int64_t v = (int64_t)value;
+		if (v < e->min || v > e->max)
+			check_note(check, "%s is %lld; it must be %s", path, (long long)v, e->what);
+	} else if (PB_LTYPE(iter->type) == PB_LTYPE_UVARINT && iter->data_size == 4 &&
+		   value > UINT32_MAX) {
+		check_note(check, "%s is %llu; the limit is %u", path, (unsigned long long)value,
+			   UINT32_MAX);
+	}
+}
+
+/*
+ * Walks the fields of one message (the stream is a buffer stream over the
+ * frame, so its state is the next byte). Returns false where the structure
+ * itself breaks: nothing after that point can be read.
+ */
+static bool check_message(struct request_check *check, pb_istream_t *s,
+			  const pb_msgdesc_t *desc, const char *parent)
+{
+	/* Storage the iterator may point into; never read or written. */
+	static const zipcache_v1_Request scratch;
+
+	while (s->bytes_left > 0) {
+		pb_field_iter_t iter;
+		pb_wire_type_t wire_type;
+		uint32_t tag, length;
+		uint64_t value;
+		bool eof;
+		char path[128];
+
+		if (!pb_decode_tag(s, &wire_type, &tag, &eof))
+			return false;
+		if (!pb_field_iter_begin_const(&iter, desc, &scratch) || !pb_field_iter_find(&iter, tag))
+			goto skip;
+		field_path(path, sizeof(path), parent, desc, tag);
+		switch (PB_LTYPE(iter.type)) {
+		case PB_LTYPE_BOOL:
+		case PB_LTYPE_VARINT:
+		case PB_LTYPE_UVARINT:
+			if (wire_type != PB_WT_VARINT)
+				return false;
+			if (!pb_decode_varint(s, &value))
+				return false;
+			if (desc == &zipcache_v1_Request_msg && tag == zipcache_v1_Request_request_id_tag)
+				check->request_id = value;
+			else
+				check_varint(check, &iter, path, value);
+			continue;
+		case PB_LTYPE_STRING:
+			if (wire_type != PB_WT_STRING || !pb_decode_varint32(s, &length) ||
+			    length > s->bytes_left)
+				return false;
+			if (PB_ATYPE(iter.type) == PB_ATYPE_STATIC && length > iter.data_size - 1u)
+				check_note(check, "%s is %u bytes; the limit is %u", path, (unsigned)length,
+					   (unsigned)(iter.data_size - 1u));
+			else if (memchr(s->state, '\0', length))
+				check_note(check, "%s has a NUL byte at offset %td; text may not contain NUL",
+					   path, (const uint8_t *)memchr(s->state, '\0', length) -
+						 (const uint8_t *)s->state);
+			if (!pb_read(s, NULL, length))
+				return false;
+			continue;
+		case PB_LTYPE_SUBMESSAGE: {
+			pb_istream_t sub;
+			bool whole;
+
+			if (wire_type != PB_WT_STRING || !pb_make_string_substream(s, &sub))
+				return false;
+			whole = check_message(check, &sub, iter.submsg_desc, path);
+			if (!pb_close_string_substream(s, &sub) || !whole)
+				return false;
+			continue;
+		}
+		default:
+			break;
+		}
+skip:
+		if (!pb_skip_field(s, wire_type))
+			return false;
+	}
+	return true;
+}
+
+/* Fills out->msg.request_id and, for a broken limit, out->reason. */
+static void request_check(const uint8_t *frame, size_t len, wire_request *out)
+{
+	struct request_check check = { .why = out->reason, .why_size = sizeof(out->reason) };
+	pb_istream_t s = pb_istream_from_buffer(frame, len);
+
+	out->reason[0] = '\0';
+	check_message(&check, &s, &zipcache_v1_Request_msg, "");
+	out->msg.request_id = check.request_id;
+}
+
 int wire_request_decode(const uint8_t *frame, size_t len, wire_request *out)
 {
 	struct decode_ctx ctx = { .frame = frame, .len = len };
@@ -158,6 +377,14 @@ int wire_request_decode(const uint8_t *frame, size_t len, wire_request *out)
 	s = pb_istream_from_buffer(frame, len);
 	if (!pb_decode(&s, &zipcache_v1_Request_msg, &out->msg))
 		goto out_malformed;
+	if (out->msg.which_op == zipcache_v1_Request_hello_tag ||
+	    out->msg.which_op == zipcache_v1_Request_open_session_tag) {
+		/* The ops with strings and enums: see request_check(). */
+		request_check(frame, len, out);
+		if (out->reason[0])
+			goto out_malformed;
+		return 0;
+	}
 	if (out->msg.which_op != zipcache_v1_Request_update_and_fetch_tag)
 		return 0;
 
@@ -182,7 +409,8 @@ int wire_request_decode(const uint8_t *frame, size_t len, wire_request *out)
 
 out_malformed:
 	memset(out, 0, sizeof(*out));
-	out->error = ctx.why ? ctx.why : PB_GET_ERROR(&s);
+	request_check(frame, len, out);
+	out->error = ctx.why ? ctx.why : out->reason[0] ? out->reason : PB_GET_ERROR(&s);
 	return ZC_EPROTOCOL;
 }
 

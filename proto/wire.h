@@ -45,8 +45,10 @@ typedef struct wire_request {
 	 */
 	wire_span keys;
 	wire_span values;
-	/* After a failed decode: why, a static string. NULL otherwise. */
+	/* After a failed decode: why, a static string or `reason` below (so
+	 * valid as long as this struct). NULL otherwise. */
 	const char *error;
+	char reason[160];
 } wire_request;
 
 typedef struct wire_response {
@@ -72,9 +74,17 @@ typedef struct wire_response {
  * Decodes one request frame body (no header) into *out, which need not be
  * initialised; allocates nothing. Returns 0, or ZC_EPROTOCOL with
  * out->error set for bytes that are not a valid Request, including inline
- * keys/values that are not length-delimited and a message in which
- * another op precedes its final update_and_fetch (legal protobuf that no
- * encoder produces and that the zero-copy capture cannot follow).
+ * keys/values that are not length-delimited, a message in which another
+ * op precedes its final update_and_fetch (legal protobuf that no encoder
+ * produces and that the zero-copy capture cannot follow), and a value its
+ * field cannot hold: a string longer than its limit or with a NUL byte in
+ * it (C would silently cut it there), an integer wider than its field, an
+ * enum value the enum does not define. Then out->error names the field
+ * and the limit ("open_session.name is 80 bytes; the limit is 64").
+ *
+ * On failure out->msg is all zero except msg.request_id, which holds the
+ * request's id whenever it could be read (a well-formed field 1 before any
+ * break in the message's structure), else 0, so a refusal can echo it.
  */
 int wire_request_decode(const uint8_t *frame, size_t len, wire_request *out);
 

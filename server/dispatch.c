@@ -225,11 +225,103 @@ static void reply_open(struct connection *connection, uint64_t request_id,
 	reply_send(connection, &connection->current, &response, &fd, 1);
 }
 
-static bool shape_matches(const zipcache_v1_SessionShape *shape, const struct store_header *h)
+/* What an attach request asks that its session does not have. */
+struct mismatch {
+	char groups[64];    /* "shape, codec" */
+	char detail[180];   /* "shape.kv_heads is 2, not 4; codec.hi_bits is 4, not 3" */
+	const char *last_group;
+};
+
+/* Records one difference of a group (shape, policy, codec, ...). */
+__attribute__((format(printf, 3, 4)))
+static void mismatch_note(struct mismatch *m, const char *group, const char *format, ...)
 {
-	return shape->layers == h->layers && shape->batch == h->batch &&
-	       shape->kv_heads == h->kv_heads && shape->head_dim_k == h->head_dim_k &&
-	       shape->head_dim_v == h->head_dim_v;
+	size_t used = strlen(m->detail);
+	va_list args;
+
+	if (group != m->last_group) {
+		size_t g = strlen(m->groups);
+		snprintf(m->groups + g, sizeof(m->groups) - g, "%s%s", g ? ", " : "", group);
+		m->last_group = group;
+	}
+	if (used + 3 >= sizeof(m->detail))
+		return;
+	if (used) {
+		memcpy(m->detail + used, "; ", 3);
+		used += 2;
+	}
+	va_start(args, format);
+	vsnprintf(m->detail + used, sizeof(m->detail) - used, format, args);
+	va_end(args);
+}
+
+static const char *policy_text(uint32_t store_policy)
+{
+	return store_policy == STORE_POLICY_PER_CALL ? "per_call" : "streaming";
+}
+
+/*
+ * Whether an attach request fits the session it names. Only what the
+ * request gives is compared (zipcache.proto, OpenSessionRequest.attach):
+ * the shape when present, max_tokens when not 0, each codec field when
+ * present, residual_tokens when present and the session streams, the
+ * policy when not STREAMING or when a shape is given (proto3 cannot tell
+ * STREAMING from unset; a request with a shape describes a whole session,
+ * as the C and Python clients send).
+ */
+static bool attach_matches(const zipcache_v1_OpenSessionRequest *open, const struct store_header *h,
+			   struct mismatch *m)
+{
+	static const char shape[] = "shape", tokens[] = "max_tokens", policy_group[] = "policy",
+			  residual[] = "residual_tokens", codec[] = "codec";
+	const zipcache_v1_CodecConfig *c = &open->codec;
+	uint32_t policy = open->policy == zipcache_v1_BlockPolicy_PER_CALL ? STORE_POLICY_PER_CALL :
+									     STORE_POLICY_STREAMING;
+
+	memset(m, 0, sizeof(*m));
+	if (open->has_shape) {
+		const struct {
+			const char *name;
+			uint32_t has, asked;
+		} dims[] = {
+			{ "layers", h->layers, open->shape.layers },
+			{ "batch", h->batch, open->shape.batch },
+			{ "kv_heads", h->kv_heads, open->shape.kv_heads },
+			{ "head_dim_k", h->head_dim_k, open->shape.head_dim_k },
+			{ "head_dim_v", h->head_dim_v, open->shape.head_dim_v },
+		};
+		for (size_t i = 0; i < sizeof(dims) / sizeof(dims[0]); i++)
+			if (dims[i].has != dims[i].asked)
+				mismatch_note(m, shape, "shape.%s is %u, not %u", dims[i].name, dims[i].has,
+					      dims[i].asked);
+	}
+	if (open->max_tokens && open->max_tokens != h->max_tokens)
+		mismatch_note(m, tokens, "max_tokens is %u, not %u", h->max_tokens, open->max_tokens);
+	if ((open->has_shape || open->policy != zipcache_v1_BlockPolicy_STREAMING) && policy != h->policy)
+		mismatch_note(m, policy_group, "policy is %s, not %s", policy_text(h->policy),
+			      policy_text(policy));
+	/* A per_call session has no residual (it keeps 0, whatever was asked). */
+	if (open->has_residual_tokens && h->policy == STORE_POLICY_STREAMING &&
+	    open->residual_tokens != h->residual_tokens)
+		mismatch_note(m, residual, "residual_tokens is %u, not %u", h->residual_tokens,
+			      open->residual_tokens);
+	if (open->has_codec) {
+		if (c->has_hi_bits && c->hi_bits != (uint32_t)h->hi_bits)
+			mismatch_note(m, codec, "codec.hi_bits is %d, not %u", h->hi_bits, c->hi_bits);
+		if (c->has_lo_bits && c->lo_bits != (uint32_t)h->lo_bits)
+			mismatch_note(m, codec, "codec.lo_bits is %d, not %u", h->lo_bits, c->lo_bits);
+		if (c->has_hi_fraction && c->hi_fraction != h->hi_fraction)
+			mismatch_note(m, codec, "codec.hi_fraction is %g, not %g", h->hi_fraction,
+				      c->hi_fraction);
+		if (c->has_group_size && c->group_size != (uint32_t)h->group_size)
+			mismatch_note(m, codec, "codec.group_size is %d, not %u", h->group_size,
+				      c->group_size);
+		if (c->has_quantize_values && c->quantize_values != (h->quantize_values != 0))
+			mismatch_note(m, codec, "codec.quantize_values is %s, not %s",
+				      h->quantize_values ? "true" : "false",
+				      c->quantize_values ? "true" : "false");
+	}
+	return m->groups[0] == '\0';
 }
 
 /* Names go back out in replies as protobuf strings, which other
@@ -291,9 +383,11 @@ static void handle_open(struct connection *connection, const wire_request *reque
 			return;
 		}
 		if (session) {
-			if (open->has_shape && !shape_matches(&open->shape, store_header(session->store))) {
+			struct mismatch m;
+			if (!attach_matches(open, store_header(session->store), &m)) {
 				reply_error(connection, &connection->current, id, ZC_EINVALID,
-					    "session '%s' exists with a different shape", name);
+					    "session '%s' exists with a different %s: %s; nothing was changed",
+					    name, m.groups, m.detail);
 				return;
 			}
 			/* A running job owns the store; the layers it does not touch
@@ -971,8 +1065,10 @@ void dispatch_request(struct connection *connection, const uint8_t *frame, size_
 	if (rc == 0)
 		connection->current.op = metrics_op_of(request.msg.which_op);
 	if (rc < 0) {
-		/* Framing is intact, so the connection stays usable. */
-		reply_error(connection, &connection->current, 0, ZC_EPROTOCOL, "malformed request: %s",
+		/* Framing is intact, so the connection stays usable. The decoder
+		 * recovers the request's id whenever it could be read (else 0). */
+		reply_error(connection, &connection->current, request.msg.request_id, ZC_EPROTOCOL,
+			    "malformed request: %s",
 			    request.error ? request.error : zc_strerror(rc));
 		connection_request_done(connection);
 		return;

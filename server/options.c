@@ -13,24 +13,17 @@
 #include <unistd.h>
 
 #include "version.h"
+#include "zipcache/client.h"
 #include "zipcache/codec.h"
 
 void options_default(struct options *options)
 {
-	const char *runtime = getenv("RUNTIME_DIRECTORY");   /* systemd's RuntimeDirectory */
-	const char *xdg = getenv("XDG_RUNTIME_DIR");
 	uid_t uid = getuid();
 
 	memset(options, 0, sizeof(*options));
-	if (runtime && *runtime)
-		snprintf(options->socket_path, sizeof(options->socket_path), "%s/zipcached.sock", runtime);
-	else if (uid == 0)
-		snprintf(options->socket_path, sizeof(options->socket_path), "/run/zipcached.sock");
-	else if (xdg && *xdg)
-		snprintf(options->socket_path, sizeof(options->socket_path), "%s/zipcached.sock", xdg);
-	else
-		snprintf(options->socket_path, sizeof(options->socket_path), "/tmp/zipcached-%u.sock",
-			 (unsigned)uid);
+	/* The rule clients share (zipcache/client.h); a path too long for
+	 * sun_path is cut here and refused when the socket is bound. */
+	(void)zc_daemon_socket_path(options->socket_path, sizeof(options->socket_path));
 	snprintf(options->shm_dir, sizeof(options->shm_dir), "/dev/shm/zipcached-%u", (unsigned)uid);
 	options->socket_mode = 0660;
 	options->max_inline_bytes = 4u << 20;

@@ -2425,6 +2425,7 @@ START_TEST(test_error_strings)
 		{ ZC_EINTERNAL, "ZC_EINTERNAL" },
 		{ ZC_EINVALID, "ZC_EINVALID" },
 		{ ZC_ERESTARTED, "ZC_ERESTARTED" },
+		{ ZC_EBROKEN, "ZC_EBROKEN" },
 	};
 	size_t count = sizeof codes / sizeof codes[0];
 

@@ -646,6 +646,20 @@ zc_session *open_session(zc_client *client, const zc_session_config *config)
 	return session;
 }
 
+zc_session_config streaming_config(const char *name, uint32_t layers, uint32_t kv_heads,
+				   uint32_t head_dim, uint32_t max_tokens, uint32_t residual_tokens)
+{
+	zc_session_config config;
+
+	zc_session_config_default(&config);
+	config.name = name;
+	config.layers = layers;
+	config.kv_heads = kv_heads;
+	config.head_dim_k = config.head_dim_v = head_dim;
+	config.max_tokens = max_tokens;
+	config.residual_tokens = residual_tokens;
+	return config;
+}
 
 void assert_refused(zc_client *client, int rc, int expected, const char *needle,
 		    const char *what)

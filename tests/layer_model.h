@@ -200,6 +200,11 @@ bool trim_checked(zc_client *client, zc_session *session, struct model *model, u
 zc_client *connect_client(const struct daemon_harness *daemon);
 zc_session *open_session(zc_client *client, const zc_session_config *config);
 
+/* A streaming session's config with the default codec: batch 1, head_dim
+ * for K and V, residual_tokens 0 for the daemon's default. */
+zc_session_config streaming_config(const char *name, uint32_t layers, uint32_t kv_heads,
+				   uint32_t head_dim, uint32_t max_tokens, uint32_t residual_tokens);
+
 /* The call was refused with `expected`, and the daemon's sentence says
  * what was wrong (it mentions `needle`). */
 void assert_refused(zc_client *client, int rc, int expected, const char *needle,

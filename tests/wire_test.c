@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "frame.h"
+#include "pb_bytes.h"
 #include "wire.h"
 #include "zipcache/error.h"
 #include "suite_main.h"
@@ -1101,6 +1102,162 @@ START_TEST(set_status_message)
 }
 END_TEST
 
+/* ---- hand-made requests (tests/pb_bytes.h) ---- */
+
+/* Request { request_id: id, open_session: open } */
+static void open_request(struct pb_bytes *out, uint64_t id, const struct pb_bytes *open)
+{
+	memset(out, 0, sizeof(*out));
+	pb_field_varint(out, zipcache_v1_Request_request_id_tag, id);
+	pb_field_message(out, zipcache_v1_Request_open_session_tag, open);
+}
+
+/* Decodes and expects a refusal that kept the id and says exactly why. */
+static void expect_refused(const struct pb_bytes *b, uint64_t id, const char *why)
+{
+	wire_request out;
+
+	ck_assert_int_eq(wire_request_decode(b->data, b->len, &out), ZC_EPROTOCOL);
+	ck_assert_ptr_nonnull(out.error);
+	ck_assert_str_eq(out.error, why);
+	ck_assert_uint_eq(out.msg.request_id, id);
+	ck_assert_uint_eq(out.msg.which_op, 0);
+}
+
+/*
+ * What an independent protobuf client found: over-long names and enum
+ * values nanopb cannot store were refused with request id 0 and no word of
+ * the limit, and a NUL inside a name cut it short in silence ("a\0x"
+ * named the session "a"). Each is now refused, naming field and limit,
+ * with the request's own id.
+ */
+START_TEST(refusals_keep_the_id_and_name_the_limit)
+{
+	struct pb_bytes open, req, shape;
+	char name[80];
+
+	/* 80-byte name: nanopb says only "string overflow". */
+	memset(name, 'n', sizeof(name));
+	memset(&open, 0, sizeof(open));
+	pb_field_bytes(&open, zipcache_v1_OpenSessionRequest_name_tag, name, 80);
+	open_request(&req, 77, &open);
+	expect_refused(&req, 77, "open_session.name is 80 bytes; the limit is 64");
+
+	/* 65 bytes is one too many; 64 is fine. */
+	memset(&open, 0, sizeof(open));
+	pb_field_bytes(&open, zipcache_v1_OpenSessionRequest_name_tag, name, 65);
+	open_request(&req, 78, &open);
+	expect_refused(&req, 78, "open_session.name is 65 bytes; the limit is 64");
+	{
+		wire_request out;
+		memset(&open, 0, sizeof(open));
+		pb_field_bytes(&open, zipcache_v1_OpenSessionRequest_name_tag, name, 64);
+		open_request(&req, 79, &open);
+		ck_assert_int_eq(wire_request_decode(req.data, req.len, &out), 0);
+		ck_assert_uint_eq(strlen(out.msg.op.open_session.name), 64);
+		ck_assert_uint_eq(out.msg.request_id, 79);
+	}
+
+	/* The id may come after the bad field: the walk goes on past it. */
+	memset(&open, 0, sizeof(open));
+	pb_field_bytes(&open, zipcache_v1_OpenSessionRequest_name_tag, name, 80);
+	memset(&req, 0, sizeof(req));
+	pb_field_message(&req, zipcache_v1_Request_open_session_tag, &open);
+	pb_field_varint(&req, zipcache_v1_Request_request_id_tag, 5);
+	expect_refused(&req, 5, "open_session.name is 80 bytes; the limit is 64");
+
+	/* Embedded NUL: "a\0x" must not become "a". */
+	memset(&open, 0, sizeof(open));
+	pb_field_bytes(&open, zipcache_v1_OpenSessionRequest_name_tag, "a\0x", 3);
+	open_request(&req, 80, &open);
+	expect_refused(&req, 80, "open_session.name has a NUL byte at offset 1; text may not contain NUL");
+	/* A trailing NUL too: "a\0" is not "a". */
+	memset(&open, 0, sizeof(open));
+	pb_field_bytes(&open, zipcache_v1_OpenSessionRequest_name_tag, "a\0", 2);
+	open_request(&req, 81, &open);
+	expect_refused(&req, 81, "open_session.name has a NUL byte at offset 1; text may not contain NUL");
+	/* The hello's client name is text as well. */
+	memset(&open, 0, sizeof(open));
+	pb_field_bytes(&open, zipcache_v1_HelloRequest_client_name_tag, "\0", 1);
+	memset(&req, 0, sizeof(req));
+	pb_field_varint(&req, zipcache_v1_Request_request_id_tag, 82);
+	pb_field_message(&req, zipcache_v1_Request_hello_tag, &open);
+	expect_refused(&req, 82, "hello.client_name has a NUL byte at offset 0; text may not contain NUL");
+
+	/* policy -1 as a proto3 encoder sends it (ten bytes, sign-extended):
+	 * more than nanopb's 32-bit enum holds. */
+	memset(&open, 0, sizeof(open));
+	pb_field_bytes(&open, zipcache_v1_OpenSessionRequest_name_tag, "p", 1);
+	pb_field_varint(&open, zipcache_v1_OpenSessionRequest_policy_tag, UINT64_MAX);
+	open_request(&req, 83, &open);
+	expect_refused(&req, 83, "open_session.policy is -1; it must be 0 (STREAMING) or 1 (PER_CALL)");
+	/* One nanopb stores but the enum does not define. */
+	memset(&open, 0, sizeof(open));
+	pb_field_varint(&open, zipcache_v1_OpenSessionRequest_policy_tag, 7);
+	open_request(&req, 84, &open);
+	expect_refused(&req, 84, "open_session.policy is 7; it must be 0 (STREAMING) or 1 (PER_CALL)");
+	/* Past 32 bits as an unsigned value. */
+	memset(&open, 0, sizeof(open));
+	pb_field_varint(&open, zipcache_v1_OpenSessionRequest_policy_tag, 1ull << 32);
+	open_request(&req, 85, &open);
+	expect_refused(&req, 85, "open_session.policy is 4294967296; it must be 0 (STREAMING) or 1 (PER_CALL)");
+
+	/* A uint32 inside a nested message. */
+	memset(&shape, 0, sizeof(shape));
+	pb_field_varint(&shape, zipcache_v1_SessionShape_layers_tag, 1ull << 32);
+	memset(&open, 0, sizeof(open));
+	pb_field_message(&open, zipcache_v1_OpenSessionRequest_shape_tag, &shape);
+	open_request(&req, 86, &open);
+	expect_refused(&req, 86, "open_session.shape.layers is 4294967296; the limit is 4294967295");
+
+	/* And in another op. */
+	memset(&open, 0, sizeof(open));
+	pb_field_varint(&open, zipcache_v1_UpdateAndFetchRequest_tokens_tag, 1ull << 40);
+	memset(&req, 0, sizeof(req));
+	pb_field_varint(&req, zipcache_v1_Request_request_id_tag, 87);
+	pb_field_message(&req, zipcache_v1_Request_update_and_fetch_tag, &open);
+	expect_refused(&req, 87, "update_and_fetch.tokens is 1099511627776; the limit is 4294967295");
+
+	/* A structural break before the id: nothing after it can be read. */
+	memset(&req, 0, sizeof(req));
+	pb_varint(&req, 0x0e);  /* wire type 6 */
+	pb_field_varint(&req, zipcache_v1_Request_request_id_tag, 88);
+	{
+		wire_request out;
+		ck_assert_int_eq(wire_request_decode(req.data, req.len, &out), ZC_EPROTOCOL);
+		ck_assert_uint_eq(out.msg.request_id, 0);
+		ck_assert_ptr_nonnull(out.error);
+	}
+	/* ...but an id before it is kept. */
+	memset(&req, 0, sizeof(req));
+	pb_field_varint(&req, zipcache_v1_Request_request_id_tag, 89);
+	pb_varint(&req, 0x0e);
+	{
+		wire_request out;
+		ck_assert_int_eq(wire_request_decode(req.data, req.len, &out), ZC_EPROTOCOL);
+		ck_assert_uint_eq(out.msg.request_id, 89);
+	}
+
+	/* Valid open requests with every string and enum still decode. */
+	{
+		wire_request in, out;
+		uint8_t frame[512];
+		size_t len;
+
+		ZERO(in);
+		in.msg.request_id = 90;
+		in.msg.which_op = zipcache_v1_Request_open_session_tag;
+		strcpy(in.msg.op.open_session.name, "worker/λ");
+		in.msg.op.open_session.policy = zipcache_v1_BlockPolicy_PER_CALL;
+		ck_assert_int_eq(wire_request_encode(&in, frame, sizeof(frame), &len), 0);
+		ck_assert_int_eq(wire_request_decode(frame + 4, len - 4, &out), 0);
+		ck_assert_ptr_null(out.error);
+		ck_assert_str_eq(out.msg.op.open_session.name, "worker/λ");
+		ck_assert_int_eq(out.msg.op.open_session.policy, zipcache_v1_BlockPolicy_PER_CALL);
+	}
+}
+END_TEST
+
 static Suite *wire_suite(void)
 {
 	Suite *s = suite_create("wire");
@@ -1133,6 +1290,7 @@ static Suite *wire_suite(void)
 	tcase_add_test(bad, malformed_truncated_inline);
 	tcase_add_test(bad, malformed_wrong_wire_types);
 	tcase_add_test(bad, oneof_repeated_and_switched);
+	tcase_add_test(bad, refusals_keep_the_id_and_name_the_limit);
 	suite_add_tcase(s, bad);
 
 	tcase_add_test(st, status_mapping);

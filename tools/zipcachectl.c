@@ -59,7 +59,7 @@
 #define CTL_MIN_INTERVAL 0.05
 #define CTL_MAX_INTERVAL 86400.0
 /* Where the systemd unit in deploy/ puts the socket (RuntimeDirectory). */
-#define CTL_SYSTEMD_SOCKET "/run/zipcached/zipcached.sock"
+#define CTL_SYSTEMD_SOCKET ZC_SERVICE_SOCKET_PATH
 
 enum ctl_exit {
 	CTL_EXIT_OK = 0,
@@ -154,29 +154,14 @@ static int ctl_fail_call(const struct ctl *ctl, int rc, const char *what)
 /* ---- the default socket -------------------------------------------------- */
 
 /*
- * The daemon's own default (server/options.c), so `zipcachectl stats`
- * finds a daemon started without --socket by the same user. A daemon
- * under the systemd unit in deploy/ listens in its RuntimeDirectory
- * instead; that path is the fallback when the default does not exist.
+ * The rule every client shares (zc_default_socket_path): $ZIPCACHE_SOCKET,
+ * else where the daemon listens when this user starts it without --socket,
+ * else the system service's socket. A path too long is cut, and then
+ * refused by connect with ENAMETOOLONG.
  */
 static const char *default_socket_path(struct ctl *ctl)
 {
-	const char *env = getenv("ZIPCACHE_SOCKET");
-	const char *xdg = getenv("XDG_RUNTIME_DIR");
-	uid_t uid = getuid();
-	struct stat st;
-
-	if (env && *env)
-		return env;
-	if (uid == 0)
-		snprintf(ctl->default_socket, sizeof(ctl->default_socket), "/run/zipcached.sock");
-	else if (xdg && *xdg)
-		snprintf(ctl->default_socket, sizeof(ctl->default_socket), "%s/zipcached.sock", xdg);
-	else
-		snprintf(ctl->default_socket, sizeof(ctl->default_socket), "/tmp/zipcached-%u.sock",
-			 (unsigned)uid);
-	if (stat(ctl->default_socket, &st) < 0 && stat(CTL_SYSTEMD_SOCKET, &st) == 0)
-		return CTL_SYSTEMD_SOCKET;
+	(void)zc_default_socket_path(ctl->default_socket, sizeof(ctl->default_socket));
 	return ctl->default_socket;
 }
 

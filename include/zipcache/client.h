@@ -5,8 +5,10 @@
  *	zc_session *session;
  *	zc_session_config config;
  *	zc_view view;
+ *	char path[108];
  *
- *	zc_client_connect("/run/zipcached.sock", 1000, &client);
+ *	zc_default_socket_path(path, sizeof(path));      (or a path of one's own)
+ *	zc_client_connect(path, 1000, &client);
  *	zc_session_config_default(&config);
  *	config.name = "worker-0/request-17";
  *	config.layers = 32; config.batch = 1; config.kv_heads = 8;
@@ -38,12 +40,54 @@
  * (no internal locking). Use one client per thread; many clients may use
  * the same daemon session at once, and the daemon orders their updates.
  *
+ * Failures, and what the daemon holds after each. A call that fails does
+ * so in one of three ways:
+ *
+ *  1. Refused before anything was sent: ZC_EINVALID from the client's own
+ *     checks (a name over 64 bytes, a layer out of range), -ENOMEM,
+ *     ZC_EBROKEN. Nothing changed anywhere.
+ *
+ *  2. Refused by the daemon: it answered with a status, and
+ *     zc_client_last_error() holds its sentence (ZC_EINVALID, ZC_ENONFINITE,
+ *     ZC_ENOTFOUND, ZC_EEXISTS, ZC_EEXHAUSTED, ZC_EDENIED, ZC_EPRECONDITION,
+ *     ZC_EINTERNAL, ...). The daemon checks a request before it changes
+ *     anything, so nothing of it was applied: no token appended or trimmed,
+ *     no session created, attached or closed. The connection stays usable.
+ *
+ *  3. The connection broke: a timeout (-ETIMEDOUT), the daemon gone
+ *     (-ECONNRESET, -EPIPE), a reply that makes no sense (ZC_EPROTOCOL: the
+ *     wrong request id, descriptors other than announced, bytes that do not
+ *     decode), a reply too large (ZC_EFRAMESIZE), or the daemon refusing the
+ *     connection itself (its connection limit, its stop). What became of
+ *     the request is unknown: it may never have reached the daemon, may
+ *     have been applied, or may still wait there unread (a stopped or busy
+ *     daemon serves every whole request it received, even after this
+ *     client hung up). Whatever happens to it happens wholly or not at
+ *     all, and once: an update appends all its tokens or none, a trim
+ *     removes all it would or none, an open creates the session or not.
+ *     From then on every call fails at once with ZC_EBROKEN, without
+ *     touching the socket, so that a late reply and the descriptors it
+ *     carries can never be taken for another call's; zc_client_broken()
+ *     says which failure it was, and only zc_client_reconnect() clears it.
+ *     To find out what became of the request: reconnect; if it returns 0
+ *     the session handles are still good, after ZC_ERESTARTED attach again
+ *     (zc_session_open with attach = true); then read the layer's token
+ *     count (zc_session_view, or zc_session_stats for all layers) and
+ *     compare it with the count before the call: an update adds exactly
+ *     its tokens, a trim removes exactly min(n, held). An open whose reply
+ *     was lost shows in zc_client_list_sessions() or answers an attach. A
+ *     count that does not show the request yet is final after
+ *     ZC_ERESTARTED (the daemon that had it is gone); with the same
+ *     daemon the request may still land while that daemon has it unread
+ *     (it was stopped, or too busy to read it).
+ *
  * Daemon restarts: a call on a connection the daemon dropped fails with
- * -EPIPE, -ECONNRESET or ZC_EPROTOCOL. zc_client_reconnect() dials again
- * and returns ZC_ERESTARTED when a new daemon answered; the sessions it
- * adopted keep their acknowledged tokens, and zc_session_open() with
- * attach = true maps each one again. Old zc_session handles must be
- * released.
+ * -EPIPE, -ECONNRESET or ZC_EPROTOCOL (case 3). zc_client_reconnect()
+ * dials again and returns ZC_ERESTARTED when a new daemon answered; the
+ * sessions it adopted hold every acknowledged token (and each request the
+ * old daemon applied but could not acknowledge, whole), and
+ * zc_session_open() with attach = true maps each one again. Old
+ * zc_session handles must be released.
  */
 #ifndef ZIPCACHE_CLIENT_H
 #define ZIPCACHE_CLIENT_H
@@ -74,7 +118,10 @@ typedef struct zc_session_config {
 	zc_codec_config codec;
 	zc_block_policy policy;
 	uint32_t residual_tokens;  /* streaming threshold; 0 means the default, 128 */
-	bool attach;               /* reuse the session of this name if it exists */
+	bool attach;               /* reuse the session of this name if it exists
+				    * with this shape, max_tokens, codec, policy
+				    * and (unless 0, or per_call) residual_tokens;
+				    * any difference is ZC_EINVALID naming it */
 } zc_session_config;
 
 /* A layer's fp16 K and V as the daemon holds them, read-only. Element
@@ -142,6 +189,32 @@ typedef struct zc_server_stats {
 	uint64_t boot_epoch;
 } zc_server_stats;
 
+/*
+ * The default socket, one rule shared by zipcached, zipcachectl, this
+ * library's users and the Python client (zipcache.default_socket_path):
+ *
+ *   zipcached without --socket listens at zc_daemon_socket_path():
+ *     $RUNTIME_DIRECTORY/zipcached.sock when systemd gives it one (the
+ *     first, if the unit names several), else the user's place:
+ *     /run/zipcached.sock for root, else $XDG_RUNTIME_DIR/zipcached.sock,
+ *     else /tmp/zipcached-UID.sock.
+ *   A client without a path dials zc_default_socket_path():
+ *     $ZIPCACHE_SOCKET when set, else the user's place as above (not
+ *     $RUNTIME_DIRECTORY, which names the client's own unit's directory),
+ *     and when no socket is there but the system service's is
+ *     (ZC_SERVICE_SOCKET_PATH, deploy/zipcached.service), that one.
+ *
+ * So a daemon a user starts by hand is the one that user's tools find, and
+ * so is the machine's service. Both write the path into buf (len bytes)
+ * and return 0, or -ENAMETOOLONG when it does not fit (buf holds what
+ * did). Neither checks that a daemon is there.
+ */
+#define ZC_SOCKET_NAME "zipcached.sock"
+#define ZC_SERVICE_SOCKET_PATH "/run/zipcached/zipcached.sock"
+
+int zc_default_socket_path(char *buf, size_t len);
+int zc_daemon_socket_path(char *buf, size_t len);
+
 /* Connects and says hello; timeout_ms bounds the connect and every reply
  * wait (0: wait forever). */
 int zc_client_connect(const char *socket_path, int timeout_ms, zc_client **out);
@@ -149,9 +222,21 @@ int zc_client_connect(const char *socket_path, int timeout_ms, zc_client **out);
 /* Releases every session handle still open on this client, then closes. */
 void zc_client_close(zc_client *client);
 
-/* Dials the same socket again. 0 when the same daemon answered,
- * ZC_ERESTARTED when a restarted one did (reopen sessions with attach). */
+/* Dials the same socket again, dropping whatever the old connection still
+ * held (a late reply, its descriptors, the staging buffer). 0 when the
+ * same daemon answered, ZC_ERESTARTED when a restarted one did (reopen
+ * sessions with attach); both leave the client usable. On failure the
+ * client stays broken, and reconnecting again is the way on. */
 int zc_client_reconnect(zc_client *client);
+
+/* 0 while the connection is usable; after a failure that broke it (case 3
+ * above), that failure's code (-ETIMEDOUT, ZC_EPROTOCOL, ...), which every
+ * call answers with ZC_EBROKEN until zc_client_reconnect() succeeds. */
+int zc_client_broken(const zc_client *client);
+
+/* Changes the bound on every later wait (connect, reply, view): 0 waits
+ * forever. -EINVAL for a negative timeout. */
+int zc_client_set_timeout(zc_client *client, int timeout_ms);
 
 const zc_server_info *zc_client_server_info(const zc_client *client);
 
@@ -173,7 +258,9 @@ const zc_session_info *zc_session_get_info(const zc_session *session);
 /* Appends a [batch, kv_heads, tokens, head_dim] block of fp16 keys and
  * values (C order) to one layer and fills `view` with the whole layer.
  * Blocks larger than the daemon's inline limit go through the staging
- * buffer automatically. stats may be NULL. On error nothing was stored. */
+ * buffer automatically. stats may be NULL. After a refusal nothing was
+ * stored; after a failure that broke the connection the block is there
+ * wholly or not at all (see Failures at the top). */
 int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
 			const uint16_t *keys, const uint16_t *values, zc_view *view,
 			zc_layer_stats *stats);
@@ -190,7 +277,13 @@ int zc_update_and_fetch_staged(zc_session *session, uint32_t layer, uint32_t tok
 			       size_t keys_offset, size_t values_offset, zc_view *view,
 			       zc_layer_stats *stats);
 
-/* The layer as it is now, without an update. */
+/* The layer as it is now, without an update: no round trip unless the
+ * daemon dropped the views (then one stats request rebuilds them). While
+ * the daemon writes the layer this waits, at most the client's timeout:
+ * -ETIMEDOUT if the write is still going on then (a stopped daemon; the
+ * connection stays usable), -ECONNRESET at once if the daemon is gone and
+ * left the write unfinished (this breaks the connection: reconnect, and a
+ * restarted daemon repairs the layer). */
 int zc_session_view(zc_session *session, uint32_t layer, zc_view *view);
 
 /* Drops the last `tokens` tokens of every layer (speculative decoding). */

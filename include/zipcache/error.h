@@ -32,7 +32,8 @@ enum zc_error {
 	ZC_EINTERNAL = ZC_ERROR_BASE - 16,     /* daemon-side failure */
 	ZC_EINVALID = ZC_ERROR_BASE - 17,      /* invalid argument (daemon said so) */
 	ZC_ERESTARTED = ZC_ERROR_BASE - 18,    /* the daemon restarted; remap */
-	ZC_ERROR_LAST = ZC_ERROR_BASE - 19
+	ZC_EBROKEN = ZC_ERROR_BASE - 19,       /* connection unusable since an earlier failure */
+	ZC_ERROR_LAST = ZC_ERROR_BASE - 20
 };
 
 /* A static sentence describing code; never NULL. */

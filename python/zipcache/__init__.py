@@ -30,6 +30,7 @@ from .client import (
 )
 from .errors import (
     AlreadyExists,
+    ConnectionBroken,
     DaemonRestarted,
     FailedPrecondition,
     Internal,
@@ -68,5 +69,6 @@ __all__ = [
     "Internal",
     "Unavailable",
     "DaemonRestarted",
+    "ConnectionBroken",
     "error_from_code",
 ]

@@ -51,6 +51,7 @@ ZC_EPRECONDITION = ZC_ERROR_BASE - 15
 ZC_EINTERNAL = ZC_ERROR_BASE - 16
 ZC_EINVALID = ZC_ERROR_BASE - 17
 ZC_ERESTARTED = ZC_ERROR_BASE - 18
+ZC_EBROKEN = ZC_ERROR_BASE - 19
 
 # --- codec.h -----------------------------------------------------------------
 
@@ -250,9 +251,13 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
         ],
     ),
     # client.h
+    "zc_default_socket_path": (c_int, [c_char_p, c_size_t]),
+    "zc_daemon_socket_path": (c_int, [c_char_p, c_size_t]),
     "zc_client_connect": (c_int, [c_char_p, c_int, POINTER(zc_client_p)]),
     "zc_client_close": (None, [zc_client_p]),
     "zc_client_reconnect": (c_int, [zc_client_p]),
+    "zc_client_broken": (c_int, [zc_client_p]),
+    "zc_client_set_timeout": (c_int, [zc_client_p, c_int]),
     "zc_client_server_info": (POINTER(zc_server_info), [zc_client_p]),
     "zc_client_last_error": (c_char_p, [zc_client_p]),
     "zc_session_config_default": (None, [POINTER(zc_session_config)]),

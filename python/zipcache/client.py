@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import errno
 import os
 import threading
 import weakref
@@ -215,19 +216,21 @@ class ServerStats:
 
 
 def default_socket_path() -> str:
-    """Where zipcached listens by default (its --socket default), or $ZIPCACHE_SOCKET."""
-    env = os.environ.get("ZIPCACHE_SOCKET")
-    if env:
-        return env
-    runtime = os.environ.get("RUNTIME_DIRECTORY")
-    if runtime:
-        return os.path.join(runtime.split(":")[0], "zipcached.sock")
-    if os.geteuid() == 0:
-        return "/run/zipcached.sock"
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg:
-        return os.path.join(xdg, "zipcached.sock")
-    return "/run/zipcached.sock"
+    """The socket a Client dials without a path: libzipcache's one rule.
+
+    The same rule as zipcachectl's and as where zipcached listens when
+    started without --socket (zc_default_socket_path in zipcache/client.h):
+    $ZIPCACHE_SOCKET when set; else /run/zipcached.sock for root, else
+    $XDG_RUNTIME_DIR/zipcached.sock, else /tmp/zipcached-UID.sock; and when
+    no socket is there but the system service's /run/zipcached/zipcached.sock
+    is, that one.
+    """
+    buffer = ctypes.create_string_buffer(4096)
+    rc = lib.zc_default_socket_path(buffer, len(buffer))
+    if rc < 0:
+        raise error_from_code(rc, "the default socket path is too long "
+                              "(see $ZIPCACHE_SOCKET and $XDG_RUNTIME_DIR)", "default_socket_path")
+    return os.fsdecode(buffer.value)
 
 
 # --- native handles ----------------------------------------------------------
@@ -330,6 +333,16 @@ def _mapped_array(pointer: Any, shape: tuple[int, int, int, int], strides: _lib.
 # --- Client -------------------------------------------------------------------
 
 
+def _timeout_ms(seconds: float | None) -> int:
+    """libzipcache's timeout: milliseconds, at least 1; 0 for none."""
+    if seconds is None:
+        return 0
+    if not seconds >= 0:
+        raise InvalidArgument(-errno.EINVAL, f"a timeout is seconds >= 0 or None, got {seconds!r}",
+                              operation="timeout")
+    return max(1, int(round(seconds * 1000)))
+
+
 class Client:
     """A connection to zipcached (zc_client).
 
@@ -338,20 +351,29 @@ class Client:
     as a context manager; closing releases this client's session handles
     (the daemon keeps the sessions, as zc_client_close does; close them
     first to free them).
+
+    After a failure. A call the daemon refuses (InvalidArgument, NotFound,
+    ResourceExhausted, ...) changed nothing and the client stays usable. A
+    timeout, the daemon gone or a reply that makes no sense (Unavailable)
+    breaks the connection: every later call raises ConnectionBroken until
+    ``reconnect()``, and the failed request is applied wholly or not at
+    all, perhaps later (zipcache/client.h, "Failures", says how to find
+    out).
     """
 
     def __init__(self, socket_path: str | os.PathLike[str] | None = None, *,
                  timeout: float | None = 30.0) -> None:
         self.socket_path = os.fspath(socket_path) if socket_path is not None else default_socket_path()
-        timeout_ms = 0 if timeout is None else max(1, int(round(timeout * 1000)))
         ptr = _lib.zc_client_p()
-        rc = lib.zc_client_connect(self.socket_path.encode(), timeout_ms, ctypes.byref(ptr))
+        rc = lib.zc_client_connect(self.socket_path.encode(), _timeout_ms(timeout),
+                                   ctypes.byref(ptr))
         if rc < 0:
             reason = lib.zc_strerror(rc).decode()
             raise error_from_code(rc, f"cannot connect to zipcached at {self.socket_path}: {reason}",
                                   "connect")
         self._handle: _ClientHandle | None = _ClientHandle(ptr.value)
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
+        self._timeout = timeout
 
     # -- plumbing
 
@@ -398,12 +420,32 @@ class Client:
         Returns True when the same daemon answered. Raises DaemonRestarted
         when a new one did: its sessions were adopted with their tokens,
         but every Session of this client must be reopened with attach=True
-        (their mappings are stale).
+        (their mappings are stale). Either way the connection is usable
+        again after ConnectionBroken; a failed reconnect leaves it broken.
         """
         handle = self._native()
         with handle.lock:
             handle.check(lib.zc_client_reconnect(handle.ptr), "reconnect")
         return True
+
+    @property
+    def broken(self) -> int:
+        """0 while usable; else the (negative) code of the failure that broke the connection."""
+        handle = self._native()
+        with handle.lock:
+            return lib.zc_client_broken(handle.ptr)
+
+    @property
+    def timeout(self) -> float | None:
+        """The bound on every later wait, in seconds (None: no limit); settable."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        handle = self._native()
+        with handle.lock:
+            handle.check(lib.zc_client_set_timeout(handle.ptr, _timeout_ms(value)), "timeout")
+        self._timeout = value
 
     @property
     def server_info(self) -> ServerInfo:
@@ -485,10 +527,12 @@ class Session:
     must match it. ``head_dim`` is K's head dim and also V's unless
     ``head_dim_v`` says otherwise. ``name`` must be unique per user (None:
     the daemon picks one); ``attach=True`` reuses the session of that name
-    if it exists (its shape must match). ``check_finite=True`` rejects
-    NaN/Inf before sending rather than leaving it to the daemon (which
-    always checks): it saves a round trip on bad data at the cost of a
-    scan of every block.
+    if it exists, provided it has the shape, max_tokens, codec and policy
+    given here (and residual_tokens, unless 0 or per_call): any difference
+    raises InvalidArgument naming it, and the session is left as it was.
+    ``check_finite=True`` rejects NaN/Inf before sending rather than
+    leaving it to the daemon (which always checks): it saves a round trip
+    on bad data at the cost of a scan of every block.
 
     A Session is a context manager: leaving the block closes it on the
     daemon. ``release()`` drops only this handle and keeps the daemon's
@@ -629,7 +673,9 @@ class Session:
         The result is a pair of read-only float16 arrays [B, H, offset, D]
         that are views of the shared mapping, not copies (see the module
         docstring for how long their contents hold). Shape and dtype are
-        checked before anything is sent; on any error nothing was stored.
+        checked before anything is sent. After a refusal nothing was
+        stored; after Unavailable (the connection broke, see Client) the
+        block is there wholly or not at all, and may still land later.
         """
         handle = self._native()
         layer = self._check_layer(layer, "update_and_fetch")

@@ -30,6 +30,7 @@ __all__ = [
     "Internal",
     "Unavailable",
     "DaemonRestarted",
+    "ConnectionBroken",
     "error_from_code",
 ]
 
@@ -118,6 +119,20 @@ class DaemonRestarted(Unavailable):
     """A restarted daemon answered: sessions must be reopened with ``attach=True``."""
 
 
+class ConnectionBroken(Unavailable):
+    """An earlier call broke the connection; every call refuses until ``Client.reconnect()``.
+
+    A timeout, the daemon gone, or a reply that made no sense leaves the
+    socket out of step: a late reply (and the descriptors it carries) could
+    answer the next request. So after the first such failure (raised as
+    Unavailable, e.g. ETIMEDOUT) the client refuses every call with this
+    error, without touching the socket. ``Client.broken`` tells which
+    failure it was. What became of the request that failed is unknown: it
+    is applied wholly or not at all, and may still land later; see
+    "Failures" in zipcache/client.h for how to find out.
+    """
+
+
 _BY_CODE: dict[int, type[ZipCacheError]] = {
     _lib.ZC_EINVALID: InvalidArgument,
     _lib.ZC_EBITS: InvalidArgument,
@@ -145,6 +160,7 @@ _BY_CODE: dict[int, type[ZipCacheError]] = {
     # connection cannot be trusted any more, like a dropped one.
     _lib.ZC_EPROTOCOL: Unavailable,
     _lib.ZC_ERESTARTED: DaemonRestarted,
+    _lib.ZC_EBROKEN: ConnectionBroken,
     -_errno.EPIPE: Unavailable,
     -_errno.ECONNRESET: Unavailable,
     -_errno.ECONNREFUSED: Unavailable,
