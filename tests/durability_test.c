@@ -161,7 +161,7 @@ struct outcome {
 static bool lost(int rc)
 {
 	/* Anything but a reply: the daemon is gone. */
-	return rc == ZC_EPROTOCOL || rc == -EPIPE || rc == -ECONNRESET || rc == -ENOTCONN ||
+	return rc == ZC_EBROKEN || rc == ZC_EPROTOCOL || rc == -EPIPE || rc == -ECONNRESET || rc == -ENOTCONN ||
 	       rc == -ETIMEDOUT || rc == ZC_ERESTARTED || rc == -ECONNREFUSED || rc == -ENOENT ||
 	       rc == ZC_EINTERNAL || (rc < 0 && rc > -200 && rc != -ENOMEM);
 }
