@@ -28,6 +28,16 @@
 struct server;
 struct staging;
 struct out_frame;
+struct quota_usage;
+
+/* Descriptors queued replies may hold before the connection stops
+ * reading: a client that pipelines opens without reading the replies
+ * would otherwise pin a descriptor per reply. */
+#define CONNECTION_MAX_QUEUED_FDS 4
+
+/* Descriptors one connection may hold: its socket, its staging buffer
+ * and those of its queued replies. */
+#define CONNECTION_DESCRIPTORS (2 + CONNECTION_MAX_QUEUED_FDS)
 
 enum connection_state {
 	CONNECTION_OPEN,
