@@ -666,32 +666,6 @@ int zc_client_list_sessions(zc_client *client, zc_session_info *sessions, size_t
 	return 0;
 }
 
-static void server_stats_fill(const zipcache_v1_StatsResponse *r, zc_server_stats *stats)
-{
-	stats->sessions = r->sessions;
-	stats->connections = r->connections;
-	stats->memory_used_bytes = r->memory_used_bytes;
-	stats->memory_budget_bytes = r->memory_budget_bytes;
-	stats->requests = r->requests;
-	stats->request_errors = r->request_errors;
-	stats->tokens_appended = r->tokens_appended;
-	stats->uptime_ms = r->uptime_ms;
-	stats->boot_epoch = r->boot_epoch;
-}
-
-int zc_client_stats(zc_client *client, zc_server_stats *stats)
-{
-	wire_request request = { 0 };
-	wire_response response;
-	request.msg.which_op = zipcache_v1_Request_stats_tag;
-	int rc = call(client, &request, &response, NULL, 0);
-	if (rc < 0)
-		return rc;
-	server_stats_fill(&response.msg.op.stats, stats);
-	wire_response_free(&response);
-	return 0;
-}
-
 int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *stats)
 {
 	wire_request request = { 0 };
@@ -713,8 +687,24 @@ int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *s
 		.staging_bytes = u->staging_bytes,
 		.max_staging_bytes = u->max_staging_bytes,
 	};
-	if (stats)
-		server_stats_fill(&response.msg.op.stats, stats);
+	if (stats) {
+		const zipcache_v1_StatsResponse *r = &response.msg.op.stats;
+		stats->sessions = r->sessions;
+		stats->connections = r->connections;
+		stats->memory_used_bytes = r->memory_used_bytes;
+		stats->memory_budget_bytes = r->memory_budget_bytes;
+		stats->requests = r->requests;
+		stats->request_errors = r->request_errors;
+		stats->tokens_appended = r->tokens_appended;
+		stats->uptime_ms = r->uptime_ms;
+		stats->boot_epoch = r->boot_epoch;
+	}
 	wire_response_free(&response);
 	return 0;
+}
+
+int zc_client_stats(zc_client *client, zc_server_stats *stats)
+{
+	zc_uid_stats uid;
+	return zc_client_uid_stats(client, &uid, stats);
 }
