@@ -829,7 +829,7 @@ int zc_client_list_sessions(zc_client *client, zc_session_info *sessions, size_t
 	return 0;
 }
 
-int zc_client_stats(zc_client *client, zc_server_stats *stats)
+int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *stats)
 {
 	wire_request request = { 0 };
 	wire_response response;
@@ -837,15 +837,37 @@ int zc_client_stats(zc_client *client, zc_server_stats *stats)
 	int rc = call(client, &request, &response, NULL, 0);
 	if (rc < 0)
 		return rc;
-	stats->sessions = response.msg.op.stats.sessions;
-	stats->connections = response.msg.op.stats.connections;
-	stats->memory_used_bytes = response.msg.op.stats.memory_used_bytes;
-	stats->memory_budget_bytes = response.msg.op.stats.memory_budget_bytes;
-	stats->requests = response.msg.op.stats.requests;
-	stats->request_errors = response.msg.op.stats.request_errors;
-	stats->tokens_appended = response.msg.op.stats.tokens_appended;
-	stats->uptime_ms = response.msg.op.stats.uptime_ms;
-	stats->boot_epoch = response.msg.op.stats.boot_epoch;
+	const zipcache_v1_UidUsage *u = &response.msg.op.stats.caller;
+	*uid = (zc_uid_stats){
+		.uid = u->uid,
+		.daemon_wide = response.msg.op.stats.daemon_wide,
+		.sessions = u->sessions,
+		.max_sessions = u->max_sessions,
+		.connections = u->connections,
+		.max_connections = u->max_connections,
+		.memory_used_bytes = u->memory_used_bytes,
+		.memory_budget_bytes = u->memory_budget_bytes,
+		.staging_bytes = u->staging_bytes,
+		.max_staging_bytes = u->max_staging_bytes,
+	};
+	if (stats) {
+		const zipcache_v1_StatsResponse *r = &response.msg.op.stats;
+		stats->sessions = r->sessions;
+		stats->connections = r->connections;
+		stats->memory_used_bytes = r->memory_used_bytes;
+		stats->memory_budget_bytes = r->memory_budget_bytes;
+		stats->requests = r->requests;
+		stats->request_errors = r->request_errors;
+		stats->tokens_appended = r->tokens_appended;
+		stats->uptime_ms = r->uptime_ms;
+		stats->boot_epoch = r->boot_epoch;
+	}
 	wire_response_free(&response);
 	return 0;
+}
+
+int zc_client_stats(zc_client *client, zc_server_stats *stats)
+{
+	zc_uid_stats uid;
+	return zc_client_uid_stats(client, &uid, stats);
 }

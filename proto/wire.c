@@ -672,6 +672,10 @@ zipcache_v1_Status wire_status_from_error(int zc_error)
 	case ZC_EFRAMESIZE:
 	case -ENOMEM:
 	case -ENOSPC:
+	case -EMFILE:
+	case -ENFILE:
+	case -EAGAIN:
+	case -ENOBUFS:
 		return zipcache_v1_Status_RESOURCE_EXHAUSTED;
 	case ZC_EDENIED:
 		return zipcache_v1_Status_PERMISSION_DENIED;

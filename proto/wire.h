@@ -126,8 +126,9 @@ void wire_response_set_status(wire_response *resp, int zc_error, const char *mes
  * Status <-> error code. 0 (and any non-negative count) is OK. Codec
  * validation errors (ZC_EBITS, ZC_EFRACTION, ZC_EGROUPSIZE, ZC_ESHAPE,
  * ZC_ENONFINITE, ZC_ETENSOR), ZC_EINVALID and ZC_EPROTOCOL (a malformed
- * request) are INVALID_ARGUMENT; ZC_EEXHAUSTED, ZC_EFRAMESIZE, -ENOMEM and
- * -ENOSPC are RESOURCE_EXHAUSTED; everything unlisted is INTERNAL. Back
+ * request) are INVALID_ARGUMENT; ZC_EEXHAUSTED, ZC_EFRAMESIZE and the
+ * errnos of a resource running out (-ENOMEM, -ENOSPC, -EMFILE, -ENFILE,
+ * -EAGAIN, -ENOBUFS) are RESOURCE_EXHAUSTED; everything unlisted is INTERNAL. Back
  * from a status each maps to its one ZC_E* code; an unknown status value
  * (a newer daemon) is ZC_EINTERNAL.
  */

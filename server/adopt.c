@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "quota.h"
 #include "server.h"
 #include "store.h"
 
@@ -63,8 +64,8 @@ static bool adopt_one(struct server *server, const char *file)
 	struct store *store;
 	struct session *session;
 	char reason[200] = "";
-	int rc = store_adopt(server->shm_dir_fd, server->options.shm_dir, file, &server->budget,
-			     &store, reason, sizeof(reason));
+	int rc = store_adopt(server->shm_dir_fd, server->options.shm_dir, file, NULL, &store, reason,
+			     sizeof(reason));
 
 	if (rc == 0 && session_find(&server->sessions, store_header(store)->session_id,
 				    store_header(store)->owner_uid)) {
@@ -73,6 +74,7 @@ static bool adopt_one(struct server *server, const char *file)
 		snprintf(reason, sizeof(reason), "another file holds the same session id");
 	}
 	if (rc == 0) {
+		store_charge_to(store, quota_budget(&server->quotas, store_header(store)->owner_uid));
 		rc = session_table_add(&server->sessions, store, &session);
 		if (rc < 0)
 			store_close(store, false);

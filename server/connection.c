@@ -6,6 +6,8 @@
 #include "connection.h"
 
 #include <errno.h>
+#include <malloc.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -13,17 +15,30 @@
 
 #include "dispatch.h"
 #include "log.h"
+#include "quota.h"
 #include "server.h"
 #include "staging.h"
+#include "store.h"
 
 /* Requests a connection may have in flight before we stop reading it:
  * deep enough for a 128-layer pipelined step, small enough that one
  * client cannot queue unbounded work. */
 #define MAX_IN_FLIGHT 512u
 
-/* Reply bytes queued before we stop reading (a client not reading its
- * replies must not make us buffer without bound). */
-#define MAX_OUT_BYTES (16u << 20)
+/* Requests in flight while replies already wait unsent: the client is
+ * not keeping up, and each request still running would add its reply to
+ * the queue whatever its bound says. */
+#define MAX_IN_FLIGHT_BACKLOGGED 8u
+
+/* After a queue this large drains or is dropped, the heap's free pages go
+ * back to the system (malloc keeps them otherwise: the RSS of a daemon
+ * that once buffered for slow clients would stay high). */
+#define TRIM_AFTER_BYTES (1u << 20)
+
+/* Below this share of --max-reply-queue-total, connections paused for the
+ * total read again (hysteresis: no flapping at the line). */
+#define TOTAL_RESUME_NUM 3
+#define TOTAL_RESUME_DEN 4
 
 /* Reads per readiness event, so one busy client cannot starve others. */
 #define READS_PER_EVENT 16
@@ -76,6 +91,67 @@ static void on_resume_closed(uv_handle_t *handle)
 	connection_unref(handle->data);
 }
 
+static void flow_update(struct connection *connection);
+
+/*
+ * Whether the replies queued over all connections passed
+ * --max-reply-queue-total (and, once past, whether they are still above
+ * the resume mark). On a change every connection is looked at again:
+ * those with replies waiting pause, or read again.
+ */
+static void replies_total_update(struct server *server)
+{
+	uint64_t total = server->options.max_reply_queue_total;
+	bool over = server->replies_over ?
+		server->reply_queue_bytes >= total / TOTAL_RESUME_DEN * TOTAL_RESUME_NUM :
+		server->reply_queue_bytes >= total;
+	if (over == server->replies_over)
+		return;
+	server->replies_over = over;
+	log_info("connection", over ? "reply queues full" : "reply queues drained",
+		 "queued_bytes=%llu limit=%llu", (unsigned long long)server->reply_queue_bytes,
+		 (unsigned long long)total);
+	for (struct connection *c = server->connections, *next; c; c = next) {
+		next = c->next;
+		flow_update(c);
+	}
+}
+
+/*
+ * Brings the counts in line with the bytes queued now. Reply bytes are
+ * heap, which the cgroup counts like the session files, so they are
+ * charged to the uid's memory budget and the daemon's. The charge is
+ * forced: a reply to work already done cannot be refused, and the queue
+ * bounds keep what passes the budget bounded; new sessions and blocks see
+ * the room taken until the client reads or goes.
+ */
+static void queue_account(struct connection *connection)
+{
+	struct server *server = connection->server;
+	struct quota_usage *quota = connection->quota;
+
+	if (connection->out_bytes > connection->out_charged) {
+		size_t more = connection->out_bytes - connection->out_charged;
+		store_budget_force(&quota->memory, more);
+		server->reply_queue_bytes += more;
+		quota->reply_queue_bytes += more;
+	} else if (connection->out_bytes < connection->out_charged) {
+		size_t less = connection->out_charged - connection->out_bytes;
+		store_budget_give(&quota->memory, less);
+		server->reply_queue_bytes -= less;
+		quota->reply_queue_bytes -= less;
+	}
+	connection->out_charged = connection->out_bytes;
+	if (connection->out_bytes > connection->out_peak)
+		connection->out_peak = connection->out_bytes;
+	if (connection->out_bytes == 0) {
+		if (connection->out_peak >= TRIM_AFTER_BYTES)
+			malloc_trim(0);
+		connection->out_peak = 0;
+	}
+	replies_total_update(server);
+}
+
 void connection_close(struct connection *connection)
 {
 	struct server *server = connection->server;
@@ -96,6 +172,9 @@ void connection_close(struct connection *connection)
 	}
 	connection->out_tail = NULL;
 	connection->out_bytes = 0;
+	connection->out_fds = 0;
+	queue_account(connection);
+	connection->quota->connections--;
 	staging_unref(connection->staging);
 	connection->staging = NULL;
 	log_debug("connection", "closed", "connection=%llu uid=%u pid=%d",
@@ -135,7 +214,13 @@ static void on_resume(uv_idle_t *handle);
 
 static void flow_update(struct connection *connection)
 {
-	bool busy = connection->in_flight >= MAX_IN_FLIGHT || connection->out_bytes >= MAX_OUT_BYTES;
+	const struct server *server = connection->server;
+	bool backlogged = connection->out_bytes > 0;
+	bool busy = connection->in_flight >= MAX_IN_FLIGHT ||
+		    connection->out_bytes >= server->options.max_reply_queue_bytes ||
+		    connection->out_fds >= CONNECTION_MAX_QUEUED_FDS ||
+		    (backlogged && (server->replies_over ||
+				    connection->in_flight >= MAX_IN_FLIGHT_BACKLOGGED));
 	if (connection->state == CONNECTION_OPEN && busy) {
 		connection->state = CONNECTION_PAUSED;
 	} else if (connection->state == CONNECTION_PAUSED && !busy) {
@@ -151,7 +236,7 @@ static void flow_update(struct connection *connection)
 
 /* Writes queued replies until the socket would block. Returns -1 if the
  * connection was closed. */
-static int flush(struct connection *connection)
+static int flush_frames(struct connection *connection)
 {
 	while (connection->out_head) {
 		struct out_frame *frame = connection->out_head;
@@ -185,6 +270,7 @@ static int flush(struct connection *connection)
 		if (frame->n_fds > 0 && n > 0) {
 			for (int i = 0; i < frame->n_fds; i++)
 				close(frame->fds[i]);
+			connection->out_fds -= frame->n_fds;
 			frame->n_fds = 0;
 		}
 		frame->sent += (size_t)n;
@@ -199,13 +285,26 @@ static int flush(struct connection *connection)
 	return 0;
 }
 
-void connection_send(struct connection *connection, uint8_t *data, size_t len,
-		     const int *fds, int n_fds)
+static int flush(struct connection *connection)
+{
+	if (flush_frames(connection) < 0)
+		return -1;
+	queue_account(connection);
+	return 0;
+}
+
+int connection_send(struct connection *connection, uint8_t *data, size_t len,
+		    const int *fds, int n_fds)
 {
 	struct out_frame *frame;
+	int rc = -EPIPE;
 
-	if (connection->state == CONNECTION_CLOSING || n_fds > MAX_FDS_PER_FRAME)
+	if (connection->state == CONNECTION_CLOSING)
 		goto out_drop;
+	rc = -EINVAL;
+	if (n_fds > MAX_FDS_PER_FRAME)
+		goto out_drop;
+	rc = -ENOMEM;
 	frame = calloc(1, sizeof(*frame));
 	if (!frame)
 		goto out_drop;
@@ -220,16 +319,18 @@ void connection_send(struct connection *connection, uint8_t *data, size_t len,
 		connection->out_head = frame;
 	connection->out_tail = frame;
 	connection->out_bytes += len;
+	connection->out_fds += n_fds;
 	/* Most replies fit the socket buffer: send now, no extra loop turn. */
 	if (flush(connection) < 0)
-		return;
+		return 0;
 	flow_update(connection);
-	return;
+	return 0;
 
 out_drop:
 	for (int i = 0; i < n_fds; i++)
 		close(fds[i]);
 	free(data);
+	return rc;
 }
 
 void connection_request_done(struct connection *connection)
@@ -336,23 +437,45 @@ static void on_poll(uv_poll_t *handle, int status, int events)
 		flow_update(connection);
 }
 
+/* Counts, logs and refuses a connection we will not serve, then closes it. */
+static void connection_refuse(struct server *server, int fd, const char *reason,
+			      const char *message)
+{
+	metrics_error_reason(&server->metrics, METRICS_REASON_CONNECTION_REFUSED);
+	log_warn("connection", "refused", "reason=\"%s\" message=\"%s\"", reason, message);
+	dispatch_refuse_connection(server, fd, message);
+	close(fd);
+}
+
 void connection_accept(struct server *server, int fd)
 {
 	struct ucred credentials;
 	socklen_t length = sizeof(credentials);
 	struct connection *connection;
+	char message[160];
 
 	if (server->n_connections >= server->options.max_connections || server->stopping) {
-		metrics_error_reason(&server->metrics, METRICS_REASON_CONNECTION_REFUSED);
-		log_warn("connection", "refused", "reason=%s limit=%u",
-			 server->stopping ? "stopping" : "connection limit", server->options.max_connections);
-		dispatch_refuse_connection(server, fd);
-		close(fd);
+		snprintf(message, sizeof(message), server->stopping ? "the daemon is stopping" :
+			 "connection limit of %u reached", server->options.max_connections);
+		connection_refuse(server, fd, server->stopping ? "stopping" : "connection limit", message);
 		return;
 	}
 	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) < 0) {
 		log_warn("connection", "refused: no peer credentials", "error=%s", strerror(errno));
 		close(fd);
+		return;
+	}
+	struct quota_usage *quota = quota_usage_of(&server->quotas, credentials.uid);
+	if (!quota) {
+		connection_refuse(server, fd, "out of memory", "out of memory for this uid's quota entry");
+		return;
+	}
+	uint64_t uid_limit = quota_limits_of(&server->quotas, quota)->connections;
+	if (uid_limit && quota->connections >= uid_limit) {
+		snprintf(message, sizeof(message),
+			 "connection limit of %llu per uid reached (uid %u has %u; --max-connections-per-uid)",
+			 (unsigned long long)uid_limit, (unsigned)credentials.uid, quota->connections);
+		connection_refuse(server, fd, "uid connection limit", message);
 		return;
 	}
 	connection = calloc(1, sizeof(*connection));
@@ -369,6 +492,8 @@ void connection_accept(struct server *server, int fd)
 	connection->uid = credentials.uid;
 	connection->pid = credentials.pid;
 	connection->server = server;
+	connection->quota = quota;
+	quota->connections++;
 	connection->refs = 2;
 	connection->state = CONNECTION_OPEN;
 	frame_reader_init(&connection->reader, server->options.max_frame_bytes);

@@ -6,7 +6,10 @@
  *
  * States, advanced by connection_on_poll():
  *   OPEN      reading frames and dispatching them; writing when replies wait
- *   PAUSED    too many requests in flight or replies unsent: neither
+ *   PAUSED    too many requests in flight, or replies unsent past a bound
+ *             (--max-reply-queue-bytes for this connection, or
+ *             --max-reply-queue-total over all while this one has some
+ *             waiting, or CONNECTION_MAX_QUEUED_FDS descriptors): neither
  *             reading nor dispatching; frames already read wait, and run
  *             first when the connection opens again
  *   DRAINING  the server is stopping, or the peer sent EOF and every whole
@@ -28,6 +31,16 @@
 struct server;
 struct staging;
 struct out_frame;
+struct quota_usage;
+
+/* Descriptors queued replies may hold before the connection stops
+ * reading: a client that pipelines opens without reading the replies
+ * would otherwise pin a descriptor per reply. */
+#define CONNECTION_MAX_QUEUED_FDS 4
+
+/* Descriptors one connection may hold: its socket, its staging buffer
+ * and those of its queued replies. */
+#define CONNECTION_DESCRIPTORS (2 + CONNECTION_MAX_QUEUED_FDS)
 
 enum connection_state {
 	CONNECTION_OPEN,
@@ -51,6 +64,10 @@ struct connection {
 	frame_reader reader;
 	struct out_frame *out_head, *out_tail;
 	size_t out_bytes;
+	size_t out_charged;        /* of out_bytes, what the budget and totals count */
+	size_t out_peak;           /* most out_bytes since the queue was last empty */
+	int out_fds;               /* descriptors the queued frames hold */
+	struct quota_usage *quota; /* the peer uid's holdings (server->quotas) */
 	unsigned in_flight;        /* requests dispatched, not yet answered */
 	bool peer_closed;          /* EOF read; frames still buffered are served */
 	bool dispatching;          /* inside frames_dispatch: no nested run */
@@ -66,10 +83,12 @@ void connection_accept(struct server *server, int fd);
 /*
  * Queues one reply frame (ownership of `frame`, a malloc'd buffer, passes
  * here) and the descriptors to send with it (closed once sent or dropped).
- * Replies to a closing connection are dropped.
+ * Replies to a closing connection are dropped. Returns 0 when queued (or
+ * sent), or a negative errno when dropped: -EPIPE for a closing
+ * connection, -ENOMEM, -EINVAL for too many descriptors.
  */
-void connection_send(struct connection *connection, uint8_t *frame, size_t len,
-		     const int *fds, int n_fds);
+int connection_send(struct connection *connection, uint8_t *frame, size_t len,
+		    const int *fds, int n_fds);
 
 /* A request finished (its reply was queued): may resume reading. */
 void connection_request_done(struct connection *connection);

@@ -18,6 +18,7 @@
 #include "connection.h"
 #include "log.h"
 #include "metrics.h"
+#include "quota.h"
 #include "server.h"
 #include "session.h"
 #include "staging.h"
@@ -56,9 +57,11 @@ struct request_job {
 	struct store_layer_stats *layer_stats; /* JOB_STATS: one per layer */
 };
 
-/* Encodes and queues a reply; the frame buffer passes to the connection. */
-static void reply_send(struct connection *connection, const struct request_meta *meta,
-		       wire_response *response, const int *fds, int n_fds)
+/* Encodes and queues a reply; the frame buffer passes to the connection.
+ * Returns 0, or why the reply could not be queued (the connection is then
+ * closed or closing, and the client will never see it). */
+static int reply_send(struct connection *connection, const struct request_meta *meta,
+		      wire_response *response, const int *fds, int n_fds)
 {
 	size_t size, len;
 	uint8_t *frame = NULL;
@@ -77,11 +80,11 @@ static void reply_send(struct connection *connection, const struct request_meta 
 		for (int i = 0; i < n_fds; i++)
 			close(fds[i]);
 		connection_close(connection);
-		return;
+		return rc;
 	}
 	metrics_request_done(&connection->server->metrics, meta->op, response->msg.status,
 			     uv_hrtime() - meta->start_ns);
-	connection_send(connection, frame, len, fds, n_fds);
+	return connection_send(connection, frame, len, fds, n_fds);
 }
 
 static void response_init(wire_response *response, uint64_t request_id)
@@ -108,11 +111,52 @@ static void reply_error(struct connection *connection, const struct request_meta
 	response_init(&response, request_id);
 	wire_response_set_status(&response, error, message);
 	connection->server->counters.request_errors++;
+	connection->quota->request_errors++;
 	log_debug("dispatch", "request refused", "connection=%llu request=%llu error=%s message=\"%s\"",
 		  (unsigned long long)connection->id, (unsigned long long)request_id,
 		  zc_error_name(error), message);
 	metrics_error(&connection->server->metrics, error);
 	reply_send(connection, meta, &response, NULL, 0);
+}
+
+/*
+ * What ran out, for a refusal caused by a resource error (these answer
+ * RESOURCE_EXHAUSTED, see wire.h); other errors are their own sentence.
+ */
+static const char *resource_text(const struct server *server, int rc, char *text, size_t size)
+{
+	switch (rc) {
+	case -EMFILE:
+		snprintf(text, size, "out of file descriptors (the daemon's limit is %llu; "
+			 "`zipcached --help` says what its limits need)",
+			 (unsigned long long)server->descriptor_limit);
+		break;
+	case -ENFILE:
+		snprintf(text, size, "the system's open-file table is full (fs.file-max)");
+		break;
+	case -ENOMEM:
+		snprintf(text, size, "the daemon is out of memory");
+		break;
+	case -ENOSPC:
+		snprintf(text, size, "the shared-memory file system is full");
+		break;
+	case -EAGAIN:
+		snprintf(text, size, "a kernel resource is temporarily exhausted");
+		break;
+	default:
+		snprintf(text, size, "%s", zc_strerror(rc));
+		break;
+	}
+	return text;
+}
+
+/* Sessions `uid` holds. */
+static uint32_t uid_sessions(const struct session_table *table, uint32_t uid)
+{
+	uint32_t count = 0;
+	for (size_t i = 0; i < table->count; i++)
+		count += table->items[i]->owner_uid == uid && !table->items[i]->closed;
+	return count;
 }
 
 static void session_info_fill(const struct session *session, zipcache_v1_SessionInfo *info)
@@ -171,6 +215,56 @@ static void server_counters_fill(const struct server *server, zipcache_v1_StatsR
 	stats->boot_epoch = server->boot_epoch;
 }
 
+/*
+ * The daemon-level figures of a stats reply, as the caller may see them.
+ * Root and the daemon's own uid see the daemon's totals; any other uid
+ * sees its own in the same fields (how many sessions, how much memory,
+ * how much traffic other users have is theirs, not its). Configuration
+ * (the budget), uptime and boot epoch are no one's secret. The caller's
+ * usage and quotas come with either.
+ */
+static void stats_daemon_fill(const struct connection *connection, zipcache_v1_StatsResponse *stats)
+{
+	const struct server *server = connection->server;
+	const struct quota_usage *own = connection->quota;
+	const struct quota_limits *limits = quota_limits_of(&server->quotas, own);
+	uint32_t own_sessions = uid_sessions(&server->sessions, connection->uid);
+	uint64_t own_memory = __atomic_load_n(&own->memory.used, __ATOMIC_RELAXED);
+	uint64_t own_staging = __atomic_load_n(&own->staging.used, __ATOMIC_RELAXED);
+
+	server_counters_fill(server, stats);
+	stats->memory_budget_bytes = server->options.memory_budget;
+	stats->daemon_wide = own->trusted;
+	if (own->trusted) {
+		stats->sessions = (uint32_t)server->sessions.count;
+		stats->connections = server->n_connections;
+		stats->memory_used_bytes = server_memory_bytes(server);
+		stats->staging_bytes = __atomic_load_n(&server->staging.used, __ATOMIC_RELAXED);
+		stats->reply_queue_bytes = server->reply_queue_bytes;
+	} else {
+		stats->sessions = own_sessions;
+		stats->connections = own->connections;
+		stats->memory_used_bytes = own_memory;
+		stats->staging_bytes = own_staging;
+		stats->reply_queue_bytes = own->reply_queue_bytes;
+		stats->requests = own->requests;
+		stats->request_errors = own->request_errors;
+		stats->tokens_appended = own->tokens_appended;
+	}
+	stats->has_caller = true;
+	stats->caller = (zipcache_v1_UidUsage){
+		.uid = connection->uid,
+		.sessions = own_sessions,
+		.max_sessions = (uint32_t)limits->sessions,
+		.connections = own->connections,
+		.max_connections = (uint32_t)limits->connections,
+		.memory_used_bytes = own_memory,
+		.memory_budget_bytes = limits->memory,
+		.staging_bytes = own_staging,
+		.max_staging_bytes = limits->staging,
+	};
+}
+
 /* ---- hello ---- */
 
 static void handle_hello(struct connection *connection, const wire_request *request)
@@ -194,19 +288,25 @@ static void handle_hello(struct connection *connection, const wire_request *requ
 
 /* ---- open_session ---- */
 
-static void reply_open(struct connection *connection, uint64_t request_id,
-		       struct session *session, bool attached)
+/* Returns 0 once the reply is queued; a negative code when it could not
+ * be (the client was told why, or its connection is gone), so that a
+ * session made for this request can be taken back. */
+static int reply_open(struct connection *connection, uint64_t request_id,
+		      struct session *session, bool attached)
 {
 	wire_response response;
 	zipcache_v1_OpenSessionResponse *open = &response.msg.op.open_session;
 	const struct store_header *h = store_header(session->store);
 	int fd = store_open_readonly(session->store);
+	char why[200];
 
 	if (fd < 0) {
-		reply_error(connection, &connection->current, request_id, ZC_EINTERNAL,
-			    "cannot open the view of session %llu: %s",
-			    (unsigned long long)session->id, strerror(-fd));
-		return;
+		reply_error(connection, &connection->current, request_id, fd,
+			    "cannot open the view of session %llu: %s%s",
+			    (unsigned long long)session->id,
+			    resource_text(connection->server, fd, why, sizeof(why)),
+			    attached ? "" : "; the session was not created");
+		return fd;
 	}
 	response_init(&response, request_id);
 	response.msg.which_op = zipcache_v1_Response_open_session_tag;
@@ -222,7 +322,7 @@ static void reply_open(struct connection *connection, uint64_t request_id,
 		open->view.value_offsets[i] = store_value_view_offset(session->store, i);
 	}
 	open->attached = attached;
-	reply_send(connection, &connection->current, &response, &fd, 1);
+	return reply_send(connection, &connection->current, &response, &fd, 1);
 }
 
 /* What an attach request asks that its session does not have. */
@@ -427,6 +527,13 @@ static void handle_open(struct connection *connection, const wire_request *reque
 			    server->options.max_sessions);
 		return;
 	}
+	uint64_t uid_limit = quota_limits_of(&server->quotas, connection->quota)->sessions;
+	if (uid_limit && uid_sessions(&server->sessions, connection->uid) >= uid_limit) {
+		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED,
+			    "session limit of %llu per uid reached (uid %u; --max-sessions-per-uid)",
+			    (unsigned long long)uid_limit, connection->uid);
+		return;
+	}
 	if (open->policy != zipcache_v1_BlockPolicy_STREAMING &&
 	    open->policy != zipcache_v1_BlockPolicy_PER_CALL) {
 		reply_error(connection, &connection->current, id, ZC_EINVALID, "unknown block policy %d", (int)open->policy);
@@ -466,20 +573,20 @@ static void handle_open(struct connection *connection, const wire_request *reque
 		if (c->has_quantize_values)
 			params.codec.quantize_values = c->quantize_values;
 	}
-	rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, &server->budget, &store);
+	struct store_budget *budget = &connection->quota->memory;
+	rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, &store);
 	for (int tries = 0; rc == ZC_EEXISTS && tries < 3; tries++) {
 		/* A file nobody adopted holds this id: take the next. */
 		params.session_id = ++server->sessions.next_id;
-		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, &server->budget,
-				  &store);
+		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, &store);
 	}
-	if (rc == STORE_EBUDGET && server_relieve_memory(server, 1u << 20, NULL) > 0)
-		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, &server->budget, &store);
+	if (rc == STORE_EBUDGET &&
+	    server_relieve_memory_for(server, 1u << 20, NULL, connection->uid) > 0)
+		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, &store);
 	if (rc == STORE_EBUDGET) {
-		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED,
-			    "memory budget of %llu bytes is exhausted (%llu in use)",
-			    (unsigned long long)server->budget.limit,
-			    (unsigned long long)server_memory_bytes(server));
+		char why[200];
+		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED, "%s",
+			    server_budget_refusal(server, connection->uid, why, sizeof(why)));
 		return;
 	}
 	uint64_t layout_bytes = 0;
@@ -495,15 +602,28 @@ static void handle_open(struct connection *connection, const wire_request *reque
 		return;
 	}
 	if (rc < 0) {
+		char why[200];
 		reply_error(connection, &connection->current, id, rc == ZC_ESHAPE ? ZC_EINVALID : rc,
-			    "cannot open session '%s': %s", name, zc_strerror(rc));
+			    "cannot open session '%s': %s", name, resource_text(server, rc, why, sizeof(why)));
 		return;
 	}
 	server->sessions.next_id++;
 	rc = session_table_add(&server->sessions, store, &session);
 	if (rc < 0) {
+		char why[200];
 		store_close(store, true);
-		reply_error(connection, &connection->current, id, rc, "cannot open session '%s': %s", name, zc_strerror(rc));
+		reply_error(connection, &connection->current, id, rc,
+			    "cannot open session '%s': %s; the session was not created", name,
+			    resource_text(server, rc, why, sizeof(why)));
+		return;
+	}
+	if (reply_open(connection, id, session, false) < 0) {
+		/* The client was told why, or is gone: take back what was made,
+		 * so a retry starts from nothing (not ALREADY_EXISTS). */
+		log_warn("session", "open undone", "session=%llu name=%s uid=%u",
+			 (unsigned long long)session->id, session->name, session->owner_uid);
+		session_retire(&server->sessions, session, true);
+		session_release_if_unused(session);
 		return;
 	}
 	log_info("session", "opened", "session=%llu name=%s uid=%u layers=%u batch=%u kv_heads=%u "
@@ -511,7 +631,6 @@ static void handle_open(struct connection *connection, const wire_request *reque
 		 (unsigned long long)session->id, session->name, session->owner_uid, params.layers,
 		 params.batch, params.kv_heads, params.head_dim_k, params.head_dim_v,
 		 params.max_tokens, params.policy == STORE_POLICY_PER_CALL ? "per_call" : "streaming");
-	reply_open(connection, id, session, false);
 }
 
 /* ---- jobs: update_and_fetch, trim, stats, close ---- */
@@ -607,10 +726,9 @@ static void update_done(struct job *base)
 				       (h->head_dim_k + h->head_dim_v) * 2) + (2u << 20);
 		if (job_retry_after_relief(job, wanted))
 			return;
-		job_fail(job, ZC_EEXHAUSTED,
-			 "memory budget of %llu bytes is exhausted (%llu in use); nothing was stored",
-			 (unsigned long long)server->budget.limit,
-			 (unsigned long long)server_memory_bytes(server));
+		char why[200];
+		job_fail(job, ZC_EEXHAUSTED, "%s; nothing was stored",
+			 server_budget_refusal(server, base->session->owner_uid, why, sizeof(why)));
 	}
 
 	if (job->rc < 0) {
@@ -624,6 +742,7 @@ static void update_done(struct job *base)
 		layer_stats_fill(&job->stats, &response.msg.op.update_and_fetch.stats);
 		response.msg.op.update_and_fetch.sequence = job->sequence;
 		connection->server->counters.tokens_appended += job->tokens;
+		connection->quota->tokens_appended += job->tokens;
 		session_account_layer(&connection->server->sessions, base->session, &job->stats);
 		reply_send(connection, &job->meta, &response, NULL, 0);
 	}
@@ -859,10 +978,9 @@ static void stats_done(struct job *base)
 	if (job->rc == STORE_EBUDGET) {
 		if (job_retry_after_relief(job, store_rebuild_bytes(base->session->store)))
 			return;
-		job_fail(job, ZC_EEXHAUSTED,
-			 "memory budget of %llu bytes is exhausted (%llu in use); cannot rebuild the views",
-			 (unsigned long long)server->budget.limit,
-			 (unsigned long long)server_memory_bytes(server));
+		char why[200];
+		job_fail(job, ZC_EEXHAUSTED, "%s; cannot rebuild the views",
+			 server_budget_refusal(server, base->session->owner_uid, why, sizeof(why)));
 	}
 	if (job->rc < 0) {
 		reply_error(connection, &job->meta, job->request_id, job->rc, "%s", job->message);
@@ -896,11 +1014,7 @@ static void stats_done(struct job *base)
 	session_info_fill(base->session, &stats->session);
 	stats->has_total = true;
 	layer_stats_fill(&total, &stats->total);
-	stats->sessions = (uint32_t)server->sessions.count;
-	stats->connections = server->n_connections;
-	stats->memory_used_bytes = server_memory_bytes(server);
-	stats->memory_budget_bytes = server->options.memory_budget;
-	server_counters_fill(server, stats);
+	stats_daemon_fill(connection, stats);
 	response.layers = layers;
 	response.n_layers = h->layers;
 	reply_send(connection, &job->meta, &response, NULL, 0);
@@ -982,15 +1096,10 @@ static bool handle_session_job(struct connection *connection, const wire_request
 
 static void handle_server_stats(struct connection *connection, const wire_request *request)
 {
-	struct server *server = connection->server;
 	wire_response response;
 	response_init(&response, request->msg.request_id);
 	response.msg.which_op = zipcache_v1_Response_stats_tag;
-	response.msg.op.stats.sessions = (uint32_t)server->sessions.count;
-	response.msg.op.stats.connections = server->n_connections;
-	response.msg.op.stats.memory_used_bytes = server_memory_bytes(server);
-	response.msg.op.stats.memory_budget_bytes = server->options.memory_budget;
-	server_counters_fill(server, &response.msg.op.stats);
+	stats_daemon_fill(connection, &response.msg.op.stats);
 	reply_send(connection, &connection->current, &response, NULL, 0);
 }
 
@@ -1031,16 +1140,36 @@ static void handle_staging(struct connection *connection, const wire_request *re
 			    (unsigned long long)bytes, (unsigned long long)server->options.max_staging_bytes);
 		return;
 	}
-	int rc = staging_create(bytes, &staging);
+	/* Charged to the uid's memory quota (and so the daemon's budget) and
+	 * to its staging quota; the old buffer's charge goes when its last
+	 * reader lets go of it. */
+	struct quota_usage *quota = connection->quota;
+	int rc = staging_create(bytes, &quota->memory, &quota->staging, &staging);
+	if (rc == STORE_EBUDGET &&
+	    server_relieve_memory_for(server, bytes, NULL, connection->uid) > 0)
+		rc = staging_create(bytes, &quota->memory, &quota->staging, &staging);
 	if (rc < 0) {
-		reply_error(connection, &connection->current, id, rc, "cannot create a staging buffer: %s", zc_strerror(rc));
+		char why[200];
+		if (rc == STORE_EBUDGET)
+			server_budget_refusal(server, connection->uid, why, sizeof(why));
+		else if (rc == ZC_EEXHAUSTED)
+			snprintf(why, sizeof(why), "staging quota of %llu bytes for uid %u is exhausted "
+				 "(%llu held by its connections; --max-staging-bytes-per-uid)",
+				 (unsigned long long)quota->staging.limit, connection->uid,
+				 (unsigned long long)__atomic_load_n(&quota->staging.used, __ATOMIC_RELAXED));
+		else
+			resource_text(server, rc, why, sizeof(why));
+		reply_error(connection, &connection->current, id, rc == STORE_EBUDGET ? ZC_EEXHAUSTED : rc,
+			    "cannot create a staging buffer of %llu bytes: %s", (unsigned long long)bytes, why);
 		return;
 	}
 	int fd = dup(staging->fd);
 	if (fd < 0) {
+		char why[200];
 		rc = -errno;
 		staging_unref(staging);
-		reply_error(connection, &connection->current, id, rc, "cannot share the staging buffer: %s", zc_strerror(rc));
+		reply_error(connection, &connection->current, id, rc, "cannot share the staging buffer: %s",
+			    resource_text(server, rc, why, sizeof(why)));
 		return;
 	}
 	/* Jobs still reading the old buffer keep it alive. */
@@ -1062,6 +1191,7 @@ void dispatch_request(struct connection *connection, const uint8_t *frame, size_
 	int rc = wire_request_decode(frame, len, &request);
 
 	server->counters.requests++;
+	connection->quota->requests++;
 	if (rc == 0)
 		connection->current.op = metrics_op_of(request.msg.which_op);
 	if (rc < 0) {
@@ -1125,16 +1255,14 @@ void dispatch_reject_frame(struct connection *connection, int error)
 	connection_request_done(connection);
 }
 
-void dispatch_refuse_connection(struct server *server, int fd)
+void dispatch_refuse_connection(struct server *server, int fd, const char *message)
 {
 	wire_response response;
 	uint8_t frame[512];
 	size_t len;
-	char message[128];
 
+	(void)server;
 	response_init(&response, 0);
-	snprintf(message, sizeof(message), server->stopping ? "the daemon is stopping" :
-		 "connection limit of %u reached", server->options.max_connections);
 	wire_response_set_status(&response, ZC_EEXHAUSTED, message);
 	if (wire_response_encode(&response, frame, sizeof(frame), &len) == 0)
 		(void)!send(fd, frame, len, MSG_NOSIGNAL | MSG_DONTWAIT);

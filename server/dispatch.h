@@ -19,9 +19,10 @@ void dispatch_request(struct connection *connection, const uint8_t *frame, size_
 /* Tells the client why its stream is being closed (an oversized frame). */
 void dispatch_reject_frame(struct connection *connection, int error);
 
-/* Tells a connection we will not serve why (one error frame, best effort:
- * the socket is new, so its buffer has room). The caller closes fd. */
-void dispatch_refuse_connection(struct server *server, int fd);
+/* Tells a connection we will not serve why (one RESOURCE_EXHAUSTED frame
+ * saying `message`, best effort: the socket is new, so its buffer has
+ * room). The caller closes fd. */
+void dispatch_refuse_connection(struct server *server, int fd, const char *message);
 
 /* A connection went away: a stopping server may now be done. */
 void dispatch_connection_closed(struct server *server);

@@ -20,8 +20,8 @@
 #include "server.h"
 
 /* A scrape is one short request; these bound what a misbehaving peer
- * can hold: connections, seconds of silence, bytes of request. */
-#define HTTP_CONNECTION_LIMIT 64
+ * can hold: connections (HTTP_CONNECTION_LIMIT, in http.h), seconds of
+ * silence, bytes of request. */
 #define HTTP_PER_IP_LIMIT 16
 #define HTTP_IDLE_TIMEOUT_SECONDS 5
 #define HTTP_REQUEST_MEMORY_BYTES (32u << 10)

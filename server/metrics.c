@@ -255,10 +255,17 @@ int metrics_render(const struct server *server, char **out, size_t *out_len)
 		text_printf(&text, "zipcache_compression_ratio{tensor=\"%s\"} %.17g\n", tensor_names[i],
 			    ratio(tensors[i]->fp16, tensors[i]->compressed));
 
-	gauge(&text, "zipcache_memory_used_bytes", "Shared memory the session files hold.",
+	gauge(&text, "zipcache_memory_used_bytes",
+	      "Memory charged to the budget: session files, staging buffers, queued replies.",
 	      (double)server_memory_bytes(server));
 	gauge(&text, "zipcache_memory_budget_bytes", "The memory budget (0: none).",
 	      (double)server->options.memory_budget);
+	gauge(&text, "zipcache_staging_bytes",
+	      "Staging buffers held for connections (part of the memory in use).",
+	      (double)__atomic_load_n(&server->staging.used, __ATOMIC_RELAXED));
+	gauge(&text, "zipcache_reply_queue_bytes",
+	      "Reply bytes queued for clients that have not read them (part of the memory in use).",
+	      (double)server->reply_queue_bytes);
 	counter(&text, "zipcache_view_rebuilds_total", "fp16 views rebuilt from compressed stores.",
 		store_view_rebuilds_total());
 	counter(&text, "zipcache_evictions_total",

@@ -12,6 +12,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "quota.h"
+#include "resources.h"
 #include "version.h"
 #include "zipcache/client.h"
 #include "zipcache/codec.h"
@@ -32,7 +34,15 @@ void options_default(struct options *options)
 	options->max_sessions = 1024;
 	options->max_tokens = 1u << 20;
 	options->max_staging_bytes = 1ull << 30;
-	options->memory_budget = 0;
+	options->memory_budget = OPTIONS_DERIVED;
+	options->max_sessions_per_uid = OPTIONS_DERIVED;
+	options->max_connections_per_uid = OPTIONS_DERIVED;
+	options->memory_budget_per_uid = OPTIONS_DERIVED;
+	options->max_staging_bytes_per_uid = OPTIONS_DERIVED;
+	/* A few large stats or list replies; a client that reads them never
+	 * comes near. The total keeps a thousand such clients from adding up. */
+	options->max_reply_queue_bytes = 4u << 20;
+	options->max_reply_queue_total = 64u << 20;
 	options->idle_ttl_seconds = 3600;
 	/* ~64K elements is ~30 us of codec work: below it the hop to a
 	 * worker thread costs more than it saves. */
@@ -42,10 +52,29 @@ void options_default(struct options *options)
 	snprintf(options->metrics_listen, sizeof(options->metrics_listen), "127.0.0.1:9464");
 }
 
-void options_print_help(const char *program)
+/* A configured value for --help: the number, "none", or the rule that
+ * derives it ("1/2 of --max-sessions"). */
+static const char *configured_text(uint64_t value, const char *rule, char *buffer, size_t size)
+{
+	if (value == OPTIONS_DERIVED)
+		snprintf(buffer, size, "%s", rule);
+	else if (value == 0)
+		snprintf(buffer, size, "none");
+	else
+		snprintf(buffer, size, "%llu", (unsigned long long)value);
+	return buffer;
+}
+
+void options_print_help(const char *program, const struct options *configured)
 {
 	struct options d;
+	char rule[4][48], text[5][64], formula[96];
 	options_default(&d);
+	resources_descriptors_formula(configured, formula, sizeof(formula));
+	snprintf(rule[0], sizeof(rule[0]), "1/%u of --max-sessions", QUOTA_DEFAULT_SHARE);
+	snprintf(rule[1], sizeof(rule[1]), "1/%u of --max-connections", QUOTA_DEFAULT_SHARE);
+	snprintf(rule[2], sizeof(rule[2]), "1/%u of --memory-budget", QUOTA_DEFAULT_SHARE);
+	snprintf(rule[3], sizeof(rule[3]), "%u x --max-staging-bytes", QUOTA_DEFAULT_STAGING_BUFFERS);
 	printf("Usage: %s [options]\n"
 	       "\n"
 	       "zipcached holds LLM KV caches compressed (ZipCache-style mixed precision)\n"
@@ -60,20 +89,48 @@ void options_print_help(const char *program)
 	       "  --max-sessions N         open sessions (default %u)\n"
 	       "  --max-tokens N           max_tokens allowed per session (default %u)\n"
 	       "  --max-staging-bytes N    largest staging buffer per connection (default %llu)\n"
-	       "  --memory-budget N        bytes of shared memory for all sessions, 0 = none (default 0)\n"
+	       "  --memory-budget N        bytes of memory for all sessions and staging buffers, 0 = none\n"
+	       "                           (default: derived at start from the shm-dir's file system size\n"
+	       "                           and the cgroup's memory limit, whichever is smaller, less a\n"
+	       "                           tenth, at least 64M, for headroom)\n"
+	       "  --max-sessions-per-uid N       sessions one uid may hold (default %s)\n"
+	       "  --max-connections-per-uid N    connections one uid may hold (default %s)\n"
+	       "  --memory-budget-per-uid N      bytes of the memory budget one uid may hold (default %s)\n"
+	       "  --max-staging-bytes-per-uid N  staging bytes over one uid's connections (default %s)\n"
+	       "                                 0 = no per-uid limit; root and the daemon's own uid\n"
+	       "                                 have none\n"
+	       "  --max-reply-queue-bytes N      unsent reply bytes before a connection is no longer read\n"
+	       "                                 (default %llu)\n"
+	       "  --max-reply-queue-total N      unsent reply bytes over all connections before those\n"
+	       "                                 with replies waiting are no longer read (default %llu)\n"
 	       "  --idle-ttl SECONDS       close sessions idle this long, 0 = never (default %llu)\n"
 	       "  --offload-elements N     blocks above this many elements run on worker threads (default %u)\n"
 	       "  --no-adopt               delete session files left by an earlier run instead of adopting them\n"
 	       "  --metrics-listen ADDR    HTTP /metrics and /healthz on HOST:PORT, or off (default %s)\n"
 	       "  --log-level LEVEL        error|warn|info|debug (default info)\n"
 	       "  --config FILE            read flags from FILE first: `flag-name = value` per line, # comments\n"
-	       "  --help                   this text\n"
+	       "  --help                   this text, for the other flags given with it\n"
 	       "  --version                the version\n"
-	       "Sizes accept a K, M or G suffix (powers of 1024).\n",
+	       "Sizes accept a K, M or G suffix (powers of 1024).\n"
+	       "\n"
+	       "With these flags:\n"
+	       "  descriptors needed       %llu (%s); zipcached raises its soft\n"
+	       "                           RLIMIT_NOFILE to the hard limit at start and warns if that is less\n"
+	       "  memory budget            %s\n"
+	       "  per uid                  sessions %s, connections %s,\n"
+	       "                           memory %s, staging %s\n",
 	       program, d.socket_path, d.socket_mode, d.shm_dir, d.max_frame_bytes,
 	       d.max_inline_bytes, d.max_connections, d.max_sessions, d.max_tokens,
-	       (unsigned long long)d.max_staging_bytes, (unsigned long long)d.idle_ttl_seconds,
-	       d.offload_elements, d.metrics_listen);
+	       (unsigned long long)d.max_staging_bytes, rule[0], rule[1], rule[2], rule[3],
+	       (unsigned long long)d.max_reply_queue_bytes,
+	       (unsigned long long)d.max_reply_queue_total, (unsigned long long)d.idle_ttl_seconds,
+	       d.offload_elements, d.metrics_listen,
+	       (unsigned long long)resources_descriptors_needed(configured), formula,
+	       configured_text(configured->memory_budget, "derived at start", text[0], sizeof(text[0])),
+	       configured_text(configured->max_sessions_per_uid, rule[0], text[1], sizeof(text[1])),
+	       configured_text(configured->max_connections_per_uid, rule[1], text[2], sizeof(text[2])),
+	       configured_text(configured->memory_budget_per_uid, rule[2], text[3], sizeof(text[3])),
+	       configured_text(configured->max_staging_bytes_per_uid, rule[3], text[4], sizeof(text[4])));
 	printf("  --max-mapped-bytes N     address space all session files may map together; 0 = the\n"
 	       "                           default: half the address-space limit (ulimit -v), at most 64T\n"
 	       "                           (each session is one mapping: vm.max_map_count bounds sessions\n"
@@ -109,8 +166,8 @@ enum option_id {
 	OPT_SOCKET = 1000, OPT_SOCKET_MODE, OPT_SHM_DIR, OPT_MAX_FRAME, OPT_MAX_INLINE,
 	OPT_MAX_CONNECTIONS, OPT_MAX_SESSIONS, OPT_MAX_TOKENS, OPT_MAX_STAGING, OPT_BUDGET,
 	OPT_TTL, OPT_OFFLOAD, OPT_NO_ADOPT, OPT_LOG_LEVEL, OPT_METRICS, OPT_CONFIG, OPT_HELP,
-	OPT_VERSION,
-	OPT_MAX_MAPPED
+	OPT_VERSION, OPT_SESSIONS_PER_UID, OPT_CONNECTIONS_PER_UID, OPT_BUDGET_PER_UID,
+	OPT_STAGING_PER_UID, OPT_REPLY_QUEUE, OPT_REPLY_QUEUE_TOTAL, OPT_MAX_MAPPED
 };
 
 static const struct option long_options[] = {
@@ -124,6 +181,12 @@ static const struct option long_options[] = {
 	{ "max-tokens", required_argument, NULL, OPT_MAX_TOKENS },
 	{ "max-staging-bytes", required_argument, NULL, OPT_MAX_STAGING },
 	{ "memory-budget", required_argument, NULL, OPT_BUDGET },
+	{ "max-sessions-per-uid", required_argument, NULL, OPT_SESSIONS_PER_UID },
+	{ "max-connections-per-uid", required_argument, NULL, OPT_CONNECTIONS_PER_UID },
+	{ "memory-budget-per-uid", required_argument, NULL, OPT_BUDGET_PER_UID },
+	{ "max-staging-bytes-per-uid", required_argument, NULL, OPT_STAGING_PER_UID },
+	{ "max-reply-queue-bytes", required_argument, NULL, OPT_REPLY_QUEUE },
+	{ "max-reply-queue-total", required_argument, NULL, OPT_REPLY_QUEUE_TOTAL },
 	{ "idle-ttl", required_argument, NULL, OPT_TTL },
 	{ "offload-elements", required_argument, NULL, OPT_OFFLOAD },
 	{ "no-adopt", no_argument, NULL, OPT_NO_ADOPT },
@@ -207,10 +270,41 @@ static int option_apply(struct options *o, int id, const char *arg)
 		o->max_staging_bytes = value;
 		return 0;
 	case OPT_BUDGET:
+		/* Not the sentinel: every value a flag can give is a budget. */
+		if (value == OPTIONS_DERIVED)
+			return -ERANGE;
 		o->memory_budget = value;
 		return 0;
 	case OPT_MAX_MAPPED:
 		o->max_mapped_bytes = value;
+		return 0;
+	case OPT_SESSIONS_PER_UID:
+	case OPT_CONNECTIONS_PER_UID:
+		if (value > 1000000u)
+			return -ERANGE;
+		if (id == OPT_SESSIONS_PER_UID)
+			o->max_sessions_per_uid = value;
+		else
+			o->max_connections_per_uid = value;
+		return 0;
+	case OPT_BUDGET_PER_UID:
+	case OPT_STAGING_PER_UID:
+		if (value == OPTIONS_DERIVED)
+			return -ERANGE;
+		if (id == OPT_BUDGET_PER_UID)
+			o->memory_budget_per_uid = value;
+		else
+			o->max_staging_bytes_per_uid = value;
+		return 0;
+	case OPT_REPLY_QUEUE:
+	case OPT_REPLY_QUEUE_TOTAL:
+		/* Below a few replies' worth every connection would stall. */
+		if (value < (64u << 10))
+			return -ERANGE;
+		if (id == OPT_REPLY_QUEUE)
+			o->max_reply_queue_bytes = value;
+		else
+			o->max_reply_queue_total = value;
 		return 0;
 	case OPT_TTL:
 		/* Counted in milliseconds later: keep seconds * 1000 in range. */
@@ -307,6 +401,7 @@ int options_load_file(struct options *options, const char *path)
 
 int options_parse(struct options *options, int argc, char **argv)
 {
+	bool help = false;
 	int id;
 
 	/* The file first, so that flags on the command line win. */
@@ -319,8 +414,9 @@ int options_parse(struct options *options, int argc, char **argv)
 	optind = 1;
 	while ((id = getopt_long(argc, argv, "", long_options, NULL)) != -1) {
 		if (id == OPT_HELP) {
-			options_print_help(argv[0]);
-			return 1;
+			/* Printed once every flag is applied: it says what they need. */
+			help = true;
+			continue;
 		}
 		if (id == OPT_VERSION) {
 			printf("zipcached %s\n", ZIPCACHE_VERSION);
@@ -347,5 +443,9 @@ int options_parse(struct options *options, int argc, char **argv)
 	/* Inline K/V must fit a frame with room for the rest of the message. */
 	if (options->max_inline_bytes > options->max_frame_bytes - 1024)
 		options->max_inline_bytes = options->max_frame_bytes - 1024;
+	if (help) {
+		options_print_help(argv[0], options);
+		return 1;
+	}
 	return 0;
 }

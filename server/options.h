@@ -7,6 +7,10 @@
 
 #include "log.h"
 
+/* A limit left to server_start to derive (the memory budget from the
+ * host, per-uid quotas from the daemon-wide limits). */
+#define OPTIONS_DERIVED UINT64_MAX
+
 struct options {
 	char socket_path[108];     /* sun_path's size */
 	unsigned socket_mode;
@@ -17,7 +21,15 @@ struct options {
 	uint32_t max_sessions;
 	uint32_t max_tokens;       /* per session */
 	uint64_t max_staging_bytes;
-	uint64_t memory_budget;    /* 0: no budget */
+	uint64_t memory_budget;    /* 0: no budget; OPTIONS_DERIVED: from the host */
+	/* Per-uid quotas (0: none; OPTIONS_DERIVED: see quota.h). */
+	uint64_t max_sessions_per_uid;
+	uint64_t max_connections_per_uid;
+	uint64_t memory_budget_per_uid;
+	uint64_t max_staging_bytes_per_uid;
+	/* Reply bytes queued for clients that do not read them. */
+	uint64_t max_reply_queue_bytes;   /* per connection */
+	uint64_t max_reply_queue_total;   /* all connections */
 	uint64_t idle_ttl_seconds; /* 0: sessions never expire */
 	uint32_t offload_elements; /* blocks larger than this go to the thread pool */
 	uint64_t max_mapped_bytes; /* address space of all session mappings; 0: derived */
@@ -37,6 +49,7 @@ int options_parse(struct options *options, int argc, char **argv);
  * without its dashes), `#` comments, blank lines; `no-adopt = true`. */
 int options_load_file(struct options *options, const char *path);
 
-void options_print_help(const char *program);
+/* --help, with the descriptors that `configured`'s limits need. */
+void options_print_help(const char *program, const struct options *configured);
 
 #endif

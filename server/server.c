@@ -23,13 +23,81 @@
 
 #include "adopt.h"
 #include "connection.h"
+#include "dispatch.h"
 #include "http.h"
 #include "log.h"
+#include "resources.h"
 #include "store.h"
 
 /* How long a stopping daemon waits for in-flight work and unread replies
  * before it closes connections anyway. */
 #define STOP_GRACE_MS 10000
+
+/* How long the listener rests after an accept failure it cannot answer:
+ * long enough not to spin, short enough that clients barely notice. */
+#define ACCEPT_RETRY_MS 100
+
+/* Connections taken per readiness event, so a flood of them cannot keep
+ * the loop from serving the connections it has. */
+#define ACCEPTS_PER_EVENT 64
+
+static void on_accept(uv_poll_t *handle, int status, int events);
+
+static int spare_open(void)
+{
+	return open("/dev/null", O_RDONLY | O_CLOEXEC);
+}
+
+static void on_accept_retry(uv_timer_t *timer)
+{
+	struct server *server = timer->data;
+	if (server->spare_fd < 0)
+		server->spare_fd = spare_open();
+	if (server->listening)
+		uv_poll_start(&server->listener, UV_READABLE, on_accept);
+}
+
+/* Stops polling the listener for ACCEPT_RETRY_MS: the failure would only
+ * repeat at once (the listener stays readable while connections wait). */
+static void listener_rest(struct server *server, int error)
+{
+	log_warn("server", "accept failed", "error=%s connections=%u descriptor_limit=%llu retry_ms=%d",
+		 strerror(error), server->n_connections, (unsigned long long)server->descriptor_limit,
+		 ACCEPT_RETRY_MS);
+	uv_poll_stop(&server->listener);
+	uv_timer_start(&server->accept_timer, on_accept_retry, ACCEPT_RETRY_MS, 0);
+}
+
+/*
+ * Out of descriptors, a waiting connection is still answered: the spare
+ * is closed, the connection accepted, told RESOURCE_EXHAUSTED and closed,
+ * and the spare reopened (libuv's uv__emfile_trick). Returns 1 when one
+ * was refused, 0 when none was waiting, a negative errno when that did
+ * not work (no spare, or the freed slot went elsewhere).
+ */
+static int refuse_with_spare(struct server *server)
+{
+	char message[160];
+	int fd, rc;
+
+	if (server->spare_fd < 0)
+		return -EMFILE;
+	close(server->spare_fd);
+	fd = accept4(server->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+	rc = fd >= 0 ? 1 : (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -errno;
+	if (fd >= 0) {
+		snprintf(message, sizeof(message),
+			 "out of file descriptors (the daemon's limit is %llu): connection refused, "
+			 "try again later", (unsigned long long)server->descriptor_limit);
+		metrics_error_reason(&server->metrics, METRICS_REASON_CONNECTION_REFUSED);
+		log_warn("connection", "refused", "reason=\"descriptor limit\" limit=%llu",
+			 (unsigned long long)server->descriptor_limit);
+		dispatch_refuse_connection(server, fd, message);
+		close(fd);
+	}
+	server->spare_fd = spare_open();
+	return rc;
+}
 
 static void on_accept(uv_poll_t *handle, int status, int events)
 {
@@ -39,17 +107,27 @@ static void on_accept(uv_poll_t *handle, int status, int events)
 		log_warn("server", "listener error", "error=%s", uv_strerror(status));
 		return;
 	}
-	for (;;) {
+	for (int taken = 0; taken < ACCEPTS_PER_EVENT; taken++) {
 		int fd = accept4(server->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-		if (fd < 0) {
-			if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR &&
-			    errno != ECONNABORTED)
-				log_warn("server", "accept failed", "error=%s", strerror(errno));
-			if (errno == EINTR || errno == ECONNABORTED)
-				continue;
-			return;
+		if (fd >= 0) {
+			connection_accept(server, fd);
+			continue;
 		}
-		connection_accept(server, fd);
+		int error = errno;
+		if (error == EINTR || error == ECONNABORTED)
+			continue;
+		if (error == EAGAIN || error == EWOULDBLOCK)
+			return;
+		if (error == EMFILE || error == ENFILE) {
+			int rc = refuse_with_spare(server);
+			if (rc > 0)
+				continue;
+			if (rc == 0)
+				return;
+			error = -rc;
+		}
+		listener_rest(server, error);
+		return;
 	}
 }
 
@@ -277,6 +355,65 @@ static int boot_epoch_make(uint64_t *epoch)
 	return 0;
 }
 
+/* The soft descriptor limit goes up to the hard one (adoption and the
+ * configured limits need descriptors); what the limits need is said, and
+ * warned about when the limit is lower. */
+static void descriptors_prepare(struct server *server)
+{
+	uint64_t before = 0, soft = 0, hard = 0;
+	char formula[96];
+	int rc = resources_raise_descriptor_limit(&before, &soft, &hard);
+	uint64_t need = resources_descriptors_needed(&server->options);
+
+	resources_descriptors_formula(&server->options, formula, sizeof(formula));
+	server->descriptor_limit = soft;
+	if (rc < 0)
+		log_warn("server", "cannot raise the descriptor limit", "soft=%llu hard=%llu error=%s",
+			 (unsigned long long)soft, (unsigned long long)hard, strerror(-rc));
+	log_info("server", "descriptor limit", "soft=%llu hard=%llu soft_before=%llu needed=%llu",
+		 (unsigned long long)soft, (unsigned long long)hard, (unsigned long long)before,
+		 (unsigned long long)need);
+	if (soft < need)
+		log_warn("server", "descriptor limit below what the limits need",
+			 "limit=%llu needed=%llu formula=\"%s\" fix=\"raise the hard RLIMIT_NOFILE "
+			 "(systemd LimitNOFILE=) or lower --max-connections / --max-sessions\"",
+			 (unsigned long long)soft, (unsigned long long)need, formula);
+	server->spare_fd = spare_open();
+}
+
+/* Without --memory-budget the budget fits the host: the shm-dir's file
+ * system and the cgroup's memory limit (resources.h). Then the per-uid
+ * quotas, which are shares of the daemon-wide limits. */
+static void limits_resolve(struct server *server)
+{
+	struct options *o = &server->options;
+	struct quota_limits quota;
+
+	if (o->memory_budget == OPTIONS_DERIVED) {
+		struct resources_memory memory;
+		char cgroup[32] = "none";
+		resources_memory_budget_default(o->shm_dir, &memory);
+		if (memory.cgroup_bytes)
+			snprintf(cgroup, sizeof(cgroup), "%llu", (unsigned long long)memory.cgroup_bytes);
+		o->memory_budget = memory.budget;
+		if (memory.budget)
+			log_info("server", "memory budget derived",
+				 "budget=%llu shm_fs_bytes=%llu cgroup_limit=%s", (unsigned long long)memory.budget,
+				 (unsigned long long)memory.fs_bytes, cgroup);
+		else
+			log_warn("server", "no memory budget",
+				 "reason=\"the shm-dir's file system has no size and no cgroup limits memory\"");
+	}
+	server->budget.limit = o->memory_budget;
+	quota_limits_resolve(o, &quota);
+	quota_table_init(&server->quotas, &quota, &server->budget, &server->staging, (uint32_t)geteuid());
+	log_info("server", "per-uid quotas",
+		 "sessions=%llu connections=%llu memory=%llu staging=%llu exempt=\"root, uid %u\"",
+		 (unsigned long long)quota.sessions, (unsigned long long)quota.connections,
+		 (unsigned long long)quota.memory, (unsigned long long)quota.staging,
+		 (unsigned)geteuid());
+}
+
 int server_start(struct server *server, uv_loop_t *loop, const struct options *options)
 {
 	int rc;
@@ -287,14 +424,15 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	server->listen_fd = -1;
 	server->lock_fd = -1;
 	server->shm_dir_fd = -1;
+	server->spare_fd = -1;
 	loop->data = server;
 	server->started_ms = uv_now(loop);
-	server->budget.limit = options->memory_budget;
 	session_table_init(&server->sessions, loop);
 	store_set_map_limit(options->max_mapped_bytes ? options->max_mapped_bytes : map_limit_default());
 	rc = boot_epoch_make(&server->boot_epoch);
 	if (rc < 0)
 		return rc;
+	descriptors_prepare(server);
 	rc = shm_dir_claim(server);
 	if (rc < 0) {
 		log_error("server", "cannot use the shared-memory directory", "path=%s error=%s",
@@ -304,6 +442,7 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 					 strerror(-rc));
 		return rc;
 	}
+	limits_resolve(server);
 	adopt_scan(server);
 	rc = listener_open(server);
 	if (rc < 0) {
@@ -328,7 +467,8 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	uv_signal_start(&server->sigint, on_signal, SIGINT);
 	uv_timer_init(loop, &server->ttl_timer);
 	uv_timer_init(loop, &server->stop_timer);
-	server->ttl_timer.data = server->stop_timer.data = server;
+	uv_timer_init(loop, &server->accept_timer);
+	server->ttl_timer.data = server->stop_timer.data = server->accept_timer.data = server;
 	/* The same tick expires idle sessions, retries files adoption could
 	 * not read yet, and charges pages clients faulted in. */
 	uint64_t period = 1000;
@@ -351,6 +491,7 @@ void server_free(struct server *server)
 	uv_close((uv_handle_t *)&server->sigint, on_handle_closed);
 	uv_close((uv_handle_t *)&server->ttl_timer, on_handle_closed);
 	uv_close((uv_handle_t *)&server->stop_timer, on_handle_closed);
+	uv_close((uv_handle_t *)&server->accept_timer, on_handle_closed);
 	if (server->listening) {
 		server->listening = false;
 		uv_close((uv_handle_t *)&server->listener, on_listener_closed);
@@ -363,11 +504,16 @@ void server_free(struct server *server)
 	/* Let the close callbacks run, then release what they released. */
 	uv_run(server->loop, UV_RUN_DEFAULT);
 	session_table_free(&server->sessions);
+	/* After the stores: each gave its charge back to its uid's budget. */
+	quota_table_free(&server->quotas);
 	if (server->lock_fd >= 0)
 		close(server->lock_fd);
 	if (server->shm_dir_fd >= 0)
 		close(server->shm_dir_fd);
 	adopt_free(&server->adoption);
+	if (server->spare_fd >= 0)
+		close(server->spare_fd);
+	server->spare_fd = -1;
 }
 
 uint64_t server_memory_bytes(const struct server *server)
@@ -381,10 +527,51 @@ static int by_last_use(const void *a, const void *b)
 	return x->last_used_ms < y->last_used_ms ? -1 : x->last_used_ms > y->last_used_ms;
 }
 
+/* Room left in a budget alone (UINT64_MAX without a limit). */
+static uint64_t budget_room(const struct store_budget *budget)
+{
+	uint64_t used = __atomic_load_n(&budget->used, __ATOMIC_RELAXED);
+	if (!budget->limit)
+		return UINT64_MAX;
+	return used < budget->limit ? budget->limit - used : 0;
+}
+
+/* Whether uid's own quota, rather than the daemon's budget, is what is
+ * short: the one with less room left. */
+static bool uid_quota_binding(struct server *server, uint32_t uid, const struct quota_usage **out)
+{
+	const struct quota_usage *usage = quota_usage_of(&server->quotas, uid);
+	*out = usage;
+	return usage && usage->memory.limit && budget_room(&usage->memory) < budget_room(&server->budget);
+}
+
+const char *server_budget_refusal(struct server *server, uint32_t uid, char *text, size_t size)
+{
+	const struct quota_usage *usage;
+	if (uid_quota_binding(server, uid, &usage))
+		snprintf(text, size, "memory quota of %llu bytes for uid %u is exhausted (%llu in use; "
+			 "--memory-budget-per-uid)", (unsigned long long)usage->memory.limit, (unsigned)uid,
+			 (unsigned long long)__atomic_load_n(&usage->memory.used, __ATOMIC_RELAXED));
+	else
+		snprintf(text, size, "memory budget of %llu bytes is exhausted (%llu in use)",
+			 (unsigned long long)server->budget.limit,
+			 (unsigned long long)server_memory_bytes(server));
+	return text;
+}
+
 uint64_t server_relieve_memory(struct server *server, uint64_t wanted, const struct session *keep)
+{
+	return keep ? server_relieve_memory_for(server, wanted, keep, keep->owner_uid) :
+		      server_relieve_memory_for(server, wanted, NULL, 0);
+}
+
+uint64_t server_relieve_memory_for(struct server *server, uint64_t wanted,
+				   const struct session *keep, uint32_t uid)
 {
 	struct session_table *table = &server->sessions;
 	struct session **candidates = calloc(table->count + 1, sizeof(*candidates));
+	const struct quota_usage *usage;
+	bool own_only = uid_quota_binding(server, uid, &usage);
 	size_t count = 0;
 	uint64_t freed = 0;
 
@@ -392,7 +579,7 @@ uint64_t server_relieve_memory(struct server *server, uint64_t wanted, const str
 		return 0;
 	for (size_t i = 0; i < table->count; i++) {
 		struct session *s = table->items[i];
-		if (s != keep && session_idle(s))
+		if (s != keep && session_idle(s) && (!own_only || s->owner_uid == uid))
 			candidates[count++] = s;
 	}
 	qsort(candidates, count, sizeof(*candidates), by_last_use);

@@ -13,6 +13,7 @@
 #include "adopt.h"
 #include "metrics.h"
 #include "options.h"
+#include "quota.h"
 #include "session.h"
 
 struct connection;
@@ -32,6 +33,11 @@ struct server {
 	int listen_fd;
 	uv_poll_t listener;
 	bool listening;
+	/* A descriptor kept spare so that at the descriptor limit a waiting
+	 * connection can still be accepted and told why (see on_accept). */
+	int spare_fd;
+	uv_timer_t accept_timer;   /* polls the listener again after a pause */
+	uint64_t descriptor_limit; /* soft RLIMIT_NOFILE after start */
 	uv_signal_t sigterm, sigint;
 	uv_timer_t ttl_timer;
 	uv_timer_t stop_timer;
@@ -40,6 +46,10 @@ struct server {
 	struct session_table sessions;
 	struct adoption adoption;
 	struct store_budget budget;
+	struct store_budget staging;   /* staging bytes of all connections: counted, no limit */
+	struct quota_table quotas;
+	uint64_t reply_queue_bytes;    /* unsent reply bytes of all connections */
+	bool replies_over;             /* past --max-reply-queue-total (connection.c) */
 	struct connection *connections;
 	uint32_t n_connections;
 	bool stopping;
@@ -67,7 +77,19 @@ uint64_t server_memory_bytes(const struct server *server);
 
 /* Under memory pressure: drops the fp16 views of idle sessions, least
  * recently used first (never `keep`'s), until `wanted` bytes came back
- * or no candidate is left. Returns the bytes freed. */
+ * or no candidate is left. Returns the bytes freed. When `keep`'s owner's
+ * own quota is what is short, only that uid's sessions are candidates:
+ * other users' views would not make room for it. */
 uint64_t server_relieve_memory(struct server *server, uint64_t wanted, const struct session *keep);
+
+/* The same for a charge of `uid`'s with no session to keep (an open, a
+ * staging buffer). */
+uint64_t server_relieve_memory_for(struct server *server, uint64_t wanted,
+				   const struct session *keep, uint32_t uid);
+
+/* Why a memory charge of `uid`'s was refused, as a sentence into text:
+ * the uid's quota or the daemon's budget, whichever has less room, with
+ * its size and use (the word "budget" or "quota" and the flag). */
+const char *server_budget_refusal(struct server *server, uint32_t uid, char *text, size_t size);
 
 #endif

@@ -7,17 +7,27 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-int staging_create(uint64_t bytes, struct staging **out)
+#include "store.h"
+#include "zipcache/error.h"
+
+int staging_create(uint64_t bytes, struct store_budget *memory, struct store_budget *quota,
+		   struct staging **out)
 {
 	struct staging *staging;
 	int rc;
 
-	bytes = (bytes + 4095) / 4096 * 4096;
-	if (bytes == 0)
+	if (bytes == 0 || bytes > UINT64_MAX - 4095)
 		return -EINVAL;
+	bytes = (bytes + 4095) / 4096 * 4096;
+	if (store_budget_take(quota, bytes) < 0)
+		return ZC_EEXHAUSTED;
+	rc = store_budget_take(memory, bytes);
+	if (rc < 0)
+		goto out_quota;
+	rc = -ENOMEM;
 	staging = calloc(1, sizeof(*staging));
 	if (!staging)
-		return -ENOMEM;
+		goto out_memory;
 	staging->fd = memfd_create("zipcache-staging", MFD_CLOEXEC | MFD_ALLOW_SEALING);
 	if (staging->fd < 0) {
 		rc = -errno;
@@ -36,6 +46,8 @@ int staging_create(uint64_t bytes, struct staging **out)
 	staging->base = base;
 	staging->bytes = bytes;
 	staging->refs = 1;
+	staging->memory = memory;
+	staging->quota = quota;
 	*out = staging;
 	return 0;
 
@@ -43,6 +55,10 @@ out_close:
 	close(staging->fd);
 out_free:
 	free(staging);
+out_memory:
+	store_budget_give(memory, bytes);
+out_quota:
+	store_budget_give(quota, bytes);
 	return rc;
 }
 
@@ -57,5 +73,7 @@ void staging_unref(struct staging *staging)
 		return;
 	munmap((void *)staging->base, staging->bytes);
 	close(staging->fd);
+	store_budget_give(staging->memory, staging->bytes);
+	store_budget_give(staging->quota, staging->bytes);
 	free(staging);
 }

@@ -4,22 +4,38 @@
  * read-only; the seals stop the client from shrinking it under us (which
  * would turn our reads into SIGBUS). Refcounted: a job reading from it
  * keeps it alive after the connection replaces or drops it.
+ *
+ * A buffer's bytes are memory like a session's (the client can touch all
+ * of them), so they are charged to the memory budget while the daemon
+ * holds the buffer, and counted against its uid's staging quota.
  */
 #ifndef ZIPCACHE_STAGING_H
 #define ZIPCACHE_STAGING_H
 
 #include <stdint.h>
 
+struct store_budget;
+
 struct staging {
 	int fd;
 	const uint8_t *base;
 	uint64_t bytes;
 	unsigned refs;
+	struct store_budget *memory;   /* charged `bytes` until freed */
+	struct store_budget *quota;
 };
 
-/* A new buffer of `bytes` (rounded up to a page), refs = 1. */
-int staging_create(uint64_t bytes, struct staging **out);
+/*
+ * A new buffer of `bytes` (rounded up to a page), refs = 1, its bytes
+ * taken from `memory` and from `quota` (each with its parents; either may
+ * be NULL). Returns STORE_EBUDGET when `memory` refuses (the caller may
+ * drop idle views and retry), ZC_EEXHAUSTED when `quota` does, or a
+ * negative errno; nothing is charged then.
+ */
+int staging_create(uint64_t bytes, struct store_budget *memory, struct store_budget *quota,
+		   struct staging **out);
 void staging_ref(struct staging *staging);
+/* Drops a reference; the last one frees the buffer and gives its bytes back. */
 void staging_unref(struct staging *staging);
 
 #endif

@@ -263,6 +263,13 @@ static uint64_t charge_sync(struct store *store, uint64_t allocated)
 	return grown;
 }
 
+void store_charge_to(struct store *store, struct store_budget *budget)
+{
+	store_budget_give(store->budget, store->charged);
+	store->budget = budget;
+	store_budget_force(budget, store->charged);
+}
+
 uint64_t store_sync_charge(struct store *store)
 {
 	return charge_sync(store, file_allocated(store));
@@ -894,16 +901,10 @@ static int layer_recover(struct store *store, uint32_t layer, char *reason, size
 	uint64_t committed = store->generation;
 	struct store_layer_commit *slots[2] = { record_slot(store, layer, 0),
 						record_slot(store, layer, 1) };
-	int best = -1;
-
-	for (int i = 0; i < 2; i++) {
-		if (slots[i]->generation > committed) {
+	for (int i = 0; i < 2; i++)
+		if (slots[i]->generation > committed)
 			memset(slots[i], 0, sizeof(*slots[i]));
-			continue;
-		}
-		if (best < 0 || slots[i]->generation > slots[best]->generation)
-			best = i;
-	}
+	int best = slots[1]->generation > slots[0]->generation ? 1 : 0;
 	const struct store_layer_commit r = *slots[best];
 	*l = (struct layer_state){ .active = (uint32_t)best };
 	if (r.tokens > h->max_tokens || r.blocks > h->max_blocks || r.blocks > r.tokens ||

@@ -111,6 +111,10 @@ void store_unlink(struct store *store);
 uint32_t store_layer_tokens(const struct store *store, uint32_t layer);
 uint64_t store_layer_sequence(const struct store *store, uint32_t layer);
 
+/* Moves the store's charge to another budget (an adopted file to its
+ * owner's quota, once the header said who that is). */
+void store_charge_to(struct store *store, struct store_budget *budget);
+
 /* Charges what the file holds beyond its charge (pages a client's read
  * faults allocated); returns the bytes added. Not while a job runs. */
 uint64_t store_sync_charge(struct store *store);

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -176,6 +177,14 @@ static void daemon_exec(const struct daemon_harness *daemon, pid_t parent, bool 
 		dup2(fd, STDERR_FILENO);
 		close(fd);
 	}
+	if (daemon->nofile_hard) {
+		struct rlimit limit = { .rlim_cur = daemon->nofile_soft, .rlim_max = daemon->nofile_hard };
+		if (setrlimit(RLIMIT_NOFILE, &limit) < 0) {
+			fprintf(stderr, "daemon_harness: setrlimit(RLIMIT_NOFILE, %lu, %lu): %s\n",
+				daemon->nofile_soft, daemon->nofile_hard, strerror(errno));
+			_exit(127);
+		}
+	}
 	argv[argc++] = daemon_binary_path();
 	argv[argc++] = "--socket";
 	argv[argc++] = daemon->socket_path;
@@ -240,7 +249,8 @@ static void daemon_launch(struct daemon_harness *daemon)
 	}
 }
 
-void daemon_start(struct daemon_harness *daemon, const char *const *extra_args)
+/* Makes the directory and records the flags; the daemon is not started. */
+static void daemon_prepare(struct daemon_harness *daemon, const char *const *extra_args)
 {
 	const char *base = getenv("TMPDIR");
 	int length;
@@ -261,7 +271,6 @@ void daemon_start(struct daemon_harness *daemon, const char *const *extra_args)
 	snprintf(daemon->shm_dir, sizeof(daemon->shm_dir), "%s/shm", daemon->dir);
 	snprintf(daemon->log_path, sizeof(daemon->log_path), "%s/daemon.log", daemon->dir);
 	daemon_set_extra_args(daemon, extra_args);
-	daemon_launch(daemon);
 }
 
 void daemon_set_extra_args(struct daemon_harness *daemon, const char *const *extra_args)
@@ -290,6 +299,21 @@ int daemon_wait_exit(struct daemon_harness *daemon, int timeout_ms)
 	}
 	daemon->pid = 0;
 	return status;
+}
+
+void daemon_start(struct daemon_harness *daemon, const char *const *extra_args)
+{
+	daemon_prepare(daemon, extra_args);
+	daemon_launch(daemon);
+}
+
+void daemon_start_with_nofile(struct daemon_harness *daemon, const char *const *extra_args,
+			      unsigned long soft, unsigned long hard)
+{
+	daemon_prepare(daemon, extra_args);
+	daemon->nofile_soft = soft;
+	daemon->nofile_hard = hard;
+	daemon_launch(daemon);
 }
 
 void daemon_restart(struct daemon_harness *daemon)

@@ -47,6 +47,9 @@ struct daemon_harness {
 	/* The extra flags of the last start, reused by daemon_restart(). */
 	char extra_args[DAEMON_MAX_EXTRA_ARGS][256];
 	int n_extra_args;
+	/* RLIMIT_NOFILE the daemon starts with (0: the test's own), kept for
+	 * daemon_restart(): see daemon_start_with_nofile(). */
+	unsigned long nofile_soft, nofile_hard;
 	int janitor_fd;            /* private: see daemon_harness.c */
 };
 
@@ -57,6 +60,11 @@ const char *daemon_binary_path(void);
  * flags (a NULL-terminated list, or NULL); returns once the socket
  * accepts connections (bounded: fails the test after 10 s). */
 void daemon_start(struct daemon_harness *daemon, const char *const *extra_args);
+
+/* The same, with RLIMIT_NOFILE set to soft/hard in the daemon's process
+ * before exec (a daemon at its descriptor limit). */
+void daemon_start_with_nofile(struct daemon_harness *daemon, const char *const *extra_args,
+			      unsigned long soft, unsigned long hard);
 
 /* Starts the daemon again on the same directory and flags (after
  * daemon_stop() or daemon_kill()): the sessions of the last run are there. */

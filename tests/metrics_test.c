@@ -685,6 +685,7 @@ struct workload {
 	unsigned updates_invalid;
 	unsigned updates_not_found;
 	uint64_t tokens_appended;
+	uint64_t memory_budget;     /* as hello says: derived, no --memory-budget given */
 	zc_layer_stats total;       /* the open session's, from zc_session_stats */
 };
 
@@ -707,6 +708,7 @@ static void workload_run(const struct daemon_harness *daemon, struct workload *w
 	int rc;
 
 	memset(w, 0, sizeof(*w));
+	w->memory_budget = zc_client_server_info(c1)->memory_budget_bytes;
 	for (size_t i = 0; i < sizeof(a_sizes) / sizeof(a_sizes[0]); i++) {
 		update_ok(a, a_sizes[i][0], a_sizes[i][1], seed++);
 		w->updates_ok++;
@@ -861,7 +863,11 @@ START_TEST(test_metrics_after_workload)
 	double uptime = sample(body, "zipcache_uptime_seconds");
 	ck_assert_msg(uptime >= 0 && uptime < 120, "zipcache_uptime_seconds %g", uptime);
 	ck_assert_msg(sample(body, "zipcache_memory_used_bytes") > 0, "no shared memory counted");
-	assert_sample_eq(body, "zipcache_memory_budget_bytes", 0);
+	/* No --memory-budget: one derived from the host, the one hello gave. */
+	ck_assert_msg(w.memory_budget > 0, "no memory budget derived");
+	assert_sample_eq(body, "zipcache_memory_budget_bytes", (double)w.memory_budget);
+	ck_assert_msg(sample(body, "zipcache_staging_bytes") >= 0, "no zipcache_staging_bytes");
+	ck_assert_msg(sample(body, "zipcache_reply_queue_bytes") >= 0, "no zipcache_reply_queue_bytes");
 	assert_sample_eq(body, "zipcache_evictions_total", 0);
 
 	/* Histograms agree with the request counters. */

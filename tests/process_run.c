@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
+#include <grp.h>
 #include <limits.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -259,4 +260,52 @@ int process_tcp_sockets(pid_t pid)
 		fclose(file);
 	}
 	return found;
+}
+
+/* ---- other users ------------------------------------------------------------- */
+
+bool user_become(uid_t uid, gid_t gid, char *why, size_t size)
+{
+	if (setgroups(0, NULL) < 0 || setgid(gid) < 0 || setuid(uid) < 0) {
+		snprintf(why, size, "cannot drop privileges: %s", strerror(errno));
+		return false;
+	}
+	if (getuid() != uid || geteuid() != uid || getgid() != gid || getegid() != gid) {
+		snprintf(why, size, "still uid %u/%u gid %u/%u after dropping privileges",
+			 (unsigned)getuid(), (unsigned)geteuid(), (unsigned)getgid(),
+			 (unsigned)getegid());
+		return false;
+	}
+	if (getgroups(0, NULL) != 0) {
+		snprintf(why, size, "supplementary groups left after setgroups(0, NULL)");
+		return false;
+	}
+	if (setuid(0) == 0) {
+		snprintf(why, size, "could become root again");
+		return false;
+	}
+	return true;
+}
+
+bool other_users_possible(const char *dir)
+{
+	char path[PATH_MAX];
+	struct stat st;
+
+	if (geteuid() != 0) {
+		fprintf(stderr, "not root, so the tests cannot become another user; they pass "
+				"without checking anything\n");
+		return false;
+	}
+	snprintf(path, sizeof(path), "%s", dir);
+	for (char *slash = strrchr(path, '/'); slash && slash != path; slash = strrchr(path, '/')) {
+		*slash = '\0';
+		if (stat(path, &st) == 0 && !(st.st_mode & S_IXOTH)) {
+			fprintf(stderr, "%s is not traversable by other users (mode %o), so the tests "
+					"of other users check nothing; set TMPDIR to a "
+					"world-traversable directory\n", path, st.st_mode & 07777);
+			return false;
+		}
+	}
+	return true;
 }

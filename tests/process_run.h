@@ -85,6 +85,30 @@ pid_t child_spawn(child_body body, void *arg, int close_in_child);
  * which helper, for the failure message). */
 void child_wait_ok(pid_t pid, const char *what);
 
+/* In a helper process: explain on stderr and fail through the exit status. */
+#define CHILD_EXPECT(cond, ...)                                                 \
+	do {                                                                    \
+		if (!(cond)) {                                                  \
+			fprintf(stderr, "%s:%d: helper (pid %d, uid %u): ",     \
+				__FILE__, __LINE__, (int)getpid(),              \
+				(unsigned)getuid());                            \
+			fprintf(stderr, __VA_ARGS__);                           \
+			fputc('\n', stderr);                                    \
+			return 1;                                               \
+		}                                                               \
+	} while (0)
+
+/* ---- other users (the suites run as root) -------------------------------- */
+
+/* In a helper: becomes uid/gid for good, with no supplementary groups;
+ * false, with the reason in why, if anything of root is left. */
+bool user_become(uid_t uid, gid_t gid, char *why, size_t size);
+
+/* Whether a test can act as another user against a daemon whose socket
+ * is in dir: it needs root, and dir's parents traversable by others (the
+ * test makes dir itself 0755). When not, says why on stderr. */
+bool other_users_possible(const char *dir);
+
 /* ---- sockets ------------------------------------------------------------------ */
 
 /* Whether a connection to the Unix socket at path succeeds right now. */

@@ -72,19 +72,6 @@
 #define NOBODY_UID 65534u
 #define NOBODY_GID 65534u
 
-/* In a helper process: explain on stderr and fail through the exit status. */
-#define CHILD_EXPECT(cond, ...)                                                 \
-	do {                                                                    \
-		if (!(cond)) {                                                  \
-			fprintf(stderr, "%s:%d: helper (pid %d, uid %u): ",     \
-				__FILE__, __LINE__, (int)getpid(),              \
-				(unsigned)getuid());                            \
-			fprintf(stderr, __VA_ARGS__);                           \
-			fputc('\n', stderr);                                    \
-			return 1;                                               \
-		}                                                               \
-	} while (0)
-
 /* ---- the daemon and its clients in the test process ------------------------ */
 
 static zc_session_config session_config(const char *name, uint32_t layers, uint32_t kv_heads,
@@ -288,44 +275,7 @@ static bool raw_status_is(int fd, const wire_request *request, zipcache_v1_Statu
 /* Drops to nobody for good; false (with a reason) if anything is left. */
 static bool become_nobody(char *why, size_t size)
 {
-	if (setgroups(0, NULL) < 0 || setgid(NOBODY_GID) < 0 || setuid(NOBODY_UID) < 0)
-		return fail_with(why, size, "cannot drop privileges: %s", strerror(errno));
-	if (getuid() != NOBODY_UID || geteuid() != NOBODY_UID || getgid() != NOBODY_GID ||
-	    getegid() != NOBODY_GID)
-		return fail_with(why, size, "still uid %u/%u gid %u/%u after dropping privileges",
-				 (unsigned)getuid(), (unsigned)geteuid(), (unsigned)getgid(),
-				 (unsigned)getegid());
-	if (getgroups(0, NULL) != 0)
-		return fail_with(why, size, "supplementary groups left after setgroups(0, NULL)");
-	if (setuid(0) == 0)
-		return fail_with(why, size, "could become root again");
-	return true;
-}
-
-/* The tests that need another user need root to become it, and a path to
- * the socket that others may traverse (the harness's directory is made
- * 0755 by the test; its parents must be so already). */
-static bool other_users_possible(const char *dir)
-{
-	char path[PATH_MAX];
-	struct stat st;
-
-	if (geteuid() != 0) {
-		fprintf(stderr, "reliability_test: not root, so the isolation tests cannot become "
-				"another user; they pass without checking anything\n");
-		return false;
-	}
-	snprintf(path, sizeof(path), "%s", dir);
-	for (char *slash = strrchr(path, '/'); slash && slash != path; slash = strrchr(path, '/')) {
-		*slash = '\0';
-		if (stat(path, &st) == 0 && !(st.st_mode & S_IXOTH)) {
-			fprintf(stderr, "reliability_test: %s is not traversable by other users (mode "
-					"%o), so the isolation tests check nothing; set TMPDIR to a "
-					"world-traversable directory\n", path, st.st_mode & 07777);
-			return false;
-		}
-	}
-	return true;
+	return user_become(NOBODY_UID, NOBODY_GID, why, size);
 }
 
 struct isolation {

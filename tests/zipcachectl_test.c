@@ -533,7 +533,14 @@ START_TEST(test_stats_match_the_api)
 	assert_kv(result.out, "tokens appended", expected);
 	snprintf(expected, sizeof(expected), "%" PRIu64, api.requests + 4);
 	assert_kv(result.out, "requests", expected);
-	assert_kv(result.out, "memory budget", "none");
+	/* No --memory-budget: the one derived at start, in bytes. */
+	char *budget = kv_value(result.out, "memory budget");
+	snprintf(expected, sizeof(expected), "(%" PRIu64 " bytes", api.memory_budget_bytes);
+	ck_assert_msg(api.memory_budget_bytes > 0 && strstr(budget, expected), "memory budget: %s", budget);
+	free(budget);
+	/* Root is trusted: the figures are the daemon's, and no quota applies. */
+	assert_kv(result.out, "figures", "the daemon's");
+	assert_kv(result.out, "your sessions", "2 (no per-uid limit)");
 	char *used = kv_value(result.out, "memory used");
 	snprintf(expected, sizeof(expected), "(%" PRIu64 " bytes)", api.memory_used_bytes);
 	ck_assert_msg(strstr(used, expected), "memory used: %s", used);

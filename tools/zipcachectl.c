@@ -4,7 +4,8 @@
  *   zipcachectl [--socket PATH] [--json] [--timeout MS] COMMAND
  *
  *   ping           server version, protocol, boot epoch, round-trip time
- *   stats          daemon totals
+ *   stats          daemon totals (a user other than root or the daemon's sees
+ *                  its own), and the caller's usage of its per-uid quotas
  *   sessions       the caller's sessions, one row each
  *   session ID     one session's per-layer accounting and its total
  *   close ID       closes a session (its memory is freed)
@@ -102,7 +103,8 @@ static void ctl_usage(FILE *stream)
 		"commands:\n"
 		"  ping                 server version, protocol, boot epoch and round-trip time\n"
 		"  stats                daemon totals: sessions, connections, memory, requests,\n"
-		"                       errors, tokens, uptime\n"
+		"                       errors, tokens, uptime (your own unless you are root or\n"
+		"                       the daemon's user); your uid's usage of its quotas\n"
 		"  sessions             your sessions: shape, tokens, capacity, policy, idle time\n"
 		"  session ID           one session's per-layer byte accounting and its total\n"
 		"  close ID             close a session; its memory is freed\n"
@@ -431,16 +433,54 @@ static void json_server_stats(struct json *json, const zc_server_stats *stats)
 	json_uint(json, "boot_epoch", stats->boot_epoch);
 }
 
+static void json_uid_stats(struct json *json, const zc_uid_stats *uid)
+{
+	json_bool(json, "daemon_wide", uid->daemon_wide);
+	json_open(json, "uid", '{');
+	json_uint(json, "uid", uid->uid);
+	json_uint(json, "sessions", uid->sessions);
+	json_uint(json, "max_sessions", uid->max_sessions);
+	json_uint(json, "connections", uid->connections);
+	json_uint(json, "max_connections", uid->max_connections);
+	json_uint(json, "memory_used_bytes", uid->memory_used_bytes);
+	json_uint(json, "memory_budget_bytes", uid->memory_budget_bytes);
+	json_uint(json, "staging_bytes", uid->staging_bytes);
+	json_uint(json, "max_staging_bytes", uid->max_staging_bytes);
+	json_close(json, '}');
+}
+
+/* "3 of 512", or "3 (no per-uid limit)". */
+static void table_add_quota(struct table *table, uint64_t used, uint64_t quota, bool bytes)
+{
+	char a[32], b[32];
+	if (bytes)
+		format_bytes(a, sizeof(a), used);
+	else
+		snprintf(a, sizeof(a), "%" PRIu64, used);
+	if (!quota) {
+		table_add(table, "%s (no per-uid limit)", a);
+		return;
+	}
+	if (bytes)
+		format_bytes(b, sizeof(b), quota);
+	else
+		snprintf(b, sizeof(b), "%" PRIu64, quota);
+	table_add(table, "%s of %s", a, b);
+}
+
 static int cmd_stats(struct ctl *ctl)
 {
 	const zc_server_info *server;
 	zc_server_stats stats;
+	zc_uid_stats own;
 	char used[32], budget[32], uptime[32];
 	int rc = ctl_connect(ctl);
 
 	if (rc)
 		return rc;
-	rc = ctl_server_stats(ctl, &stats);
+	/* One request: the daemon's figures and the caller's own. */
+	ctl->own_requests++;
+	rc = zc_client_uid_stats(ctl->client, &own, &stats);
 	if (rc < 0)
 		return ctl_fail_call(ctl, rc, "stats");
 	server = zc_client_server_info(ctl->client);
@@ -452,6 +492,7 @@ static int cmd_stats(struct ctl *ctl)
 		json_uint(&json, "protocol_version", server->protocol_version);
 		json_server_stats(&json, &stats);
 		json_uint(&json, "max_sessions", server->max_sessions);
+		json_uid_stats(&json, &own);
 		json_close(&json, '}');
 		fputc('\n', ctl->out);
 		return 0;
@@ -490,6 +531,19 @@ static int cmd_stats(struct ctl *ctl)
 	table_add(&table, "%" PRIu64, stats.tokens_appended);
 	table_add(&table, "boot epoch");
 	table_add(&table, "%" PRIu64, stats.boot_epoch);
+	/* Another user's daemon shows that user nothing of anyone else's. */
+	table_add(&table, "figures");
+	table_add(&table, "%s", own.daemon_wide ? "the daemon's" : "your uid's own");
+	table_add(&table, "your uid");
+	table_add(&table, "%u", own.uid);
+	table_add(&table, "your sessions");
+	table_add_quota(&table, own.sessions, own.max_sessions, false);
+	table_add(&table, "your connections");
+	table_add_quota(&table, own.connections, own.max_connections, false);
+	table_add(&table, "your memory");
+	table_add_quota(&table, own.memory_used_bytes, own.memory_budget_bytes, true);
+	table_add(&table, "your staging");
+	table_add_quota(&table, own.staging_bytes, own.max_staging_bytes, true);
 	rc = table_print(&table, ctl->out);
 	table_free(&table);
 	return rc < 0 ? ctl_fail(CTL_EXIT_FAILURE, "stats: %s", zc_strerror(rc)) : 0;

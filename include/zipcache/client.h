@@ -215,6 +215,19 @@ typedef struct zc_server_stats {
 int zc_default_socket_path(char *buf, size_t len);
 int zc_daemon_socket_path(char *buf, size_t len);
 
+/* What the calling uid holds of the daemon and its per-uid quotas (a
+ * quota of 0: no per-uid limit, as for root and the daemon's own uid). */
+typedef struct zc_uid_stats {
+	uint32_t uid;
+	/* Whether zc_server_stats' totals are the daemon's (true: the caller
+	 * is root or the daemon's uid) or the caller's own (false). */
+	bool daemon_wide;
+	uint32_t sessions, max_sessions;
+	uint32_t connections, max_connections;
+	uint64_t memory_used_bytes, memory_budget_bytes;
+	uint64_t staging_bytes, max_staging_bytes;
+} zc_uid_stats;
+
 /* Connects and says hello; timeout_ms bounds the connect and every reply
  * wait (0: wait forever). */
 int zc_client_connect(const char *socket_path, int timeout_ms, zc_client **out);
@@ -312,5 +325,9 @@ int zc_client_list_sessions(zc_client *client, zc_session_info *sessions, size_t
 			    size_t *count);
 
 int zc_client_stats(zc_client *client, zc_server_stats *stats);
+
+/* The caller's own usage and quotas; stats (may be NULL) gets what
+ * zc_client_stats() would, from the same reply. */
+int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *stats);
 
 #endif
