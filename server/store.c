@@ -310,12 +310,6 @@ void store_budget_force(struct store_budget *budget, uint64_t bytes)
 		__atomic_fetch_add(&b->used, bytes, __ATOMIC_RELAXED);
 }
 
-static bool errno_is_resource(int err)
-{
-	return err == ENOSPC || err == ENOMEM || err == EMFILE || err == ENFILE ||
-	       err == EAGAIN || err == EFBIG;
-}
-
 /* Makes pages real before they are written, so that a full tmpfs is an
  * error we can report instead of a SIGBUS on the next store. The range is
  * taken from the budget first; afterwards the charge is set to what the
@@ -335,7 +329,7 @@ static int reserve_range(struct store *store, uint64_t offset, uint64_t bytes)
 		log_warn("store", "fallocate failed", "path=%s offset=%llu bytes=%llu error=%s",
 			 store->path, (unsigned long long)start,
 			 (unsigned long long)(end - start), strerror(err));
-		return errno_is_resource(err) ? ZC_EEXHAUSTED : -err;
+		return -err;
 	}
 	/* The provisional charge becomes the real one. */
 	store_budget_give(store->budget, end - start);
@@ -673,7 +667,7 @@ static int store_map(struct store *store, size_t bytes)
 		return rc;
 	void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, store->fd, 0);
 	if (base == MAP_FAILED) {
-		rc = errno_is_resource(errno) ? ZC_EEXHAUSTED : -errno;
+		rc = -errno;
 		map_give(bytes);
 		return rc;
 	}
@@ -773,11 +767,11 @@ int store_create(int dir_fd, const char *dir_path, const struct store_params *pa
 		store->fd = openat(dir_fd, temporary,
 				   O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
 	if (store->fd < 0) {
-		rc = errno_is_resource(errno) ? ZC_EEXHAUSTED : -errno;
+		rc = -errno;
 		goto out_free;
 	}
 	if (ftruncate(store->fd, (off_t)layout.file_bytes) < 0) {
-		rc = errno_is_resource(errno) ? ZC_EEXHAUSTED : -errno;
+		rc = -errno;
 		goto out_unlink;
 	}
 	fault_point("create.file");
@@ -1049,7 +1043,7 @@ int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store
 	/* The commit area's pages may never have been written by a daemon
 	 * that died early: reserve them before reading (a hole reads as 0). */
 	if (fallocate(store->fd, 0, (off_t)copy.commit_offset, (off_t)copy.commit_bytes) < 0) {
-		rc = errno_is_resource(errno) ? ZC_EEXHAUSTED : -errno;
+		rc = -errno;
 		goto out_unmap;
 	}
 	store->generation = __atomic_load_n(&store->commit->generation, __ATOMIC_ACQUIRE);
@@ -1124,7 +1118,7 @@ int store_open_readonly(const struct store *store)
 	 * PROT_WRITE on a MAP_SHARED mapping of it, nor truncate the file. */
 	int fd = open(proc_path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
-		return errno_is_resource(errno) ? ZC_EEXHAUSTED : -errno;
+		return -errno;
 	return fd;
 }
 

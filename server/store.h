@@ -77,7 +77,8 @@ struct store;
  * for a layout too large to map), creates session-ID.zcs in the directory
  * dir_fd (borrowed; dir_path is for logs), built under a temporary name
  * and renamed into place. Its memory is charged to budget (may be NULL).
- * Resource failures are ZC_EEXHAUSTED; nothing is left behind on failure.
+ * Resource failures are their negative errnos (ENOSPC, EMFILE, ENOMEM, ...);
+ * nothing is left behind on failure.
  */
 int store_create(int dir_fd, const char *dir_path, const struct store_params *params,
 		 struct store_budget *budget, struct store **out);
@@ -144,7 +145,8 @@ uint64_t store_rebuild_bytes(const struct store *store);
  * Appends a [batch, kv_heads, tokens, D] block of keys and values (fp16,
  * contiguous) to one layer and brings the layer's views up to date.
  * Either everything is stored or nothing is: ZC_EINVALID (layer, zero
- * tokens), ZC_EEXHAUSTED (max_tokens or space), ZC_ENONFINITE.
+ * tokens), ZC_EEXHAUSTED (max_tokens or arena space), STORE_EBUDGET,
+ * -ENOSPC (tmpfs full), ZC_ENONFINITE.
  */
 int store_update(struct store *store, uint32_t layer, uint32_t tokens,
 		 const uint16_t *keys, const uint16_t *values);

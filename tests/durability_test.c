@@ -870,7 +870,7 @@ START_TEST(full_tmpfs_is_an_error_not_a_sigbus)
 		return;
 	}
 	snprintf(shm, sizeof(shm), "%s/shm", mount_dir);
-	const char *const args[] = { "--shm-dir", shm, "--memory-budget", "4M", "--idle-ttl", "0",
+	const char *const args[] = { "--shm-dir", shm, "--memory-budget", "6M", "--idle-ttl", "0",
 				     NULL };
 	const char *const plain[] = { "--shm-dir", shm, "--idle-ttl", "0", NULL };
 	zc_session_config config = script_config(S_IDLE);
