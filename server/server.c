@@ -293,7 +293,7 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	loop->data = server;
 	server->started_ms = uv_now(loop);
 	server->budget.limit = options->memory_budget;
-	session_table_init(&server->sessions, loop);
+	session_table_init(&server->sessions, loop, options->offload_elements);
 	rc = boot_epoch_make(&server->boot_epoch);
 	if (rc < 0)
 		return rc;

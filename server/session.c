@@ -15,11 +15,12 @@ uint64_t session_now_ms(void)
 	return (uint64_t)now.tv_sec * 1000 + (uint64_t)now.tv_nsec / 1000000;
 }
 
-void session_table_init(struct session_table *table, uv_loop_t *loop)
+void session_table_init(struct session_table *table, uv_loop_t *loop, uint64_t offload_elements)
 {
 	memset(table, 0, sizeof(*table));
 	table->loop = loop;
 	table->next_id = 1;
+	table->offload_elements = offload_elements;
 }
 
 static void session_free(struct session *session, bool remove_file)
@@ -198,7 +199,7 @@ static void session_start_next(struct session_table *table, struct session *sess
 			session->queue_tail = NULL;
 		job->next = NULL;
 		session->running = true;
-		if (job->offload) {
+		if (job->cost > table->offload_elements) {
 			int rc = uv_queue_work(table->loop, &job->work, job_work, job_after_work);
 			if (rc == 0)
 				return;
