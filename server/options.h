@@ -19,7 +19,7 @@ struct options {
 	uint64_t max_staging_bytes;
 	uint64_t memory_budget;    /* 0: no budget */
 	uint64_t idle_ttl_seconds; /* 0: sessions never expire */
-	uint32_t offload_elements; /* blocks larger than this go to the thread pool */
+	uint32_t offload_elements; /* jobs costing more go to the thread pool */
 	enum log_level log_level;
 	bool adopt;
 	char metrics_listen[272]; /* HOST:PORT, or "off" */
