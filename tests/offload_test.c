@@ -18,8 +18,13 @@
  *
  * Whatever the order, the request that rebuilds must succeed and the
  * views must come back as the very bits they were before the drop.
+ *
+ * An attach is a job in the session's line like any other: pipelined on
+ * one connection behind an update that runs on the thread pool, it is
+ * answered after it, with its tokens; behind a close, NOT_FOUND.
  */
 #include <check.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdbool.h>
@@ -28,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "daemon_harness.h"
 #include "layer_model.h"
@@ -339,12 +345,128 @@ START_TEST(decode_into_a_dropped_layer_rebuilds_off_the_loop)
 }
 END_TEST
 
+/* ---- an attach waits its turn ---------------------------------------------- */
+
+static size_t frame_append(uint8_t *buffer, size_t capacity, size_t used,
+			   const wire_request *request)
+{
+	size_t size, len;
+	ck_assert_int_eq(wire_request_frame_size(request, &size), 0);
+	ck_assert_uint_le(used + size, capacity);
+	ck_assert_int_eq(wire_request_encode(request, buffer + used, capacity - used, &len), 0);
+	return used + len;
+}
+
+static wire_request attach_request(uint64_t request_id, const char *name)
+{
+	wire_request request;
+	memset(&request, 0, sizeof(request));
+	request.msg.request_id = request_id;
+	request.msg.which_op = zipcache_v1_Request_open_session_tag;
+	snprintf(request.msg.op.open_session.name, sizeof(request.msg.op.open_session.name), "%s",
+		 name);
+	request.msg.op.open_session.attach = true;
+	return request;
+}
+
+/*
+ * One write, so the daemon dispatches every frame before any job ends:
+ * an update of 128 tokens x 16 elements (2048, above --offload-elements
+ * 1000: a worker runs it), an attach, a close, and another attach. The
+ * first attach must come after the update, and show its tokens; the
+ * second finds the session closed by the job ahead of it.
+ */
+START_TEST(attach_waits_its_turn_in_the_session_line)
+{
+	enum { TOKENS = 128, DIM_K = 8, DIM_V = 8 };
+	static const char *const args[] = { "--offload-elements", "1000", NULL };
+	static uint16_t keys[TOKENS * DIM_K], values[TOKENS * DIM_V];
+	struct daemon_harness daemon;
+	zc_session_config config;
+	uint8_t frames[16384];
+	size_t used = 0;
+
+	for (size_t i = 0; i < TOKENS * DIM_K; i++)
+		keys[i] = zc_float_to_fp16((float)(i % 97) / 50.0f - 1.0f);
+	for (size_t i = 0; i < TOKENS * DIM_V; i++)
+		values[i] = zc_float_to_fp16((float)(i % 89) / 60.0f - 0.5f);
+	daemon_start(&daemon, args);
+	zc_client *client = connect_client(&daemon);
+	zc_session_config_default(&config);
+	config.name = "line";
+	config.layers = 1;
+	config.batch = 1;
+	config.kv_heads = 1;
+	config.head_dim_k = DIM_K;
+	config.head_dim_v = DIM_V;
+	config.max_tokens = 1024;
+	zc_session *session = open_session(client, &config);
+	uint64_t session_id = zc_session_get_info(session)->id;
+
+	wire_request update;
+	memset(&update, 0, sizeof(update));
+	update.msg.request_id = 1;
+	update.msg.which_op = zipcache_v1_Request_update_and_fetch_tag;
+	update.msg.op.update_and_fetch.session_id = session_id;
+	update.msg.op.update_and_fetch.tokens = TOKENS;
+	update.keys = (wire_span){ (const uint8_t *)keys, sizeof(keys) };
+	update.values = (wire_span){ (const uint8_t *)values, sizeof(values) };
+	wire_request close_request;
+	memset(&close_request, 0, sizeof(close_request));
+	close_request.msg.request_id = 3;
+	close_request.msg.which_op = zipcache_v1_Request_close_session_tag;
+	close_request.msg.op.close_session.session_id = session_id;
+	wire_request first = attach_request(2, "line"), second = attach_request(4, "line");
+	used = frame_append(frames, sizeof(frames), used, &update);
+	used = frame_append(frames, sizeof(frames), used, &first);
+	used = frame_append(frames, sizeof(frames), used, &close_request);
+	used = frame_append(frames, sizeof(frames), used, &second);
+
+	int fd = raw_connect(daemon.socket_path);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(raw_send(fd, frames, used), 0);
+	static const zipcache_v1_Status expected[4] = {
+		zipcache_v1_Status_OK, zipcache_v1_Status_OK, zipcache_v1_Status_OK,
+		zipcache_v1_Status_NOT_FOUND
+	};
+	for (uint64_t n = 1; n <= 4; n++) {
+		wire_response reply;
+		ck_assert_int_eq(raw_read_reply(fd, CLIENT_TIMEOUT_MS, &reply, NULL), 0);
+		ck_assert_msg(reply.msg.request_id == n,
+			      "reply %" PRIu64 " came for request %" PRIu64 " (status %s '%s')", n,
+			      reply.msg.request_id, response_status_name(reply.msg.status),
+			      reply.msg.message);
+		ck_assert_msg(reply.msg.status == expected[n - 1], "request %" PRIu64 ": %s '%s'", n,
+			      response_status_name(reply.msg.status), reply.msg.message);
+		if (n == 2) {
+			const zipcache_v1_OpenSessionResponse *open = &reply.msg.op.open_session;
+			ck_assert(open->attached);
+			ck_assert_uint_eq(open->session.session_id, session_id);
+			ck_assert_msg(open->session.max_layer_tokens == TOKENS,
+				      "the attach reports %u tokens, not the %u of the update ahead of it",
+				      open->session.max_layer_tokens, TOKENS);
+		}
+		if (n == 4)
+			ck_assert_msg(strstr(reply.msg.message, "closed") != NULL,
+				      "the refusal '%s' does not say the session was closed",
+				      reply.msg.message);
+		wire_response_free(&reply);
+	}
+	close(fd);
+	zc_session_release(session);
+	zc_client_close(client);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *suite = suite_create("offload");
 	const struct test_case cases[] = {
 		{ "rebuild", { attach_rebuilds_off_the_loop, stats_with_use_rebuilds_off_the_loop,
 			       decode_into_a_dropped_layer_rebuilds_off_the_loop, NULL } },
+		{ "order", { attach_waits_its_turn_in_the_session_line, NULL } },
 	};
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);
 	return suite_main(suite, CK_FORK);
