@@ -108,6 +108,7 @@
 #define RATIO_PROMPT 128u
 #define RATIO_STEPS 2048u
 #define QUICK_RATIO_STEPS 256u
+#define REBUILD_BIG_NAME "bench-rebuild-big"
 #define REBUILD_LAYERS 32u
 #define REBUILD_TOKENS 4096u
 #define REBUILD_ROUNDS 5
@@ -639,8 +640,8 @@ static int update_reply_bytes(const zc_layer_stats *s, uint64_t sequence, size_t
 
 /* ---- sessions ------------------------------------------------------------ */
 
-static int open_session(zc_client *client, const char *name, uint32_t layers,
-			uint32_t max_tokens, zc_block_policy policy, zc_session **out)
+static zc_session_config session_config(const char *name, uint32_t layers, uint32_t max_tokens,
+					zc_block_policy policy)
 {
 	zc_session_config config;
 	zc_session_config_default(&config);
@@ -651,6 +652,13 @@ static int open_session(zc_client *client, const char *name, uint32_t layers,
 	config.head_dim_k = config.head_dim_v = HEAD_DIM;
 	config.max_tokens = max_tokens;
 	config.policy = policy;
+	return config;
+}
+
+static int open_session(zc_client *client, const char *name, uint32_t layers,
+			uint32_t max_tokens, zc_block_policy policy, zc_session **out)
+{
+	zc_session_config config = session_config(name, layers, max_tokens, policy);
 	int rc = zc_session_open(client, &config, out);
 	if (rc < 0)
 		fail_client(client, "open session", rc);
@@ -1198,35 +1206,19 @@ static void *attach_body(void *arg)
 	return NULL;
 }
 
-static zc_session_config rebuild_config(const char *name, uint32_t layers, uint32_t max_tokens)
-{
-	zc_session_config config;
-	zc_session_config_default(&config);
-	config.name = name;
-	config.layers = layers;
-	config.batch = 1;
-	config.kv_heads = HEADS;
-	config.head_dim_k = config.head_dim_v = HEAD_DIM;
-	config.max_tokens = max_tokens;
-	config.policy = ZC_POLICY_STREAMING;
-	return config;
-}
-
 /* The two sessions of the measurement, prefilled: the big one and the
  * decoding one (1 layer, 1024 tokens, room for one batch). */
 static int rebuild_sessions(zc_client *client, const struct data *d, zc_session **big,
 			    zc_session **decode)
 {
-	zc_session_config config = rebuild_config("bench-rebuild-big", REBUILD_LAYERS,
-						  REBUILD_TOKENS);
-	int rc = zc_session_open(client, &config, big);
+	int rc = open_session(client, REBUILD_BIG_NAME, REBUILD_LAYERS, REBUILD_TOKENS,
+			      ZC_POLICY_STREAMING, big);
 	for (uint32_t layer = 0; rc == 0 && layer < REBUILD_LAYERS; layer++)
 		rc = fill_layer(*big, layer, REBUILD_TOKENS, d->prefill_keys, d->prefill_values,
 				PREFILL_TOKENS);
-	if (rc == 0) {
-		config = rebuild_config("bench-rebuild-decode", 1, DECODE_PROMPT + BATCH_STEPS);
-		rc = zc_session_open(client, &config, decode);
-	}
+	if (rc == 0)
+		rc = open_session(client, "bench-rebuild-decode", 1, DECODE_PROMPT + BATCH_STEPS,
+				  ZC_POLICY_STREAMING, decode);
 	if (rc == 0)
 		rc = fill_layer(*decode, 0, DECODE_PROMPT, d->small_keys, d->small_values,
 				DECODE_PROMPT);
@@ -1272,8 +1264,7 @@ static int rebuild_drop(zc_client *client, const struct data *d, const struct st
 	zc_session *pressure = NULL;
 	zc_view view;
 	snprintf(name, sizeof name, "bench-rebuild-pressure-%d", round);
-	zc_session_config config = rebuild_config(name, 1, PRESSURE_MAX_TOKENS);
-	int rc = zc_session_open(client, &config, &pressure);
+	int rc = open_session(client, name, 1, PRESSURE_MAX_TOKENS, ZC_POLICY_STREAMING, &pressure);
 	for (uint32_t tokens = 0; rc == 0 && views_dropped(big) < big->layers;
 	     tokens += PREFILL_TOKENS) {
 		if (tokens >= PRESSURE_MAX_TOKENS) {
@@ -1400,8 +1391,9 @@ static int bench_rebuild(zc_client *client, const char *socket, const struct dat
 		if ((rc = rebuild_drop(client, d, header, round)) < 0)
 			goto out;
 		struct attach_call call = { .client = other,
-					    .config = rebuild_config("bench-rebuild-big",
-								     REBUILD_LAYERS, REBUILD_TOKENS) };
+					    .config = session_config(REBUILD_BIG_NAME, REBUILD_LAYERS,
+								     REBUILD_TOKENS,
+								     ZC_POLICY_STREAMING) };
 		call.config.attach = true;
 		for (int side = 0; side < 2; side++) {
 			bool rebuilding = (side == 0) == (round % 2 == 0);
