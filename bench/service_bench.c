@@ -1279,6 +1279,12 @@ static int rebuild_drop(zc_client *client, const struct data *d, const struct st
 	if (rc < 0)
 		fail_client(client, "rebuild: pressure", rc);
 	int c = pressure ? zc_session_close(pressure) : 0;
+	/* The daemon frees the closed session's pages on its loop thread
+	 * after the reply: one more round trip waits for that, so neither
+	 * side of the round starts inside it. */
+	zc_server_stats stats;
+	if (c == 0)
+		c = zc_client_stats(client, &stats);
 	return rc < 0 ? rc : c;
 }
 
