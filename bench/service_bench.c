@@ -6,7 +6,7 @@
  * that session files never touch a disk), waits for its socket, measures,
  * then stops it with SIGTERM and removes the directory.
  *
- * Four measurements, one Llama-3-8B layer shape (B = 1, H = 8 KV heads,
+ * Five measurements, one Llama-3-8B layer shape (B = 1, H = 8 KV heads,
  * D = 128):
  *
  *   1. decode   one zc_update_and_fetch of 1 token for one layer (2 KiB of
@@ -35,6 +35,13 @@
  *   4. ratio    a 128-token prompt then 2048 decode steps under per_call
  *               and under streaming: the key compression ratio the
  *               daemon reports (contract: about 0.44 and about 4.4).
+ *   5. rebuild  decode p99 of one session while another client attaches a
+ *               32 layers x 4096 tokens session whose views memory relief
+ *               dropped (so the daemon rebuilds 512 MiB of views), over
+ *               the p99 of as many steps without the rebuild. Runs on a
+ *               second daemon, with a --memory-budget just above what
+ *               the two sessions hold (measured on the first), so that a
+ *               third session's growth makes relief drop the big one.
  *
  * With two or more CPUs the benchmark process is pinned to one and the
  * daemon and the echo peer to another, so that the socket round trip is
@@ -45,13 +52,14 @@
  * per line (lines starting with '{') for scripts.
  *
  * usage: service [--quick] [--steps N] [--runs N] [--cpu N] [--daemon-cpu N]
- *                [--daemon PATH] [--only decode,context,prefill,ratio]
+ *                [--daemon PATH] [--only decode,context,prefill,ratio,rebuild]
  */
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -72,6 +80,9 @@
  * daemon's are: a guessed size would bias the ratio. */
 #include "frame.h"
 #include "wire.h"
+/* To see, through the big session's mapping, when relief dropped its
+ * views without a request that would rebuild them. */
+#include "store_format.h"
 
 #ifndef ZC_BUILD_DIR
 #define ZC_BUILD_DIR "build"
@@ -97,12 +108,22 @@
 #define RATIO_PROMPT 128u
 #define RATIO_STEPS 2048u
 #define QUICK_RATIO_STEPS 256u
+#define REBUILD_BIG_NAME "bench-rebuild-big"
+#define REBUILD_LAYERS 32u
+#define REBUILD_TOKENS 4096u
+#define REBUILD_ROUNDS 5
+#define QUICK_REBUILD_ROUNDS 1
+/* The budget above what the two sessions hold: the pressure session's
+ * first few 4096-token blocks (about 21 MiB each) pass it. */
+#define REBUILD_MARGIN_BYTES (64ull << 20)
+#define PRESSURE_MAX_TOKENS (64u * PREFILL_TOKENS)
 /* Decode rows cycle through a pool of this many generated tokens. */
 #define POOL_TOKENS 2048u
 
 /* Targets from the issue. */
 #define TARGET_DECODE_RATIO 3.0
 #define TARGET_CONTEXT_RATIO 1.25
+#define TARGET_REBUILD_RATIO 3.0
 /* What the design contract predicts for the key compression ratio. */
 #define CONTRACT_PER_CALL 0.44
 #define CONTRACT_STREAMING 4.4
@@ -113,14 +134,17 @@ struct options {
 	bool quick;
 	unsigned steps;     /* decode samples per side, a multiple of BATCH_STEPS */
 	int runs;           /* prefill runs */
+	int rounds;         /* rebuild rounds */
 	int cpu;            /* benchmark CPU; -1: first allowed */
 	int daemon_cpu;     /* daemon + echo CPU; -1: second allowed, if any */
 	const char *daemon; /* NULL: ZC_BUILD_DIR/bin/zipcached */
 	unsigned only;      /* RUN_* bits */
 };
 
-enum { RUN_DECODE = 1, RUN_CONTEXT = 2, RUN_PREFILL = 4, RUN_RATIO = 8, RUN_ALL = 15 };
-static const char *const run_names[] = { "decode", "context", "prefill", "ratio" };
+enum { RUN_DECODE = 1, RUN_CONTEXT = 2, RUN_PREFILL = 4, RUN_RATIO = 8, RUN_REBUILD = 16,
+       RUN_ALL = 31 };
+static const char *const run_names[] = { "decode", "context", "prefill", "ratio", "rebuild" };
+#define N_RUNS (sizeof run_names / sizeof run_names[0])
 
 /* Children and the directory, global so that a signal can clean up. */
 static struct {
@@ -353,7 +377,8 @@ static bool daemon_has_flag(const char *path, const char *flag)
 	return found;
 }
 
-static int daemon_start(const char *path, int cpu, zc_client **out)
+/* memory_budget: a --memory-budget value, or NULL for the default. */
+static int daemon_start(const char *path, int cpu, const char *memory_budget, zc_client **out)
 {
 	/* The metrics port is fixed by default: a second daemon on the
 	 * machine (a test, a user's) would make ours log an error. */
@@ -362,18 +387,31 @@ static int daemon_start(const char *path, int cpu, zc_client **out)
 	if (pid < 0)
 		return -errno;
 	if (pid == 0) {
+		const char *argv[16];
+		int n = 0;
 		/* If the benchmark dies, so does its daemon. */
 		prctl(PR_SET_PDEATHSIG, SIGTERM);
 		pin(0, cpu);
 		int null = open("/dev/null", O_WRONLY);
 		if (null >= 0)
 			dup2(null, STDOUT_FILENO); /* its "listening" line would break the table */
-		if (metrics_off)
-			execl(path, "zipcached", "--socket", harness.socket, "--shm-dir", harness.shm,
-			      "--log-level", "warn", "--metrics-listen", "off", (char *)NULL);
-		else
-			execl(path, "zipcached", "--socket", harness.socket, "--shm-dir",
-			      harness.shm, "--log-level", "warn", (char *)NULL);
+		argv[n++] = "zipcached";
+		argv[n++] = "--socket";
+		argv[n++] = harness.socket;
+		argv[n++] = "--shm-dir";
+		argv[n++] = harness.shm;
+		argv[n++] = "--log-level";
+		argv[n++] = "warn";
+		if (metrics_off) {
+			argv[n++] = "--metrics-listen";
+			argv[n++] = "off";
+		}
+		if (memory_budget) {
+			argv[n++] = "--memory-budget";
+			argv[n++] = memory_budget;
+		}
+		argv[n] = NULL;
+		execv(path, (char *const *)argv);
 		fprintf(stderr, "service: cannot run %s: %s\n", path, strerror(errno));
 		_exit(127);
 	}
@@ -602,8 +640,8 @@ static int update_reply_bytes(const zc_layer_stats *s, uint64_t sequence, size_t
 
 /* ---- sessions ------------------------------------------------------------ */
 
-static int open_session(zc_client *client, const char *name, uint32_t layers,
-			uint32_t max_tokens, zc_block_policy policy, zc_session **out)
+static zc_session_config session_config(const char *name, uint32_t layers, uint32_t max_tokens,
+					zc_block_policy policy)
 {
 	zc_session_config config;
 	zc_session_config_default(&config);
@@ -614,6 +652,13 @@ static int open_session(zc_client *client, const char *name, uint32_t layers,
 	config.head_dim_k = config.head_dim_v = HEAD_DIM;
 	config.max_tokens = max_tokens;
 	config.policy = policy;
+	return config;
+}
+
+static int open_session(zc_client *client, const char *name, uint32_t layers,
+			uint32_t max_tokens, zc_block_policy policy, zc_session **out)
+{
+	zc_session_config config = session_config(name, layers, max_tokens, policy);
 	int rc = zc_session_open(client, &config, out);
 	if (rc < 0)
 		fail_client(client, "open session", rc);
@@ -1130,6 +1175,331 @@ out:
 	return rc;
 }
 
+/* ---- 5. decode while another session's views are rebuilt ----------------- */
+
+struct rebuild_result {
+	double p50, p99, max;                /* decode steps while the attach ran */
+	double base_p50, base_p99, base_max; /* as many steps, nothing else running */
+	double attach_ms;                    /* the rebuilding attach, median over rounds */
+	unsigned samples, rounds;
+	uint64_t sessions_bytes, budget;
+};
+
+/* The big session's attach, from a second client on a helper thread: the
+ * call blocks until the daemon has rebuilt every view. */
+struct attach_call {
+	zc_client *client;
+	zc_session_config config;
+	zc_session *session;
+	int rc;
+	double start, end;
+	int done; /* atomic */
+};
+
+static void *attach_body(void *arg)
+{
+	struct attach_call *a = arg;
+	a->start = now_s();
+	a->rc = zc_session_open(a->client, &a->config, &a->session);
+	a->end = now_s();
+	__atomic_store_n(&a->done, 1, __ATOMIC_RELEASE);
+	return NULL;
+}
+
+/* The two sessions of the measurement, prefilled: the big one and the
+ * decoding one (1 layer, 1024 tokens, room for one batch). */
+static int rebuild_sessions(zc_client *client, const struct data *d, zc_session **big,
+			    zc_session **decode)
+{
+	int rc = open_session(client, REBUILD_BIG_NAME, REBUILD_LAYERS, REBUILD_TOKENS,
+			      ZC_POLICY_STREAMING, big);
+	for (uint32_t layer = 0; rc == 0 && layer < REBUILD_LAYERS; layer++)
+		rc = fill_layer(*big, layer, REBUILD_TOKENS, d->prefill_keys, d->prefill_values,
+				PREFILL_TOKENS);
+	if (rc == 0)
+		rc = open_session(client, "bench-rebuild-decode", 1, DECODE_PROMPT + BATCH_STEPS,
+				  ZC_POLICY_STREAMING, decode);
+	if (rc == 0)
+		rc = fill_layer(*decode, 0, DECODE_PROMPT, d->small_keys, d->small_values,
+				DECODE_PROMPT);
+	if (rc < 0)
+		fail_client(client, "rebuild: sessions", rc);
+	return rc;
+}
+
+/* What the two sessions hold, on the daemon without a budget: the next
+ * daemon's budget is this plus a margin. */
+static int rebuild_measure(zc_client *client, const struct data *d, uint64_t *bytes)
+{
+	zc_session *big = NULL, *decode = NULL;
+	zc_server_stats before, after;
+	int rc = zc_client_stats(client, &before);
+	if (rc == 0)
+		rc = rebuild_sessions(client, d, &big, &decode);
+	if (rc == 0)
+		rc = zc_client_stats(client, &after);
+	if (rc == 0)
+		*bytes = after.memory_used_bytes - before.memory_used_bytes;
+	if (decode && zc_session_close(decode) < 0 && rc == 0)
+		rc = ZC_EINTERNAL;
+	if (big && zc_session_close(big) < 0 && rc == 0)
+		rc = ZC_EINTERNAL;
+	return rc;
+}
+
+static uint32_t views_dropped(const struct store_header *h)
+{
+	uint32_t dropped = 0;
+	for (uint32_t i = 0; i < h->layers; i++)
+		dropped += __atomic_load_n(&h->layer[i].view_valid, __ATOMIC_ACQUIRE) == 0;
+	return dropped;
+}
+
+/* A third session grows until relief has dropped every view of the big
+ * one (the least recently used), then closes so that their rebuild fits. */
+static int rebuild_drop(zc_client *client, const struct data *d, const struct store_header *big,
+			int round)
+{
+	char name[48];
+	zc_session *pressure = NULL;
+	zc_view view;
+	snprintf(name, sizeof name, "bench-rebuild-pressure-%d", round);
+	int rc = open_session(client, name, 1, PRESSURE_MAX_TOKENS, ZC_POLICY_STREAMING, &pressure);
+	for (uint32_t tokens = 0; rc == 0 && views_dropped(big) < big->layers;
+	     tokens += PREFILL_TOKENS) {
+		if (tokens >= PRESSURE_MAX_TOKENS) {
+			fprintf(stderr, "service: rebuild: %u tokens of pressure left %u layers' views\n",
+				tokens, big->layers - views_dropped(big));
+			rc = ZC_EINTERNAL;
+			break;
+		}
+		rc = zc_update_and_fetch(pressure, 0, PREFILL_TOKENS, d->prefill_keys,
+					 d->prefill_values, &view, NULL);
+	}
+	if (rc < 0)
+		fail_client(client, "rebuild: pressure", rc);
+	int c = pressure ? zc_session_close(pressure) : 0;
+	/* The daemon frees the closed session's pages on its loop thread
+	 * after the reply: one more round trip waits for that, so neither
+	 * side of the round starts inside it. */
+	zc_server_stats stats;
+	if (c == 0)
+		c = zc_client_stats(client, &stats);
+	return rc < 0 ? rc : c;
+}
+
+/* Decodes whole batches (each trimmed off afterwards, so the context
+ * stays at 1024) until `n` steps or, with a call, until it is answered;
+ * t0[i] and us[i] of every step. Returns the steps taken, or an error. */
+static long rebuild_decode(zc_session *s, const struct data *d, uint64_t *step, double *t0,
+			   double *us, size_t cap, size_t n, const struct attach_call *call)
+{
+	size_t done = 0;
+	zc_view view;
+	uint32_t trimmed;
+	for (;;) {
+		if (call ? __atomic_load_n(&call->done, __ATOMIC_ACQUIRE) != 0 : done >= n)
+			return (long)done;
+		if (done + BATCH_STEPS > cap || (!call && n > cap))
+			return ZC_EEXHAUSTED;
+		for (unsigned i = 0; i < BATCH_STEPS; i++, (*step)++, done++) {
+			const uint16_t *k = pool_row(d->pool_keys, *step);
+			const uint16_t *v = pool_row(d->pool_values, *step);
+			double a = now_s();
+			int rc = zc_update_and_fetch(s, 0, 1, k, v, &view, NULL);
+			double b = now_s();
+			if (rc < 0)
+				return rc;
+			t0[done] = a;
+			us[done] = (b - a) * 1e6;
+		}
+		int rc = zc_session_trim(s, BATCH_STEPS, &trimmed);
+		if (rc < 0)
+			return rc;
+	}
+}
+
+/* Layers 0 and the last of the big session, K and V, head by head. */
+static void rebuild_sample(const zc_view *first, const zc_view *last, uint16_t *out, bool check,
+			   bool *same)
+{
+	size_t head_bytes = (size_t)REBUILD_TOKENS * HEAD_DIM * 2;
+	size_t at = 0;
+	const zc_view *views[2] = { first, last };
+	for (int v = 0; v < 2; v++) {
+		for (int tensor = 0; tensor < 2; tensor++) {
+			const uint16_t *base = tensor ? views[v]->values : views[v]->keys;
+			size_t stride = tensor ? views[v]->value_strides.head : views[v]->key_strides.head;
+			for (uint32_t h = 0; h < HEADS; h++, at += head_bytes / 2) {
+				if (!check)
+					memcpy(out + at, base + h * stride, head_bytes);
+				else if (memcmp(out + at, base + h * stride, head_bytes) != 0)
+					*same = false;
+			}
+		}
+	}
+}
+
+static int bench_rebuild(zc_client *client, const char *socket, const struct data *d,
+			 const struct options *opt, struct rebuild_result *r)
+{
+	/* Per round: the steps during the attach (a rebuild of 512 MiB takes
+	 * seconds at worst here) and as many without. */
+	size_t cap = 1u << 18;
+	double *t0 = calloc(cap, sizeof(double)), *us = calloc(cap, sizeof(double));
+	double *with = calloc((size_t)opt->rounds * cap, sizeof(double));
+	double *without = calloc((size_t)opt->rounds * cap, sizeof(double));
+	double *attach_ms = calloc((size_t)opt->rounds, sizeof(double));
+	uint16_t *sample = malloc(8 * (size_t)HEADS * REBUILD_TOKENS * HEAD_DIM);
+	zc_session *big = NULL, *decode = NULL;
+	zc_client *other = NULL;
+	uint64_t step = 0;
+	size_t n_with = 0, n_without = 0, got = 0;
+	zc_view first, last;
+	int rc;
+
+	if (!t0 || !us || !with || !without || !attach_ms || !sample) {
+		rc = -ENOMEM;
+		goto out;
+	}
+	if ((rc = zc_client_connect(socket, 120000, &other)) < 0) {
+		fail_client(NULL, "rebuild: second client", rc);
+		goto out;
+	}
+	if ((rc = rebuild_sessions(client, d, &big, &decode)) < 0)
+		goto out;
+	if ((rc = zc_session_view(big, 0, &first)) < 0 ||
+	    (rc = zc_session_view(big, REBUILD_LAYERS - 1, &last)) < 0) {
+		fail_client(client, "rebuild: view", rc);
+		goto out;
+	}
+	rebuild_sample(&first, &last, sample, false, NULL);
+	size_t header_bytes = (sizeof(struct store_header) +
+			       REBUILD_LAYERS * sizeof(struct store_layer_header) + 4095) / 4096 * 4096;
+	const struct store_header *header = (const void *)((const uint8_t *)first.keys - header_bytes);
+	if (memcmp(header->magic, STORE_MAGIC, sizeof header->magic) != 0 ||
+	    header->layers != REBUILD_LAYERS) {
+		fail("rebuild: no store header before the first view", ZC_EPROTOCOL);
+		rc = ZC_EPROTOCOL;
+		goto out;
+	}
+	/* Warm-up: a batch of decode steps. */
+	long n = rebuild_decode(decode, d, &step, t0, us, cap, BATCH_STEPS, NULL);
+	if (n < 0) {
+		rc = (int)n;
+		fail_client(client, "rebuild: warm-up", rc);
+		goto out;
+	}
+
+	/* The round's two sides alternate in order, so that what the drop
+	 * leaves behind (freed pages, a busy thread pool) lands on both. */
+	for (int round = 0; round < opt->rounds; round++) {
+		if ((rc = rebuild_drop(client, d, header, round)) < 0)
+			goto out;
+		struct attach_call call = { .client = other,
+					    .config = session_config(REBUILD_BIG_NAME, REBUILD_LAYERS,
+								     REBUILD_TOKENS,
+								     ZC_POLICY_STREAMING) };
+		call.config.attach = true;
+		for (int side = 0; side < 2; side++) {
+			bool rebuilding = (side == 0) == (round % 2 == 0);
+			pthread_t thread;
+			if (rebuilding) {
+				if ((rc = pthread_create(&thread, NULL, attach_body, &call)) != 0) {
+					rc = -rc;
+					fail("rebuild: thread", rc);
+					goto out;
+				}
+				n = rebuild_decode(decode, d, &step, t0, us, cap, 0, &call);
+				pthread_join(thread, NULL);
+				if (call.rc < 0) {
+					rc = call.rc;
+					fail_client(other, "rebuild: attach", rc);
+					goto out;
+				}
+				if (n < 0) {
+					rc = (int)n;
+					fail_client(client, "rebuild: decode", rc);
+					goto out;
+				}
+				/* The steps that began while the attach was outstanding. */
+				size_t before = n_with;
+				for (long i = 0; i < n; i++)
+					if (t0[i] >= call.start && t0[i] < call.end)
+						with[n_with++] = us[i];
+				got = n_with - before;
+				attach_ms[round] = (call.end - call.start) * 1e3;
+			} else {
+				/* As many steps as the rebuild side took last (it goes
+				 * first in round 0). */
+				size_t want = got;
+				n = rebuild_decode(decode, d, &step, t0, us, cap, want, NULL);
+				if (n < 0) {
+					rc = (int)n;
+					fail_client(client, "rebuild: decode", rc);
+					goto out;
+				}
+				for (size_t i = 0; i < want; i++)
+					without[n_without + i] = us[i];
+				n_without += want;
+			}
+		}
+		if (round == 0) {
+			/* Once: the rebuilt views are the very bits of before the drop. */
+			zc_view a, b;
+			bool same = true;
+			if ((rc = zc_session_view(call.session, 0, &a)) < 0 ||
+			    (rc = zc_session_view(call.session, REBUILD_LAYERS - 1, &b)) < 0) {
+				fail_client(other, "rebuild: view after the attach", rc);
+				goto out;
+			}
+			rebuild_sample(&a, &b, sample, true, &same);
+			if (!same || views_dropped(header) != 0) {
+				fail("rebuild: the rebuilt views differ from the views before the drop",
+				     ZC_ECORRUPT);
+				rc = ZC_ECORRUPT;
+				goto out;
+			}
+		}
+		zc_session_release(call.session);
+	}
+	r->rounds = (unsigned)opt->rounds;
+	r->samples = (unsigned)n_with;
+	r->attach_ms = median(attach_ms, (size_t)opt->rounds);
+	if (n_with == 0 || n_without == 0) {
+		fail("rebuild: no decode step overlapped the attach", ZC_EINTERNAL);
+		rc = ZC_EINTERNAL;
+		goto out;
+	}
+	r->p50 = percentile(with, n_with, 0.50);
+	r->p99 = percentile(with, n_with, 0.99);
+	r->max = with[n_with - 1];
+	r->base_p50 = percentile(without, n_without, 0.50);
+	r->base_p99 = percentile(without, n_without, 0.99);
+	r->base_max = without[n_without - 1];
+	rc = 0;
+out:
+	if (decode) {
+		int c = zc_session_close(decode);
+		if (c < 0 && rc == 0)
+			rc = c;
+	}
+	if (big) {
+		int c = zc_session_close(big);
+		if (c < 0 && rc == 0)
+			rc = c;
+	}
+	if (other)
+		zc_client_close(other);
+	free(t0);
+	free(us);
+	free(with);
+	free(without);
+	free(attach_ms);
+	free(sample);
+	return rc;
+}
+
 /* ---- reporting ---------------------------------------------------------- */
 
 #define JSON(...) \
@@ -1241,20 +1611,43 @@ static void report_ratio(const struct ratio_result *r)
 	printf("\n");
 }
 
+static void report_rebuild(const struct rebuild_result *r)
+{
+	printf("5. decode step while another client attaches a %u x %u-token session whose views\n"
+	       "   were dropped (%u rounds; budget %.0f MiB, the sessions hold %.0f MiB)\n",
+	       REBUILD_LAYERS, REBUILD_TOKENS, r->rounds, r->budget / (1024.0 * 1024.0),
+	       r->sessions_bytes / (1024.0 * 1024.0));
+	printf("   %-18s %9s %9s %9s %9s\n", "", "samples", "p50 us", "p99 us", "max us");
+	printf("   %-18s %9u %9.2f %9.2f %9.1f\n", "during the rebuild", r->samples, r->p50, r->p99,
+	       r->max);
+	printf("   %-18s %9s %9.2f %9.2f %9.1f\n", "without", "", r->base_p50, r->base_p99,
+	       r->base_max);
+	printf("   %-18s %9s %9.3f %9.3f\n", "ratio", "", r->p50 / r->base_p50,
+	       r->p99 / r->base_p99);
+	printf("   the attach that rebuilds the views: median %.1f ms\n\n", r->attach_ms);
+	JSON("{\"bench\":\"service\",\"shape\":\"L32xH8xS4096xD128\",\"op\":\"decode_p99_during_rebuild\","
+	     "\"us\":%.3f,\"base_us\":%.3f,\"ratio\":%.4f,\"p50_us\":%.3f,\"base_p50_us\":%.3f,"
+	     "\"samples\":%u,\"rounds\":%u,\"attach_ms\":%.1f}",
+	     r->p99, r->base_p99, r->p99 / r->base_p99, r->p50, r->base_p50, r->samples, r->rounds,
+	     r->attach_ms);
+}
+
 /* ---- main ----------------------------------------------------------------- */
 
 static void usage(FILE *f)
 {
-	fprintf(f, "usage: service [--quick] [--steps N] [--runs N] [--cpu N] [--daemon-cpu N]\n"
-		   "               [--daemon PATH] [--only decode,context,prefill,ratio]\n"
+	fprintf(f, "usage: service [--quick] [--steps N] [--runs N] [--rounds N] [--cpu N]\n"
+		   "               [--daemon-cpu N] [--daemon PATH]\n"
+		   "               [--only decode,context,prefill,ratio,rebuild]\n"
 		   "  --steps N       decode samples per side (default %u, rounded up to %u)\n"
 		   "  --runs N        prefill runs (default %d)\n"
+		   "  --rounds N      rebuild rounds (default %d)\n"
 		   "  --cpu N         CPU of the benchmark (default: the first allowed)\n"
 		   "  --daemon-cpu N  CPU of zipcached and the echo peer (default: the second)\n"
 		   "  --daemon PATH   zipcached to run (default $ZC_BUILD_DIR/bin/zipcached)\n"
 		   "  --only LIST     run only these measurements (comma-separated)\n"
-		   "  --quick         smoke test: a few hundred steps, one prefill run\n",
-		DECODE_STEPS, BATCH_STEPS, PREFILL_RUNS);
+		   "  --quick         smoke test: a few hundred steps, one prefill run, one rebuild\n",
+		DECODE_STEPS, BATCH_STEPS, PREFILL_RUNS, REBUILD_ROUNDS);
 }
 
 static int parse_int(const char *v, long lo, long hi, long *out)
@@ -1275,9 +1668,9 @@ static int parse_only(const char *v, unsigned *out)
 	snprintf(buf, sizeof buf, "%s", v);
 	for (char *save, *w = strtok_r(buf, ",", &save); w; w = strtok_r(NULL, ",", &save)) {
 		size_t i = 0;
-		while (i < 4 && strcmp(w, run_names[i]))
+		while (i < N_RUNS && strcmp(w, run_names[i]))
 			i++;
-		if (i == 4)
+		if (i == N_RUNS)
 			return -1;
 		bits |= 1u << i;
 	}
@@ -1287,11 +1680,12 @@ static int parse_only(const char *v, unsigned *out)
 
 static int parse_args(int argc, char **argv, struct options *opt)
 {
-	bool steps_set = false, runs_set = false;
+	bool steps_set = false, runs_set = false, rounds_set = false;
 	long n;
 
-	*opt = (struct options){ .steps = DECODE_STEPS, .runs = PREFILL_RUNS, .cpu = -1,
-				 .daemon_cpu = -1, .only = RUN_ALL };
+	*opt = (struct options){ .steps = DECODE_STEPS, .runs = PREFILL_RUNS,
+				 .rounds = REBUILD_ROUNDS, .cpu = -1, .daemon_cpu = -1,
+				 .only = RUN_ALL };
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i];
 		const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -1307,6 +1701,10 @@ static int parse_args(int argc, char **argv, struct options *opt)
 		} else if (!strcmp(a, "--runs") && v && parse_int(v, 1, 1000, &n) == 0) {
 			opt->runs = (int)n;
 			runs_set = true;
+			i++;
+		} else if (!strcmp(a, "--rounds") && v && parse_int(v, 1, 100, &n) == 0) {
+			opt->rounds = (int)n;
+			rounds_set = true;
 			i++;
 		} else if (!strcmp(a, "--cpu") && v && parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
 			opt->cpu = (int)n;
@@ -1329,6 +1727,8 @@ static int parse_args(int argc, char **argv, struct options *opt)
 			opt->steps = QUICK_DECODE_STEPS;
 		if (!runs_set)
 			opt->runs = QUICK_PREFILL_RUNS;
+		if (!rounds_set)
+			opt->rounds = QUICK_REBUILD_ROUNDS;
 	}
 	opt->steps = (opt->steps + BATCH_STEPS - 1) / BATCH_STEPS * BATCH_STEPS;
 	return 0;
@@ -1411,7 +1811,7 @@ int main(int argc, char **argv)
 		fail("echo peer", rc);
 		goto out;
 	}
-	if ((rc = daemon_start(daemon_path, opt.daemon_cpu, &client)) < 0) {
+	if ((rc = daemon_start(daemon_path, opt.daemon_cpu, NULL, &client)) < 0) {
 		fprintf(stderr, "service: zipcached did not answer on %s: %s\n", harness.socket,
 			zc_strerror(rc));
 		goto out;
@@ -1430,6 +1830,7 @@ int main(int argc, char **argv)
 	struct context_result context = { 0 };
 	struct prefill_result prefill = { 0 };
 	struct ratio_result ratio = { 0 };
+	struct rebuild_result rebuild = { 0 };
 
 	if (opt.only & RUN_DECODE) {
 		if ((rc = bench_decode(client, &data, &opt, &decode)) < 0)
@@ -1453,6 +1854,26 @@ int main(int argc, char **argv)
 		if ((rc = bench_ratio(client, &data, &opt, &ratio)) < 0)
 			goto out;
 		report_ratio(&ratio);
+		fflush(stdout);
+	}
+	if (opt.only & RUN_REBUILD) {
+		/* Sized on this daemon, measured on one with a budget. */
+		char budget[32];
+		if ((rc = rebuild_measure(client, &data, &rebuild.sessions_bytes)) < 0)
+			goto out;
+		rebuild.budget = rebuild.sessions_bytes + REBUILD_MARGIN_BYTES;
+		snprintf(budget, sizeof budget, "%llu", (unsigned long long)rebuild.budget);
+		zc_client_close(client);
+		client = NULL;
+		daemon_stop();
+		if ((rc = daemon_start(daemon_path, opt.daemon_cpu, budget, &client)) < 0) {
+			fprintf(stderr, "service: zipcached --memory-budget %s did not answer: %s\n",
+				budget, zc_strerror(rc));
+			goto out;
+		}
+		if ((rc = bench_rebuild(client, harness.socket, &data, &opt, &rebuild)) < 0)
+			goto out;
+		report_rebuild(&rebuild);
 	}
 
 	printf("targets:\n");
@@ -1471,6 +1892,11 @@ int main(int argc, char **argv)
 		       ratio.stats[0].compression_ratio, CONTRACT_PER_CALL);
 		printf("  key ratio streaming (contract)    %6.3f  ~ %.2f\n",
 		       ratio.stats[1].compression_ratio, CONTRACT_STREAMING);
+	}
+	if (opt.only & RUN_REBUILD) {
+		double x = rebuild.p99 / rebuild.base_p99;
+		printf("  decode p99 during a rebuild / without %6.3f  <= %.2f   %s\n", x,
+		       TARGET_REBUILD_RATIO, verdict(x <= TARGET_REBUILD_RATIO));
 	}
 	printf("\n");
 	for (int i = 0; i < n_json; i++)

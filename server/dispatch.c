@@ -2,7 +2,9 @@
  * Request handlers. Each checks the request against the session before
  * anything changes, then either answers at once (hello, open, list,
  * staging) or queues a job on the session (update_and_fetch, trim, stats,
- * close) so that work on one session stays in order.
+ * close, attach) so that work on one session stays in order. Each job
+ * declares its cost in elements, which decides where it runs
+ * (server/session.h).
  */
 #include "dispatch.h"
 
@@ -30,7 +32,8 @@ enum job_kind {
 	JOB_UPDATE,
 	JOB_TRIM,
 	JOB_STATS,
-	JOB_CLOSE
+	JOB_CLOSE,
+	JOB_ATTACH
 };
 
 struct request_job {
@@ -291,8 +294,8 @@ static void handle_hello(struct connection *connection, const wire_request *requ
 /* Returns 0 once the reply is queued; a negative code when it could not
  * be (the client was told why, or its connection is gone), so that a
  * session made for this request can be taken back. */
-static int reply_open(struct connection *connection, uint64_t request_id,
-		      struct session *session, bool attached)
+static int reply_open(struct connection *connection, const struct request_meta *meta,
+		      uint64_t request_id, struct session *session, bool attached)
 {
 	wire_response response;
 	zipcache_v1_OpenSessionResponse *open = &response.msg.op.open_session;
@@ -301,7 +304,7 @@ static int reply_open(struct connection *connection, uint64_t request_id,
 	char why[200];
 
 	if (fd < 0) {
-		reply_error(connection, &connection->current, request_id, fd,
+		reply_error(connection, meta, request_id, fd,
 			    "cannot open the view of session %llu: %s%s",
 			    (unsigned long long)session->id,
 			    resource_text(connection->server, fd, why, sizeof(why)),
@@ -322,7 +325,7 @@ static int reply_open(struct connection *connection, uint64_t request_id,
 		open->view.value_offsets[i] = store_value_view_offset(session->store, i);
 	}
 	open->attached = attached;
-	return reply_send(connection, &connection->current, &response, &fd, 1);
+	return reply_send(connection, meta, &response, &fd, 1);
 }
 
 /* What an attach request asks that its session does not have. */
@@ -451,6 +454,9 @@ static bool name_acceptable(const char *name)
 	return true;
 }
 
+static void attach_submit(struct connection *connection, uint64_t request_id,
+			  struct session *session);
+
 static void handle_open(struct connection *connection, const wire_request *request)
 {
 	struct server *server = connection->server;
@@ -490,20 +496,9 @@ static void handle_open(struct connection *connection, const wire_request *reque
 					    name, m.groups, m.detail);
 				return;
 			}
-			/* A running job owns the store; the layers it does not touch
-			 * are rebuilt by the next stats or update instead. */
-			rc = session_idle(session) ? store_rebuild_views(session->store) : 0;
-			if (rc == STORE_EBUDGET && server_relieve_memory(server, 1u << 20, session) > 0)
-				rc = store_rebuild_views(session->store);
-			if (rc == STORE_EBUDGET)
-				rc = ZC_EEXHAUSTED;
-			if (rc < 0) {
-				reply_error(connection, &connection->current, id, rc, "cannot rebuild the views of '%s': %s", name,
-					    zc_strerror(rc));
-				return;
-			}
-			session->last_used_ms = session_now_ms();
-			reply_open(connection, id, session, true);
+			/* Dropped views are rebuilt by a job in the session's
+			 * line, which replies. */
+			attach_submit(connection, id, session);
 			return;
 		}
 	}
@@ -617,7 +612,7 @@ static void handle_open(struct connection *connection, const wire_request *reque
 			    resource_text(server, rc, why, sizeof(why)));
 		return;
 	}
-	if (reply_open(connection, id, session, false) < 0) {
+	if (reply_open(connection, &connection->current, id, session, false) < 0) {
 		/* The client was told why, or is gone: take back what was made,
 		 * so a retry starts from nothing (not ALREADY_EXISTS). */
 		log_warn("session", "open undone", "session=%llu name=%s uid=%u",
@@ -633,7 +628,7 @@ static void handle_open(struct connection *connection, const wire_request *reque
 		 params.max_tokens, params.policy == STORE_POLICY_PER_CALL ? "per_call" : "streaming");
 }
 
-/* ---- jobs: update_and_fetch, trim, stats, close ---- */
+/* ---- jobs: update_and_fetch, trim, stats, close, attach ---- */
 
 static void job_free(struct request_job *job)
 {
@@ -864,13 +859,13 @@ static bool handle_update(struct connection *connection, const wire_request *req
 	job->tokens = update->tokens;
 	job->job.run = update_run;
 	job->job.done = update_done;
-	/* Large blocks, and the decode step that fills a streaming residual
-	 * (it compresses residual_tokens rows), run off the loop thread. */
-	uint64_t compressed_elements = heads * (h->head_dim_k + h->head_dim_v) *
+	/* The block, the residual it fills (a decode step that compresses
+	 * residual_tokens rows), and the layer's views if they were dropped. */
+	job->job.cost = heads * (h->head_dim_k + h->head_dim_v) *
 		(h->policy == STORE_POLICY_STREAMING &&
 		 store_update_compresses(session->store, update->layer, update->tokens) ?
-		 (uint64_t)h->residual_tokens + update->tokens : update->tokens);
-	job->job.offload = compressed_elements > server->options.offload_elements;
+		 (uint64_t)h->residual_tokens + update->tokens : update->tokens) +
+		store_rebuild_elements(session->store, update->layer);
 	session_submit(&server->sessions, &job->job);
 	return true;
 
@@ -1051,6 +1046,73 @@ static void close_done(struct job *base)
 	job_free(job);
 }
 
+static void attach_run(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct session *session = base->session;
+	if (session->closed) {
+		job_fail(job, ZC_ENOTFOUND, "session '%s' was closed before it could be attached",
+			 session->name);
+		return;
+	}
+	int rc = store_rebuild_views(session->store);
+	if (rc == STORE_EBUDGET) {
+		/* attach_done may free memory and run the job again. */
+		job->rc = rc;
+		return;
+	}
+	if (rc < 0)
+		job_fail(job, rc, "cannot rebuild the views of '%s': %s", session->name,
+			 zc_strerror(rc));
+}
+
+static void attach_done(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct connection *connection = job->connection;
+	struct server *server = connection->server;
+
+	if (job->rc == STORE_EBUDGET) {
+		if (job_retry_after_relief(job, store_rebuild_bytes(base->session->store)))
+			return;
+		job_fail(job, ZC_EEXHAUSTED,
+			 "memory budget of %llu bytes is exhausted (%llu in use); cannot rebuild the "
+			 "views of '%s'",
+			 (unsigned long long)server->budget.limit,
+			 (unsigned long long)server_memory_bytes(server), base->session->name);
+	}
+	if (job->rc < 0)
+		reply_error(connection, &job->meta, job->request_id, job->rc, "%s", job->message);
+	else
+		reply_open(connection, &job->meta, job->request_id, base->session, true);
+	connection_request_done(connection);
+	job_free(job);
+}
+
+/*
+ * open_session with attach of an existing session: a job in the session's
+ * line (after the work queued before it, so the reply's token counts
+ * include that work), costing the views it must rebuild, so a session
+ * whose views memory relief dropped is rebuilt on the thread pool.
+ */
+static void attach_submit(struct connection *connection, uint64_t request_id,
+			  struct session *session)
+{
+	struct server *server = connection->server;
+	struct request_job *job = job_new(connection, session, request_id, JOB_ATTACH);
+	if (!job) {
+		reply_error(connection, &connection->current, request_id, -ENOMEM, "out of memory");
+		return;
+	}
+	job->job.run = attach_run;
+	job->job.done = attach_done;
+	job->job.cost = store_rebuild_elements(session->store, STORE_ALL_LAYERS);
+	/* handle_open's request is done when it returns; this one stays in
+	 * flight until attach_done has replied. */
+	connection->in_flight++;
+	session_submit(&server->sessions, &job->job);
+}
+
 static bool handle_session_job(struct connection *connection, const wire_request *request,
 			       enum job_kind kind, uint64_t session_id)
 {
@@ -1080,14 +1142,19 @@ static bool handle_session_job(struct connection *connection, const wire_request
 		job->job.run = stats_run;
 		job->job.done = stats_done;
 		job->job.observe_only = !request->msg.op.stats.use;
+		/* Looking rebuilds nothing; using rebuilds every dropped view. */
+		if (!job->job.observe_only)
+			job->job.cost = store_rebuild_elements(session->store, STORE_ALL_LAYERS);
 		break;
 	case JOB_CLOSE:
 		job->job.run = close_run;
 		job->job.done = close_done;
 		break;
 	case JOB_UPDATE:
+	case JOB_ATTACH:
 		break;
 	}
+	/* Trim and close cost nothing: they move counters, not elements. */
 	session_submit(&server->sessions, &job->job);
 	return true;
 }

@@ -104,7 +104,7 @@ void options_print_help(const char *program, const struct options *configured)
 	       "  --max-reply-queue-total N      unsent reply bytes over all connections before those\n"
 	       "                                 with replies waiting are no longer read (default %llu)\n"
 	       "  --idle-ttl SECONDS       close sessions idle this long, 0 = never (default %llu)\n"
-	       "  --offload-elements N     blocks above this many elements run on worker threads (default %u)\n"
+	       "  --offload-elements N     jobs writing more elements (new tokens plus dropped views rebuilt) run on worker threads (default %u)\n"
 	       "  --no-adopt               delete session files left by an earlier run instead of adopting them\n"
 	       "  --metrics-listen ADDR    HTTP /metrics and /healthz on HOST:PORT, or off (default %s)\n"
 	       "  --log-level LEVEL        error|warn|info|debug (default info)\n"

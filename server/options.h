@@ -31,7 +31,7 @@ struct options {
 	uint64_t max_reply_queue_bytes;   /* per connection */
 	uint64_t max_reply_queue_total;   /* all connections */
 	uint64_t idle_ttl_seconds; /* 0: sessions never expire */
-	uint32_t offload_elements; /* blocks larger than this go to the thread pool */
+	uint32_t offload_elements; /* jobs costing more go to the thread pool */
 	uint64_t max_mapped_bytes; /* address space of all session mappings; 0: derived */
 	enum log_level log_level;
 	bool adopt;

@@ -427,7 +427,7 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	server->spare_fd = -1;
 	loop->data = server;
 	server->started_ms = uv_now(loop);
-	session_table_init(&server->sessions, loop);
+	session_table_init(&server->sessions, loop, options->offload_elements);
 	store_set_map_limit(options->max_mapped_bytes ? options->max_mapped_bytes : map_limit_default());
 	rc = boot_epoch_make(&server->boot_epoch);
 	if (rc < 0)

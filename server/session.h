@@ -2,8 +2,8 @@
  * Sessions and their work queues. A session is one sequence's store plus
  * a FIFO of jobs; its jobs run one at a time, in order (so requests on one
  * (session, layer) can never overtake each other), either right away on
- * the loop thread or, when large, on libuv's thread pool so a prefill does
- * not stall other sessions' decode steps.
+ * the loop thread or, when costly, on libuv's thread pool so a prefill or
+ * a view rebuild does not stall other sessions' decode steps.
  */
 #ifndef ZIPCACHE_SESSION_H
 #define ZIPCACHE_SESSION_H
@@ -21,7 +21,10 @@ struct job {
 	struct job *next;
 	struct session *session;
 	struct session_table *table;  /* set by session_submit */
-	bool offload;                 /* run on the thread pool */
+	/* Elements the job writes: those of its new tokens plus those of the
+	 * dropped views it rebuilds. Above the table's offload_elements it runs
+	 * on the thread pool; the one rule for every kind of job. */
+	uint64_t cost;
 	bool observe_only;            /* looking is not using: idle time keeps running */
 	/* Runs with the session to itself (loop or worker thread). */
 	void (*run)(struct job *job);
@@ -56,10 +59,11 @@ struct session_table {
 	uint64_t next_id;
 	uv_loop_t *loop;
 	uint64_t jobs_in_flight;
+	uint64_t offload_elements;    /* --offload-elements */
 	struct session_totals totals;
 };
 
-void session_table_init(struct session_table *table, uv_loop_t *loop);
+void session_table_init(struct session_table *table, uv_loop_t *loop, uint64_t offload_elements);
 /* Closes every store (keeping the files) and frees the table. */
 void session_table_free(struct session_table *table);
 

@@ -1675,3 +1675,21 @@ int store_rebuild_views(struct store *store)
 	}
 	return 0;
 }
+
+uint64_t store_rebuild_elements(const struct store *store, uint32_t layer)
+{
+	const struct store_header *h = store->header;
+	bool all = layer == STORE_ALL_LAYERS;
+	uint32_t first = all ? 0 : layer, end = all ? h->layers : layer + 1;
+	uint64_t tokens = 0;
+
+	if (!all && layer >= h->layers)
+		return 0;
+	for (uint32_t i = first; i < end; i++) {
+		const struct store_layer_header *l = &h->layer[i];
+		/* A worker may be rebuilding or appending to this store. */
+		if (!__atomic_load_n(&l->view_valid, __ATOMIC_RELAXED))
+			tokens += __atomic_load_n(&l->tokens, __ATOMIC_RELAXED);
+	}
+	return tokens * heads_of(h) * ((uint64_t)h->head_dim_k + h->head_dim_v);
+}

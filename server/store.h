@@ -178,4 +178,13 @@ int store_rebuild_views(struct store *store);
 /* Layer views rebuilt since the process started (all stores). */
 uint64_t store_view_rebuilds_total(void);
 
+#define STORE_ALL_LAYERS UINT32_MAX
+
+/* Elements (tokens x heads x head dims, keys and values) that rebuilding
+ * the dropped views of one layer, or of STORE_ALL_LAYERS, would write: 0
+ * when nothing is dropped or the layer is out of range. Read-only; only a
+ * hint when read while a job runs on the store (the loop thread uses it to
+ * price a job, as store_update_compresses). */
+uint64_t store_rebuild_elements(const struct store *store, uint32_t layer);
+
 #endif
