@@ -21,6 +21,34 @@ ZC_CFLAGS = -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wshadow -Wstrict-prototypes \
 	-Iinclude -I$(BUILD)/gen -Iproto $(OPT) $(SANITIZE) $(CFLAGS) -MMD -MP
 ZC_LDFLAGS = $(SANITIZE) $(LDFLAGS)
 
+# What a plain `make` needs before it can start, each as KIND:THING:PACKAGE
+# (cmd: a program on PATH, pc: a pkg-config module, file: a file); `deps`
+# installs the packages. Without this check a fresh machine's first `make`
+# dies on "protoc: No such file or directory" without saying what to do.
+BUILD_NEEDS = cmd:protoc:protobuf-compiler cmd:protoc-gen-nanopb:nanopb \
+	cmd:pkg-config:pkg-config file:/usr/include/pb.h:libnanopb-dev \
+	pc:libuv:libuv1-dev pc:libmicrohttpd:libmicrohttpd-dev pc:libsystemd:libsystemd-dev
+# Goals that install the packages first (or need none): no check for them;
+# the `$(MAKE) ...` they start afterwards checks.
+NO_NEEDS_GOALS = deps check run bench asan fuzz clean
+
+ifneq ($(MAKECMDGOALS),)
+SKIP_NEEDS = $(if $(filter-out $(NO_NEEDS_GOALS),$(MAKECMDGOALS)),,yes)
+endif
+ifeq ($(SKIP_NEEDS),)
+MISSING_NEEDS := $(shell IFS=:; for need in $(BUILD_NEEDS); do \
+	set -- $$need; kind=$$1; thing=$$2; package=$$3; \
+	case $$kind in \
+	(cmd) command -v $$thing >/dev/null 2>&1 ;; \
+	(pc) pkg-config --exists $$thing 2>/dev/null ;; \
+	(file) test -e $$thing ;; \
+	esac || printf '%s (package %s); ' $$thing $$package; \
+	done)
+ifneq ($(MISSING_NEEDS),)
+$(error not installed: $(MISSING_NEEDS)run `make deps` as root to install those Debian packages (`make check` and `make run` run it first))
+endif
+endif
+
 # Lazily expanded: pkg-config is only asked once `deps` has installed it.
 UV_LIBS = $(shell pkg-config --libs libuv)
 CHECK_CFLAGS = $(shell pkg-config --cflags check)
