@@ -96,7 +96,7 @@ TESTS = $(addprefix $(BUILD)/tests/,$(TEST_NAMES))
 BENCHES = $(addprefix $(BUILD)/bench/,$(BENCH_NAMES))
 EXAMPLES = $(addprefix $(BUILD)/bin/,$(EXAMPLE_NAMES))
 
-.PHONY: all deps check check-run bench bench-run asan run install clean
+.PHONY: all deps check check-run check-no-rebuild bench bench-run asan run install clean
 .DEFAULT_GOAL := all
 # Keep objects make considers intermediate, so a second `make` relinks nothing.
 .SECONDARY:
@@ -113,8 +113,13 @@ deps:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
-# Generated protobuf code is a build output (never committed).
-$(PROTO_GEN_C) $(PROTO_GEN_H): proto/zipcache.proto proto/zipcache.options
+# Generated protobuf code is a build output (never committed). One protoc
+# run writes both files: a grouped target (&:), so make runs it once. With
+# a plain two-target rule make runs it again for the second file (its
+# cached listing of build/gen predates the first run), the header gets a
+# newer mtime than the objects built in between, and the next `make`
+# recompiles and relinks them.
+$(PROTO_GEN_C) $(PROTO_GEN_H) &: proto/zipcache.proto proto/zipcache.options
 	@mkdir -p $(BUILD)/gen
 	protoc --plugin=protoc-gen-nanopb=/usr/bin/protoc-gen-nanopb -Iproto \
 		--nanopb_out=-fproto/zipcache.options:$(BUILD)/gen proto/zipcache.proto
@@ -177,7 +182,7 @@ $(BUILD)/bench/%: $(BUILD)/obj/bench/%_bench.o $(BENCH_LIB_OBJ) $(LINK_ALL)
 	$(CC) -o $@ $^ $(LINK_LIBS) $(ZC_LDFLAGS)
 
 check: deps
-	@$(MAKE) --no-print-directory check-run
+	@$(MAKE) --no-print-directory check-run check-no-rebuild
 
 # The Python client's pytest suite; not under sanitizers, whose runtime
 # cannot load into an uninstrumented python3.
@@ -192,6 +197,13 @@ check-run: all $(TESTS)
 	done; \
 	echo "suites: $$pass passed, $$fail failed"; [ $$fail -eq 0 ]
 
+# After a full build a second `make` must find nothing to do; -q asks
+# make without building anything, so this can run right after the tests.
+check-no-rebuild:
+	@$(MAKE) --no-print-directory -q all $(TESTS) || { \
+		echo "check-no-rebuild: a second make would rebuild something (make -d all says what)"; \
+		exit 1; }
+
 bench: deps
 	@$(MAKE) --no-print-directory bench-run
 
@@ -200,7 +212,8 @@ bench-run: all $(BENCHES)
 
 asan: deps
 	@$(MAKE) --no-print-directory BUILD=build/asan OPT='-O1 -g -fno-omit-frame-pointer' \
-		SANITIZE='-fsanitize=address,undefined -fno-sanitize-recover=undefined' check-run
+		SANITIZE='-fsanitize=address,undefined -fno-sanitize-recover=undefined' \
+		check-run check-no-rebuild
 
 run: deps
 	@$(MAKE) --no-print-directory all
