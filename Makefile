@@ -56,7 +56,7 @@ CHECK_LIBS = $(shell pkg-config --libs check)
 NANOPB_LIBS = -lprotobuf-nanopb
 SERVER_LIBS = $(shell pkg-config --libs libmicrohttpd libsystemd)
 
-DEPS_PACKAGES = libuv1-dev nanopb libnanopb-dev protobuf-compiler python3-protobuf \
+DEPS_PACKAGES = gcc libc6-dev make libuv1-dev nanopb libnanopb-dev protobuf-compiler python3-protobuf \
 	check pkg-config python3-numpy python3-pytest libmicrohttpd-dev libsystemd-dev prometheus python3-yaml
 
 AVX2_FLAGS = -mavx2 -mfma -mf16c -mbmi -mbmi2
@@ -103,15 +103,10 @@ EXAMPLES = $(addprefix $(BUILD)/bin/,$(EXAMPLE_NAMES))
 
 all: $(STATIC_LIB) $(SHARED_LIB) $(DAEMON) $(TOOLS) $(EXAMPLES) $(BUILD)/lib/zipcache.pc
 
+# Only what is missing, without Recommends, and no service left enabled or
+# running by the install (build-aux/deps.sh says how).
 deps:
-	@missing=""; for p in $(DEPS_PACKAGES); do \
-		dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'install ok installed' \
-			|| missing="$$missing $$p"; \
-	done; \
-	if [ -n "$$missing" ]; then \
-		echo "deps: installing$$missing"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
-	fi
+	@sh build-aux/deps.sh $(DEPS_PACKAGES)
 
 # Generated protobuf code is a build output (never committed). One protoc
 # run writes both files: a grouped target (&:), so make runs it once. With
