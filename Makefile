@@ -13,6 +13,19 @@ OPT ?= -O2 -g
 SANITIZE ?=
 PREFIX ?= /usr/local
 DESTDIR ?=
+BINDIR ?= $(PREFIX)/bin
+LIBDIR ?= $(PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
+# `make install` puts the Python package where Debian's python3 looks for
+# packages of this prefix (/usr/local/lib/python3.11/dist-packages for
+# /usr/local), so `import zipcache` works with no pip; empty without it.
+PYTHON ?= /usr/bin/python3
+PYTHONDIR ?= $(shell $(PYTHON) -c 'import sys; print("$(LIBDIR)/python%d.%d/dist-packages" % sys.version_info[:2])' 2>/dev/null)
+
+# The library's version is the program's (proto/version.h); its soname
+# carries the major number.
+VERSION := $(shell sed -n 's/^[#]define ZIPCACHE_VERSION "\(.*\)"$$/\1/p' proto/version.h)
+SONAME = libzipcache.so.$(firstword $(subst ., ,$(VERSION)))
 
 # -ffp-contract=off: the codec promises bit-identical output on every ISA,
 # so the compiler must not fuse a*b+c into an FMA behind our back.
@@ -101,7 +114,7 @@ EXAMPLES = $(addprefix $(BUILD)/bin/,$(EXAMPLE_NAMES))
 # Keep objects make considers intermediate, so a second `make` relinks nothing.
 .SECONDARY:
 
-all: $(STATIC_LIB) $(SHARED_LIB) $(DAEMON) $(TOOLS) $(EXAMPLES) $(BUILD)/lib/zipcache.pc
+all: $(STATIC_LIB) $(SHARED_LIB) $(DAEMON) $(TOOLS) $(EXAMPLES)
 
 # Only what is missing, without Recommends, and no service left enabled or
 # running by the install (build-aux/deps.sh says how).
@@ -141,13 +154,9 @@ $(STATIC_LIB): $(LIB_OBJ)
 # link only -lzipcache.
 $(SHARED_LIB): $(LIB_OBJ) client/libzipcache.map
 	@mkdir -p $(dir $@)
-	$(CC) -shared -Wl,-soname,libzipcache.so.0 -Wl,--version-script=client/libzipcache.map -o $@ $(LIB_OBJ) \
+	$(CC) -shared -Wl,-soname,$(SONAME) -Wl,--version-script=client/libzipcache.map -o $@ $(LIB_OBJ) \
 		-Wl,--whole-archive /usr/lib/x86_64-linux-gnu/libprotobuf-nanopb.a \
 		-Wl,--no-whole-archive -lm $(ZC_LDFLAGS)
-
-$(BUILD)/lib/zipcache.pc: Makefile
-	@mkdir -p $(dir $@)
-	printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: zipcache\nDescription: zipcached client library and codec\nVersion: 0.1.0\nLibs: -L$${libdir} -lzipcache\nCflags: -I$${includedir}\n' '$(PREFIX)' > $@
 
 $(SERVER_LIB): $(SERVER_OBJ)
 	@mkdir -p $(dir $@)
@@ -187,7 +196,7 @@ PYTHON_SUITES = $(if $(SANITIZE),,python/run_tests.sh)
 check-run: all $(TESTS)
 	@pass=0; fail=0; for t in $(TESTS) $(PYTHON_SUITES); do \
 		echo "== $$t"; \
-		if ZC_BUILD_DIR=$(abspath $(BUILD)) $$t; then pass=$$((pass+1)); \
+		if ZC_BUILD_DIR=$(abspath $(BUILD)) ZC_SOURCE_DIR=$(CURDIR) $$t; then pass=$$((pass+1)); \
 		else fail=$$((fail+1)); echo "FAILED: $$t"; fi; \
 	done; \
 	echo "suites: $$pass passed, $$fail failed"; [ $$fail -eq 0 ]
@@ -214,12 +223,32 @@ run: deps
 	@$(MAKE) --no-print-directory all
 	$(DAEMON) $(RUN_ARGS)
 
+# The shared library goes in as libzipcache.so.VERSION with the soname
+# link (what programs load) and the development link (what -lzipcache
+# finds); ldconfig then puts it in the loader's cache. The .pc file is
+# written here, not at build time, so it names the PREFIX of the install.
 install: all
-	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include/zipcache
-	install -m 755 $(DAEMON) $(TOOLS) $(DESTDIR)$(PREFIX)/bin
-	install -m 644 $(STATIC_LIB) $(SHARED_LIB) $(DESTDIR)$(PREFIX)/lib
-	install -m 644 $(BUILD)/lib/zipcache.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig
-	install -m 644 include/zipcache/*.h $(DESTDIR)$(PREFIX)/include/zipcache
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(INCLUDEDIR)/zipcache
+	install -m 755 $(DAEMON) $(TOOLS) $(DESTDIR)$(BINDIR)
+	install -m 644 $(STATIC_LIB) $(DESTDIR)$(LIBDIR)
+	install -m 755 $(SHARED_LIB) $(DESTDIR)$(LIBDIR)/libzipcache.so.$(VERSION)
+	ln -sfn libzipcache.so.$(VERSION) $(DESTDIR)$(LIBDIR)/$(SONAME)
+	ln -sfn $(SONAME) $(DESTDIR)$(LIBDIR)/libzipcache.so
+	printf '%s\n' 'prefix=$(PREFIX)' 'libdir=$(LIBDIR)' 'includedir=$(INCLUDEDIR)' '' \
+		'Name: zipcache' 'Description: zipcached client library and codec' 'Version: $(VERSION)' \
+		'Libs: -L$${libdir} -lzipcache' 'Libs.private: $(NANOPB_LIBS) -lm' 'Cflags: -I$${includedir}' \
+		> $(DESTDIR)$(LIBDIR)/pkgconfig/zipcache.pc
+	install -m 644 include/zipcache/*.h $(DESTDIR)$(INCLUDEDIR)/zipcache
+	$(if $(PYTHONDIR),install -d $(DESTDIR)$(PYTHONDIR)/zipcache,@echo "install: no $(PYTHON): the Python package is not installed")
+	$(if $(PYTHONDIR),install -m 644 python/zipcache/*.py $(DESTDIR)$(PYTHONDIR)/zipcache)
+	@if [ -n "$(DESTDIR)" ]; then :; \
+	elif [ "$$(id -u)" -ne 0 ]; then \
+		echo "install: not root, so ldconfig did not run: programs find $(SONAME) only through LD_LIBRARY_PATH=$(LIBDIR) or -Wl,-rpath,$(LIBDIR)"; \
+	else \
+		echo ldconfig; ldconfig; \
+		ldconfig -p | grep -qF '=> $(LIBDIR)/$(SONAME)' || \
+		echo "install: $(LIBDIR) is not on the dynamic linker's path: add it to a file in /etc/ld.so.conf.d/ and run ldconfig (or link with -Wl,-rpath,$(LIBDIR))"; \
+	fi
 
 clean:
 	rm -rf $(BUILD)
