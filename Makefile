@@ -43,7 +43,7 @@ BUILD_NEEDS = cmd:protoc:protobuf-compiler cmd:protoc-gen-nanopb:nanopb \
 	pc:libuv:libuv1-dev pc:libmicrohttpd:libmicrohttpd-dev pc:libsystemd:libsystemd-dev
 # Goals that install the packages first (or need none): no check for them;
 # the `$(MAKE) ...` they start afterwards checks.
-NO_NEEDS_GOALS = deps check run bench asan fuzz clean
+NO_NEEDS_GOALS = deps deps-build check run bench asan fuzz clean
 
 ifneq ($(MAKECMDGOALS),)
 SKIP_NEEDS = $(if $(filter-out $(NO_NEEDS_GOALS),$(MAKECMDGOALS)),,yes)
@@ -69,8 +69,12 @@ CHECK_LIBS = $(shell pkg-config --libs check)
 NANOPB_LIBS = -lprotobuf-nanopb
 SERVER_LIBS = $(shell pkg-config --libs libmicrohttpd libsystemd)
 
-DEPS_PACKAGES = gcc libc6-dev make libuv1-dev nanopb libnanopb-dev protobuf-compiler python3-protobuf \
-	check pkg-config python3-numpy python3-pytest libmicrohttpd-dev libsystemd-dev prometheus python3-yaml
+# What `make` needs (the packages of BUILD_NEEDS and a compiler), then what
+# the tests add; `make deps` installs both, `make deps-build` (an image's
+# build stage) the first.
+BUILD_PACKAGES = gcc libc6-dev make $(foreach need,$(BUILD_NEEDS),$(lastword $(subst :, ,$(need))))
+DEPS_PACKAGES = $(BUILD_PACKAGES) python3-protobuf check python3-numpy python3-pytest prometheus \
+	python3-yaml
 
 AVX2_FLAGS = -mavx2 -mfma -mf16c -mbmi -mbmi2
 AVX512_FLAGS = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mbmi -mbmi2
@@ -109,7 +113,7 @@ TESTS = $(addprefix $(BUILD)/tests/,$(TEST_NAMES))
 BENCHES = $(addprefix $(BUILD)/bench/,$(BENCH_NAMES))
 EXAMPLES = $(addprefix $(BUILD)/bin/,$(EXAMPLE_NAMES))
 
-.PHONY: all deps check check-run check-no-rebuild bench bench-run asan run install clean
+.PHONY: all deps deps-build check check-run check-no-rebuild bench bench-run asan run install clean
 .DEFAULT_GOAL := all
 # Keep objects make considers intermediate, so a second `make` relinks nothing.
 .SECONDARY:
@@ -120,6 +124,9 @@ all: $(STATIC_LIB) $(SHARED_LIB) $(DAEMON) $(TOOLS) $(EXAMPLES)
 # running by the install (build-aux/deps.sh says how).
 deps:
 	@sh build-aux/deps.sh $(DEPS_PACKAGES)
+
+deps-build:
+	@sh build-aux/deps.sh $(BUILD_PACKAGES)
 
 # Generated protobuf code is a build output (never committed). One protoc
 # run writes both files: a grouped target (&:), so make runs it once. With
