@@ -67,6 +67,9 @@ UV_LIBS = $(shell pkg-config --libs libuv)
 CHECK_CFLAGS = $(shell pkg-config --cflags check)
 CHECK_LIBS = $(shell pkg-config --libs check)
 NANOPB_LIBS = -lprotobuf-nanopb
+# The same archive by path, for the shared library: wherever the compiler
+# finds it (/usr/lib/<multiarch>/ on Debian), so any architecture builds.
+NANOPB_ARCHIVE = $(shell $(CC) -print-file-name=libprotobuf-nanopb.a)
 SERVER_LIBS = $(shell pkg-config --libs libmicrohttpd libsystemd)
 
 # What `make` needs (the packages of BUILD_NEEDS and a compiler), then what
@@ -162,7 +165,7 @@ $(STATIC_LIB): $(LIB_OBJ)
 $(SHARED_LIB): $(LIB_OBJ) client/libzipcache.map
 	@mkdir -p $(dir $@)
 	$(CC) -shared -Wl,-soname,$(SONAME) -Wl,--version-script=client/libzipcache.map -o $@ $(LIB_OBJ) \
-		-Wl,--whole-archive /usr/lib/x86_64-linux-gnu/libprotobuf-nanopb.a \
+		-Wl,--whole-archive $(NANOPB_ARCHIVE) \
 		-Wl,--no-whole-archive -lm $(ZC_LDFLAGS)
 
 $(SERVER_LIB): $(SERVER_OBJ)
