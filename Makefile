@@ -13,6 +13,19 @@ OPT ?= -O2 -g
 SANITIZE ?=
 PREFIX ?= /usr/local
 DESTDIR ?=
+BINDIR ?= $(PREFIX)/bin
+LIBDIR ?= $(PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
+# `make install` puts the Python package where Debian's python3 looks for
+# packages of this prefix (/usr/local/lib/python3.11/dist-packages for
+# /usr/local), so `import zipcache` works with no pip; empty without it.
+PYTHON ?= /usr/bin/python3
+PYTHONDIR ?= $(shell $(PYTHON) -c 'import sys; print("$(LIBDIR)/python%d.%d/dist-packages" % sys.version_info[:2])' 2>/dev/null)
+
+# The library's version is the program's (proto/version.h); its soname
+# carries the major number.
+VERSION := $(shell sed -n 's/^[#]define ZIPCACHE_VERSION "\(.*\)"$$/\1/p' proto/version.h)
+SONAME = libzipcache.so.$(firstword $(subst ., ,$(VERSION)))
 
 # -ffp-contract=off: the codec promises bit-identical output on every ISA,
 # so the compiler must not fuse a*b+c into an FMA behind our back.
@@ -21,15 +34,50 @@ ZC_CFLAGS = -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wshadow -Wstrict-prototypes \
 	-Iinclude -I$(BUILD)/gen -Iproto $(OPT) $(SANITIZE) $(CFLAGS) -MMD -MP
 ZC_LDFLAGS = $(SANITIZE) $(LDFLAGS)
 
+# What a plain `make` needs before it can start, each as KIND:THING:PACKAGE
+# (cmd: a program on PATH, pc: a pkg-config module, file: a file); `deps`
+# installs the packages. Without this check a fresh machine's first `make`
+# dies on "protoc: No such file or directory" without saying what to do.
+BUILD_NEEDS = cmd:protoc:protobuf-compiler cmd:protoc-gen-nanopb:nanopb \
+	cmd:pkg-config:pkg-config file:/usr/include/pb.h:libnanopb-dev \
+	pc:libuv:libuv1-dev pc:libmicrohttpd:libmicrohttpd-dev pc:libsystemd:libsystemd-dev
+# Goals that install the packages first (or need none): no check for them;
+# the `$(MAKE) ...` they start afterwards checks.
+NO_NEEDS_GOALS = deps deps-build check run bench asan fuzz clean
+
+ifneq ($(MAKECMDGOALS),)
+SKIP_NEEDS = $(if $(filter-out $(NO_NEEDS_GOALS),$(MAKECMDGOALS)),,yes)
+endif
+ifeq ($(SKIP_NEEDS),)
+MISSING_NEEDS := $(shell IFS=:; for need in $(BUILD_NEEDS); do \
+	set -- $$need; kind=$$1; thing=$$2; package=$$3; \
+	case $$kind in \
+	(cmd) command -v $$thing >/dev/null 2>&1 ;; \
+	(pc) pkg-config --exists $$thing 2>/dev/null ;; \
+	(file) test -e $$thing ;; \
+	esac || printf '%s (package %s); ' $$thing $$package; \
+	done)
+ifneq ($(MISSING_NEEDS),)
+$(error not installed: $(MISSING_NEEDS)run `make deps` as root to install those Debian packages (`make check` and `make run` run it first))
+endif
+endif
+
 # Lazily expanded: pkg-config is only asked once `deps` has installed it.
 UV_LIBS = $(shell pkg-config --libs libuv)
 CHECK_CFLAGS = $(shell pkg-config --cflags check)
 CHECK_LIBS = $(shell pkg-config --libs check)
 NANOPB_LIBS = -lprotobuf-nanopb
+# The same archive by path, for the shared library: wherever the compiler
+# finds it (/usr/lib/<multiarch>/ on Debian), so any architecture builds.
+NANOPB_ARCHIVE = $(shell $(CC) -print-file-name=libprotobuf-nanopb.a)
 SERVER_LIBS = $(shell pkg-config --libs libmicrohttpd libsystemd)
 
-DEPS_PACKAGES = libuv1-dev nanopb libnanopb-dev protobuf-compiler python3-protobuf \
-	check pkg-config python3-numpy python3-pytest libmicrohttpd-dev libsystemd-dev prometheus python3-yaml
+# What `make` needs (the packages of BUILD_NEEDS and a compiler), then what
+# the tests add; `make deps` installs both, `make deps-build` (an image's
+# build stage) the first.
+BUILD_PACKAGES = gcc libc6-dev make $(foreach need,$(BUILD_NEEDS),$(lastword $(subst :, ,$(need))))
+DEPS_PACKAGES = $(BUILD_PACKAGES) python3-protobuf check python3-numpy python3-pytest prometheus \
+	python3-yaml
 
 AVX2_FLAGS = -mavx2 -mfma -mf16c -mbmi -mbmi2
 AVX512_FLAGS = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mbmi -mbmi2
@@ -68,25 +116,28 @@ TESTS = $(addprefix $(BUILD)/tests/,$(TEST_NAMES))
 BENCHES = $(addprefix $(BUILD)/bench/,$(BENCH_NAMES))
 EXAMPLES = $(addprefix $(BUILD)/bin/,$(EXAMPLE_NAMES))
 
-.PHONY: all deps check check-run bench bench-run asan run install clean
+.PHONY: all deps deps-build check check-run check-no-rebuild bench bench-run asan run install clean
 .DEFAULT_GOAL := all
 # Keep objects make considers intermediate, so a second `make` relinks nothing.
 .SECONDARY:
 
-all: $(STATIC_LIB) $(SHARED_LIB) $(DAEMON) $(TOOLS) $(EXAMPLES) $(BUILD)/lib/zipcache.pc
+all: $(STATIC_LIB) $(SHARED_LIB) $(DAEMON) $(TOOLS) $(EXAMPLES)
 
+# Only what is missing, without Recommends, and no service left enabled or
+# running by the install (build-aux/deps.sh says how).
 deps:
-	@missing=""; for p in $(DEPS_PACKAGES); do \
-		dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'install ok installed' \
-			|| missing="$$missing $$p"; \
-	done; \
-	if [ -n "$$missing" ]; then \
-		echo "deps: installing$$missing"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
-	fi
+	@sh build-aux/deps.sh $(DEPS_PACKAGES)
 
-# Generated protobuf code is a build output (never committed).
-$(PROTO_GEN_C) $(PROTO_GEN_H): proto/zipcache.proto proto/zipcache.options
+deps-build:
+	@sh build-aux/deps.sh $(BUILD_PACKAGES)
+
+# Generated protobuf code is a build output (never committed). One protoc
+# run writes both files: a grouped target (&:), so make runs it once. With
+# a plain two-target rule make runs it again for the second file (its
+# cached listing of build/gen predates the first run), the header gets a
+# newer mtime than the objects built in between, and the next `make`
+# recompiles and relinks them.
+$(PROTO_GEN_C) $(PROTO_GEN_H) &: proto/zipcache.proto proto/zipcache.options
 	@mkdir -p $(BUILD)/gen
 	protoc --plugin=protoc-gen-nanopb=/usr/bin/protoc-gen-nanopb -Iproto \
 		--nanopb_out=-fproto/zipcache.options:$(BUILD)/gen proto/zipcache.proto
@@ -113,13 +164,9 @@ $(STATIC_LIB): $(LIB_OBJ)
 # link only -lzipcache.
 $(SHARED_LIB): $(LIB_OBJ) client/libzipcache.map
 	@mkdir -p $(dir $@)
-	$(CC) -shared -Wl,-soname,libzipcache.so.0 -Wl,--version-script=client/libzipcache.map -o $@ $(LIB_OBJ) \
-		-Wl,--whole-archive /usr/lib/x86_64-linux-gnu/libprotobuf-nanopb.a \
+	$(CC) -shared -Wl,-soname,$(SONAME) -Wl,--version-script=client/libzipcache.map -o $@ $(LIB_OBJ) \
+		-Wl,--whole-archive $(NANOPB_ARCHIVE) \
 		-Wl,--no-whole-archive -lm $(ZC_LDFLAGS)
-
-$(BUILD)/lib/zipcache.pc: Makefile
-	@mkdir -p $(dir $@)
-	printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: zipcache\nDescription: zipcached client library and codec\nVersion: 0.1.0\nLibs: -L$${libdir} -lzipcache\nCflags: -I$${includedir}\n' '$(PREFIX)' > $@
 
 $(SERVER_LIB): $(SERVER_OBJ)
 	@mkdir -p $(dir $@)
@@ -149,7 +196,7 @@ $(BUILD)/bench/%: $(BUILD)/obj/bench/%_bench.o $(BENCH_LIB_OBJ) $(LINK_ALL)
 	$(CC) -o $@ $^ $(LINK_LIBS) $(ZC_LDFLAGS)
 
 check: deps
-	@$(MAKE) --no-print-directory check-run
+	@$(MAKE) --no-print-directory check-run check-no-rebuild
 
 # The Python client's pytest suite; not under sanitizers, whose runtime
 # cannot load into an uninstrumented python3.
@@ -159,10 +206,17 @@ PYTHON_SUITES = $(if $(SANITIZE),,python/run_tests.sh)
 check-run: all $(TESTS)
 	@pass=0; fail=0; for t in $(TESTS) $(PYTHON_SUITES); do \
 		echo "== $$t"; \
-		if ZC_BUILD_DIR=$(abspath $(BUILD)) $$t; then pass=$$((pass+1)); \
+		if ZC_BUILD_DIR=$(abspath $(BUILD)) ZC_SOURCE_DIR=$(CURDIR) $$t; then pass=$$((pass+1)); \
 		else fail=$$((fail+1)); echo "FAILED: $$t"; fi; \
 	done; \
 	echo "suites: $$pass passed, $$fail failed"; [ $$fail -eq 0 ]
+
+# After a full build a second `make` must find nothing to do; -q asks
+# make without building anything, so this can run right after the tests.
+check-no-rebuild:
+	@$(MAKE) --no-print-directory -q all $(TESTS) || { \
+		echo "check-no-rebuild: a second make would rebuild something (make -d all says what)"; \
+		exit 1; }
 
 bench: deps
 	@$(MAKE) --no-print-directory bench-run
@@ -172,18 +226,39 @@ bench-run: all $(BENCHES)
 
 asan: deps
 	@$(MAKE) --no-print-directory BUILD=build/asan OPT='-O1 -g -fno-omit-frame-pointer' \
-		SANITIZE='-fsanitize=address,undefined -fno-sanitize-recover=undefined' check-run
+		SANITIZE='-fsanitize=address,undefined -fno-sanitize-recover=undefined' \
+		check-run check-no-rebuild
 
 run: deps
 	@$(MAKE) --no-print-directory all
 	$(DAEMON) $(RUN_ARGS)
 
+# The shared library goes in as libzipcache.so.VERSION with the soname
+# link (what programs load) and the development link (what -lzipcache
+# finds); ldconfig then puts it in the loader's cache. The .pc file is
+# written here, not at build time, so it names the PREFIX of the install.
 install: all
-	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include/zipcache
-	install -m 755 $(DAEMON) $(TOOLS) $(DESTDIR)$(PREFIX)/bin
-	install -m 644 $(STATIC_LIB) $(SHARED_LIB) $(DESTDIR)$(PREFIX)/lib
-	install -m 644 $(BUILD)/lib/zipcache.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig
-	install -m 644 include/zipcache/*.h $(DESTDIR)$(PREFIX)/include/zipcache
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(INCLUDEDIR)/zipcache
+	install -m 755 $(DAEMON) $(TOOLS) $(DESTDIR)$(BINDIR)
+	install -m 644 $(STATIC_LIB) $(DESTDIR)$(LIBDIR)
+	install -m 755 $(SHARED_LIB) $(DESTDIR)$(LIBDIR)/libzipcache.so.$(VERSION)
+	ln -sfn libzipcache.so.$(VERSION) $(DESTDIR)$(LIBDIR)/$(SONAME)
+	ln -sfn $(SONAME) $(DESTDIR)$(LIBDIR)/libzipcache.so
+	printf '%s\n' 'prefix=$(PREFIX)' 'libdir=$(LIBDIR)' 'includedir=$(INCLUDEDIR)' '' \
+		'Name: zipcache' 'Description: zipcached client library and codec' 'Version: $(VERSION)' \
+		'Libs: -L$${libdir} -lzipcache' 'Libs.private: $(NANOPB_LIBS) -lm' 'Cflags: -I$${includedir}' \
+		> $(DESTDIR)$(LIBDIR)/pkgconfig/zipcache.pc
+	install -m 644 include/zipcache/*.h $(DESTDIR)$(INCLUDEDIR)/zipcache
+	$(if $(PYTHONDIR),install -d $(DESTDIR)$(PYTHONDIR)/zipcache,@echo "install: no $(PYTHON): the Python package is not installed")
+	$(if $(PYTHONDIR),install -m 644 python/zipcache/*.py $(DESTDIR)$(PYTHONDIR)/zipcache)
+	@if [ -n "$(DESTDIR)" ]; then :; \
+	elif [ "$$(id -u)" -ne 0 ]; then \
+		echo "install: not root, so ldconfig did not run: programs find $(SONAME) only through LD_LIBRARY_PATH=$(LIBDIR) or -Wl,-rpath,$(LIBDIR)"; \
+	else \
+		echo ldconfig; ldconfig; \
+		ldconfig -p | grep -qF '=> $(LIBDIR)/$(SONAME)' || \
+		echo "install: $(LIBDIR) is not on the dynamic linker's path: add it to a file in /etc/ld.so.conf.d/ and run ldconfig (or link with -Wl,-rpath,$(LIBDIR))"; \
+	fi
 
 clean:
 	rm -rf $(BUILD)

@@ -13,6 +13,10 @@ Sections (all by default):
               metric names; each query through promtool when installed
   systemd     the unit's directives and flags; `systemd-analyze verify` when
               installed
+  container   the Containerfile against the manifests: Debian 12 base, image
+              tag and version, user, program, socket and session paths, and
+              (with --zipcached, where readelf and dpkg are) that the runtime
+              stage installs the libraries the daemon links
 
 --zipcached BIN: flags in the unit and the manifests must be ones `BIN --help`
 lists (a flag the daemon does not know makes it exit at start).
@@ -43,6 +47,13 @@ except ImportError:
     sys.exit(2)
 
 SKIP = 77
+
+# The image's base (Debian 12), and the package of its C library, which
+# every Debian image holds and the Containerfile need not install.
+CONTAINER_BASE = "debian:bookworm-slim"
+CONTAINER_BASE_PACKAGES = {"libc6"}
+# Sanitizer runtimes a `make asan` daemon links; the image's build is not one.
+SANITIZER_LIBRARY = re.compile(r"^lib(a|ub|t|l|hwa)san\.so")
 
 # What zipcached exports (server/metrics.c); a dashboard or rule naming
 # anything else plots nothing. --metrics-url replaces it with the truth.
@@ -465,8 +476,167 @@ class Checker:
                     ours or [(out.stdout + out.stderr).strip()]))
         return True
 
+    # ---- the container image ----
 
-SECTIONS = ("yaml", "kubernetes", "prometheus", "grafana", "systemd")
+    def section_container(self):
+        path = os.path.join(self.root, "Containerfile")
+        where = self.rel(path)
+        if not os.path.exists(path):
+            self.fail(self.root, "no Containerfile")
+            return True
+        stages = parse_containerfile(path)
+        if not stages:
+            self.fail(where, "no FROM")
+            return True
+        names = {stage["name"] for stage in stages if stage["name"]}
+        for stage in stages:
+            if stage["base"] not in names and stage["base"] != CONTAINER_BASE:
+                self.fail(where, f"FROM {stage['base']} is not {CONTAINER_BASE} (Debian 12)")
+        final = stages[-1]
+        if not any(keyword == "RUN" and re.search(r"\bmake\b", text)
+                   for stage in stages[:-1] for keyword, text in stage["steps"]):
+            self.fail(where, "no build stage that runs make")
+        steps = final["steps"]
+
+        def last(keyword):
+            values = [text for k, text in steps if k == keyword]
+            return values[-1] if values else None
+
+        user = last("USER") or ""
+        uid, _, gid = user.partition(":")
+        if not (uid.isdigit() and gid.isdigit()):
+            self.fail(where, f"USER {user or '(none)'} is not a numeric uid:gid "
+                             "(runAsNonRoot can only check a number)")
+        try:
+            entrypoint = json.loads(last("ENTRYPOINT") or "[]")
+            command = json.loads(last("CMD") or "[]")
+        except ValueError:
+            self.fail(where, "ENTRYPOINT and CMD must be JSON arrays (exec form)")
+            return True
+        flags = self.check_flags(f"{where} CMD", command)
+        program = entrypoint[0] if entrypoint else ""
+        copies = [text.split()[-1] for k, text in steps if k == "COPY" and "--from=" in text]
+        if not any(program.startswith(destination.rstrip("/") + "/") for destination in copies):
+            self.fail(where, f"ENTRYPOINT {program or '(none)'} is not where a COPY --from put the build")
+        run_text = " ".join(text for k, text in steps if k == "RUN")
+        for option, wanted in (("--uid", uid), ("--gid", gid)):
+            if not re.search(rf"{option} {re.escape(wanted)}\b", run_text):
+                self.fail(where, f"the final stage creates no user or group with {option} {wanted}")
+        socket_dir = os.path.dirname(flags.get("--socket", ""))
+        if not socket_dir or socket_dir not in run_text:
+            self.fail(where, f"the socket's directory {socket_dir or '(no --socket)'} is not created")
+        version = dict(re.findall(r'([\w.]+)="([^"]*)"', last("LABEL") or "")).get(
+            "org.opencontainers.image.version")
+        source_version = self.source_version()
+        if not version:
+            self.fail(where, "no LABEL org.opencontainers.image.version")
+        elif source_version and version != source_version:
+            self.fail(where, f"image version {version} is not the program's {source_version} "
+                             "(proto/version.h)")
+        installed = set()
+        for text in (t for k, t in steps if k == "RUN"):
+            for match in re.finditer(r"apt-get install ((?:-\S+\s+)*)([^&;|]+)", text):
+                installed.update(word for word in match.group(2).split() if not word.startswith("-"))
+        for package in sorted(installed):
+            if package.endswith("-dev") or package in ("gcc", "make", "python3"):
+                self.fail(where, f"the runtime stage installs {package}, a build tool")
+
+        for here, pod, container in self.daemon_containers():
+            image = container.get("image") or ""
+            repository, _, tag = image.rpartition(":")
+            if repository.rpartition("/")[2] != "zipcached" or tag != version:
+                self.fail(here, f"image {image} is not the Containerfile's zipcached:{version}")
+            context = dict(pod.get("securityContext") or {})
+            context.update(container.get("securityContext") or {})
+            if str(context.get("runAsUser")) != uid or str(context.get("runAsGroup")) != gid:
+                self.fail(here, f"runs as {context.get('runAsUser')}:{context.get('runAsGroup')}, "
+                                f"the image's USER is {user}")
+            manifest_command = list(container.get("command") or [])
+            if manifest_command[:1] != [program]:
+                self.fail(here, f"command {manifest_command[:1]} is not the image's ENTRYPOINT {program}")
+            manifest_flags = self.check_flags(here, manifest_command[1:] + list(container.get("args") or []))
+            for flag in ("--socket", "--shm-dir"):
+                if manifest_flags.get(flag) != flags.get(flag):
+                    self.fail(here, f"{flag} {manifest_flags.get(flag)} is not the image's "
+                                    f"{flags.get(flag)}")
+        return self.check_runtime_libraries(where, installed)
+
+    def daemon_containers(self):
+        """(where, pod spec, container) of every zipcached container in the manifests."""
+        for path in self.files(".yaml"):
+            try:
+                documents = self.load_yaml(path)
+            except yaml.YAMLError:
+                continue   # reported by the yaml section
+            for index, doc in enumerate(documents):
+                if not isinstance(doc, dict):
+                    continue
+                spec = doc.get("spec") or {}
+                if doc.get("kind") != "Pod":
+                    spec = (spec.get("template") or {}).get("spec") or {}
+                for container in list(spec.get("containers") or []) + list(spec.get("initContainers") or []):
+                    if container.get("name") == "zipcached":
+                        yield f"{self.rel(path)}[{index}] container zipcached", spec, container
+
+    def source_version(self):
+        """ZIPCACHE_VERSION of the source tree above deploy/, or None outside one."""
+        path = os.path.join(self.root, os.pardir, "proto", "version.h")
+        try:
+            with open(path, encoding="utf-8") as stream:
+                found = re.search(r'^#define ZIPCACHE_VERSION "([^"]+)"', stream.read(), re.M)
+        except OSError:
+            return None
+        return found.group(1) if found else None
+
+    def check_runtime_libraries(self, where, installed):
+        """The packages of the libraries the daemon links (NEEDED) are installed."""
+        readelf, dpkg = shutil.which("readelf"), shutil.which("dpkg")
+        if not (self.zipcached and readelf and dpkg):
+            self.notes.append("no --zipcached, readelf or dpkg: the image's runtime libraries "
+                              "were not compared with the daemon's")
+            return False
+        out = subprocess.run([readelf, "-d", self.zipcached], capture_output=True, text=True,
+                             timeout=60)
+        needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out.stdout)
+        if out.returncode != 0 or not needed:
+            self.fail(where, f"readelf -d {self.zipcached}: {out.stderr.strip() or 'no NEEDED'}")
+            return True
+        for soname in needed:
+            if SANITIZER_LIBRARY.match(soname):
+                continue
+            owner = subprocess.run([dpkg, "-S", f"*/{soname}"], capture_output=True, text=True,
+                                   timeout=60)
+            packages = {line.split(":")[0] for line in owner.stdout.splitlines() if ":" in line}
+            if not packages:
+                self.notes.append(f"no Debian package holds {soname}: not compared")
+                continue
+            if not packages & (installed | CONTAINER_BASE_PACKAGES):
+                self.fail(where, f"zipcached needs {soname} ({' or '.join(sorted(packages))}), "
+                                 "which the runtime stage does not install")
+        return True
+
+
+def parse_containerfile(path):
+    """Stages of a Containerfile: [{base, name, steps: [(KEYWORD, text)]}]."""
+    with open(path, encoding="utf-8") as stream:
+        lines = [line for line in stream.read().splitlines() if not line.lstrip().startswith("#")]
+    text = re.sub(r"\\\n", " ", "\n".join(lines))
+    stages = []
+    for line in text.splitlines():
+        keyword, _, rest = line.strip().partition(" ")
+        keyword, rest = keyword.upper(), " ".join(rest.split())
+        if not keyword:
+            continue
+        if keyword == "FROM":
+            words = rest.split()
+            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else None
+            stages.append({"base": words[0] if words else "", "name": name, "steps": []})
+        elif stages:
+            stages[-1]["steps"].append((keyword, rest))
+    return stages
+
+
+SECTIONS = ("yaml", "kubernetes", "prometheus", "grafana", "systemd", "container")
 
 
 def exported_metrics(url):

@@ -1,6 +1,6 @@
 /*
  * Tests for deploy/: the systemd unit, the Kubernetes manifests, the
- * Prometheus configuration and the Grafana dashboard.
+ * Containerfile, the Prometheus configuration and the Grafana dashboard.
  *
  * The checks themselves live in deploy/check.py (an operator runs the
  * same script after editing a file); these tests run it, section by
@@ -181,7 +181,8 @@ static void start_daemon_with_metrics(char *url, size_t size)
 	}
 }
 
-static const char *const sections[] = { "yaml", "kubernetes", "prometheus", "grafana", "systemd" };
+static const char *const sections[] = { "yaml", "kubernetes", "prometheus", "grafana", "systemd",
+					"container" };
 
 /* One section of check.py, with the flags of the built daemon and the
  * metric names of a running one. */
@@ -256,6 +257,11 @@ START_TEST(test_check_catches_mistakes)
 	/* A unit that would lose every session on restart. */
 	snprintf(path, sizeof(path), "%s/zipcached.service", copy);
 	replace_in_file(path, "RemoveIPC=no", "DynamicUser=yes");
+	/* An image whose user is not the one the manifests run as, and
+	 * which lacks a library the daemon loads. */
+	snprintf(path, sizeof(path), "%s/Containerfile", copy);
+	replace_in_file(path, "USER 10001:10001", "USER 10002:10001");
+	replace_in_file(path, " libmicrohttpd12 ", " ");
 
 	snprintf(script, sizeof(script), "%s/check.py", deploy_dir());
 	char *argv[] = { PYTHON, script, "--zipcached", (char *)daemon_path(), copy, NULL };
@@ -267,6 +273,8 @@ START_TEST(test_check_catches_mistakes)
 		"unknown metric zipcache_compresion_ratio",
 		"DynamicUser= implies RemoveIPC=yes",
 		"no RemoveIPC=",
+		"the image's USER is 10002:10001",
+		"zipcached needs libmicrohttpd.so.12",
 	};
 	for (size_t i = 0; i < sizeof(expected) / sizeof(expected[0]); i++)
 		ck_assert_msg(strstr(output, expected[i]) != NULL, "check.py did not report '%s':\n%s",

@@ -12,6 +12,7 @@
 #include <check.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
@@ -896,6 +897,122 @@ START_TEST(test_cannot_connect)
 }
 END_TEST
 
+/* The uid and gid the permission tests run zipcachectl as (nobody). */
+#define NOBODY 65534
+
+/*
+ * Runs ctl (a copy of zipcachectl) as uid/gid NOBODY with no
+ * supplementary groups: `ctl --socket socket stats`. Output files are
+ * opened before the privileges go, so they may stay root's.
+ */
+static void run_as_nobody(run_result *result, const char *ctl, const char *socket)
+{
+	char err_path[PATH_MAX + 16];
+	pid_t child;
+	int status;
+
+	snprintf(result->out_path, sizeof(result->out_path), "%s/stdout", work_dir);
+	snprintf(err_path, sizeof(err_path), "%s/stderr", work_dir);
+	fflush(stdout);
+	fflush(stderr);
+	child = fork_dying_with_parent(126);
+	if (child == 0) {
+		int in = open("/dev/null", O_RDONLY);
+		int out = open(result->out_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+		int err = open(err_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+
+		if (in < 0 || out < 0 || err < 0 || dup2(in, 0) < 0 || dup2(out, 1) < 0 ||
+		    dup2(err, 2) < 0)
+			_exit(126);
+		if (chdir("/") != 0 || setgroups(0, NULL) != 0 || setgid(NOBODY) != 0 ||
+		    setuid(NOBODY) != 0)
+			_exit(125);
+		unsetenv("ZIPCACHE_SOCKET");
+		execl(ctl, "zipcachectl", "--socket", socket, "stats", (char *)NULL);
+		_exit(127);
+	}
+	ck_assert_int_eq(waitpid(child, &status, 0), child);
+	ck_assert_msg(WIFEXITED(status), "zipcachectl died of signal %d", WTERMSIG(status));
+	ck_assert_msg(WEXITSTATUS(status) < 125, "could not run %s as uid %d (status %d)", ctl,
+		      NOBODY, WEXITSTATUS(status));
+	result->status = WEXITSTATUS(status);
+	result->out = file_read_whole(result->out_path, &result->out_length);
+	result->err = file_read_whole(err_path, &result->err_length);
+}
+
+/* assert_error(), and the denial is not reported as a missing file. */
+static void assert_denied(const run_result *result, const char *words)
+{
+	assert_error(result, 1, "permission denied: uid 65534");
+	assert_error(result, 1, words);
+	ck_assert_msg(strstr(result->err, "No such file") == NULL, "%s", result->err);
+}
+
+/*
+ * A user who may not reach the socket is told "permission denied", what
+ * is closed to it (the socket, or which directory on the way), and which
+ * group would let it in; not "No such file or directory". Needs root to
+ * become nobody; zipcachectl runs from a copy nobody may execute, as the
+ * build tree may be closed to it (/root/...). The daemon's socket
+ * (0660, root's group) is reached through hard links in directories of
+ * several modes: a socket is its inode, whatever name it is dialled by.
+ */
+START_TEST(test_permission_denied)
+{
+	char ctl[PATH_MAX + 32], closed[PATH_MAX + 16], linked[PATH_MAX + 32];
+	run_result result = { 0 };
+	size_t size;
+	char *binary_text;
+	FILE *copy;
+
+	if (geteuid() != 0) {
+		printf("test_permission_denied: skipped, needs root to run as uid %d\n", NOBODY);
+		return;
+	}
+	/* Others may pass through the work directory, not list it. */
+	ck_assert_int_eq(chmod(work_dir, 0711), 0);
+	snprintf(ctl, sizeof(ctl), "%s/bin", work_dir);
+	ck_assert_int_eq(mkdir(ctl, 0755), 0);
+	strncat(ctl, "/zipcachectl", sizeof(ctl) - strlen(ctl) - 1);
+	binary_text = file_read_whole(binary("zipcachectl"), &size);
+	copy = fopen(ctl, "w");
+	ck_assert(copy != NULL);
+	ck_assert_uint_eq(fwrite(binary_text, 1, size, copy), size);
+	ck_assert_int_eq(fclose(copy), 0);
+	free(binary_text);
+	ck_assert_int_eq(chmod(ctl, 0755), 0);
+
+	/* The socket itself: 0660, group root. */
+	run_as_nobody(&result, ctl, socket_path);
+	assert_denied(&result, "may not write to the socket");
+	assert_error(&result, 1, "(owner root, group root, mode 0660); join group root");
+	run_result_free(&result);
+
+	/* A directory on the way that the group may enter. */
+	ck_assert_int_eq(chmod(socket_path, 0666), 0);
+	snprintf(closed, sizeof(closed), "%s/closed", work_dir);
+	snprintf(linked, sizeof(linked), "%s/z.sock", closed);
+	ck_assert_int_eq(mkdir(closed, 0750), 0);
+	ck_assert_int_eq(link(socket_path, linked), 0);
+	run_as_nobody(&result, ctl, linked);
+	assert_denied(&result, "may not enter ");
+	assert_error(&result, 1, "/closed (owner root, group root, mode 0750); join group root");
+	run_result_free(&result);
+
+	/* One that only its owner may enter: no group to join. */
+	ck_assert_int_eq(chmod(closed, 0700), 0);
+	run_as_nobody(&result, ctl, linked);
+	assert_denied(&result, "mode 0700); only its owner root may");
+	run_result_free(&result);
+
+	/* Open to everyone, the same user connects: it was the modes. */
+	ck_assert_int_eq(chmod(closed, 0755), 0);
+	run_as_nobody(&result, ctl, linked);
+	assert_ok(&result);
+	run_result_free(&result);
+}
+END_TEST
+
 START_TEST(test_socket_from_environment)
 {
 	char *argv[] = { (char *)binary("zipcachectl"), "stats", "--json", NULL };
@@ -1183,6 +1300,7 @@ static Suite *zipcachectl_suite(void)
 	tcase_add_loop_test(errors, test_error_exit, 0,
 			    (int)(sizeof(error_cases) / sizeof(error_cases[0])));
 	tcase_add_test(errors, test_cannot_connect);
+	tcase_add_test(errors, test_permission_denied);
 	tcase_add_test(errors, test_help_and_version);
 	suite_add_tcase(suite, errors);
 

@@ -247,7 +247,15 @@ static int ctl_connect(struct ctl *ctl)
 	int rc = zc_client_connect(ctl->socket_path, ctl->timeout_ms, &ctl->client);
 
 	if (rc < 0) {
+		char hint[PATH_MAX + 512];
+
 		ctl->client = NULL;
+		/* A socket closed to this user is the newcomer's usual case:
+		 * say which directory or socket, and which group opens it. */
+		if (failure_socket_hint(ctl->socket_path, rc, CTL_SYSTEMD_SOCKET, hint, sizeof(hint)))
+			return ctl_fail(CTL_EXIT_FAILURE, "cannot connect to %s: %s%s%s", ctl->socket_path,
+					rc == -ENOENT ? zc_strerror(rc) : "",
+					rc == -ENOENT ? "; " : "", hint);
 		return ctl_fail(CTL_EXIT_FAILURE, "cannot connect to %s: %s", ctl->socket_path,
 				zc_strerror(rc));
 	}
