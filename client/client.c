@@ -861,7 +861,28 @@ int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *s
 		stats->tokens_appended = r->tokens_appended;
 		stats->uptime_ms = r->uptime_ms;
 		stats->boot_epoch = r->boot_epoch;
+		stats->memory_file_bytes = r->memory_file_bytes;
+		stats->set_aside_files = r->set_aside_total;
 	}
+	wire_response_free(&response);
+	return 0;
+}
+
+int zc_client_set_aside(zc_client *client, zc_set_aside_file *files, size_t capacity,
+			size_t *count)
+{
+	wire_request request = { 0 };
+	wire_response response;
+	request.msg.which_op = zipcache_v1_Request_stats_tag;
+	int rc = call(client, &request, &response, NULL, 0);
+	if (rc < 0)
+		return rc;
+	const zipcache_v1_StatsResponse *r = &response.msg.op.stats;
+	for (size_t i = 0; files && i < capacity && i < r->set_aside_count; i++) {
+		snprintf(files[i].file, sizeof(files[i].file), "%s", r->set_aside[i].file);
+		snprintf(files[i].reason, sizeof(files[i].reason), "%s", r->set_aside[i].reason);
+	}
+	*count = r->set_aside_total;
 	wire_response_free(&response);
 	return 0;
 }

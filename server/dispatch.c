@@ -238,7 +238,20 @@ static void stats_daemon_fill(const struct connection *connection, zipcache_v1_S
 	server_counters_fill(server, stats);
 	stats->memory_budget_bytes = server->options.memory_budget;
 	stats->daemon_wide = own->trusted;
+	for (size_t i = 0; i < server->sessions.count; i++) {
+		const struct session *s = server->sessions.items[i];
+		if (own->trusted || s->owner_uid == connection->uid)
+			stats->memory_file_bytes += store_memory_bytes(s->store);
+	}
 	if (own->trusted) {
+		const struct adoption *adoption = &server->adoption;
+		size_t listed = sizeof(stats->set_aside) / sizeof(stats->set_aside[0]);
+		stats->set_aside_total = (uint32_t)adoption->n_set_aside;
+		for (size_t i = 0; i < adoption->n_set_aside && i < listed; i++) {
+			zipcache_v1_SetAsideFile *f = &stats->set_aside[stats->set_aside_count++];
+			snprintf(f->file, sizeof(f->file), "%s", adoption->set_aside[i].file);
+			snprintf(f->reason, sizeof(f->reason), "%s", adoption->set_aside[i].reason);
+		}
 		stats->sessions = (uint32_t)server->sessions.count;
 		stats->connections = server->n_connections;
 		stats->memory_used_bytes = server_memory_bytes(server);

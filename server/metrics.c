@@ -258,6 +258,15 @@ int metrics_render(const struct server *server, char **out, size_t *out_len)
 	gauge(&text, "zipcache_memory_used_bytes",
 	      "Memory charged to the budget: session files, staging buffers, queued replies.",
 	      (double)server_memory_bytes(server));
+	uint64_t file_bytes = 0;
+	for (size_t i = 0; i < server->sessions.count; i++)
+		file_bytes += store_memory_bytes(server->sessions.items[i]->store);
+	gauge(&text, "zipcache_memory_file_bytes",
+	      "Memory the session files really hold (allocated blocks); the charge catches up within a second.",
+	      (double)file_bytes);
+	gauge(&text, "zipcache_session_files_set_aside",
+	      "Session files in the shm-dir not adopted (corrupt, or another uid's).",
+	      (double)server->adoption.n_set_aside);
 	gauge(&text, "zipcache_memory_budget_bytes", "The memory budget (0: none).",
 	      (double)server->options.memory_budget);
 	gauge(&text, "zipcache_staging_bytes",

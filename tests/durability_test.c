@@ -602,6 +602,21 @@ START_TEST(corrupt_files_set_aside_healthy_ones_adopted)
 	ck_assert_msg(strstr(daemon_log_tail(&daemon, tail, sizeof(tail)), "format version") != NULL,
 		      "the log does not say why the file was set aside:\n%s", tail);
 	client = connect_client(&daemon);
+	/* zipcachectl and the stats say which file and why. */
+	zc_set_aside_file files[4];
+	size_t n_files = 0;
+	ck_assert_int_eq(zc_client_set_aside(client, files, 4, &n_files), 0);
+	ck_assert_uint_eq(n_files, 1);
+	ck_assert_msg(strstr(files[0].file, ".corrupt") && strstr(files[0].reason, "format version"),
+		      "set aside: %s: %s", files[0].file, files[0].reason);
+	char ctl_path[PATH_MAX], out[4096], err[4096];
+	int ctl_status = 0;
+	snprintf(ctl_path, sizeof(ctl_path), "%s/bin/zipcachectl", build_dir());
+	const char *const ctl_argv[] = { ctl_path, "--socket", daemon.socket_path, "set-aside", NULL };
+	ck_assert_int_eq(program_run(ctl_argv, &ctl_status, out, sizeof(out), err, sizeof(err)), 0);
+	ck_assert_msg(WIFEXITED(ctl_status) && WEXITSTATUS(ctl_status) == 0 &&
+			      strstr(out, files[0].file) && strstr(out, "format version"),
+		      "zipcachectl set-aside printed:\n%s%s", out, err);
 	config.name = "healthy";
 	config.attach = true;
 	healthy = open_session(client, &config);
@@ -923,6 +938,105 @@ START_TEST(full_tmpfs_is_an_error_not_a_sigbus)
 }
 END_TEST
 
+
+/* ---- memory as the files hold it -------------------------------------------------- */
+
+static uint64_t stats_of(zc_client *client, uint64_t *file_bytes)
+{
+	zc_server_stats stats;
+	ck_assert_int_eq(zc_client_stats(client, &stats), 0);
+	*file_bytes = stats.memory_file_bytes;
+	return stats.memory_used_bytes;
+}
+
+/*
+ * A client that reads its whole mapping after relief dropped its views
+ * makes tmpfs allocate the pages again, behind the daemon's back. The
+ * charge must catch up with what the files hold, and admission then
+ * counts it: the budget is never passed by more than a reader can fault
+ * in between two ticks.
+ */
+START_TEST(client_read_faults_are_charged)
+{
+	struct daemon_harness daemon;
+	const char *const args[] = { "--memory-budget", "8M", "--idle-ttl", "0", NULL };
+	zc_session_config config = script_config(S_IDLE);
+	struct model model;
+	struct rng rng;
+	uint64_t files_before, files_after;
+
+	config.max_tokens = 4096;
+	daemon_start(&daemon, args);
+	zc_client *client = connect_client(&daemon);
+	config.name = "reader";
+	zc_session *reader = open_session(client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 5);
+	CHECK(update_checked, client, reader, &model, &rng, 0, 256);
+	zc_view view;
+	ck_assert_int_eq(zc_session_view(reader, 0, &view), 0);
+	/* Another session's growth makes relief drop the reader's views. */
+	config.name = "grower";
+	zc_session *grower = open_session(client, &config);
+	struct model grower_model;
+	model_init(&grower_model, &config);
+	for (int i = 0; i < 8; i++) {
+		struct block block;
+		block_make(&block, &grower_model, 256, &rng);
+		zc_view ignored;
+		int rc = zc_update_and_fetch(grower, 0, 256, block.keys, block.values, &ignored, NULL);
+		if (rc == 0)
+			model_update(&grower_model, 0, 256, block.keys, block.values);
+		block_free(&block);
+		if (rc < 0)
+			break;
+	}
+	uint64_t used_before = stats_of(client, &files_before);
+	/* The reader touches every row of its (dropped) mapping. */
+	volatile uint64_t sum = 0;
+	size_t head_elements = (size_t)view.max_tokens * view.head_dim_k;
+	for (size_t h = 0; h < (size_t)view.batch * view.kv_heads; h++)
+		for (size_t i = 0; i < head_elements; i += 2048) {
+			sum += view.keys[h * head_elements + i];
+			sum += view.values[h * head_elements + i];
+		}
+	(void)sum;
+	uint64_t used_after = 0;
+	for (int i = 0; i < 40; i++) {
+		used_after = stats_of(client, &files_after);
+		if (used_after >= files_after && files_after > files_before)
+			break;
+		sleep_ms(100);
+	}
+	fprintf(stderr, "read faults: files %llu -> %llu bytes, charged %llu -> %llu\n",
+		(unsigned long long)files_before, (unsigned long long)files_after,
+		(unsigned long long)used_before, (unsigned long long)used_after);
+	ck_assert_msg(files_after > files_before + (8u << 20),
+		      "the reads did not allocate pages (%llu -> %llu): the test measured nothing",
+		      (unsigned long long)files_before, (unsigned long long)files_after);
+	ck_assert_msg(used_after >= files_after,
+		      "the daemon charges %llu bytes while its files hold %llu",
+		      (unsigned long long)used_after, (unsigned long long)files_after);
+	/* Over the budget now: new tokens need relief first, or are refused. */
+	struct block block;
+	block_make(&block, &grower_model, 256, &rng);
+	int rc = zc_update_and_fetch(grower, 0, 256, block.keys, block.values, &view, NULL);
+	block_free(&block);
+	uint64_t files_end;
+	uint64_t used_end = stats_of(client, &files_end);
+	ck_assert_msg(rc == ZC_EEXHAUSTED || used_end <= 8u << 20,
+		      "an update went through with %llu bytes charged under an 8 MiB budget",
+		      (unsigned long long)used_end);
+	zc_session_release(grower);
+	zc_session_release(reader);
+	model_free(&grower_model);
+	model_free(&model);
+	zc_client_close(client);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+}
+END_TEST
+
 static Suite *durability_suite(void)
 {
 	Suite *suite = suite_create("durability");
@@ -931,7 +1045,7 @@ static Suite *durability_suite(void)
 		{ "adoption",
 		  { descriptor_limit_never_sets_files_aside, corrupt_files_set_aside_healthy_ones_adopted,
 		    NULL } },
-		{ "tmpfs", { full_tmpfs_is_an_error_not_a_sigbus, NULL } },
+		{ "tmpfs", { full_tmpfs_is_an_error_not_a_sigbus, client_read_faults_are_charged, NULL } },
 		{ "trust", { untrusted_shm_dir_is_refused, a_client_of_the_daemons_uid_cannot_hurt_it,
 			     NULL } },
 	};

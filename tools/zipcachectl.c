@@ -76,6 +76,7 @@ enum ctl_command {
 	CMD_SESSION,
 	CMD_CLOSE,
 	CMD_WATCH,
+	CMD_SET_ASIDE,
 	CMD_HELP
 };
 
@@ -112,6 +113,8 @@ static void ctl_usage(FILE *stream)
 		"                       a live table of sessions, tokens, bytes, compression\n"
 		"                       ratio, idle time and request rate, every S seconds\n"
 		"                       (default 1) until interrupted, or N times\n"
+		"  set-aside            session files the daemon did not adopt (corrupt, or\n"
+		"                       another uid's) and why; root and the daemon's user only\n"
 		"  help                 this text\n"
 		"\n"
 		"options:\n"
@@ -434,6 +437,8 @@ static void json_server_stats(struct json *json, const zc_server_stats *stats)
 	json_uint(json, "connections", stats->connections);
 	json_uint(json, "memory_used_bytes", stats->memory_used_bytes);
 	json_uint(json, "memory_budget_bytes", stats->memory_budget_bytes);
+	json_uint(json, "memory_file_bytes", stats->memory_file_bytes);
+	json_uint(json, "set_aside_files", stats->set_aside_files);
 	json_uint(json, "requests", stats->requests);
 	json_uint(json, "request_errors", stats->request_errors);
 	json_uint(json, "tokens_appended", stats->tokens_appended);
@@ -481,7 +486,7 @@ static int cmd_stats(struct ctl *ctl)
 	const zc_server_info *server;
 	zc_server_stats stats;
 	zc_uid_stats own;
-	char used[32], budget[32], uptime[32];
+	char used[32], budget[32], uptime[32], files[32];
 	int rc = ctl_connect(ctl);
 
 	if (rc)
@@ -523,6 +528,9 @@ static int cmd_stats(struct ctl *ctl)
 	table_add(&table, "memory used");
 	table_add(&table, "%s (%" PRIu64 " bytes)", format_bytes(used, sizeof(used), stats.memory_used_bytes),
 		  stats.memory_used_bytes);
+	table_add(&table, "memory in files");
+	table_add(&table, "%s (%" PRIu64 " bytes: what the session files hold)",
+		  format_bytes(files, sizeof(files), stats.memory_file_bytes), stats.memory_file_bytes);
 	table_add(&table, "memory budget");
 	if (stats.memory_budget_bytes)
 		table_add(&table, "%s (%" PRIu64 " bytes, %.1f%% used)",
@@ -539,6 +547,10 @@ static int cmd_stats(struct ctl *ctl)
 	table_add(&table, "%" PRIu64, stats.tokens_appended);
 	table_add(&table, "boot epoch");
 	table_add(&table, "%" PRIu64, stats.boot_epoch);
+	if (stats.set_aside_files) {
+		table_add(&table, "set-aside files");
+		table_add(&table, "%u (zipcachectl set-aside says why)", stats.set_aside_files);
+	}
 	/* Another user's daemon shows that user nothing of anyone else's. */
 	table_add(&table, "figures");
 	table_add(&table, "%s", own.daemon_wide ? "the daemon's" : "your uid's own");
@@ -555,6 +567,55 @@ static int cmd_stats(struct ctl *ctl)
 	rc = table_print(&table, ctl->out);
 	table_free(&table);
 	return rc < 0 ? ctl_fail(CTL_EXIT_FAILURE, "stats: %s", zc_strerror(rc)) : 0;
+}
+
+/* ---- set-aside ----------------------------------------------------------- */
+
+static int cmd_set_aside(struct ctl *ctl)
+{
+	zc_set_aside_file files[16];
+	size_t count = 0;
+	int rc = ctl_connect(ctl);
+
+	if (rc)
+		return rc;
+	ctl->own_requests++;
+	rc = zc_client_set_aside(ctl->client, files, 16, &count);
+	if (rc < 0)
+		return ctl_fail_call(ctl, rc, "set-aside");
+	size_t shown = count < 16 ? count : 16;
+	if (ctl->json) {
+		struct json json = { ctl->out, false };
+		json_open(&json, NULL, '{');
+		json_uint(&json, "count", count);
+		json_open(&json, "files", '[');
+		for (size_t i = 0; i < shown; i++) {
+			json_open(&json, NULL, '{');
+			json_text(&json, "file", files[i].file);
+			json_text(&json, "reason", files[i].reason);
+			json_close(&json, '}');
+		}
+		json_close(&json, ']');
+		json_close(&json, '}');
+		fputc('\n', ctl->out);
+		return 0;
+	}
+	if (count == 0) {
+		fprintf(ctl->out, "no set-aside session files\n");
+		return 0;
+	}
+	static const struct table_column columns[] = { { "FILE", TABLE_LEFT }, { "REASON", TABLE_LEFT } };
+	struct table table;
+	table_init(&table, columns, 2);
+	for (size_t i = 0; i < shown; i++) {
+		table_add(&table, "%s", files[i].file);
+		table_add(&table, "%s", files[i].reason);
+	}
+	rc = table_print(&table, ctl->out);
+	table_free(&table);
+	if (count > shown)
+		fprintf(ctl->out, "(%zu more; the daemon's log names them all)\n", count - shown);
+	return rc < 0 ? ctl_fail(CTL_EXIT_FAILURE, "set-aside: %s", zc_strerror(rc)) : 0;
 }
 
 /* ---- sessions ------------------------------------------------------------ */
@@ -1192,6 +1253,7 @@ static const struct {
 	{ "session", CMD_SESSION, true },
 	{ "close", CMD_CLOSE, true },
 	{ "watch", CMD_WATCH, false },
+	{ "set-aside", CMD_SET_ASIDE, false },
 	{ "help", CMD_HELP, false },
 };
 
@@ -1361,6 +1423,9 @@ int main(int argc, char **argv)
 		break;
 	case CMD_WATCH:
 		rc = cmd_watch(&ctl);
+		break;
+	case CMD_SET_ASIDE:
+		rc = cmd_set_aside(&ctl);
 		break;
 	default:
 		rc = ctl_fail(CTL_EXIT_USAGE, "no command given (see --help)");

@@ -187,7 +187,19 @@ typedef struct zc_server_stats {
 	uint64_t tokens_appended;
 	uint64_t uptime_ms;
 	uint64_t boot_epoch;
+	/* What the session files really hold (allocated blocks); memory_used
+	 * catches up with it (pages clients' reads faulted in) within a second. */
+	uint64_t memory_file_bytes;
+	/* Session files the daemon did not adopt (see zc_client_set_aside). */
+	uint32_t set_aside_files;
 } zc_server_stats;
+
+/* A session file in the daemon's directory that it did not adopt: corrupt
+ * (renamed NAME.corrupt), or another uid's; see docs/DURABILITY.md. */
+typedef struct zc_set_aside_file {
+	char file[80];
+	char reason[200];
+} zc_set_aside_file;
 
 /*
  * The default socket, one rule shared by zipcached, zipcachectl, this
@@ -329,5 +341,11 @@ int zc_client_stats(zc_client *client, zc_server_stats *stats);
 /* The caller's own usage and quotas; stats (may be NULL) gets what
  * zc_client_stats() would, from the same reply. */
 int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *stats);
+
+/* The session files the daemon set aside, into files[0..capacity) (the
+ * first 16 at most); *count is how many there are in all. Only root and
+ * the daemon's uid see them (others get a count of 0). */
+int zc_client_set_aside(zc_client *client, zc_set_aside_file *files, size_t capacity,
+			size_t *count);
 
 #endif
