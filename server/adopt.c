@@ -47,13 +47,38 @@ static void set_aside_add(struct adoption *adoption, const char *file, const cha
 static void pending_add(struct adoption *adoption, const char *file)
 {
 	for (size_t i = 0; i < adoption->n_pending; i++)
-		if (strcmp(adoption->pending[i], file) == 0)
+		if (strcmp(adoption->pending[i].file, file) == 0)
 			return;
-	char(*grown)[80] = realloc(adoption->pending, (adoption->n_pending + 1) * sizeof(*grown));
+	struct adopt_pending *grown = realloc(adoption->pending,
+					      (adoption->n_pending + 1) * sizeof(*grown));
 	if (!grown)
 		return;
 	adoption->pending = grown;
-	snprintf(grown[adoption->n_pending++], sizeof(grown[0]), "%s", file);
+	grown[adoption->n_pending++] = (struct adopt_pending){ 0 };
+	snprintf(grown[adoption->n_pending - 1].file, sizeof(grown[0].file), "%s", file);
+}
+
+/* Who a pending file belongs to, if its header can be read now. */
+static void pending_identify(struct server *server, struct adopt_pending *p)
+{
+	struct store_header header;
+	int fd = openat(server->shm_dir_fd, p->file, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+	if (fd < 0)
+		return;
+	if (pread(fd, &header, sizeof(header), 0) == (ssize_t)sizeof(header) &&
+	    memchr(header.name, '\0', sizeof(header.name))) {
+		p->known = true;
+		p->uid = header.owner_uid;
+		snprintf(p->name, sizeof(p->name), "%s", header.name);
+	}
+	close(fd);
+}
+
+/* What a daemon may wait out: the file is fine, the moment is not. */
+static bool error_is_passing(int rc)
+{
+	return rc == -EMFILE || rc == -ENFILE || rc == -ENOMEM || rc == -EAGAIN || rc == -EACCES ||
+	       rc == -ENOSPC || rc == -EINTR || rc == ZC_EEXHAUSTED;
 }
 
 /* One file: true when it is settled (adopted or set aside), false when
@@ -101,8 +126,18 @@ static bool adopt_one(struct server *server, const char *file)
 	}
 	if (rc == -ENOENT)
 		return true;   /* gone meanwhile */
-	/* EMFILE, ENFILE, ENOMEM, EAGAIN, EACCES...: nothing is wrong with
-	 * the file; it stays where it is and is tried again. */
+	if (!error_is_passing(rc)) {
+		/* Not a session file at all (a symlink, a socket, ...): listed,
+		 * left where it is, never waited for. */
+		snprintf(reason, sizeof(reason), "cannot be opened as a session file: %s",
+			 zc_strerror(rc));
+		log_warn("server", "session file left alone", "file=%s reason=\"%s\"", file, reason);
+		set_aside_add(adoption, file, reason);
+		return true;
+	}
+	/* EMFILE, ENFILE, ENOMEM, EAGAIN, EACCES, ENOSPC, the address-space
+	 * bound: nothing is wrong with the file; it stays where it is and is
+	 * tried again. */
 	log_warn("server", "cannot adopt session file now, will retry", "file=%s error=%s", file,
 		 zc_strerror(rc));
 	return false;
@@ -124,7 +159,7 @@ void adopt_scan(struct server *server)
 	}
 	while ((entry = readdir(dir))) {
 		const char *name = entry->d_name;
-		if (strlen(name) >= sizeof(adoption->pending[0]))
+		if (strlen(name) >= sizeof(adoption->pending[0].file))
 			continue;
 		if (strncmp(name, ".session-", 9) == 0 && has_suffix(name, ".zcs.tmp")) {
 			/* An open that never reached its commit point (the rename). */
@@ -156,12 +191,28 @@ size_t adopt_retry(struct server *server)
 	struct adoption *adoption = &server->adoption;
 	size_t kept = 0;
 	for (size_t i = 0; i < adoption->n_pending; i++) {
-		if (!adopt_one(server, adoption->pending[i]))
-			memmove(adoption->pending[kept++], adoption->pending[i],
-				sizeof(adoption->pending[0]));
+		struct adopt_pending p = adoption->pending[i];
+		if (adopt_one(server, p.file))
+			continue;
+		if (!p.known)
+			pending_identify(server, &p);
+		adoption->pending[kept++] = p;
 	}
 	adoption->n_pending = kept;
 	return kept;
+}
+
+bool adopt_blocks_open(struct server *server, uint32_t uid, const char *name)
+{
+	struct adoption *adoption = &server->adoption;
+	if (adoption->n_pending == 0 || adopt_retry(server) == 0)
+		return false;
+	for (size_t i = 0; i < adoption->n_pending; i++) {
+		const struct adopt_pending *p = &adoption->pending[i];
+		if (!p->known || (p->uid == uid && strcmp(p->name, name) == 0))
+			return true;
+	}
+	return false;
 }
 
 void adopt_free(struct adoption *adoption)

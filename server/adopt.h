@@ -9,6 +9,7 @@
 #ifndef ZIPCACHE_ADOPT_H
 #define ZIPCACHE_ADOPT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -19,10 +20,19 @@ struct adopt_entry {
 	char reason[200];
 };
 
+/* A file to try again, and whose session it holds when its header could
+ * be read (known): opens of other names need not wait for it. */
+struct adopt_pending {
+	char file[80];
+	bool known;
+	uint32_t uid;
+	char name[65];
+};
+
 struct adoption {
 	struct adopt_entry *set_aside;   /* files the daemon will not adopt */
 	size_t n_set_aside;
-	char (*pending)[80];             /* files to try again */
+	struct adopt_pending *pending;
 	size_t n_pending;
 };
 
@@ -31,6 +41,11 @@ void adopt_scan(struct server *server);
 
 /* Tries the pending files again (from a timer); the number still pending. */
 size_t adopt_retry(struct server *server);
+
+/* Whether a new session (uid, name) must wait: a pending file may hold a
+ * session of that name (or one whose name could not be read). Retries
+ * the pending files first. */
+bool adopt_blocks_open(struct server *server, uint32_t uid, const char *name);
 
 void adopt_free(struct adoption *adoption);
 

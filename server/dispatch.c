@@ -485,14 +485,6 @@ static void handle_open(struct connection *connection, const wire_request *reque
 			    "session names must be UTF-8 without control characters");
 		return;
 	}
-	/* A file adoption could not read yet may hold this very session:
-	 * never open a second one beside it. */
-	if (server->adoption.n_pending > 0 && adopt_retry(server) > 0) {
-		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED,
-			    "%zu session files could not be adopted yet (the daemon's log says why); "
-			    "try again", server->adoption.n_pending);
-		return;
-	}
 	if (open->name[0]) {
 		snprintf(name, sizeof(name), "%s", open->name);
 		session = session_find_name(&server->sessions, name, connection->uid);
@@ -581,11 +573,22 @@ static void handle_open(struct connection *connection, const wire_request *reque
 		if (c->has_quantize_values)
 			params.codec.quantize_values = c->quantize_values;
 	}
+	/* A file adoption could not read yet may hold this very session:
+	 * never open a second one beside it. */
+	if (adopt_blocks_open(server, connection->uid, name)) {
+		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED,
+			    "%zu session files could not be adopted yet and may hold session '%s' "
+			    "(the daemon's log says why); try again", server->adoption.n_pending, name);
+		return;
+	}
 	struct store_budget *budget = &connection->quota->memory;
 	rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, &store);
 	for (int tries = 0; rc == ZC_EEXISTS && tries < 3; tries++) {
 		/* A file nobody adopted holds this id: take the next. */
 		params.session_id = ++server->sessions.next_id;
+		if (!open->name[0])
+			snprintf(name, sizeof(name), "session-%llu",
+				 (unsigned long long)params.session_id);
 		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, &store);
 	}
 	if (rc == STORE_EBUDGET &&
@@ -924,9 +927,13 @@ static void trim_run(struct job *base)
 					   &job->trimmed);
 	else
 		job->rc = store_trim(base->session->store, job->trim_tokens, &job->trimmed);
-	if (job->rc < 0) {
+	if (job->rc == ZC_EINVALID) {
 		job_fail(job, job->rc, "layer %u out of range: session has %u layers", job->layer,
 			 store_header(base->session->store)->layers);
+		return;
+	}
+	if (job->rc < 0) {
+		job_fail(job, job->rc, "trim failed: %s; nothing was trimmed", zc_strerror(job->rc));
 		return;
 	}
 	store_token_range(base->session->store, &low, &high);
@@ -1088,11 +1095,10 @@ static void attach_done(struct job *base)
 	if (job->rc == STORE_EBUDGET) {
 		if (job_retry_after_relief(job, store_rebuild_bytes(base->session->store)))
 			return;
-		job_fail(job, ZC_EEXHAUSTED,
-			 "memory budget of %llu bytes is exhausted (%llu in use); cannot rebuild the "
-			 "views of '%s'",
-			 (unsigned long long)server->budget.limit,
-			 (unsigned long long)server_memory_bytes(server), base->session->name);
+		char why[200];
+		job_fail(job, ZC_EEXHAUSTED, "%s; cannot rebuild the views of '%s'",
+			 server_budget_refusal(server, base->session->owner_uid, why, sizeof(why)),
+			 base->session->name);
 	}
 	if (job->rc < 0)
 		reply_error(connection, &job->meta, job->request_id, job->rc, "%s", job->message);

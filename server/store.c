@@ -321,8 +321,13 @@ static int reserve_range(struct store *store, uint64_t offset, uint64_t bytes)
 	uint64_t start = offset / PAGE_BYTES * PAGE_BYTES;
 	uint64_t end = round_up(offset + bytes, PAGE_BYTES);
 	int rc = store_budget_take(store->budget, end - start);
-	if (rc < 0)
-		return rc;
+	if (rc < 0) {
+		/* Pages that exist already cost nothing more (an adopted file's
+		 * index, a view rebuilt over pages a drop did not punch). */
+		off_t hole = lseek(store->fd, (off_t)start, SEEK_HOLE);
+		return hole >= 0 && (uint64_t)hole >= end ? 0 : rc;
+	}
+	uint64_t before = file_allocated(store);
 	if (fallocate(store->fd, 0, (off_t)start, (off_t)(end - start)) < 0) {
 		int err = errno;
 		store_budget_give(store->budget, end - start);
@@ -331,9 +336,17 @@ static int reserve_range(struct store *store, uint64_t offset, uint64_t bytes)
 			 (unsigned long long)(end - start), strerror(err));
 		return -err;
 	}
-	/* The provisional charge becomes the real one. */
-	store_budget_give(store->budget, end - start);
-	charge_sync(store, file_allocated(store));
+	/* The provisional charge becomes the real one: what was taken and not
+	 * grown goes back (never all of it first: another thread could take
+	 * the room in between and pass the limit). */
+	uint64_t after = file_allocated(store);
+	uint64_t grown = after > before ? after - before : 0;
+	if (grown > end - start)
+		grown = end - start;
+	store_budget_give(store->budget, end - start - grown);
+	store->charged += grown;
+	/* Anything else the file gained (a client's read faults) is charged too. */
+	charge_sync(store, after);
 	return 0;
 }
 
@@ -450,7 +463,7 @@ static int index_grow(struct store *store, uint32_t layer, uint32_t entry)
 static void sequence_begin(struct store *store, uint32_t layer)
 {
 	struct layer_room *l = &store->room[layer];
-	l->sequence |= 1;
+	__atomic_store_n(&l->sequence, l->sequence | 1, __ATOMIC_RELAXED);
 	__atomic_store_n(&store->shared->layer[layer].sequence, l->sequence, __ATOMIC_RELAXED);
 	__atomic_thread_fence(__ATOMIC_RELEASE);
 }
@@ -458,7 +471,7 @@ static void sequence_begin(struct store *store, uint32_t layer)
 static void sequence_end(struct store *store, uint32_t layer)
 {
 	struct layer_room *l = &store->room[layer];
-	l->sequence++;
+	__atomic_store_n(&l->sequence, l->sequence + 1, __ATOMIC_RELEASE);
 	__atomic_store_n(&store->shared->layer[layer].sequence, l->sequence, __ATOMIC_RELEASE);
 }
 
@@ -513,6 +526,28 @@ static void generation_publish(struct store *store, uint64_t generation)
 	store->generation = generation;
 }
 
+/* The private state becomes `next`. The loop thread reads tokens and
+ * residual_tokens while a worker runs a job: those are stored atomically. */
+static void layer_state_set(struct store *store, uint32_t layer, const struct layer_state *next)
+{
+	struct layer_state *l = &store->layer[layer];
+	l->blocks = next->blocks;
+	l->active = next->active;
+	l->key_arena_used = next->key_arena_used;
+	l->value_arena_used = next->value_arena_used;
+	l->key_compressed = next->key_compressed;
+	l->key_baseline = next->key_baseline;
+	l->value_compressed = next->value_compressed;
+	l->value_baseline = next->value_baseline;
+	__atomic_store_n(&l->residual_tokens, next->residual_tokens, __ATOMIC_RELEASE);
+	__atomic_store_n(&l->tokens, next->tokens, __ATOMIC_RELEASE);
+}
+
+static void view_valid_set(struct store *store, uint32_t layer, bool valid)
+{
+	__atomic_store_n(&store->room[layer].view_valid, valid, __ATOMIC_RELEASE);
+}
+
 /* Makes `next` the committed state of one layer, then the private one. */
 static void layer_commit(struct store *store, uint32_t layer, struct layer_state *next,
 			 const char *step_record, const char *step_publish)
@@ -523,7 +558,7 @@ static void layer_commit(struct store *store, uint32_t layer, struct layer_state
 	generation_publish(store, generation);
 	fault_point(step_publish);
 	next->active = 1u - store->layer[layer].active;
-	store->layer[layer] = *next;
+	layer_state_set(store, layer, next);
 }
 
 /* ---- layout ----------------------------------------------------------------- */
@@ -924,7 +959,8 @@ static int layer_recover(struct store *store, uint32_t layer, char *reason, size
 		zc_block_shape value_shape = { h->batch, h->kv_heads, b->tokens, h->head_dim_v };
 		zc_byte_count key_bytes, value_bytes;
 		uint64_t end = i + 1 < r.blocks ? index[i + 1].first_token : end_of_blocks;
-		if ((i == 0 && b->first_token != 0) || end <= b->first_token || end - b->first_token > b->tokens ||
+		if ((i == 0 && b->first_token != 0) || end <= b->first_token ||
+		    (uint64_t)b->first_token + b->tokens > h->max_tokens || end - b->first_token > b->tokens ||
 		    b->key_offset != key_end || b->value_offset != value_end)
 			return corrupt(reason, size, "layer %u: block %u does not follow its predecessor",
 				       layer, i);
@@ -1047,6 +1083,19 @@ int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store
 		goto out_unmap;
 	}
 	store->generation = __atomic_load_n(&store->commit->generation, __ATOMIC_ACQUIRE);
+	/* One commit per mutation: 2^62 of them is not a file any daemon wrote. */
+	if (store->generation > (UINT64_C(1) << 62)) {
+		rc = corrupt(reason, reason_size, "committed generation %llu out of range",
+			     (unsigned long long)store->generation);
+		goto out_unmap;
+	}
+	char expected_name[64];
+	file_name(expected_name, sizeof(expected_name), copy.session_id, false);
+	if (strcmp(expected_name, name) != 0) {
+		rc = corrupt(reason, reason_size, "the header names session %llu, not the file's",
+			     (unsigned long long)copy.session_id);
+		goto out_unmap;
+	}
 	for (uint32_t i = 0; rc == 0 && i < copy.layers; i++)
 		rc = layer_recover(store, i, reason, reason_size);
 	if (rc < 0)
@@ -1092,8 +1141,12 @@ void store_close(struct store *store, bool remove_file)
 {
 	if (!store)
 		return;
-	if (remove_file)
+	if (remove_file) {
 		store_unlink(store);
+		/* A client may still map the unlinked file: its pages would live
+		 * on, charged to nobody. */
+		fallocate(store->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)store->file_bytes);
+	}
 	store_budget_give(store->budget, store->charged);
 	store_unmap(store);
 	close(store->fd);
@@ -1132,9 +1185,10 @@ uint64_t store_rebuild_bytes(const struct store *store)
 	const struct store_header *h = store->header;
 	uint64_t bytes = 0;
 	for (uint32_t i = 0; i < h->layers; i++) {
-		if (store->room[i].view_valid)
+		if (__atomic_load_n(&store->room[i].view_valid, __ATOMIC_RELAXED))
 			continue;
-		uint64_t tokens = store->layer[i].tokens + VIEW_RESERVE_TOKENS;
+		uint64_t tokens = __atomic_load_n(&store->layer[i].tokens, __ATOMIC_RELAXED) +
+				  VIEW_RESERVE_TOKENS;
 		bytes += heads_of(h) * tokens * (h->head_dim_k + h->head_dim_v) * 2;
 	}
 	return bytes;
@@ -1212,7 +1266,7 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 					  &value_view_strides);
 	if (rc < 0) {
 		/* Rows of the view may hold the half-written reconstruction. */
-		store->room[layer].view_valid = false;
+		view_valid_set(store, layer, false);
 		return rc;
 	}
 	fault_point(step_compress);
@@ -1284,6 +1338,21 @@ static void rows_copy(uint16_t *target, const zc_strides *strides, size_t at, co
 	}
 }
 
+/* Whether rows [at, at + tokens) of every head of a strided buffer are finite. */
+static int rows_check_finite(const uint16_t *buffer, const zc_strides *strides, size_t at,
+			     const struct store_header *h, uint32_t tokens, uint32_t dim)
+{
+	for (uint32_t b = 0; b < h->batch; b++)
+		for (uint32_t head = 0; head < h->kv_heads; head++) {
+			int rc = zc_fp16_check_finite(buffer + b * strides->batch + head * strides->head +
+							      at * dim,
+						      (size_t)tokens * dim);
+			if (rc < 0)
+				return rc;
+		}
+	return 0;
+}
+
 static int views_rebuild_layer(struct store *store, uint32_t layer);
 
 /* A direct block: the residual (if any) becomes its own block first, so
@@ -1297,12 +1366,18 @@ static int update_direct(struct store *store, uint32_t layer, uint32_t tokens,
 				 (size_t)tokens * h->head_dim_k, h->head_dim_k };
 	zc_strides value_input = { (size_t)h->kv_heads * tokens * h->head_dim_v,
 				   (size_t)tokens * h->head_dim_v, h->head_dim_v };
+	uint32_t residual = next.residual_tokens;
 	int rc = residual_to_block(store, layer, &next);
 	if (rc == 0)
 		rc = block_append(store, layer, &next, next.tokens, tokens, keys, &key_input, values,
 				  &value_input, "append.compress", "append.index");
-	if (rc < 0)
+	if (rc < 0) {
+		/* The residual's rows in the view may hold its reconstruction
+		 * now, but the residual stays exact: rebuild before the next read. */
+		if (residual > 0)
+			view_valid_set(store, layer, false);
 		return rc;
+	}
 	next.tokens += tokens;
 	layer_commit(store, layer, &next, "append.record", "append.publish");
 	return 0;
@@ -1332,6 +1407,15 @@ static int update_residual(struct store *store, uint32_t layer, uint32_t tokens,
 		  h->head_dim_k);
 	rows_copy(value_residual(store, layer), &value_res, next.residual_tokens, values, h, tokens,
 		  h->head_dim_v);
+	/* Staged input sits in memory the client may still write: what counts
+	 * is what was copied, so that is what must be finite. */
+	rc = rows_check_finite(key_residual(store, layer), &key_res, next.residual_tokens, h, tokens,
+			       h->head_dim_k);
+	if (rc == 0)
+		rc = rows_check_finite(value_residual(store, layer), &value_res, next.residual_tokens, h,
+				       tokens, h->head_dim_v);
+	if (rc < 0)
+		return rc;
 	rows_copy(key_view(store, layer), &key_view_s, next.tokens, keys, h, tokens, h->head_dim_k);
 	rows_copy(value_view(store, layer), &value_view_s, next.tokens, values, h, tokens,
 		  h->head_dim_v);
@@ -1466,7 +1550,7 @@ static int trim_layers(struct store *store, uint32_t first, uint32_t count, uint
 			continue;
 		sequence_begin(store, layer);
 		next[i].active = 1u - store->layer[layer].active;
-		store->layer[layer] = next[i];
+		layer_state_set(store, layer, &next[i]);
 		mirror_layer(store, layer);
 		sequence_end(store, layer);
 	}
@@ -1557,10 +1641,12 @@ int store_drop_views(struct store *store, uint64_t *freed)
 		struct layer_room *room = &store->room[i];
 		uint64_t start = store_key_view_offset(store, i);
 		uint64_t bytes = view_bytes(h, h->head_dim_k) + view_bytes(h, h->head_dim_v);
-		if (!room->view_valid || room->reserved_view_tokens == 0)
+		/* An invalid view holds nothing but pages a reader faulted in
+		 * (or an adopted file's old views): those go too. */
+		if (room->view_valid && room->reserved_view_tokens == 0)
 			continue;
 		sequence_begin(store, i);
-		room->view_valid = false;
+		view_valid_set(store, i, false);
 		room->reserved_view_tokens = 0;
 		mirror_layer(store, i);
 		fault_point("drop.mark");
@@ -1604,18 +1690,25 @@ static int block_restore(struct store *store, uint32_t layer, uint32_t i)
 			rc = zc_block_reconstruct(&store->codec, kind, &shape, data, bytes,
 						  view + (size_t)block->first_token * dim, &strides);
 		} else {
+			/* Head by head (each head's payload is contiguous), so the
+			 * scratch is one head's rows, not the whole block's. */
+			zc_block_shape one = { 1, 1, block->tokens, dim };
+			zc_byte_count head_count;
 			size_t head_elements = (size_t)block->tokens * dim;
-			uint16_t *scratch = malloc(heads_of(h) * head_elements * 2);
-			if (!scratch)
-				return -ENOMEM;
-			zc_strides packed = { h->kv_heads * head_elements, head_elements, dim };
-			rc = zc_block_reconstruct(&store->codec, kind, &shape, data, bytes, scratch,
-						  &packed);
+			zc_strides packed = { head_elements, head_elements, dim };
+			rc = zc_block_count_bytes(&store->codec, kind, &one, &head_count);
+			uint16_t *scratch = rc == 0 ? malloc(head_elements * 2) : NULL;
+			if (rc == 0 && !scratch)
+				rc = -ENOMEM;
 			for (uint64_t head = 0; rc == 0 && head < heads_of(h); head++) {
+				rc = zc_block_reconstruct(&store->codec, kind, &one,
+							  data + head * head_count.compressed,
+							  head_count.compressed, scratch, &packed);
 				uint16_t *to = view + (head / h->kv_heads) * strides.batch +
 					       (head % h->kv_heads) * strides.head +
 					       (size_t)block->first_token * dim;
-				memcpy(to, scratch + head * head_elements, (size_t)valid * dim * 2);
+				if (rc == 0)
+					memcpy(to, scratch, (size_t)valid * dim * 2);
 			}
 			free(scratch);
 		}
@@ -1655,7 +1748,7 @@ static int views_rebuild_layer(struct store *store, uint32_t layer)
 		}
 	}
 	if (rc == 0) {
-		store->room[layer].view_valid = true;
+		view_valid_set(store, layer, true);
 		__atomic_fetch_add(&view_rebuilds, 1, __ATOMIC_RELAXED);
 		mirror_layer(store, layer);
 		fault_point("rebuild.done");
@@ -1686,10 +1779,9 @@ uint64_t store_rebuild_elements(const struct store *store, uint32_t layer)
 	if (!all && layer >= h->layers)
 		return 0;
 	for (uint32_t i = first; i < end; i++) {
-		const struct store_layer_header *l = &h->layer[i];
 		/* A worker may be rebuilding or appending to this store. */
-		if (!__atomic_load_n(&l->view_valid, __ATOMIC_RELAXED))
-			tokens += __atomic_load_n(&l->tokens, __ATOMIC_RELAXED);
+		if (!__atomic_load_n(&store->room[i].view_valid, __ATOMIC_RELAXED))
+			tokens += __atomic_load_n(&store->layer[i].tokens, __ATOMIC_RELAXED);
 	}
 	return tokens * heads_of(h) * ((uint64_t)h->head_dim_k + h->head_dim_v);
 }

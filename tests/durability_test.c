@@ -595,10 +595,16 @@ START_TEST(corrupt_files_set_aside_healthy_ones_adopted)
 	f = fopen(path, "w");
 	ck_assert_ptr_nonnull(f);
 	fclose(f);
+	/* Not a session file: never followed, never waited for. */
+	snprintf(path, sizeof(path), "%s/session-00000000000000bb.zcs", daemon.shm_dir);
+	ck_assert_int_eq(symlink("/etc/passwd", path), 0);
 
 	daemon_restart(&daemon);
 	ck_assert_int_eq(count_files(daemon.shm_dir, ".corrupt"), 1);
 	ck_assert_int_eq(count_files(daemon.shm_dir, ".tmp"), 0);
+	char link_target[64];
+	ck_assert_msg(readlink(path, link_target, sizeof(link_target)) > 0,
+		      "the planted symlink was renamed or removed");
 	ck_assert_msg(strstr(daemon_log_tail(&daemon, tail, sizeof(tail)), "format version") != NULL,
 		      "the log does not say why the file was set aside:\n%s", tail);
 	client = connect_client(&daemon);
@@ -606,9 +612,16 @@ START_TEST(corrupt_files_set_aside_healthy_ones_adopted)
 	zc_set_aside_file files[4];
 	size_t n_files = 0;
 	ck_assert_int_eq(zc_client_set_aside(client, files, 4, &n_files), 0);
-	ck_assert_uint_eq(n_files, 1);
+	ck_assert_uint_eq(n_files, 2);
+	if (!strstr(files[0].file, ".corrupt")) {
+		zc_set_aside_file swap = files[0];
+		files[0] = files[1];
+		files[1] = swap;
+	}
 	ck_assert_msg(strstr(files[0].file, ".corrupt") && strstr(files[0].reason, "format version"),
 		      "set aside: %s: %s", files[0].file, files[0].reason);
+	ck_assert_msg(strstr(files[1].file, "bb.zcs") && strstr(files[1].reason, "cannot be opened"),
+		      "set aside: %s: %s", files[1].file, files[1].reason);
 	char ctl_path[PATH_MAX], out[4096], err[4096];
 	int ctl_status = 0;
 	snprintf(ctl_path, sizeof(ctl_path), "%s/bin/zipcachectl", build_dir());
@@ -1027,10 +1040,114 @@ START_TEST(client_read_faults_are_charged)
 	ck_assert_msg(rc == ZC_EEXHAUSTED || used_end <= 8u << 20,
 		      "an update went through with %llu bytes charged under an 8 MiB budget",
 		      (unsigned long long)used_end);
+	/* Relief gives the faulted pages back: the reader's views were
+	 * dropped already, but what its reads brought back goes again. */
+	ck_assert_msg(files_end + (8u << 20) < files_after,
+		      "relief left the pages the reader faulted in (%llu bytes, %llu before)",
+		      (unsigned long long)files_end, (unsigned long long)files_after);
 	zc_session_release(grower);
 	zc_session_release(reader);
 	model_free(&grower_model);
 	model_free(&model);
+	zc_client_close(client);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+}
+END_TEST
+
+
+/*
+ * A direct block that fails after the residual ahead of it was compressed
+ * (here: the tmpfs fills up under the arena) stores nothing, and the
+ * residual's rows still read exact afterwards, not their reconstruction.
+ */
+START_TEST(failed_block_leaves_the_residual_exact)
+{
+	struct daemon_harness daemon;
+	char mount_dir[] = "/tmp/zc_tmpfs.XXXXXX", shm[PATH_MAX], filler[PATH_MAX];
+
+	ck_assert_ptr_nonnull(mkdtemp(mount_dir));
+	if (mount("zc-test", mount_dir, "tmpfs", 0, "size=8m,mode=0700") < 0) {
+		fprintf(stderr, "durability_test: cannot mount a tmpfs here (%s): the failed-block "
+				"test checks nothing\n", strerror(errno));
+		rmdir(mount_dir);
+		return;
+	}
+	snprintf(shm, sizeof(shm), "%s/shm", mount_dir);
+	const char *const args[] = { "--shm-dir", shm, "--memory-budget", "0", NULL };
+	zc_session_config config = script_config(S_STREAM);
+	struct model model;
+	struct rng rng;
+
+	config.layers = 1;
+	config.max_tokens = 8192;
+	daemon_start(&daemon, args);
+	zc_client *client = connect_client(&daemon);
+	zc_session *session = open_session(client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 21);
+	/* Views and arena reserved for 2000 tokens, then given back to trim. */
+	CHECK(update_checked, client, session, &model, &rng, 0, 2000);
+	CHECK(trim_checked, client, session, &model, 2000);
+	CHECK(update_checked, client, session, &model, &rng, 0, 8);
+	CHECK(update_checked, client, session, &model, &rng, 0, 5);   /* the residual */
+	tmpfs_fill(mount_dir, filler, sizeof(filler));
+	struct block block;
+	block_make(&block, &model, 2200, &rng);
+	zc_view view;
+	int rc = zc_update_and_fetch(session, 0, 2200, block.keys, block.values, &view, NULL);
+	block_free(&block);
+	unlink(filler);
+	ck_assert_msg(rc == ZC_EEXHAUSTED, "a block past a full tmpfs: %s (%s)", zc_error_name(rc),
+		      zc_client_last_error(client));
+	CHECK(session_matches, session, &model);
+	zc_session_release(session);
+	zc_client_close(client);
+	model_free(&model);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+	umount(mount_dir);
+	rmdir(mount_dir);
+}
+END_TEST
+
+/* The views an adopted file still holds are memory relief can give back:
+ * a restarted daemon under the same budget is not stuck. */
+START_TEST(adopted_views_can_be_relieved)
+{
+	struct daemon_harness daemon;
+	const char *const args[] = { "--memory-budget", "12M", "--idle-ttl", "0", NULL };
+	zc_session_config config = script_config(S_IDLE);
+	struct model model, other;
+	struct rng rng;
+
+	daemon_start(&daemon, args);
+	zc_client *client = connect_client(&daemon);
+	config.name = "old";
+	zc_session *old = open_session(client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 31);
+	CHECK(update_checked, client, old, &model, &rng, 0, 1024);
+	zc_session_release(old);
+	zc_client_close(client);
+	daemon_kill(&daemon);
+
+	daemon_restart(&daemon);
+	client = connect_client(&daemon);
+	config.name = "new";
+	zc_session *fresh = open_session(client, &config);
+	model_init(&other, &config);
+	/* Its blocks fit only once the adopted session's old views are gone. */
+	for (int i = 0; i < 4; i++)
+		CHECK(update_checked, client, fresh, &other, &rng, 0, 256);
+	config.name = "old";
+	config.attach = true;
+	old = open_session(client, &config);
+	zc_session_release(fresh);
+	CHECK(session_matches, old, &model);
+	zc_session_release(old);
+	model_free(&model);
+	model_free(&other);
 	zc_client_close(client);
 	daemon_stop(&daemon);
 	daemon_cleanup(&daemon);
@@ -1045,7 +1162,8 @@ static Suite *durability_suite(void)
 		{ "adoption",
 		  { descriptor_limit_never_sets_files_aside, corrupt_files_set_aside_healthy_ones_adopted,
 		    NULL } },
-		{ "tmpfs", { full_tmpfs_is_an_error_not_a_sigbus, client_read_faults_are_charged, NULL } },
+		{ "tmpfs", { full_tmpfs_is_an_error_not_a_sigbus, client_read_faults_are_charged,
+			     failed_block_leaves_the_residual_exact, adopted_views_can_be_relieved, NULL } },
 		{ "trust", { untrusted_shm_dir_is_refused, a_client_of_the_daemons_uid_cannot_hurt_it,
 			     NULL } },
 	};
