@@ -209,6 +209,8 @@ class zc_server_stats(Structure):
         ("tokens_appended", c_uint64),
         ("uptime_ms", c_uint64),
         ("boot_epoch", c_uint64),
+        ("memory_file_bytes", c_uint64),
+        ("set_aside_files", c_uint32),
     ]
 
 

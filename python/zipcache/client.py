@@ -213,6 +213,8 @@ class ServerStats:
     tokens_appended: int
     uptime_ms: int
     boot_epoch: int
+    memory_file_bytes: int   # what the session files really hold
+    set_aside_files: int     # session files the daemon did not adopt
 
 
 def default_socket_path() -> str:
