@@ -829,12 +829,18 @@ int zc_client_list_sessions(zc_client *client, zc_session_info *sessions, size_t
 	return 0;
 }
 
-int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *stats)
+/* The daemon-wide stats reply (no session named). */
+static int server_stats_call(zc_client *client, wire_response *response)
 {
 	wire_request request = { 0 };
-	wire_response response;
 	request.msg.which_op = zipcache_v1_Request_stats_tag;
-	int rc = call(client, &request, &response, NULL, 0);
+	return call(client, &request, response, NULL, 0);
+}
+
+int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *stats)
+{
+	wire_response response;
+	int rc = server_stats_call(client, &response);
 	if (rc < 0)
 		return rc;
 	const zipcache_v1_UidUsage *u = &response.msg.op.stats.caller;
@@ -871,10 +877,8 @@ int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *s
 int zc_client_set_aside(zc_client *client, zc_set_aside_file *files, size_t capacity,
 			size_t *count)
 {
-	wire_request request = { 0 };
 	wire_response response;
-	request.msg.which_op = zipcache_v1_Request_stats_tag;
-	int rc = call(client, &request, &response, NULL, 0);
+	int rc = server_stats_call(client, &response);
 	if (rc < 0)
 		return rc;
 	const zipcache_v1_StatsResponse *r = &response.msg.op.stats;

@@ -867,6 +867,26 @@ END_TEST
 
 /* ---- a full tmpfs ------------------------------------------------------------------ */
 
+/* A fresh tmpfs of `options` on a new directory (returned in dir, a
+ * mkdtemp template); false, with a line on stderr, where mounting is not
+ * allowed (the test then checks nothing). */
+static bool tmpfs_mount(char *dir, const char *options, const char *test)
+{
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	if (mount("zc-test", dir, "tmpfs", 0, options) == 0)
+		return true;
+	fprintf(stderr, "durability_test: cannot mount a tmpfs here (%s): %s checks nothing\n",
+		strerror(errno), test);
+	rmdir(dir);
+	return false;
+}
+
+static void tmpfs_unmount(char *dir)
+{
+	umount(dir);
+	rmdir(dir);
+}
+
 /* Fills the file system under dir: returns the filler's path. */
 static void tmpfs_fill(const char *dir, char *filler, size_t size)
 {
@@ -890,13 +910,8 @@ START_TEST(full_tmpfs_is_an_error_not_a_sigbus)
 	struct daemon_harness daemon;
 	char mount_dir[] = "/tmp/zc_tmpfs.XXXXXX", shm[PATH_MAX], filler[PATH_MAX], tail[4096];
 
-	ck_assert_ptr_nonnull(mkdtemp(mount_dir));
-	if (mount("zc-test", mount_dir, "tmpfs", 0, "size=16m,mode=0700") < 0) {
-		fprintf(stderr, "durability_test: cannot mount a tmpfs here (%s): the full-tmpfs "
-				"test checks nothing\n", strerror(errno));
-		rmdir(mount_dir);
+	if (!tmpfs_mount(mount_dir, "size=16m,mode=0700", "the full-tmpfs test"))
 		return;
-	}
 	snprintf(shm, sizeof(shm), "%s/shm", mount_dir);
 	const char *const args[] = { "--shm-dir", shm, "--memory-budget", "6M", "--idle-ttl", "0",
 				     NULL };
@@ -946,8 +961,7 @@ START_TEST(full_tmpfs_is_an_error_not_a_sigbus)
 	model_free(&model);
 	daemon_stop(&daemon);
 	daemon_cleanup(&daemon);
-	umount(mount_dir);
-	rmdir(mount_dir);
+	tmpfs_unmount(mount_dir);
 }
 END_TEST
 
@@ -1066,13 +1080,8 @@ START_TEST(failed_block_leaves_the_residual_exact)
 	struct daemon_harness daemon;
 	char mount_dir[] = "/tmp/zc_tmpfs.XXXXXX", shm[PATH_MAX], filler[PATH_MAX];
 
-	ck_assert_ptr_nonnull(mkdtemp(mount_dir));
-	if (mount("zc-test", mount_dir, "tmpfs", 0, "size=8m,mode=0700") < 0) {
-		fprintf(stderr, "durability_test: cannot mount a tmpfs here (%s): the failed-block "
-				"test checks nothing\n", strerror(errno));
-		rmdir(mount_dir);
+	if (!tmpfs_mount(mount_dir, "size=8m,mode=0700", "the failed-block test"))
 		return;
-	}
 	snprintf(shm, sizeof(shm), "%s/shm", mount_dir);
 	const char *const args[] = { "--shm-dir", shm, "--memory-budget", "0", NULL };
 	zc_session_config config = script_config(S_STREAM);
@@ -1106,8 +1115,7 @@ START_TEST(failed_block_leaves_the_residual_exact)
 	model_free(&model);
 	daemon_stop(&daemon);
 	daemon_cleanup(&daemon);
-	umount(mount_dir);
-	rmdir(mount_dir);
+	tmpfs_unmount(mount_dir);
 }
 END_TEST
 
