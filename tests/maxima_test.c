@@ -6,12 +6,18 @@
  * together is bounded by --max-mapped-bytes.
  */
 #include <check.h>
+#include <limits.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "daemon_harness.h"
 #include "layer_model.h"
+#include "process_run.h"
 #include "suite_main.h"
 #include "zipcache/client.h"
 #include "zipcache/codec.h"
@@ -178,11 +184,90 @@ START_TEST(mapped_bytes_are_bounded)
 }
 END_TEST
 
+
+/*
+ * A daemon whose address space is limited (ulimit -v) bounds what its
+ * sessions map below it by default, so it refuses sessions with a reason
+ * and goes on accepting connections and serving — it never runs out of
+ * address space for its own allocations (where libuv would abort).
+ */
+START_TEST(address_space_limit_is_respected)
+{
+#ifdef __SANITIZE_ADDRESS__
+	fprintf(stderr, "maxima_test: ASan reserves its shadow memory: no address-space limit here\n");
+#else
+	struct daemon_harness daemon;
+	char sock[PATH_MAX], shm[PATH_MAX];
+	zc_session *sessions[200] = { 0 };
+	char names[200][16];
+	int n = 0, rc = 0;
+
+	/* The harness's directory, for the socket and shm-dir of our own launch. */
+	daemon_start(&daemon, NULL);
+	daemon_stop(&daemon);
+	snprintf(sock, sizeof(sock), "%s/as.sock", daemon.dir);
+	snprintf(shm, sizeof(shm), "%s/as-shm", daemon.dir);
+	pid_t pid = fork_dying_with_parent(1);
+	if (pid == 0) {
+		struct rlimit as = { 4ull << 30, 4ull << 30 };
+		char log_path[PATH_MAX];
+		snprintf(log_path, sizeof(log_path), "%s/as.log", daemon.dir);
+		if (!freopen(log_path, "w", stderr) || !freopen(log_path, "a", stdout) ||
+		    setrlimit(RLIMIT_AS, &as) < 0)
+			_exit(2);
+		execl(daemon_binary_path(), "zipcached", "--socket", sock, "--shm-dir", shm,
+		      "--metrics-listen", "off", (char *)NULL);
+		_exit(3);
+	}
+	for (int i = 0; i < 1000 && !socket_accepts(sock); i++)
+		sleep_ms(10);
+	ck_assert_msg(socket_accepts(sock), "the daemon under ulimit -v 4G does not listen");
+	zc_client *client;
+	ck_assert_int_eq(zc_client_connect(sock, 20000, &client), 0);
+	for (; n < 200; n++) {
+		zc_session_config c;
+		zc_session_config_default(&c);
+		snprintf(names[n], sizeof(names[n]), "as%d", n);
+		c.name = names[n];
+		c.layers = 8;
+		c.kv_heads = 8;
+		c.head_dim_k = c.head_dim_v = 128;
+		c.max_tokens = 4096;    /* about 120 MiB of sparse file each */
+		rc = zc_session_open(client, &c, &sessions[n]);
+		if (rc < 0)
+			break;
+	}
+	ck_assert_msg(n > 0 && n < 200 && rc == ZC_EEXHAUSTED,
+		      "%d sessions of ~120 MiB under a 4 GiB address space, then %s", n,
+		      zc_error_name(rc));
+	ck_assert_msg(strstr(zc_client_last_error(client), "address space") != NULL,
+		      "the refusal does not say what ran out: %s", zc_client_last_error(client));
+	/* Still serving: new connections, updates, stats. */
+	zc_client *second;
+	ck_assert_int_eq(zc_client_connect(sock, 20000, &second), 0);
+	daemon_alive(second, "the address-space refusal");
+	uint16_t kv[8 * 128] = { 0 };
+	zc_view view;
+	ck_assert_int_eq(zc_update_and_fetch(sessions[0], 0, 1, kv, kv, &view, NULL), 0);
+	zc_client_close(second);
+	for (int i = 0; i < n; i++)
+		zc_session_release(sessions[i]);
+	zc_client_close(client);
+	int status = 0;
+	ck_assert_int_eq(waitpid(pid, &status, WNOHANG), 0);
+	kill(pid, SIGKILL);
+	waitpid(pid, NULL, 0);
+	daemon_cleanup(&daemon);
+#endif
+}
+END_TEST
+
 static Suite *maxima_suite(void)
 {
 	Suite *suite = suite_create("maxima");
 	const struct test_case cases[] = {
-		{ "maxima", { sessions_at_every_maximum, mapped_bytes_are_bounded, NULL } },
+		{ "maxima", { sessions_at_every_maximum, mapped_bytes_are_bounded,
+			      address_space_limit_is_respected, NULL } },
 	};
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);
 	return suite;
