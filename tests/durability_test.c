@@ -427,7 +427,7 @@ static bool fault_run(const char *step, int hit, const struct op *ops, size_t n_
 
 START_TEST(every_step_of_every_mutation)
 {
-	static const int hits[] = { 1, 2, 3, 5, 8 };
+	static const int hits[] = { 1, 2, 3, 4, 5, 6, 8, 12, 20, 35 };
 	struct op ops[128];
 	size_t n_ops = script_make(ops, 128);
 	int runs = 0;
