@@ -73,9 +73,19 @@
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
 
-/* Small limits, so that the interesting refusals are a few bytes away. */
+/* Small limits, so that the interesting refusals are a few bytes away;
+ * but a session's shape may reach every maximum the flags allow, so the
+ * layout arithmetic is fuzzed where it could wrap: max_tokens is the
+ * largest --max-tokens accepts (ZC_MAX_BLOCK_TOKENS), and the shape's own
+ * limits (STORE_MAX_LAYERS, STORE_MAX_HEADS, ZC_MAX_HEAD_DIM,
+ * STORE_MAX_RESIDUAL_TOKENS) are the store's, which no flag lowers. */
 #define FUZZ_MAX_SESSIONS 8u
-#define FUZZ_MAX_TOKENS 4096u
+#define FUZZ_MAX_TOKENS ZC_MAX_BLOCK_TOKENS
+/* Sessions that large are sparse files of up to 16 TiB each: the bound on
+ * mapped bytes keeps the fuzzer from exhausting the address space (ASan's
+ * shadow takes a share of it), while a few sessions of hundreds of GiB
+ * still fit. The memory budget, not this, bounds what is really held. */
+#define FUZZ_MAX_MAPPED_BYTES (UINT64_C(1) << 40)
 #define FUZZ_MAX_FRAME_BYTES 65536u
 #define FUZZ_MAX_STAGING_BYTES (1u << 20)
 /* Small enough that two mid-sized sessions reach it (view drops, rebuilds). */
@@ -605,6 +615,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 	fuzz.options.memory_budget = FUZZ_MEMORY_BUDGET;
 	fuzz.options.idle_ttl_seconds = 0;
 	fuzz.options.offload_elements = FUZZ_OFFLOAD_ELEMENTS;
+	fuzz.options.max_mapped_bytes = FUZZ_MAX_MAPPED_BYTES;
 	fuzz.options.log_level = log_level;
 	fuzz.options.adopt = false;
 

@@ -18,8 +18,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../server/store.h"
 #include "frame.h"
 #include "wire.h"
+#include "zipcache/codec.h"
 #include "zipcache/error.h"
 
 /* The target's -max_len is about this; seeds stay far below it. */
@@ -277,6 +279,14 @@ static void staging(struct seed *s, uint64_t bytes)
 	add(s, &req);
 }
 
+/* update_and_fetch from the staging buffer: keys at 0, values right after. */
+static void update_staged_block(struct seed *s, uint64_t session, uint32_t layer, uint32_t tokens,
+				struct shape shape)
+{
+	uint64_t heads = (uint64_t)shape.batch * shape.kv_heads;
+	update_staged(s, session, layer, tokens, 0, heads * tokens * shape.head_dim_k * 2);
+}
+
 static size_t block_bytes(struct shape shape, uint32_t tokens, uint32_t dim)
 {
 	return (size_t)shape.batch * shape.kv_heads * tokens * dim * 2;
@@ -427,7 +437,7 @@ int main(int argc, char **argv)
 		add(&s, &req);
 	}
 	open_streaming(&s, "", SMALL, 0, 0);
-	open_streaming(&s, "", SMALL, 5000, 0);
+	open_streaming(&s, "", SMALL, ZC_MAX_BLOCK_TOKENS + 1, 0);
 	open_streaming(&s, "", (struct shape){ 2000, 1, 1, 8, 8 }, 8, 0);
 	open_streaming(&s, "", (struct shape){ 1, 0, 1, 8, 8 }, 8, 0);
 	open_streaming(&s, "", (struct shape){ 1, 1, 1, 5000, 8 }, 8, 0);
@@ -603,6 +613,150 @@ int main(int argc, char **argv)
 	list(&s);
 	stats(&s, 2);
 	seed_write(&s, "names");
+
+	/*
+	 * Sessions at every maximum the flags and the store allow, and one
+	 * past each: the layout arithmetic (shapes x tokens x dims, offsets
+	 * of layer 1023's regions hundreds of GiB into a sparse file) is
+	 * where a product could wrap. The target's max_tokens is
+	 * ZC_MAX_BLOCK_TOKENS, --max-tokens's own maximum; the 1 TiB bound on
+	 * mapped bytes lets two sessions of a few hundred GiB in, not three.
+	 */
+	seed_begin(&s);
+	hello(&s, "max-tokens");
+	open_per_call(&s, "tmax", (struct shape){ 1, 1, 1, 8, 8 }, ZC_MAX_BLOCK_TOKENS, NULL);
+	update_inline(&s, 1, 0, 4, (struct shape){ 1, 1, 1, 8, 8 }, 90, 0, 0);
+	update_inline(&s, 1, 0, 1, (struct shape){ 1, 1, 1, 8, 8 }, 91, 0, 0);
+	update_lengths(&s, 1, 0, ZC_MAX_BLOCK_TOKENS, 16, 16);
+	update_lengths(&s, 1, 0, ZC_MAX_BLOCK_TOKENS + 1, 16, 16);
+	update_lengths(&s, 1, 0, UINT32_MAX, 16, 16);
+	staging(&s, 1u << 20);
+	update_staged(&s, 1, 0, ZC_MAX_BLOCK_TOKENS, 0, 0);
+	update_staged(&s, 1, 0, (1u << 20) / 32, 0, (1u << 20) / 2);
+	stats(&s, 1);
+	trim(&s, 1, ZC_MAX_BLOCK_TOKENS);
+	trim(&s, 1, UINT32_MAX);
+	trim(&s, 1, 3);
+	open_streaming(&s, "tmax-s", (struct shape){ 2, 1, 2, 8, 8 }, ZC_MAX_BLOCK_TOKENS,
+		       STORE_MAX_RESIDUAL_TOKENS);
+	update_inline(&s, 2, 1, 3, (struct shape){ 2, 1, 2, 8, 8 }, 92, 0, 0);
+	stats(&s, 2);
+	open_per_call(&s, "", (struct shape){ 1, 1, 1, 8, 8 }, ZC_MAX_BLOCK_TOKENS + 1, NULL);
+	open_per_call(&s, "", (struct shape){ 1, 1, 1, 8, 8 }, UINT32_MAX, NULL);
+	close_session(&s, 1);
+	list(&s);
+	seed_write(&s, "max-tokens-limit");
+
+	seed_begin(&s);
+	open_streaming(&s, "layers", (struct shape){ STORE_MAX_LAYERS, 1, 1, 1, 1 }, 16, 4);
+	update_inline(&s, 1, 0, 1, (struct shape){ 1, 1, 1, 1, 1 }, 93, 0, 0);
+	update_inline(&s, 1, STORE_MAX_LAYERS - 1, 1, (struct shape){ 1, 1, 1, 1, 1 }, 94, 0, 0);
+	update_inline(&s, 1, STORE_MAX_LAYERS - 1, 7, (struct shape){ 1, 1, 1, 1, 1 }, 95, 0, 0);
+	update_inline(&s, 1, STORE_MAX_LAYERS, 1, (struct shape){ 1, 1, 1, 1, 1 }, 96, 0, 0);
+	update_inline(&s, 1, UINT32_MAX, 1, (struct shape){ 1, 1, 1, 1, 1 }, 97, 0, 0);
+	stats(&s, 1);
+	trim(&s, 1, 1);
+	/* Every layer at max_tokens needs ~1.3 TiB, past the bound on mapped
+	 * bytes; at half of it, layer 1023's regions lie ~670 GiB in. */
+	open_per_call(&s, "", (struct shape){ STORE_MAX_LAYERS, 1, 1, 1, 1 }, ZC_MAX_BLOCK_TOKENS, NULL);
+	open_per_call(&s, "layers-tokens", (struct shape){ STORE_MAX_LAYERS, 1, 1, 1, 1 },
+		      ZC_MAX_BLOCK_TOKENS / 2, NULL);
+	update_inline(&s, 2, STORE_MAX_LAYERS - 1, 2, (struct shape){ 1, 1, 1, 1, 1 }, 98, 0, 0);
+	update_inline(&s, 2, 0, 1, (struct shape){ 1, 1, 1, 1, 1 }, 99, 0, 0);
+	stats(&s, 2);
+	trim(&s, 2, 1);
+	open_streaming(&s, "", (struct shape){ STORE_MAX_LAYERS + 1, 1, 1, 1, 1 }, 16, 4);
+	open_streaming(&s, "", (struct shape){ UINT32_MAX, 1, 1, 1, 1 }, 16, 4);
+	stats(&s, 0);
+	seed_write(&s, "max-layers");
+
+	/* batch x kv_heads at STORE_MAX_HEADS: one token is 128 KiB of keys,
+	 * so the blocks come through the staging buffer. */
+	seed_begin(&s);
+	staging(&s, 1u << 20);
+	open_per_call(&s, "heads", (struct shape){ 1, 1, STORE_MAX_HEADS, 1, 1 }, 4, NULL);
+	update_staged_block(&s, 1, 0, 1, (struct shape){ 1, 1, STORE_MAX_HEADS, 1, 1 });
+	update_staged_block(&s, 1, 0, 2, (struct shape){ 1, 1, STORE_MAX_HEADS, 1, 1 });
+	update_staged_block(&s, 1, 0, 2, (struct shape){ 1, 1, STORE_MAX_HEADS, 1, 1 });
+	stats(&s, 1);
+	trim(&s, 1, 1);
+	open_streaming(&s, "heads-b", (struct shape){ 1, 256, 256, 1, 1 }, 8, 2);
+	update_staged_block(&s, 2, 0, 1, (struct shape){ 1, 256, 256, 1, 1 });
+	update_staged_block(&s, 2, 0, 3, (struct shape){ 1, 256, 256, 1, 1 });
+	stats(&s, 2);
+	open_per_call(&s, "", (struct shape){ 1, 1, STORE_MAX_HEADS + 1, 1, 1 }, 4, NULL);
+	open_per_call(&s, "", (struct shape){ 1, 257, 256, 1, 1 }, 4, NULL);
+	/* Products that wrap in 32 bits: to 0, and to 1. */
+	open_per_call(&s, "", (struct shape){ 1, 65536, 65536, 1, 1 }, 4, NULL);
+	open_per_call(&s, "", (struct shape){ 1, UINT32_MAX, UINT32_MAX, 1, 1 }, 4, NULL);
+	/* 2 TiB of views: past the bound on mapped bytes. */
+	open_per_call(&s, "", (struct shape){ 1, 1, STORE_MAX_HEADS, 1, 1 }, ZC_MAX_BLOCK_TOKENS, NULL);
+	seed_write(&s, "max-heads");
+
+	seed_begin(&s);
+	staging(&s, 1u << 20);
+	/* 1 + 16 + 47 tokens fill max_tokens; one more is refused. */
+	open_per_call(&s, "dim", (struct shape){ 1, 1, 1, ZC_MAX_HEAD_DIM, ZC_MAX_HEAD_DIM }, 64, NULL);
+	update_inline(&s, 1, 0, 1, (struct shape){ 1, 1, 1, ZC_MAX_HEAD_DIM, ZC_MAX_HEAD_DIM }, 100, 0, 0);
+	update_staged_block(&s, 1, 0, 16, (struct shape){ 1, 1, 1, ZC_MAX_HEAD_DIM, ZC_MAX_HEAD_DIM });
+	update_staged_block(&s, 1, 0, 47, (struct shape){ 1, 1, 1, ZC_MAX_HEAD_DIM, ZC_MAX_HEAD_DIM });
+	update_inline(&s, 1, 0, 1, (struct shape){ 1, 1, 1, ZC_MAX_HEAD_DIM, ZC_MAX_HEAD_DIM }, 107, 0, 0);
+	open_per_call(&s, "dim-k", (struct shape){ 1, 1, 1, ZC_MAX_HEAD_DIM, 1 }, 8, NULL);
+	update_inline(&s, 2, 0, 1, (struct shape){ 1, 1, 1, ZC_MAX_HEAD_DIM, 1 }, 101, 0, 0);
+	/* A residual of 2 x 65536 rows of 8 KiB is past the budget: the
+	 * first token is refused; with a small residual it is stored. */
+	open_streaming(&s, "dim-v", (struct shape){ 1, 1, 1, 1, ZC_MAX_HEAD_DIM }, 1u << 20,
+		       STORE_MAX_RESIDUAL_TOKENS);
+	update_inline(&s, 3, 0, 1, (struct shape){ 1, 1, 1, 1, ZC_MAX_HEAD_DIM }, 102, 0, 0);
+	open_streaming(&s, "dim-v-small", (struct shape){ 1, 1, 1, 1, ZC_MAX_HEAD_DIM }, 1u << 20, 4);
+	update_inline(&s, 4, 0, 1, (struct shape){ 1, 1, 1, 1, ZC_MAX_HEAD_DIM }, 108, 0, 0);
+	stats(&s, 1);
+	stats(&s, 3);
+	trim(&s, 1, 8);
+	open_per_call(&s, "", (struct shape){ 1, 1, 1, ZC_MAX_HEAD_DIM + 1, 1 }, 8, NULL);
+	open_per_call(&s, "", (struct shape){ 1, 1, 1, 1, ZC_MAX_HEAD_DIM + 1 }, 8, NULL);
+	open_per_call(&s, "", (struct shape){ 1, 1, 1, UINT32_MAX, UINT32_MAX }, 8, NULL);
+	/* ~1.5 TiB: within a file's limit, past the bound on mapped bytes. */
+	open_per_call(&s, "", (struct shape){ 1, 1, 1, ZC_MAX_HEAD_DIM, ZC_MAX_HEAD_DIM },
+		      ZC_MAX_BLOCK_TOKENS, NULL);
+	seed_write(&s, "max-head-dim");
+
+	/* A residual of STORE_MAX_RESIDUAL_TOKENS: blocks of R-1, 1, R, 2R
+	 * and 2R+1 tokens around its flush. */
+	seed_begin(&s);
+	staging(&s, 1u << 20);
+	open_streaming(&s, "residual", (struct shape){ 1, 1, 1, 1, 1 }, ZC_MAX_BLOCK_TOKENS,
+		       STORE_MAX_RESIDUAL_TOKENS);
+	update_staged_block(&s, 1, 0, STORE_MAX_RESIDUAL_TOKENS - 1, (struct shape){ 1, 1, 1, 1, 1 });
+	update_inline(&s, 1, 0, 1, (struct shape){ 1, 1, 1, 1, 1 }, 103, 0, 0);
+	update_staged_block(&s, 1, 0, STORE_MAX_RESIDUAL_TOKENS, (struct shape){ 1, 1, 1, 1, 1 });
+	update_staged_block(&s, 1, 0, 2 * STORE_MAX_RESIDUAL_TOKENS, (struct shape){ 1, 1, 1, 1, 1 });
+	update_staged_block(&s, 1, 0, 2 * STORE_MAX_RESIDUAL_TOKENS + 1, (struct shape){ 1, 1, 1, 1, 1 });
+	stats(&s, 1);
+	trim(&s, 1, STORE_MAX_RESIDUAL_TOKENS + 1);
+	update_inline(&s, 1, 0, 1, (struct shape){ 1, 1, 1, 1, 1 }, 104, 0, 0);
+	trim(&s, 1, 1);
+	stats(&s, 1);
+	open_streaming(&s, "", (struct shape){ 1, 1, 1, 1, 1 }, 16, STORE_MAX_RESIDUAL_TOKENS + 1);
+	open_streaming(&s, "", (struct shape){ 1, 1, 1, 1, 1 }, 16, UINT32_MAX);
+	seed_write(&s, "max-residual");
+
+	/* Every limit at once (the layout passes 2^64), then sessions of
+	 * ~384 GiB each until the 1 TiB bound on mapped bytes refuses one. */
+	seed_begin(&s);
+	open_streaming(&s, "", (struct shape){ STORE_MAX_LAYERS, 256, 256, ZC_MAX_HEAD_DIM, ZC_MAX_HEAD_DIM },
+		       ZC_MAX_BLOCK_TOKENS, STORE_MAX_RESIDUAL_TOKENS);
+	open_per_call(&s, "", (struct shape){ STORE_MAX_LAYERS, 256, 256, ZC_MAX_HEAD_DIM, ZC_MAX_HEAD_DIM },
+		      ZC_MAX_BLOCK_TOKENS, NULL);
+	for (int i = 0; i < 3; i++)
+		open_per_call(&s, "", (struct shape){ 1, 1, 1, 1024, 1024 }, ZC_MAX_BLOCK_TOKENS, NULL);
+	update_inline(&s, 2, 0, 1, (struct shape){ 1, 1, 1, 1024, 1024 }, 105, 0, 0);
+	close_session(&s, 1);
+	open_per_call(&s, "", (struct shape){ 1, 1, 1, 1024, 1024 }, ZC_MAX_BLOCK_TOKENS, NULL);
+	update_inline(&s, 3, 0, 1, (struct shape){ 1, 1, 1, 1024, 1024 }, 106, 0, 0);
+	list(&s);
+	stats(&s, 0);
+	seed_write(&s, "max-mapped");
 
 	printf("make_corpus: %u seeds in %s\n", n_written, out_dir);
 	return 0;
