@@ -517,9 +517,36 @@ static void handle_open(struct connection *connection, const wire_request *reque
 			    server->options.max_tokens);
 		return;
 	}
-	if (open->shape.layers > 1024) {
-		reply_error(connection, &connection->current, id, ZC_EINVALID, "layers %u is above the limit of 1024",
-			    open->shape.layers);
+	if (open->shape.layers > STORE_MAX_LAYERS) {
+		reply_error(connection, &connection->current, id, ZC_EINVALID, "layers %u is above the limit of %u",
+			    open->shape.layers, STORE_MAX_LAYERS);
+		return;
+	}
+	const zipcache_v1_SessionShape *shape = &open->shape;
+	if (!shape->layers || !shape->batch || !shape->kv_heads || !shape->head_dim_k || !shape->head_dim_v) {
+		reply_error(connection, &connection->current, id, ZC_EINVALID,
+			    "every dimension of the shape must be at least 1 (layers %u, batch %u, "
+			    "kv_heads %u, head_dim_k %u, head_dim_v %u)", shape->layers, shape->batch,
+			    shape->kv_heads, shape->head_dim_k, shape->head_dim_v);
+		return;
+	}
+	if ((uint64_t)shape->batch * shape->kv_heads > STORE_MAX_HEADS) {
+		reply_error(connection, &connection->current, id, ZC_EINVALID,
+			    "batch x kv_heads is %llu; the limit is %u",
+			    (unsigned long long)shape->batch * shape->kv_heads, STORE_MAX_HEADS);
+		return;
+	}
+	if (shape->head_dim_k > ZC_MAX_HEAD_DIM || shape->head_dim_v > ZC_MAX_HEAD_DIM) {
+		reply_error(connection, &connection->current, id, ZC_EINVALID,
+			    "head_dim_k %u, head_dim_v %u: the limit is %u", shape->head_dim_k,
+			    shape->head_dim_v, ZC_MAX_HEAD_DIM);
+		return;
+	}
+	if (open->policy == zipcache_v1_BlockPolicy_STREAMING && open->has_residual_tokens &&
+	    (open->residual_tokens == 0 || open->residual_tokens > STORE_MAX_RESIDUAL_TOKENS)) {
+		reply_error(connection, &connection->current, id, ZC_EINVALID,
+			    "residual_tokens %u is outside 1..%u", open->residual_tokens,
+			    STORE_MAX_RESIDUAL_TOKENS);
 		return;
 	}
 	if (server->sessions.count >= server->options.max_sessions) {

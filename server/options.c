@@ -103,6 +103,9 @@ void options_print_help(const char *program, const struct options *configured)
 	       "                                 (default %llu)\n"
 	       "  --max-reply-queue-total N      unsent reply bytes over all connections before those\n"
 	       "                                 with replies waiting are no longer read (default %llu)\n"
+	       "  --max-mapped-bytes N     address space all session files may map together; 0 = half\n"
+	       "                           the address-space limit (ulimit -v), at most 64T (default 0;\n"
+	       "                           each session is one mapping, so vm.max_map_count is not the limit)\n"
 	       "  --idle-ttl SECONDS       close sessions idle this long, 0 = never (default %llu)\n"
 	       "  --offload-elements N     jobs writing more elements (new tokens plus dropped views rebuilt) run on worker threads (default %u)\n"
 	       "  --no-adopt               delete session files left by an earlier run instead of adopting them\n"
@@ -131,10 +134,6 @@ void options_print_help(const char *program, const struct options *configured)
 	       configured_text(configured->max_connections_per_uid, rule[1], text[2], sizeof(text[2])),
 	       configured_text(configured->memory_budget_per_uid, rule[2], text[3], sizeof(text[3])),
 	       configured_text(configured->max_staging_bytes_per_uid, rule[3], text[4], sizeof(text[4])));
-	printf("  --max-mapped-bytes N     address space all session files may map together; 0 = the\n"
-	       "                           default: half the address-space limit (ulimit -v), at most 64T\n"
-	       "                           (each session is one mapping: vm.max_map_count bounds sessions\n"
-	       "                           well above --max-sessions; see docs/DURABILITY.md)\n");
 }
 
 /* A non-negative integer with an optional K/M/G suffix, nothing else. */
