@@ -77,10 +77,16 @@ struct store {
 	uint64_t charged;         /* bytes of budget.used that are this file's */
 	uint64_t mapped;          /* bytes of the address-space bound that are this file's */
 	int dir_fd;               /* borrowed: the shm-dir */
-	int fd;
+	int fd;                   /* the durable file: never handed out */
 	bool unlinked;
 	uint8_t *base;
 	size_t file_bytes;
+	/* What readers map: the header and the fp16 views, in a memfd sealed
+	 * against resizing, so no descriptor a client holds can truncate
+	 * memory the daemon writes. Not durable: rebuilt after adoption. */
+	int view_fd;
+	uint8_t *view_base;
+	size_t view_bytes;
 	struct store_header *header;      /* private copy: shape, codec, layout */
 	struct store_header *shared;      /* the file's header, for readers */
 	struct store_commit_area *commit; /* in the file */
@@ -187,12 +193,12 @@ static struct store_block *file_index(const struct store *store, uint32_t layer)
 
 static uint16_t *key_view(const struct store *store, uint32_t layer)
 {
-	return (uint16_t *)(store->base + store_key_view_offset(store, layer));
+	return (uint16_t *)(store->view_base + store_key_view_offset(store, layer));
 }
 
 static uint16_t *value_view(const struct store *store, uint32_t layer)
 {
-	return (uint16_t *)(store->base + store_value_view_offset(store, layer));
+	return (uint16_t *)(store->view_base + store_value_view_offset(store, layer));
 }
 
 static uint16_t *key_residual(const struct store *store, uint32_t layer)
@@ -245,10 +251,16 @@ static uint32_t block_valid_tokens(const struct store *store, uint32_t layer,
 	return end - index[i].first_token;
 }
 
-static uint64_t file_allocated(const struct store *store)
+static uint64_t fd_allocated(int fd)
 {
 	struct stat st;
-	return fstat(store->fd, &st) == 0 ? (uint64_t)st.st_blocks * 512 : 0;
+	return fd >= 0 && fstat(fd, &st) == 0 ? (uint64_t)st.st_blocks * 512 : 0;
+}
+
+/* What the store holds in memory: the durable file and the views. */
+static uint64_t file_allocated(const struct store *store)
+{
+	return fd_allocated(store->fd) + fd_allocated(store->view_fd);
 }
 
 /* Brings the charge up to what the file holds: pages a client's read
@@ -314,7 +326,7 @@ void store_budget_force(struct store_budget *budget, uint64_t bytes)
  * error we can report instead of a SIGBUS on the next store. The range is
  * taken from the budget first; afterwards the charge is set to what the
  * file really holds (the range may overlap pages that exist already). */
-static int reserve_range(struct store *store, uint64_t offset, uint64_t bytes)
+static int reserve_in(struct store *store, int fd, uint64_t offset, uint64_t bytes)
 {
 	if (bytes == 0)
 		return 0;
@@ -324,11 +336,11 @@ static int reserve_range(struct store *store, uint64_t offset, uint64_t bytes)
 	if (rc < 0) {
 		/* Pages that exist already cost nothing more (an adopted file's
 		 * index, a view rebuilt over pages a drop did not punch). */
-		off_t hole = lseek(store->fd, (off_t)start, SEEK_HOLE);
+		off_t hole = lseek(fd, (off_t)start, SEEK_HOLE);
 		return hole >= 0 && (uint64_t)hole >= end ? 0 : rc;
 	}
 	uint64_t before = file_allocated(store);
-	if (fallocate(store->fd, 0, (off_t)start, (off_t)(end - start)) < 0) {
+	if (fallocate(fd, 0, (off_t)start, (off_t)(end - start)) < 0) {
 		int err = errno;
 		store_budget_give(store->budget, end - start);
 		log_warn("store", "fallocate failed", "path=%s offset=%llu bytes=%llu error=%s",
@@ -350,6 +362,11 @@ static int reserve_range(struct store *store, uint64_t offset, uint64_t bytes)
 	return 0;
 }
 
+static int reserve_range(struct store *store, uint64_t offset, uint64_t bytes)
+{
+	return reserve_in(store, store->fd, offset, bytes);
+}
+
 /* Reserves each head's slice of tokens [from, to) in both views of a layer. */
 static int reserve_view_tokens(struct store *store, uint32_t layer, uint64_t from, uint64_t to)
 {
@@ -361,7 +378,8 @@ static int reserve_view_tokens(struct store *store, uint32_t layer, uint64_t fro
 					      store_value_view_offset(store, layer);
 		for (uint64_t head = 0; head < heads; head++) {
 			uint64_t head_start = view + head * h->max_tokens * dim * 2;
-			int rc = reserve_range(store, head_start + from * dim * 2, (to - from) * dim * 2);
+			int rc = reserve_in(store, store->view_fd, head_start + from * dim * 2,
+					    (to - from) * dim * 2);
 			if (rc < 0)
 				return rc;
 		}
@@ -677,6 +695,7 @@ static int store_alloc(const struct store_header *h, struct store **out)
 	if (!store)
 		return -ENOMEM;
 	store->fd = -1;
+	store->view_fd = -1;
 	store->header = malloc(sizeof(*h));
 	if (!store->header) {
 		free(store);
@@ -709,13 +728,72 @@ static int store_map(struct store *store, size_t bytes)
 	store->base = base;
 	store->file_bytes = bytes;
 	store->mapped = bytes;
-	store->shared = base;
 	store->commit = (struct store_commit_area *)(store->base + store->header->commit_offset);
 	return 0;
 }
 
+/*
+ * The readers' part: a memfd of header + views, sealed so that it can
+ * never shrink or grow (whoever holds a descriptor), mapped, its header
+ * page reserved and written from the private header, every layer's
+ * readers' copy from the private state.
+ */
+static int views_open(struct store *store)
+{
+	const struct store_header *h = store->header;
+	size_t bytes = h->views_bytes;
+	int rc = map_take(bytes);
+	if (rc < 0)
+		return rc;
+	store->view_fd = memfd_create("zipcache-views", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (store->view_fd < 0 || ftruncate(store->view_fd, (off_t)bytes) < 0 ||
+	    fcntl(store->view_fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
+		rc = -errno;
+		goto out_close;
+	}
+	/* Readers get a read-only descriptor; no write bits keeps them (as
+	 * any other user) from reopening it for writing. */
+	fchmod(store->view_fd, 0400);
+	rc = reserve_in(store, store->view_fd, 0, h->header_bytes);
+	if (rc < 0)
+		goto out_close;
+	void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, store->view_fd, 0);
+	if (base == MAP_FAILED) {
+		rc = -errno;
+		goto out_close;
+	}
+	store->view_base = base;
+	store->view_bytes = bytes;
+	store->shared = base;
+	memcpy(store->shared, h, sizeof(*h));
+	memcpy(store->shared->magic, STORE_MAGIC, sizeof(store->shared->magic));
+	for (uint32_t i = 0; i < h->layers; i++) {
+		mirror_layer(store, i);
+		__atomic_store_n(&store->shared->layer[i].sequence, store->room[i].sequence,
+				 __ATOMIC_RELEASE);
+	}
+	return 0;
+
+out_close:
+	/* What its header page was charged stays in store->charged, which
+	 * the caller's failure path gives back whole. */
+	if (store->view_fd >= 0)
+		close(store->view_fd);
+	store->view_fd = -1;
+	map_give(bytes);
+	return rc;
+}
+
 static void store_unmap(struct store *store)
 {
+	if (store->view_base) {
+		munmap(store->view_base, store->view_bytes);
+		map_give(store->view_bytes);
+		store->view_base = NULL;
+	}
+	if (store->view_fd >= 0)
+		close(store->view_fd);
+	store->view_fd = -1;
 	if (!store->base)
 		return;
 	munmap(store->base, store->file_bytes);
@@ -818,19 +896,20 @@ int store_create(int dir_fd, const char *dir_path, const struct store_params *pa
 	if (rc < 0)
 		goto out_unlink;
 
-	memcpy(store->shared, &layout, sizeof(layout));
-	memset(store->shared->magic, 0, sizeof(store->shared->magic));
-	for (uint32_t i = 0; i < layout.layers; i++)
-		store->shared->layer[i].view_valid = 1;
+	struct store_header *durable = (struct store_header *)store->base;
+	memcpy(durable, &layout, sizeof(layout));
+	memset(durable->magic, 0, sizeof(durable->magic));
 	/* The magic goes in last: a file without it was never finished. */
 	__atomic_thread_fence(__ATOMIC_RELEASE);
-	memcpy(store->shared->magic, STORE_MAGIC, sizeof(store->shared->magic));
-	/* Readers get a read-only descriptor; a mode without write bits keeps
-	 * them (as any other user) from reopening it for writing. */
+	memcpy(durable->magic, STORE_MAGIC, sizeof(durable->magic));
+	/* No write bits: the daemon keeps its own read-write descriptor. */
 	if (fchmod(store->fd, 0400) < 0) {
 		rc = -errno;
 		goto out_unlink;
 	}
+	rc = views_open(store);
+	if (rc < 0)
+		goto out_unlink;
 	fault_point("create.header");
 	if (renameat2(dir_fd, temporary, dir_fd, store->name, RENAME_NOREPLACE) < 0) {
 		rc = errno == EEXIST ? ZC_EEXISTS : -errno;
@@ -993,8 +1072,7 @@ static int layer_recover(struct store *store, uint32_t layer, char *reason, size
 	*room = (struct layer_room){
 		.reserved_key_arena = key_end / PAGE_BYTES * PAGE_BYTES,
 		.reserved_value_arena = value_end / PAGE_BYTES * PAGE_BYTES,
-		.sequence = (__atomic_load_n(&store->shared->layer[layer].sequence, __ATOMIC_RELAXED) |
-			     1) + 1,
+		.sequence = 0,
 	};
 	return 0;
 }
@@ -1082,6 +1160,10 @@ int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store
 		rc = -errno;
 		goto out_unmap;
 	}
+	/* Views live in memory of their own; pages a file still holds there
+	 * (nothing writes them) are given back. */
+	fallocate(store->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)copy.header_bytes,
+		  (off_t)(copy.views_bytes - copy.header_bytes));
 	store->generation = __atomic_load_n(&store->commit->generation, __ATOMIC_ACQUIRE);
 	/* One commit per mutation: 2^62 of them is not a file any daemon wrote. */
 	if (store->generation > (UINT64_C(1) << 62)) {
@@ -1101,13 +1183,13 @@ int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store
 	if (rc < 0)
 		goto out_unmap;
 	/* Views are not durable: every daemon that adopts a file rebuilds
-	 * them from the committed blocks and residual on first use. */
-	for (uint32_t i = 0; i < copy.layers; i++) {
+	 * them from the committed blocks and residual on first use, in views
+	 * of its own. */
+	for (uint32_t i = 0; i < copy.layers; i++)
 		store->room[i].view_valid = false;
-		mirror_layer(store, i);
-		__atomic_store_n(&store->shared->layer[i].sequence, store->room[i].sequence,
-				 __ATOMIC_RELEASE);
-	}
+	rc = views_open(store);
+	if (rc < 0)
+		goto out_unmap;
 	/* What an adopted file holds counts, even past the budget: refusing
 	 * it would lose acknowledged tokens. New reservations then wait
 	 * until views are dropped or sessions close. */
@@ -1146,6 +1228,8 @@ void store_close(struct store *store, bool remove_file)
 		/* A client may still map the unlinked file: its pages would live
 		 * on, charged to nobody. */
 		fallocate(store->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)store->file_bytes);
+		fallocate(store->view_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
+			  (off_t)store->view_bytes);
 	}
 	store_budget_give(store->budget, store->charged);
 	store_unmap(store);
@@ -1166,9 +1250,10 @@ const char *store_path(const struct store *store)
 int store_open_readonly(const struct store *store)
 {
 	char proc_path[64];
-	snprintf(proc_path, sizeof(proc_path), "/proc/self/fd/%d", store->fd);
-	/* A new open file description, read-only: the client cannot get
-	 * PROT_WRITE on a MAP_SHARED mapping of it, nor truncate the file. */
+	snprintf(proc_path, sizeof(proc_path), "/proc/self/fd/%d", store->view_fd);
+	/* A new open file description of the views (never the durable file),
+	 * read-only: the client cannot get PROT_WRITE on a MAP_SHARED mapping
+	 * of it, and the seals keep anyone from resizing it. */
 	int fd = open(proc_path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
 		return -errno;
@@ -1650,7 +1735,7 @@ int store_drop_views(struct store *store, uint64_t *freed)
 		room->reserved_view_tokens = 0;
 		mirror_layer(store, i);
 		fault_point("drop.mark");
-		if (fallocate(store->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)start,
+		if (fallocate(store->view_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)start,
 			      (off_t)bytes) < 0)
 			rc = -errno;
 		fault_point("drop.punch");

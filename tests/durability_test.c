@@ -18,8 +18,10 @@
  *                  come back once the daemon can open them; files that
  *                  fail a real check are set aside with a reason; files of
  *                  an unfinished open are removed.
- *   trust          A client of the daemon's own uid, with write access it
- *                  took, cannot crash it or change what it answers.
+ *   trust          A client of the daemon's own uid cannot resize the
+ *                  views it is passed, and what it writes (there, or into
+ *                  the durable file it can reach) does not crash the daemon
+ *                  or change what it answers.
  *                  The shared-memory directory must be the daemon's own:
  *                  another owner, group or other access, or a symlink, and
  *                  the daemon refuses to start; a planted .lock symlink is
@@ -37,6 +39,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/socket.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -715,35 +718,54 @@ static int drop_to_nobody(void)
 	return getuid() == NOBODY && geteuid() == NOBODY ? 0 : -EPERM;
 }
 
-/* The session file behind this process's mapping of the views. */
-static bool mapped_session_file(char *path, size_t size)
+/* The read-only view descriptor the daemon passes with an attach, taken
+ * off a raw connection (the client library maps it and closes it). */
+static int view_descriptor(const char *socket_path, const char *name)
 {
-	FILE *maps = fopen("/proc/self/maps", "r");
-	char line[PATH_MAX + 256];
-	bool found = false;
-	while (maps && !found && fgets(line, sizeof(line), maps)) {
-		char *p = strstr(line, "/session-");
-		char *start = strchr(line, '/');
-		if (!p || !start)
-			continue;
-		start[strcspn(start, "\n")] = '\0';
-		snprintf(path, size, "%s", start);
-		found = true;
+	wire_request request = { 0 };
+	size_t size, len;
+	uint8_t *frame;
+	int sock = raw_connect(socket_path);
+	if (sock < 0)
+		return -1;
+	request.msg.request_id = 77;
+	request.msg.which_op = zipcache_v1_Request_open_session_tag;
+	snprintf(request.msg.op.open_session.name, sizeof(request.msg.op.open_session.name), "%s",
+		 name);
+	request.msg.op.open_session.attach = true;
+	if (wire_request_frame_size(&request, &size) < 0 || !(frame = malloc(size)) ||
+	    wire_request_encode(&request, frame, size, &len) < 0 || raw_send(sock, frame, len) < 0) {
+		close(sock);
+		return -1;
 	}
-	if (maps)
-		fclose(maps);
-	return found;
+	free(frame);
+	/* The descriptor rides the reply's first byte. */
+	uint8_t bytes[4096];
+	char control[CMSG_SPACE(sizeof(int))];
+	struct iovec iov = { bytes, sizeof(bytes) };
+	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control,
+			      .msg_controllen = sizeof(control) };
+	int fd = -1;
+	if (recvmsg(sock, &msg, MSG_CMSG_CLOEXEC) > 0) {
+		struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+		if (c && c->cmsg_type == SCM_RIGHTS)
+			memcpy(&fd, CMSG_DATA(c), sizeof(fd));
+	}
+	close(sock);
+	return fd;
 }
 
 /*
- * The attacker: same uid as the daemon. Its view descriptor cannot be
- * reopened for writing; having made the file writable anyway (it owns
- * it), it scribbles over the header, the layer headers, the commit area
- * and the index. The daemon must go on serving, from its own state.
+ * The attacker: same uid as the daemon. The view descriptor it is passed
+ * cannot be truncated or grown, not even after chmod and a reopen for
+ * writing (the views are a sealed memfd). Whatever it writes — through
+ * that descriptor into the header and layer headers, or straight into the
+ * durable file it can reach in the shm-dir — the daemon never reads back
+ * while it runs: it goes on serving, from its own state.
  */
-static int same_uid_body(const char *socket_path, int report_fd)
+static int same_uid_body(const char *socket_path, const char *shm_dir, int report_fd)
 {
-	char why[WHY_BYTES] = "", path[PATH_MAX];
+	char why[WHY_BYTES] = "", path[PATH_MAX + 64], proc[64];
 	zc_client *client;
 	zc_session *session;
 	struct model model;
@@ -762,47 +784,72 @@ static int same_uid_body(const char *socket_path, int report_fd)
 		if (!update_checked(client, session, &model, &rng, step % 2, 1 + step * 5 % 23, why,
 				    sizeof(why)))
 			return 13;
-	if (!mapped_session_file(path, sizeof(path)))
-		return 14;
-	if (open(path, O_RDWR) >= 0 || errno != EACCES)
-		return 15;                       /* mode 0400: no reopening for writing */
-	if (chmod(path, 0600) < 0)
-		return 16;
-	int fd = open(path, O_RDWR);
+	int fd = view_descriptor(socket_path, config.name);
 	if (fd < 0)
-		return 17;
+		return 14;
 	struct stat st;
-	fstat(fd, &st);
-	uint8_t *file = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	if (file == MAP_FAILED)
-		return 18;
-	zc_view view;
-	/* The commit area and what follows it: past the client's mapping. */
-	size_t views_end = (size_t)((const struct store_header *)file)->commit_offset;
-	if (views_end == 0 || views_end >= (size_t)st.st_size)
-		return 21;
-	size_t scribble = (size_t)st.st_size - views_end < (64u << 10) ? (size_t)st.st_size - views_end :
-									 (64u << 10);
-	/* Header and layer headers. */
-	memset(file + 8, 0xff, 4096 - 8);
-	memset(file + views_end, 0xa5, scribble);
-	munmap(file, (size_t)st.st_size);
+	if (fstat(fd, &st) < 0)
+		return 15;
+	if (ftruncate(fd, 0) == 0 || ftruncate(fd, st.st_size * 2) == 0)
+		return 16;                       /* read-only: no resizing */
+	fchmod(fd, 0600);                        /* it owns the memfd: it may */
+	snprintf(proc, sizeof(proc), "/proc/self/fd/%d", fd);
+	int rw = open(proc, O_RDWR);
+	if (rw >= 0) {
+		if (ftruncate(rw, 0) == 0 || ftruncate(rw, st.st_size + 4096) == 0)
+			return 17;               /* sealed: nobody resizes it */
+		/* The header and layer headers, scribbled. */
+		static uint8_t junk[4096];
+		memset(junk, 0xff, sizeof(junk));
+		if (pwrite(rw, junk + 8, sizeof(junk) - 8, 8) < 0)
+			return 18;
+		close(rw);
+	}
 	close(fd);
+	/* The durable file, reached through the directory (same uid, same
+	 * host): its header, commit area and index, scribbled. */
+	snprintf(path, sizeof(path), "%s/session-%016llx.zcs", shm_dir,
+		 (unsigned long long)zc_session_get_info(session)->id);
+	if (chmod(path, 0600) < 0)
+		return 19;
+	int file = open(path, O_RDWR);
+	if (file < 0 || fstat(file, &st) < 0)
+		return 20;
+	struct store_header header;
+	if (pread(file, &header, sizeof(header), 0) != (ssize_t)sizeof(header))
+		return 21;
+	static uint8_t junk[64 << 10];
+	memset(junk, 0xa5, sizeof(junk));
+	/* The header, the commit area, layer 0's block index: the daemon's
+	 * bookkeeping. (Its residual rows and arenas are the session's data
+	 * itself: writing those changes the attacker's own cache, nothing
+	 * more.) */
+	off_t index = (off_t)(header.commit_offset + header.commit_bytes + header.index_offset);
+	if (pwrite(file, junk, 4096 - 8, 8) < 0 ||
+	    pwrite(file, junk, header.commit_bytes, (off_t)header.commit_offset) < 0 ||
+	    pwrite(file, junk, 4096, index) < 0)
+		return 22;
+	close(file);
 
 	/* The daemon goes on: what it answers is still the model. */
 	for (uint32_t step = 0; step < 12; step++) {
 		struct block block;
+		zc_view view;
 		block_make(&block, &model, 1 + step % 9, &rng);
 		zc_layer_stats stats, want;
 		int rc = zc_update_and_fetch(session, step % 2, block.tokens, block.keys, block.values,
 					     &view, &stats);
 		if (rc < 0)
-			return 19;
+			return 23;
 		model_update(&model, step % 2, block.tokens, block.keys, block.values);
 		model_layer_stats(&model, step % 2, &want);
 		block_free(&block);
 		if (!stats_match("stats after the scribbling", &stats, &want, true, why, sizeof(why)))
-			return 20;
+			return 24;
+	}
+	if (!session_matches(session, &model, why, sizeof(why))) {
+		fprintf(stderr, "same-uid client: %s\n", why);
+		return 25;
 	}
 	ssize_t ignored = write(report_fd, "ok", 2);
 	(void)ignored;
@@ -842,7 +889,7 @@ START_TEST(a_client_of_the_daemons_uid_cannot_hurt_it)
 	pid_t attacker = fork_dying_with_parent(1);
 	if (attacker == 0) {
 		close(report[0]);
-		_exit(same_uid_body(sock, report[1]));
+		_exit(same_uid_body(sock, shm, report[1]));
 	}
 	close(report[1]);
 	int status = 0;
@@ -901,9 +948,10 @@ static void tmpfs_fill(const char *dir, char *filler, size_t size)
 
 /*
  * Views punched by memory relief, then a crash before the daemon could
- * say so: the next daemon, on a full tmpfs, must answer the attach that
- * needs those pages with RESOURCE_EXHAUSTED — not die of SIGBUS — and
- * serve it bit for bit once there is room again.
+ * say so, then a full tmpfs: the next daemon adopts the file, serves the
+ * session bit for bit (its views are rebuilt in memory of its own), and
+ * answers the update that needs pages of the full file system with
+ * RESOURCE_EXHAUSTED — never a SIGBUS — and takes it once there is room.
  */
 START_TEST(full_tmpfs_is_an_error_not_a_sigbus)
 {
@@ -948,13 +996,21 @@ START_TEST(full_tmpfs_is_an_error_not_a_sigbus)
 	client = connect_client(&daemon);
 	config.name = "dropped";
 	config.attach = true;
-	rc = zc_session_open(client, &config, &dropped);
-	ck_assert_msg(rc == ZC_EEXHAUSTED, "attach on a full tmpfs: %s (%s), want ZC_EEXHAUSTED",
+	/* Views are the daemon's memory, not the shm-dir's: they come back. */
+	dropped = open_session(client, &config);
+	CHECK(session_matches, dropped, &model);
+	/* New tokens need pages of the full file system: refused, not SIGBUS. */
+	block_make(&block, &model, 300, &rng);
+	rc = zc_update_and_fetch(dropped, 0, 300, block.keys, block.values, &view, NULL);
+	ck_assert_msg(rc == ZC_EEXHAUSTED, "an update on a full tmpfs: %s (%s), want ZC_EEXHAUSTED",
 		      zc_error_name(rc), zc_client_last_error(client));
-	daemon_alive_check(client, "an attach on a full tmpfs", &daemon, tail, sizeof(tail));
+	daemon_alive_check(client, "an update on a full tmpfs", &daemon, tail, sizeof(tail));
+	CHECK(session_matches, dropped, &model);
 
 	unlink(filler);
-	dropped = open_session(client, &config);
+	ck_assert_int_eq(model_update(&model, 0, 300, block.keys, block.values), 0);
+	ck_assert_int_eq(zc_update_and_fetch(dropped, 0, 300, block.keys, block.values, &view, NULL), 0);
+	block_free(&block);
 	CHECK(session_matches, dropped, &model);
 	zc_session_release(dropped);
 	zc_client_close(client);
