@@ -726,6 +726,101 @@ START_TEST(sigkill_during_mixed_workload_under_budget)
 }
 END_TEST
 
+/* ---- restart with a smaller address-space bound than the files need ---------- */
+
+static int count_in_log(const char *path, const char *needle)
+{
+	char *log = file_read_whole(path, NULL);
+	int n = 0;
+	for (const char *p = strstr(log, needle); p; p = strstr(p + 1, needle))
+		n++;
+	free(log);
+	return n;
+}
+
+/*
+ * Files the address-space bound cannot map yet are passing trouble: they
+ * stay, are retried, and come in as soon as mapped bytes free up (a
+ * close); the log says so without repeating itself every second for
+ * every file, and a later daemon with room adopts them all.
+ */
+START_TEST(restart_with_smaller_max_mapped_bytes)
+{
+	enum { FILES = 12 };
+	struct daemon_harness daemon;
+	const char *const args[] = { "--idle-ttl", "0", "--log-level", "info", NULL };
+	char names[FILES][16], path[PATH_MAX + 64], bound[32];
+	struct model models[FILES];
+	struct stat st;
+
+	daemon_start(&daemon, args);
+	zc_client *client = connect_client(&daemon);
+	uint64_t file_bytes = 0;
+	for (int i = 0; i < FILES; i++) {
+		snprintf(names[i], sizeof(names[i]), "m%d", i);
+		zc_session_config config = small_config(names[i]);
+		zc_session *session = open_session(client, &config);
+		struct rng rng;
+		model_init(&models[i], &config);
+		rng_seed(&rng, 40 + (uint64_t)i);
+		CHECK(update_checked, client, session, &models[i], &rng, 0, 9 + (uint32_t)i);
+		snprintf(path, sizeof(path), "%s/session-%016" PRIx64 ".zcs", daemon.shm_dir,
+			 zc_session_get_info(session)->id);
+		ck_assert_int_eq(stat(path, &st), 0);
+		file_bytes = (uint64_t)st.st_size;
+		zc_session_release(session);
+	}
+	zc_client_close(client);
+	daemon_stop(&daemon);
+
+	/* Room for four files. */
+	snprintf(bound, sizeof(bound), "%llu", (unsigned long long)(4 * file_bytes + file_bytes / 2));
+	const char *const small[] = { "--idle-ttl", "0", "--log-level", "info", "--max-mapped-bytes",
+				      bound, NULL };
+	daemon_set_extra_args(&daemon, small);
+	daemon_restart(&daemon);
+	sleep_ms(4000);
+	ck_assert_int_eq(count_suffix(daemon.shm_dir, ".corrupt"), 0);
+	ck_assert_int_eq(count_suffix(daemon.shm_dir, ".zcs"), FILES);
+	client = connect_client(&daemon);
+	zc_session_info infos[FILES + 1];
+	size_t count = 0;
+	ck_assert_int_eq(zc_client_list_sessions(client, infos, FILES + 1, &count), 0);
+	ck_assert_msg(count >= 1 && count < FILES, "%zu of %d adopted under a bound for 4", count,
+		      FILES);
+	int retries = count_in_log(daemon.log_path, "cannot adopt session file now");
+	fprintf(stderr, "max-mapped-bytes %s: %zu adopted, %d retry lines in ~4 s for %zu files\n",
+		bound, count, retries, FILES - count);
+	/* A close frees room: a waiting file comes in within a few seconds. */
+	ck_assert_int_eq(zc_client_close_session(client, infos[0].id), 0);
+	size_t after = 0;
+	for (int i = 0; i < 50; i++) {
+		ck_assert_int_eq(zc_client_list_sessions(client, infos, FILES + 1, &after), 0);
+		if (after == count)
+			break;
+		sleep_ms(100);
+	}
+	ck_assert_msg(after == count, "after a close, %zu sessions (was %zu): the waiting file "
+		      "did not come in", after, count);
+	zc_client_close(client);
+	ck_assert_msg(retries <= 2 * (int)(FILES - count),
+		      "the log repeats 'cannot adopt session file now' %d times in 4 s for %zu "
+		      "waiting files: one line per file per second, forever, while the bound holds",
+		      retries, FILES - count);
+	daemon_stop(&daemon);
+	daemon_set_extra_args(&daemon, args);
+	daemon_restart(&daemon);
+	client = connect_client(&daemon);
+	ck_assert_int_eq(zc_client_list_sessions(client, infos, FILES + 1, &count), 0);
+	ck_assert_uint_eq(count, FILES - 1);
+	zc_client_close(client);
+	for (int i = 0; i < FILES; i++)
+		model_free(&models[i]);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+}
+END_TEST
+
 static Suite *redteam_suite(void)
 {
 	Suite *suite = suite_create("redteam");
@@ -733,6 +828,7 @@ static Suite *redteam_suite(void)
 		{ "trust",
 		  { same_uid_client_truncating_to_views_cannot_kill_daemon,
 		    same_uid_client_truncating_to_zero_cannot_kill_daemon, NULL } },
+		{ "adoption", { restart_with_smaller_max_mapped_bytes, NULL } },
 		{ "crashes",
 		  { sigkill_during_mixed_workload, sigkill_during_mixed_workload_under_budget, NULL } },
 	};
