@@ -1514,7 +1514,8 @@ static int update_residual(struct store *store, uint32_t layer, uint32_t tokens,
 		rc = residual_flush(store, layer);
 		if (rc < 0)
 			log_warn("store", "residual flush deferred", "session=%llu layer=%u error=%s",
-				 (unsigned long long)h->session_id, layer, zc_strerror(rc));
+				 (unsigned long long)h->session_id, layer,
+				 rc == STORE_EBUDGET ? "memory budget exhausted" : zc_strerror(rc));
 	}
 	return 0;
 }

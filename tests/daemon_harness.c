@@ -17,6 +17,7 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -606,4 +607,39 @@ bool raw_wait_closed(int fd, int timeout_ms)
 {
 	uint8_t byte;
 	return read_exact(fd, &byte, 1, now_ms() + timeout_ms) == -ECONNRESET;
+}
+
+int raw_view_descriptor(const char *socket_path, const char *name)
+{
+	wire_request request = { 0 };
+	size_t size, len;
+	uint8_t *frame;
+	int sock = raw_connect(socket_path);
+	if (sock < 0)
+		return -1;
+	request.msg.request_id = 77;
+	request.msg.which_op = zipcache_v1_Request_open_session_tag;
+	snprintf(request.msg.op.open_session.name, sizeof(request.msg.op.open_session.name), "%s",
+		 name);
+	request.msg.op.open_session.attach = true;
+	if (wire_request_frame_size(&request, &size) < 0 || !(frame = malloc(size)) ||
+	    wire_request_encode(&request, frame, size, &len) < 0 || raw_send(sock, frame, len) < 0) {
+		close(sock);
+		return -1;
+	}
+	free(frame);
+	/* The descriptor rides the reply's first byte. */
+	uint8_t bytes[4096];
+	char control[CMSG_SPACE(sizeof(int))];
+	struct iovec iov = { bytes, sizeof(bytes) };
+	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control,
+			      .msg_controllen = sizeof(control) };
+	int fd = -1;
+	if (recvmsg(sock, &msg, MSG_CMSG_CLOEXEC) > 0) {
+		struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+		if (c && c->cmsg_type == SCM_RIGHTS)
+			memcpy(&fd, CMSG_DATA(c), sizeof(fd));
+	}
+	close(sock);
+	return fd;
 }

@@ -124,6 +124,12 @@ int raw_read_reply(int fd, int timeout_ms, wire_response *reply, size_t *frame_b
 /* Encodes request (wire_request_encode), sends it and reads the reply. */
 int raw_call(int fd, const wire_request *request, wire_response *reply, size_t *frame_bytes);
 
+/* The read-only view descriptor the daemon passes with an attach of the
+ * caller's session `name`, taken off a raw connection of its own (the
+ * client library maps it and closes it): for tests of what a client can
+ * do with it. -1 on failure. */
+int raw_view_descriptor(const char *socket_path, const char *name);
+
 /* Whether the daemon closes the connection within timeout_ms, with no
  * further bytes before the end. */
 bool raw_wait_closed(int fd, int timeout_ms);

@@ -718,43 +718,6 @@ static int drop_to_nobody(void)
 	return getuid() == NOBODY && geteuid() == NOBODY ? 0 : -EPERM;
 }
 
-/* The read-only view descriptor the daemon passes with an attach, taken
- * off a raw connection (the client library maps it and closes it). */
-static int view_descriptor(const char *socket_path, const char *name)
-{
-	wire_request request = { 0 };
-	size_t size, len;
-	uint8_t *frame;
-	int sock = raw_connect(socket_path);
-	if (sock < 0)
-		return -1;
-	request.msg.request_id = 77;
-	request.msg.which_op = zipcache_v1_Request_open_session_tag;
-	snprintf(request.msg.op.open_session.name, sizeof(request.msg.op.open_session.name), "%s",
-		 name);
-	request.msg.op.open_session.attach = true;
-	if (wire_request_frame_size(&request, &size) < 0 || !(frame = malloc(size)) ||
-	    wire_request_encode(&request, frame, size, &len) < 0 || raw_send(sock, frame, len) < 0) {
-		close(sock);
-		return -1;
-	}
-	free(frame);
-	/* The descriptor rides the reply's first byte. */
-	uint8_t bytes[4096];
-	char control[CMSG_SPACE(sizeof(int))];
-	struct iovec iov = { bytes, sizeof(bytes) };
-	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control,
-			      .msg_controllen = sizeof(control) };
-	int fd = -1;
-	if (recvmsg(sock, &msg, MSG_CMSG_CLOEXEC) > 0) {
-		struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-		if (c && c->cmsg_type == SCM_RIGHTS)
-			memcpy(&fd, CMSG_DATA(c), sizeof(fd));
-	}
-	close(sock);
-	return fd;
-}
-
 /*
  * The attacker: same uid as the daemon. The view descriptor it is passed
  * cannot be truncated or grown, not even after chmod and a reopen for
@@ -784,7 +747,7 @@ static int same_uid_body(const char *socket_path, const char *shm_dir, int repor
 		if (!update_checked(client, session, &model, &rng, step % 2, 1 + step * 5 % 23, why,
 				    sizeof(why)))
 			return 13;
-	int fd = view_descriptor(socket_path, config.name);
+	int fd = raw_view_descriptor(socket_path, config.name);
 	if (fd < 0)
 		return 14;
 	struct stat st;

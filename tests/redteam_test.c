@@ -49,25 +49,6 @@ static int drop_to_nobody(void)
 	return getuid() == NOBODY && geteuid() == NOBODY ? 0 : -EPERM;
 }
 
-static bool mapped_session_file(char *path, size_t size)
-{
-	FILE *maps = fopen("/proc/self/maps", "r");
-	char line[PATH_MAX + 256];
-	bool found = false;
-	while (maps && !found && fgets(line, sizeof(line), maps)) {
-		char *p = strstr(line, "/session-");
-		char *start = strchr(line, '/');
-		if (!p || !start)
-			continue;
-		start[strcspn(start, "\n")] = '\0';
-		snprintf(path, size, "%s", start);
-		found = true;
-	}
-	if (maps)
-		fclose(maps);
-	return found;
-}
-
 static zc_session_config small_config(const char *name)
 {
 	zc_session_config c;
@@ -86,10 +67,12 @@ static zc_session_config small_config(const char *name)
 enum truncation { CUT_TO_VIEWS, CUT_TO_ZERO };
 
 /*
- * The attacker (uid of the daemon): a session with some tokens, then its
- * own file made writable (it owns it) and truncated; then one more update
- * of that session, whose answer does not matter. Exit 0 when it got that
- * far.
+ * The attacker (uid of the daemon): a session with some tokens, then the
+ * view descriptor it is passed made writable (it owns it) and cut; the
+ * cut must be refused; then more updates of that session. Exit 0 when it
+ * got that far. (A process of the daemon's uid that can reach the shm-dir
+ * itself could cut the durable file, as it could kill(2) the daemon: the
+ * shm-dir is for the daemon alone; README, Security.)
  */
 static int truncating_body(const char *socket_path, enum truncation how)
 {
@@ -112,20 +95,25 @@ static int truncating_body(const char *socket_path, enum truncation how)
 		if (!update_checked(client, session, &model, &rng, step % 2, 1 + step * 5 % 23, why,
 				    sizeof(why)))
 			return 13;
-	if (!mapped_session_file(path, sizeof(path)))
+	/* What it is passed: the view descriptor. It owns it, so it may make
+	 * it writable and reopen it; cutting it must still be refused. */
+	int passed = raw_view_descriptor(socket_path, config.name);
+	if (passed < 0)
 		return 14;
-	if (chmod(path, 0600) < 0)
-		return 16;
+	fchmod(passed, 0600);
+	snprintf(path, sizeof(path), "/proc/self/fd/%d", passed);
 	int fd = open(path, O_RDWR);
 	if (fd < 0)
-		return 17;
+		fd = passed;
 	struct store_header header;
 	if (pread(fd, &header, sizeof(header), 0) != (ssize_t)sizeof(header))
 		return 18;
-	off_t length = how == CUT_TO_VIEWS ? (off_t)header.views_bytes : 0;
-	if (ftruncate(fd, length) < 0)
-		return 19;
-	close(fd);
+	off_t length = how == CUT_TO_VIEWS ? (off_t)header.header_bytes : 0;
+	if (ftruncate(fd, length) == 0)
+		return 19;                       /* the views were resized */
+	if (fd != passed)
+		close(fd);
+	close(passed);
 	/* Its own data is its own business; the daemon must answer at all. */
 	for (uint32_t step = 0; step < 4; step++) {
 		struct block block;
