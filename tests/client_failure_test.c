@@ -545,33 +545,18 @@ END_TEST
 
 /* ---- an odd layer sequence ------------------------------------------------------- */
 
-/* The session file of this id in the daemon's --shm-dir, opened read-write. */
-static int session_file_open(const struct daemon_harness *daemon, uint64_t id)
+/* The header and views every client of this session maps (the daemon's
+ * views memfd), opened read-write: the test runs as root, past its 0400. */
+static int session_views_open(const struct daemon_harness *daemon, const char *name)
 {
-	DIR *dir = opendir(daemon->shm_dir);
-	struct dirent *entry;
-	int found = -1;
-
-	ck_assert_ptr_nonnull(dir);
-	while (found < 0 && (entry = readdir(dir))) {
-		char path[PATH_MAX + 256];
-		struct store_header header;
-		size_t n = strlen(entry->d_name);
-
-		if (n < 4 || strcmp(entry->d_name + n - 4, ".zcs") != 0)
-			continue;
-		snprintf(path, sizeof(path), "%s/%s", daemon->shm_dir, entry->d_name);
-		int fd = open(path, O_RDWR | O_CLOEXEC);
-		if (fd < 0)
-			continue;
-		if (pread(fd, &header, sizeof(header), 0) == sizeof(header) && header.session_id == id)
-			found = fd;
-		else
-			close(fd);
-	}
-	closedir(dir);
-	ck_assert_msg(found >= 0, "no session file of session %" PRIu64 " in %s", id, daemon->shm_dir);
-	return found;
+	char path[64];
+	int passed = raw_view_descriptor(daemon->socket_path, name);
+	ck_assert_msg(passed >= 0, "no view descriptor for session '%s'", name);
+	snprintf(path, sizeof(path), "/proc/self/fd/%d", passed);
+	int fd = open(path, O_RDWR | O_CLOEXEC);
+	ck_assert_msg(fd >= 0, "reopening the views of '%s' read-write: %s", name, strerror(errno));
+	close(passed);
+	return fd;
 }
 
 static off_t sequence_offset(uint32_t layer)
@@ -602,7 +587,7 @@ START_TEST(odd_sequence_of_a_live_daemon_times_out)
 
 	live_start(&t, "odd", 22);
 	CHECK(update_checked, t.client, t.session, &t.model, &t.rng, 0, 9);
-	int fd = session_file_open(&t.daemon, zc_session_get_info(t.session)->id);
+	int fd = session_views_open(&t.daemon, t.config.name);
 	uint64_t sequence = sequence_make_odd(fd, 0);
 
 	ck_assert_int_eq(zc_client_set_timeout(t.client, SHORT_TIMEOUT_MS), 0);
@@ -636,7 +621,7 @@ START_TEST(daemon_killed_mid_write_is_reported_not_waited_for)
 	CHECK(update_checked, t.client, t.session, &t.model, &t.rng, 0, 4);
 
 	/* Killed in the middle of a write of layer 1. */
-	int fd = session_file_open(&t.daemon, id);
+	int fd = session_views_open(&t.daemon, t.config.name);
 	daemon_kill(&t.daemon);
 	sequence_make_odd(fd, 1);
 	close(fd);
