@@ -328,34 +328,10 @@ static bool variant_possible(const struct op *op, const struct expected *acked, 
 /* Every session the daemon holds now against `e`; a sentence in why if not. */
 static bool daemon_matches(zc_client *client, const struct expected *e, char *why, size_t size)
 {
-	zc_session_info infos[16];
-	size_t count = 0;
-	int rc = zc_client_list_sessions(client, infos, 16, &count);
-	if (rc < 0)
-		return fail_with(why, size, "list: %s", zc_strerror(rc));
-	for (int s = 0; s < SESSIONS; s++) {
-		zc_session_config config = script_config(s);
-		bool found = false;
-		for (size_t i = 0; i < count; i++)
-			found |= strcmp(infos[i].name, config.name) == 0;
-		if (found != e->exists[s])
-			return fail_with(why, size, "session '%s' %s", config.name,
-					 found ? "exists but should not" : "is missing");
-		if (!found)
-			continue;
-		zc_session *session;
-		config.attach = true;
-		rc = zc_session_open(client, &config, &session);
-		if (rc < 0)
-			return fail_with(why, size, "attach '%s': %s: %s", config.name, zc_strerror(rc),
-					 zc_client_last_error(client));
-		char inner[WHY_BYTES];
-		bool ok = session_matches(session, &e->models[s], inner, sizeof(inner));
-		zc_session_release(session);
-		if (!ok)
-			return fail_with(why, size, "session '%s': %s", config.name, inner);
-	}
-	return true;
+	zc_session_config configs[SESSIONS];
+	for (int s = 0; s < SESSIONS; s++)
+		configs[s] = script_config(s);
+	return daemon_sessions_match(client, configs, e->models, e->exists, SESSIONS, why, size);
 }
 
 /* ---- fault points ------------------------------------------------------------------- */

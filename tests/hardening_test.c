@@ -434,34 +434,10 @@ static bool rk_lost(int rc)
 /* Every session the daemon holds against st. */
 static bool rk_matches(zc_client *client, const struct rk_state *st, char *why, size_t size)
 {
-	zc_session_info infos[16];
-	size_t count = 0;
-	int rc = zc_client_list_sessions(client, infos, 16, &count);
-	if (rc < 0)
-		return fail_with(why, size, "list: %s", zc_strerror(rc));
-	for (int s = 0; s < RK_SESSIONS; s++) {
-		zc_session_config config = rk_config(s);
-		bool found = false;
-		for (size_t i = 0; i < count; i++)
-			found |= strcmp(infos[i].name, config.name) == 0;
-		if (found != st->exists[s])
-			return fail_with(why, size, "session '%s' %s", config.name,
-					 found ? "exists but should not" : "is missing");
-		if (!found)
-			continue;
-		zc_session *session;
-		config.attach = true;
-		rc = zc_session_open(client, &config, &session);
-		if (rc < 0)
-			return fail_with(why, size, "attach '%s': %s: %s", config.name, zc_strerror(rc),
-					 zc_client_last_error(client));
-		char inner[WHY_BYTES];
-		bool ok = session_matches(session, &st->models[s], inner, sizeof(inner));
-		zc_session_release(session);
-		if (!ok)
-			return fail_with(why, size, "session '%s': %s", config.name, inner);
-	}
-	return true;
+	zc_session_config configs[RK_SESSIONS];
+	for (int s = 0; s < RK_SESSIONS; s++)
+		configs[s] = rk_config(s);
+	return daemon_sessions_match(client, configs, st->models, st->exists, RK_SESSIONS, why, size);
 }
 
 static const char *rk_name(enum rk_kind kind)

@@ -673,3 +673,37 @@ void assert_refused(zc_client *client, int rc, int expected, const char *needle,
 	ck_assert_msg(strcasestr(message, needle) != NULL, "%s: message '%s' does not mention '%s'",
 		      what, message, needle);
 }
+
+bool daemon_sessions_match(zc_client *client, const zc_session_config *configs,
+			   const struct model *models, const bool *exists, int n, char *why,
+			   size_t size)
+{
+	zc_session_info infos[64];
+	size_t count = 0;
+	int rc = zc_client_list_sessions(client, infos, 64, &count);
+	if (rc < 0)
+		return fail_with(why, size, "list: %s", zc_strerror(rc));
+	for (int s = 0; s < n; s++) {
+		zc_session_config config = configs[s];
+		bool found = false;
+		for (size_t i = 0; i < count && i < 64; i++)
+			found |= strcmp(infos[i].name, config.name) == 0;
+		if (found != exists[s])
+			return fail_with(why, size, "session '%s' %s", config.name,
+					 found ? "exists but should not" : "is missing");
+		if (!found)
+			continue;
+		zc_session *session;
+		config.attach = true;
+		rc = zc_session_open(client, &config, &session);
+		if (rc < 0)
+			return fail_with(why, size, "attach '%s': %s: %s", config.name, zc_strerror(rc),
+					 zc_client_last_error(client));
+		char inner[WHY_BYTES];
+		bool ok = session_matches(session, &models[s], inner, sizeof(inner));
+		zc_session_release(session);
+		if (!ok)
+			return fail_with(why, size, "session '%s': %s", config.name, inner);
+	}
+	return true;
+}

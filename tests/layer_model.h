@@ -153,6 +153,12 @@ bool stats_match(const char *what, const zc_layer_stats *got, const zc_layer_sta
  * per-layer and total accounting, against the model. */
 bool session_matches(zc_session *session, const struct model *model, char *why, size_t size);
 
+/* After a restart: of the n sessions named by configs, exactly those with
+ * exists[i] are on the daemon, and each (attached) equals models[i]. */
+bool daemon_sessions_match(zc_client *client, const zc_session_config *configs,
+			   const struct model *models, const bool *exists, int n, char *why,
+			   size_t size);
+
 /* ---- blocks and checked updates -------------------------------------------- */
 
 /* K/V of one update, contiguous [batch * kv_heads][tokens][D]. */
