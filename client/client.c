@@ -868,6 +868,11 @@ int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *s
 		stats->uptime_ms = r->uptime_ms;
 		stats->boot_epoch = r->boot_epoch;
 		stats->memory_file_bytes = r->memory_file_bytes;
+		stats->memory_views_bytes = r->memory.views;
+		stats->memory_blocks_bytes = r->memory.blocks;
+		stats->memory_residual_bytes = r->memory.residual;
+		stats->memory_index_bytes = r->memory.index;
+		stats->memory_headers_bytes = r->memory.headers;
 		stats->set_aside_files = r->set_aside_total;
 	}
 	wire_response_free(&response);

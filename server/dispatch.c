@@ -238,11 +238,18 @@ static void stats_daemon_fill(const struct connection *connection, zipcache_v1_S
 	server_counters_fill(server, stats);
 	stats->memory_budget_bytes = server->options.memory_budget;
 	stats->daemon_wide = own->trusted;
+	struct store_memory kinds = { 0 };
 	for (size_t i = 0; i < server->sessions.count; i++) {
 		const struct session *s = server->sessions.items[i];
-		if (own->trusted || s->owner_uid == connection->uid)
+		if (own->trusted || s->owner_uid == connection->uid) {
 			stats->memory_file_bytes += store_memory_bytes(s->store);
+			store_memory_add(s->store, &kinds);
+		}
 	}
+	stats->has_memory = true;
+	stats->memory = (zipcache_v1_MemoryByKind){ .views = kinds.views, .blocks = kinds.blocks,
+						    .residual = kinds.residual, .index = kinds.index,
+						    .headers = kinds.headers };
 	if (own->trusted) {
 		const struct adoption *adoption = &server->adoption;
 		size_t listed = sizeof(stats->set_aside) / sizeof(stats->set_aside[0]);

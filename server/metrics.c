@@ -258,12 +258,18 @@ int metrics_render(const struct server *server, char **out, size_t *out_len)
 	gauge(&text, "zipcache_memory_used_bytes",
 	      "Memory charged to the budget: session files, staging buffers, queued replies.",
 	      (double)server_memory_bytes(server));
-	uint64_t file_bytes = 0;
+	struct store_memory kinds = { 0 };
 	for (size_t i = 0; i < server->sessions.count; i++)
-		file_bytes += store_memory_bytes(server->sessions.items[i]->store);
-	gauge(&text, "zipcache_memory_file_bytes",
-	      "Memory the session files really hold (allocated blocks); the charge catches up within a second.",
-	      (double)file_bytes);
+		store_memory_add(server->sessions.items[i]->store, &kinds);
+	family(&text, "zipcache_memory_file_bytes", "gauge",
+	       "Memory the sessions' files really hold (allocated pages), by kind.");
+	const struct { const char *kind; uint64_t bytes; } by_kind[] = {
+		{ "views", kinds.views }, { "blocks", kinds.blocks }, { "residual", kinds.residual },
+		{ "index", kinds.index }, { "headers", kinds.headers },
+	};
+	for (size_t i = 0; i < sizeof(by_kind) / sizeof(by_kind[0]); i++)
+		text_printf(&text, "zipcache_memory_file_bytes{kind=\"%s\"} %llu\n", by_kind[i].kind,
+			    (unsigned long long)by_kind[i].bytes);
 	gauge(&text, "zipcache_session_files_set_aside",
 	      "Session files in the shm-dir not adopted (corrupt, or another uid's).",
 	      (double)server->adoption.n_set_aside);

@@ -67,6 +67,9 @@ struct layer_room {
 	uint64_t sequence;
 };
 
+/* What the store's memory holds, by kind (store_memory). */
+enum memory_kind { KIND_VIEWS, KIND_BLOCKS, KIND_RESIDUAL, KIND_INDEX, KIND_HEADERS, KINDS };
+
 struct layer_index {
 	struct store_block *entries;
 	uint32_t capacity;
@@ -75,6 +78,7 @@ struct layer_index {
 struct store {
 	struct store_budget *budget;
 	uint64_t charged;         /* bytes of budget.used that are this file's */
+	uint64_t kind_bytes[KINDS];   /* charged, by what the pages hold (atomic) */
 	uint64_t mapped;          /* bytes of the address-space bound that are this file's */
 	int dir_fd;               /* borrowed: the shm-dir */
 	int fd;                   /* the durable file: never handed out */
@@ -265,6 +269,15 @@ static uint64_t file_allocated(const struct store *store)
 
 /* Brings the charge up to what the file holds: pages a client's read
  * faults allocated in dropped views are memory too. Returns the growth. */
+static void kinds_measure(struct store *store);
+
+static void kind_add(struct store *store, enum memory_kind kind, int64_t bytes)
+{
+	__atomic_fetch_add(&store->kind_bytes[kind], (uint64_t)bytes, __ATOMIC_RELAXED);
+}
+
+/* Growth nobody reserved is a reader's faults, and readers map only the
+ * views. */
 static uint64_t charge_sync(struct store *store, uint64_t allocated)
 {
 	if (allocated <= store->charged)
@@ -272,6 +285,7 @@ static uint64_t charge_sync(struct store *store, uint64_t allocated)
 	uint64_t grown = allocated - store->charged;
 	store_budget_force(store->budget, grown);
 	store->charged = allocated;
+	kind_add(store, KIND_VIEWS, (int64_t)grown);
 	return grown;
 }
 
@@ -326,7 +340,8 @@ void store_budget_force(struct store_budget *budget, uint64_t bytes)
  * error we can report instead of a SIGBUS on the next store. The range is
  * taken from the budget first; afterwards the charge is set to what the
  * file really holds (the range may overlap pages that exist already). */
-static int reserve_in(struct store *store, int fd, uint64_t offset, uint64_t bytes)
+static int reserve_in(struct store *store, int fd, uint64_t offset, uint64_t bytes,
+		      enum memory_kind kind)
 {
 	if (bytes == 0)
 		return 0;
@@ -357,14 +372,16 @@ static int reserve_in(struct store *store, int fd, uint64_t offset, uint64_t byt
 		grown = end - start;
 	store_budget_give(store->budget, end - start - grown);
 	store->charged += grown;
+	kind_add(store, kind, (int64_t)grown);
 	/* Anything else the file gained (a client's read faults) is charged too. */
 	charge_sync(store, after);
 	return 0;
 }
 
-static int reserve_range(struct store *store, uint64_t offset, uint64_t bytes)
+static int reserve_range(struct store *store, uint64_t offset, uint64_t bytes,
+			 enum memory_kind kind)
 {
-	return reserve_in(store, store->fd, offset, bytes);
+	return reserve_in(store, store->fd, offset, bytes, kind);
 }
 
 /* Reserves each head's slice of tokens [from, to) in both views of a layer. */
@@ -379,7 +396,7 @@ static int reserve_view_tokens(struct store *store, uint32_t layer, uint64_t fro
 		for (uint64_t head = 0; head < heads; head++) {
 			uint64_t head_start = view + head * h->max_tokens * dim * 2;
 			int rc = reserve_in(store, store->view_fd, head_start + from * dim * 2,
-					    (to - from) * dim * 2);
+					    (to - from) * dim * 2, KIND_VIEWS);
 			if (rc < 0)
 				return rc;
 		}
@@ -423,7 +440,7 @@ static int reserve_arena(struct store *store, uint32_t layer, bool keys, uint64_
 	uint64_t target = *reserved + step > bytes_needed ? *reserved + step : bytes_needed;
 	if (target > capacity)
 		target = capacity;
-	int rc = reserve_range(store, arena + *reserved, target - *reserved);
+	int rc = reserve_range(store, arena + *reserved, target - *reserved, KIND_BLOCKS);
 	if (rc < 0)
 		return rc;
 	*reserved = target;
@@ -437,7 +454,8 @@ static int reserve_residual(struct store *store, uint32_t layer)
 	struct layer_room *l = &store->room[layer];
 	if (l->residual_reserved)
 		return 0;
-	int rc = reserve_range(store, layer_region_offset(store, layer), store->header->index_offset);
+	int rc = reserve_range(store, layer_region_offset(store, layer), store->header->index_offset,
+			       KIND_RESIDUAL);
 	if (rc == 0)
 		l->residual_reserved = true;
 	return rc;
@@ -452,7 +470,7 @@ static int reserve_index_entry(struct store *store, uint32_t layer, uint32_t ent
 	    (start + entry_bytes - 1) / PAGE_BYTES == start / PAGE_BYTES)
 		return 0;
 	uint64_t index = layer_region_offset(store, layer) + store->header->index_offset;
-	return reserve_range(store, index + start, entry_bytes);
+	return reserve_range(store, index + start, entry_bytes, KIND_INDEX);
 }
 
 /* Room for entry `entry` in the private index. */
@@ -754,7 +772,7 @@ static int views_open(struct store *store)
 	/* Readers get a read-only descriptor; no write bits keeps them (as
 	 * any other user) from reopening it for writing. */
 	fchmod(store->view_fd, 0400);
-	rc = reserve_in(store, store->view_fd, 0, h->header_bytes);
+	rc = reserve_in(store, store->view_fd, 0, h->header_bytes, KIND_HEADERS);
 	if (rc < 0)
 		goto out_close;
 	void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, store->view_fd, 0);
@@ -888,9 +906,9 @@ int store_create(int dir_fd, const char *dir_path, const struct store_params *pa
 		goto out_unlink;
 	}
 	fault_point("create.file");
-	rc = reserve_range(store, 0, layout.header_bytes);
+	rc = reserve_range(store, 0, layout.header_bytes, KIND_HEADERS);
 	if (rc == 0)
-		rc = reserve_range(store, layout.commit_offset, layout.commit_bytes);
+		rc = reserve_range(store, layout.commit_offset, layout.commit_bytes, KIND_HEADERS);
 	if (rc == 0)
 		rc = store_map(store, layout.file_bytes);
 	if (rc < 0)
@@ -1196,6 +1214,7 @@ int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store
 	store->budget = budget;
 	store->charged = file_allocated(store);
 	store_budget_force(budget, store->charged);
+	kinds_measure(store);
 	*out = store;
 	return 0;
 
@@ -1263,6 +1282,59 @@ int store_open_readonly(const struct store *store)
 uint64_t store_memory_bytes(const struct store *store)
 {
 	return file_allocated(store);
+}
+
+/* Written bytes of [start, end) of a file: its data extents (tmpfs counts
+ * pages reserved but never written as holes). */
+static uint64_t range_written(int fd, uint64_t start, uint64_t end)
+{
+	uint64_t total = 0;
+	off_t at = (off_t)start;
+	while (fd >= 0 && (uint64_t)at < end) {
+		off_t data = lseek(fd, at, SEEK_DATA);
+		if (data < 0 || (uint64_t)data >= end)
+			break;
+		off_t hole = lseek(fd, data, SEEK_HOLE);
+		if (hole < 0)
+			break;
+		total += ((uint64_t)hole < end ? (uint64_t)hole : end) - (uint64_t)data;
+		at = hole;
+	}
+	return total;
+}
+
+/* An adopted file's charge by kind: what each region holds written; the
+ * rest (reserved, never written) is arena room reserved ahead. */
+static void kinds_measure(struct store *store)
+{
+	const struct store_header *h = store->header;
+	uint64_t kinds[KINDS] = { 0 };
+	kinds[KIND_HEADERS] = range_written(store->fd, 0, h->header_bytes) +
+			      range_written(store->fd, h->commit_offset, h->commit_offset + h->commit_bytes) +
+			      fd_allocated(store->view_fd);
+	for (uint32_t i = 0; i < h->layers; i++) {
+		uint64_t region = layer_region_offset(store, i);
+		kinds[KIND_RESIDUAL] += range_written(store->fd, region, region + h->index_offset);
+		kinds[KIND_INDEX] += range_written(store->fd, region + h->index_offset,
+						   region + h->key_arena_offset);
+		kinds[KIND_BLOCKS] += range_written(store->fd, region + h->key_arena_offset,
+						    region + h->layer_region_bytes);
+	}
+	uint64_t measured = kinds[KIND_HEADERS] + kinds[KIND_RESIDUAL] + kinds[KIND_INDEX] +
+			    kinds[KIND_BLOCKS];
+	if (store->charged > measured)
+		kinds[KIND_BLOCKS] += store->charged - measured;
+	for (int k = 0; k < KINDS; k++)
+		__atomic_store_n(&store->kind_bytes[k], kinds[k], __ATOMIC_RELAXED);
+}
+
+void store_memory_add(const struct store *store, struct store_memory *sum)
+{
+	sum->views += __atomic_load_n(&store->kind_bytes[KIND_VIEWS], __ATOMIC_RELAXED);
+	sum->blocks += __atomic_load_n(&store->kind_bytes[KIND_BLOCKS], __ATOMIC_RELAXED);
+	sum->residual += __atomic_load_n(&store->kind_bytes[KIND_RESIDUAL], __ATOMIC_RELAXED);
+	sum->index += __atomic_load_n(&store->kind_bytes[KIND_INDEX], __ATOMIC_RELAXED);
+	sum->headers += __atomic_load_n(&store->kind_bytes[KIND_HEADERS], __ATOMIC_RELAXED);
 }
 
 uint64_t store_rebuild_bytes(const struct store *store)
@@ -1748,6 +1820,8 @@ int store_drop_views(struct store *store, uint64_t *freed)
 		released = store->charged;
 	store->charged -= released;
 	store_budget_give(store->budget, released);
+	uint64_t views = __atomic_load_n(&store->kind_bytes[KIND_VIEWS], __ATOMIC_RELAXED);
+	kind_add(store, KIND_VIEWS, -(int64_t)(released < views ? released : views));
 	*freed = released;
 	return rc;
 }

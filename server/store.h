@@ -138,6 +138,21 @@ uint64_t store_value_view_offset(const struct store *store, uint32_t layer);
  * charges for it must match (the fuzzer checks). */
 uint64_t store_memory_bytes(const struct store *store);
 
+/* What a store's memory holds, by kind: the file growth each reservation
+ * really caused (fstat's blocks before and after), pages readers faulted
+ * in counted as views, and for an adopted file its written extents. */
+struct store_memory {
+	uint64_t views;      /* fp16 views */
+	uint64_t blocks;     /* compressed blocks: the arenas */
+	uint64_t residual;   /* exact residual rows */
+	uint64_t index;      /* block index pages */
+	uint64_t headers;    /* headers and the commit area */
+};
+
+/* Adds this store's charged memory, by kind, to *sum (safe from the loop
+ * thread while a job runs). */
+void store_memory_add(const struct store *store, struct store_memory *sum);
+
 /* About what rebuilding the dropped views would reserve. */
 uint64_t store_rebuild_bytes(const struct store *store);
 

@@ -1157,6 +1157,52 @@ START_TEST(adopted_views_can_be_relieved)
 }
 END_TEST
 
+
+/* What the files hold, by kind, adds up to what they hold, and each kind
+ * is where it should be. */
+START_TEST(memory_by_kind_adds_up)
+{
+	struct daemon_harness daemon;
+	zc_session_config config = script_config(S_IDLE);
+	struct model model;
+	struct rng rng;
+	zc_server_stats st;
+
+	daemon_start(&daemon, NULL);
+	zc_client *client = connect_client(&daemon);
+	config.name = "kinds";
+	zc_session *session = open_session(client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 41);
+	CHECK(update_checked, client, session, &model, &rng, 0, 300);   /* a block */
+	CHECK(update_checked, client, session, &model, &rng, 0, 5);     /* the residual */
+	ck_assert_int_eq(zc_client_stats(client, &st), 0);
+	uint64_t sum = st.memory_views_bytes + st.memory_blocks_bytes + st.memory_residual_bytes +
+		       st.memory_index_bytes + st.memory_headers_bytes;
+	fprintf(stderr, "memory by kind: views %llu, blocks %llu, residual %llu, index %llu, "
+			"headers %llu; files %llu\n",
+		(unsigned long long)st.memory_views_bytes, (unsigned long long)st.memory_blocks_bytes,
+		(unsigned long long)st.memory_residual_bytes, (unsigned long long)st.memory_index_bytes,
+		(unsigned long long)st.memory_headers_bytes, (unsigned long long)st.memory_file_bytes);
+	ck_assert_uint_eq(sum, st.memory_file_bytes);
+	/* Views: every head's rows reserved up to 305 + 256 tokens, K and V. */
+	uint64_t heads = (uint64_t)config.batch * config.kv_heads;
+	ck_assert_uint_ge(st.memory_views_bytes, heads * 305 * 2 * 128 * 2);
+	ck_assert_uint_gt(st.memory_blocks_bytes, 0);
+	ck_assert_uint_lt(st.memory_blocks_bytes, st.memory_views_bytes);
+	ck_assert_uint_gt(st.memory_residual_bytes, 0);
+	ck_assert_uint_gt(st.memory_index_bytes, 0);
+	ck_assert_uint_gt(st.memory_headers_bytes, 0);
+	ck_assert_int_eq(zc_session_close(session), 0);
+	ck_assert_int_eq(zc_client_stats(client, &st), 0);
+	ck_assert_uint_eq(st.memory_file_bytes, 0);
+	model_free(&model);
+	zc_client_close(client);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+}
+END_TEST
+
 static Suite *durability_suite(void)
 {
 	Suite *suite = suite_create("durability");
@@ -1165,6 +1211,7 @@ static Suite *durability_suite(void)
 		{ "adoption",
 		  { descriptor_limit_never_sets_files_aside, corrupt_files_set_aside_healthy_ones_adopted,
 		    NULL } },
+		{ "accounting", { memory_by_kind_adds_up, NULL } },
 		{ "tmpfs", { full_tmpfs_is_an_error_not_a_sigbus, client_read_faults_are_charged,
 			     failed_block_leaves_the_residual_exact, adopted_views_can_be_relieved, NULL } },
 		{ "trust", { untrusted_shm_dir_is_refused, a_client_of_the_daemons_uid_cannot_hurt_it,

@@ -438,6 +438,13 @@ static void json_server_stats(struct json *json, const zc_server_stats *stats)
 	json_uint(json, "memory_used_bytes", stats->memory_used_bytes);
 	json_uint(json, "memory_budget_bytes", stats->memory_budget_bytes);
 	json_uint(json, "memory_file_bytes", stats->memory_file_bytes);
+	json_open(json, "memory_by_kind", '{');
+	json_uint(json, "views", stats->memory_views_bytes);
+	json_uint(json, "blocks", stats->memory_blocks_bytes);
+	json_uint(json, "residual", stats->memory_residual_bytes);
+	json_uint(json, "index", stats->memory_index_bytes);
+	json_uint(json, "headers", stats->memory_headers_bytes);
+	json_close(json, '}');
 	json_uint(json, "set_aside_files", stats->set_aside_files);
 	json_uint(json, "requests", stats->requests);
 	json_uint(json, "request_errors", stats->request_errors);
@@ -531,6 +538,15 @@ static int cmd_stats(struct ctl *ctl)
 	table_add(&table, "memory in files");
 	table_add(&table, "%s (%" PRIu64 " bytes: what the session files hold)",
 		  format_bytes(files, sizeof(files), stats.memory_file_bytes), stats.memory_file_bytes);
+	const struct { const char *kind; uint64_t bytes; } kinds[] = {
+		{ "  views", stats.memory_views_bytes }, { "  compressed blocks", stats.memory_blocks_bytes },
+		{ "  residual", stats.memory_residual_bytes }, { "  index", stats.memory_index_bytes },
+		{ "  headers", stats.memory_headers_bytes },
+	};
+	for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++) {
+		table_add(&table, "%s", kinds[i].kind);
+		table_add(&table, "%s", format_bytes(files, sizeof(files), kinds[i].bytes));
+	}
 	table_add(&table, "memory budget");
 	if (stats.memory_budget_bytes)
 		table_add(&table, "%s (%" PRIu64 " bytes, %.1f%% used)",

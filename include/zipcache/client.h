@@ -192,6 +192,12 @@ typedef struct zc_server_stats {
 	uint64_t memory_file_bytes;
 	/* Session files the daemon did not adopt (see zc_client_set_aside). */
 	uint32_t set_aside_files;
+	/* memory_file_bytes by kind. */
+	uint64_t memory_views_bytes;     /* fp16 views */
+	uint64_t memory_blocks_bytes;    /* compressed blocks */
+	uint64_t memory_residual_bytes;  /* exact residual rows */
+	uint64_t memory_index_bytes;     /* block index */
+	uint64_t memory_headers_bytes;   /* headers and commit areas */
 } zc_server_stats;
 
 /* A session file in the daemon's directory that it did not adopt: corrupt

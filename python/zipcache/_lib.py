@@ -211,6 +211,11 @@ class zc_server_stats(Structure):
         ("boot_epoch", c_uint64),
         ("memory_file_bytes", c_uint64),
         ("set_aside_files", c_uint32),
+        ("memory_views_bytes", c_uint64),
+        ("memory_blocks_bytes", c_uint64),
+        ("memory_residual_bytes", c_uint64),
+        ("memory_index_bytes", c_uint64),
+        ("memory_headers_bytes", c_uint64),
     ]
 
 

@@ -215,6 +215,11 @@ class ServerStats:
     boot_epoch: int
     memory_file_bytes: int   # what the session files really hold
     set_aside_files: int     # session files the daemon did not adopt
+    memory_views_bytes: int  # memory_file_bytes by kind: fp16 views,
+    memory_blocks_bytes: int    # compressed blocks,
+    memory_residual_bytes: int  # exact residual rows,
+    memory_index_bytes: int     # block index,
+    memory_headers_bytes: int   # headers and commit areas
 
 
 def default_socket_path() -> str:
