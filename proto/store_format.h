@@ -1,7 +1,10 @@
 /*
  * The layout of one session's shared-memory file. It is self-describing
- * (a restarted daemon can adopt what it finds) and its first part — this
- * header and the fp16 views — is what a client maps, read-only.
+ * (a restarted daemon can adopt what it finds). Its first part — this
+ * header and the fp16 views — is also the layout of what a client maps,
+ * read-only: but that is a memfd of the daemon's (sealed against
+ * resizing, not durable), and the file's own view range stays unwritten.
+ * The file itself never leaves the daemon.
  *
  *   [header: struct store_header + layers x struct store_layer_header]
  *   [views: per layer, K then V, each [batch][kv_heads][max_tokens][D] fp16]
@@ -22,11 +25,12 @@
  * 64-bit store: the commit point of every mutation, one layer or all).
  * Committed block entries and arena bytes never change.
  *
- * The layer headers and the views are for readers: the daemon writes them
- * from its own private state (never reads them back) inside an odd/even
- * `sequence` (a seqlock), so a reader that sees an even, unchanged
- * sequence around its read saw a consistent layer. The views are rebuilt
- * from the commit area by every daemon that adopts the file.
+ * The layer headers and the views (in the readers' memfd) are for readers:
+ * the daemon writes them from its own private state (never reads them
+ * back) inside an odd/even `sequence` (a seqlock), so a reader that sees
+ * an even, unchanged sequence around its read saw a consistent layer. The
+ * views are rebuilt from the commit area by every daemon that adopts the
+ * file.
  */
 #ifndef ZIPCACHE_STORE_FORMAT_H
 #define ZIPCACHE_STORE_FORMAT_H
