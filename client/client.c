@@ -837,7 +837,8 @@ static int server_stats_call(zc_client *client, wire_response *response)
 	return call(client, &request, response, NULL, 0);
 }
 
-int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *stats)
+int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *stats,
+			zc_memory_stats *memory)
 {
 	wire_response response;
 	int rc = server_stats_call(client, &response);
@@ -867,16 +868,28 @@ int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *s
 		stats->tokens_appended = r->tokens_appended;
 		stats->uptime_ms = r->uptime_ms;
 		stats->boot_epoch = r->boot_epoch;
-		stats->memory_file_bytes = r->memory_file_bytes;
-		stats->memory_views_bytes = r->memory.views;
-		stats->memory_blocks_bytes = r->memory.blocks;
-		stats->memory_residual_bytes = r->memory.residual;
-		stats->memory_index_bytes = r->memory.index;
-		stats->memory_headers_bytes = r->memory.headers;
-		stats->set_aside_files = r->set_aside_total;
+	}
+	if (memory) {
+		const zipcache_v1_StatsResponse *r = &response.msg.op.stats;
+		*memory = (zc_memory_stats){
+			.charged_bytes = r->memory_used_bytes,
+			.file_bytes = r->memory_file_bytes,
+			.views_bytes = r->memory.views,
+			.blocks_bytes = r->memory.blocks,
+			.residual_bytes = r->memory.residual,
+			.index_bytes = r->memory.index,
+			.headers_bytes = r->memory.headers,
+			.set_aside_files = r->set_aside_total,
+		};
 	}
 	wire_response_free(&response);
 	return 0;
+}
+
+int zc_client_memory_stats(zc_client *client, zc_memory_stats *out)
+{
+	zc_uid_stats uid;
+	return zc_client_uid_stats(client, &uid, NULL, out);
 }
 
 int zc_client_set_aside(zc_client *client, zc_set_aside_file *files, size_t capacity,
@@ -899,5 +912,5 @@ int zc_client_set_aside(zc_client *client, zc_set_aside_file *files, size_t capa
 int zc_client_stats(zc_client *client, zc_server_stats *stats)
 {
 	zc_uid_stats uid;
-	return zc_client_uid_stats(client, &uid, stats);
+	return zc_client_uid_stats(client, &uid, stats, NULL);
 }

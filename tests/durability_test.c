@@ -965,10 +965,10 @@ END_TEST
 
 static uint64_t stats_of(zc_client *client, uint64_t *file_bytes)
 {
-	zc_server_stats stats;
-	ck_assert_int_eq(zc_client_stats(client, &stats), 0);
-	*file_bytes = stats.memory_file_bytes;
-	return stats.memory_used_bytes;
+	zc_memory_stats memory;
+	ck_assert_int_eq(zc_client_memory_stats(client, &memory), 0);
+	*file_bytes = memory.file_bytes;
+	return memory.charged_bytes;
 }
 
 /*
@@ -1166,7 +1166,7 @@ START_TEST(memory_by_kind_adds_up)
 	zc_session_config config = script_config(S_IDLE);
 	struct model model;
 	struct rng rng;
-	zc_server_stats st;
+	zc_memory_stats st;
 
 	daemon_start(&daemon, NULL);
 	zc_client *client = connect_client(&daemon);
@@ -1176,26 +1176,26 @@ START_TEST(memory_by_kind_adds_up)
 	rng_seed(&rng, 41);
 	CHECK(update_checked, client, session, &model, &rng, 0, 300);   /* a block */
 	CHECK(update_checked, client, session, &model, &rng, 0, 5);     /* the residual */
-	ck_assert_int_eq(zc_client_stats(client, &st), 0);
-	uint64_t sum = st.memory_views_bytes + st.memory_blocks_bytes + st.memory_residual_bytes +
-		       st.memory_index_bytes + st.memory_headers_bytes;
+	ck_assert_int_eq(zc_client_memory_stats(client, &st), 0);
+	uint64_t sum = st.views_bytes + st.blocks_bytes + st.residual_bytes +
+		       st.index_bytes + st.headers_bytes;
 	fprintf(stderr, "memory by kind: views %llu, blocks %llu, residual %llu, index %llu, "
 			"headers %llu; files %llu\n",
-		(unsigned long long)st.memory_views_bytes, (unsigned long long)st.memory_blocks_bytes,
-		(unsigned long long)st.memory_residual_bytes, (unsigned long long)st.memory_index_bytes,
-		(unsigned long long)st.memory_headers_bytes, (unsigned long long)st.memory_file_bytes);
-	ck_assert_uint_eq(sum, st.memory_file_bytes);
+		(unsigned long long)st.views_bytes, (unsigned long long)st.blocks_bytes,
+		(unsigned long long)st.residual_bytes, (unsigned long long)st.index_bytes,
+		(unsigned long long)st.headers_bytes, (unsigned long long)st.file_bytes);
+	ck_assert_uint_eq(sum, st.file_bytes);
 	/* Views: every head's rows reserved up to 305 + 256 tokens, K and V. */
 	uint64_t heads = (uint64_t)config.batch * config.kv_heads;
-	ck_assert_uint_ge(st.memory_views_bytes, heads * 305 * 2 * 128 * 2);
-	ck_assert_uint_gt(st.memory_blocks_bytes, 0);
-	ck_assert_uint_lt(st.memory_blocks_bytes, st.memory_views_bytes);
-	ck_assert_uint_gt(st.memory_residual_bytes, 0);
-	ck_assert_uint_gt(st.memory_index_bytes, 0);
-	ck_assert_uint_gt(st.memory_headers_bytes, 0);
+	ck_assert_uint_ge(st.views_bytes, heads * 305 * 2 * 128 * 2);
+	ck_assert_uint_gt(st.blocks_bytes, 0);
+	ck_assert_uint_lt(st.blocks_bytes, st.views_bytes);
+	ck_assert_uint_gt(st.residual_bytes, 0);
+	ck_assert_uint_gt(st.index_bytes, 0);
+	ck_assert_uint_gt(st.headers_bytes, 0);
 	ck_assert_int_eq(zc_session_close(session), 0);
-	ck_assert_int_eq(zc_client_stats(client, &st), 0);
-	ck_assert_uint_eq(st.memory_file_bytes, 0);
+	ck_assert_int_eq(zc_client_memory_stats(client, &st), 0);
+	ck_assert_uint_eq(st.file_bytes, 0);
 	model_free(&model);
 	zc_client_close(client);
 	daemon_stop(&daemon);

@@ -804,7 +804,7 @@ static int quota_body_a(void *arg)
 	/* Stats as this uid: its own figures and quotas. */
 	zc_uid_stats own;
 	zc_server_stats stats;
-	CHILD_EXPECT(zc_client_uid_stats(client, &own, &stats) == 0, "uid stats");
+	CHILD_EXPECT(zc_client_uid_stats(client, &own, &stats, NULL) == 0, "uid stats");
 	CHILD_EXPECT(own.uid == user->uid && !own.daemon_wide, "uid %u, daemon_wide %d", own.uid,
 		     own.daemon_wide);
 	CHILD_EXPECT(own.sessions == 3 && own.max_sessions == 3, "sessions %u of %u", own.sessions,
@@ -847,7 +847,7 @@ static int quota_body_b(void *arg)
 	}
 	zc_uid_stats own;
 	zc_server_stats stats;
-	CHILD_EXPECT(zc_client_uid_stats(client, &own, &stats) == 0, "uid stats");
+	CHILD_EXPECT(zc_client_uid_stats(client, &own, &stats, NULL) == 0, "uid stats");
 	CHILD_EXPECT(own.sessions == 3 && stats.sessions == 3 && own.staging_bytes == 0,
 		     "B sees %u own sessions, %u in total, %" PRIu64 " staging", own.sessions,
 		     stats.sessions, own.staging_bytes);
@@ -887,7 +887,7 @@ START_TEST(per_uid_quotas_keep_one_user_from_locking_out_others)
 		      zc_client_last_error(client));
 	zc_uid_stats own;
 	zc_server_stats stats;
-	ck_assert_int_eq(zc_client_uid_stats(client, &own, &stats), 0);
+	ck_assert_int_eq(zc_client_uid_stats(client, &own, &stats, NULL), 0);
 	ck_assert(own.daemon_wide);
 	ck_assert_uint_eq(stats.sessions, 6);
 	ck_assert_uint_eq(own.sessions, 0);
@@ -919,7 +919,7 @@ static int visibility_body(void *arg)
 	CHILD_EXPECT(zc_update_and_fetch(session, 0, 7, kv, kv, &view, NULL) == 0, "update");
 	zc_uid_stats own;
 	zc_server_stats stats;
-	CHILD_EXPECT(zc_client_uid_stats(client, &own, &stats) == 0, "stats");
+	CHILD_EXPECT(zc_client_uid_stats(client, &own, &stats, NULL) == 0, "stats");
 	CHILD_EXPECT(!own.daemon_wide && own.uid == user->uid, "daemon_wide %d uid %u", own.daemon_wide,
 		     own.uid);
 	CHILD_EXPECT(stats.sessions == 1 && stats.connections == 1 && stats.tokens_appended == 7,
@@ -984,7 +984,7 @@ START_TEST(other_users_see_their_own_figures)
 	/* Root sees the daemon: both users' sessions and tokens. */
 	zc_uid_stats own;
 	zc_server_stats stats;
-	ck_assert_int_eq(zc_client_uid_stats(client, &own, &stats), 0);
+	ck_assert_int_eq(zc_client_uid_stats(client, &own, &stats, NULL), 0);
 	ck_assert(own.daemon_wide);
 	ck_assert_uint_eq(stats.sessions, 3);
 	ck_assert_uint_eq(own.sessions, 2);

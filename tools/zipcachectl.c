@@ -431,21 +431,25 @@ static int cmd_ping(struct ctl *ctl)
 
 /* ---- stats --------------------------------------------------------------- */
 
+static void json_memory_stats(struct json *json, const zc_memory_stats *memory)
+{
+	json_uint(json, "memory_file_bytes", memory->file_bytes);
+	json_open(json, "memory_by_kind", '{');
+	json_uint(json, "views", memory->views_bytes);
+	json_uint(json, "blocks", memory->blocks_bytes);
+	json_uint(json, "residual", memory->residual_bytes);
+	json_uint(json, "index", memory->index_bytes);
+	json_uint(json, "headers", memory->headers_bytes);
+	json_close(json, '}');
+	json_uint(json, "set_aside_files", memory->set_aside_files);
+}
+
 static void json_server_stats(struct json *json, const zc_server_stats *stats)
 {
 	json_uint(json, "sessions", stats->sessions);
 	json_uint(json, "connections", stats->connections);
 	json_uint(json, "memory_used_bytes", stats->memory_used_bytes);
 	json_uint(json, "memory_budget_bytes", stats->memory_budget_bytes);
-	json_uint(json, "memory_file_bytes", stats->memory_file_bytes);
-	json_open(json, "memory_by_kind", '{');
-	json_uint(json, "views", stats->memory_views_bytes);
-	json_uint(json, "blocks", stats->memory_blocks_bytes);
-	json_uint(json, "residual", stats->memory_residual_bytes);
-	json_uint(json, "index", stats->memory_index_bytes);
-	json_uint(json, "headers", stats->memory_headers_bytes);
-	json_close(json, '}');
-	json_uint(json, "set_aside_files", stats->set_aside_files);
 	json_uint(json, "requests", stats->requests);
 	json_uint(json, "request_errors", stats->request_errors);
 	json_uint(json, "tokens_appended", stats->tokens_appended);
@@ -493,6 +497,7 @@ static int cmd_stats(struct ctl *ctl)
 	const zc_server_info *server;
 	zc_server_stats stats;
 	zc_uid_stats own;
+	zc_memory_stats memory;
 	char used[32], budget[32], uptime[32], files[32];
 	int rc = ctl_connect(ctl);
 
@@ -500,7 +505,7 @@ static int cmd_stats(struct ctl *ctl)
 		return rc;
 	/* One request: the daemon's figures and the caller's own. */
 	ctl->own_requests++;
-	rc = zc_client_uid_stats(ctl->client, &own, &stats);
+	rc = zc_client_uid_stats(ctl->client, &own, &stats, &memory);
 	if (rc < 0)
 		return ctl_fail_call(ctl, rc, "stats");
 	server = zc_client_server_info(ctl->client);
@@ -511,6 +516,7 @@ static int cmd_stats(struct ctl *ctl)
 		json_text(&json, "server_version", server->server_version);
 		json_uint(&json, "protocol_version", server->protocol_version);
 		json_server_stats(&json, &stats);
+		json_memory_stats(&json, &memory);
 		json_uint(&json, "max_sessions", server->max_sessions);
 		json_uid_stats(&json, &own);
 		json_close(&json, '}');
@@ -537,11 +543,11 @@ static int cmd_stats(struct ctl *ctl)
 		  stats.memory_used_bytes);
 	table_add(&table, "memory in files");
 	table_add(&table, "%s (%" PRIu64 " bytes: what the session files hold)",
-		  format_bytes(files, sizeof(files), stats.memory_file_bytes), stats.memory_file_bytes);
+		  format_bytes(files, sizeof(files), memory.file_bytes), memory.file_bytes);
 	const struct { const char *kind; uint64_t bytes; } kinds[] = {
-		{ "  views", stats.memory_views_bytes }, { "  compressed blocks", stats.memory_blocks_bytes },
-		{ "  residual", stats.memory_residual_bytes }, { "  index", stats.memory_index_bytes },
-		{ "  headers", stats.memory_headers_bytes },
+		{ "  views", memory.views_bytes }, { "  compressed blocks", memory.blocks_bytes },
+		{ "  residual", memory.residual_bytes }, { "  index", memory.index_bytes },
+		{ "  headers", memory.headers_bytes },
 	};
 	for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++) {
 		table_add(&table, "%s", kinds[i].kind);
@@ -563,9 +569,9 @@ static int cmd_stats(struct ctl *ctl)
 	table_add(&table, "%" PRIu64, stats.tokens_appended);
 	table_add(&table, "boot epoch");
 	table_add(&table, "%" PRIu64, stats.boot_epoch);
-	if (stats.set_aside_files) {
+	if (memory.set_aside_files) {
 		table_add(&table, "set-aside files");
-		table_add(&table, "%u (zipcachectl set-aside says why)", stats.set_aside_files);
+		table_add(&table, "%u (zipcachectl set-aside says why)", memory.set_aside_files);
 	}
 	/* Another user's daemon shows that user nothing of anyone else's. */
 	table_add(&table, "figures");

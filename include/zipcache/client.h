@@ -187,18 +187,24 @@ typedef struct zc_server_stats {
 	uint64_t tokens_appended;
 	uint64_t uptime_ms;
 	uint64_t boot_epoch;
-	/* What the session files really hold (allocated blocks); memory_used
-	 * catches up with it (pages clients' reads faulted in) within a second. */
-	uint64_t memory_file_bytes;
-	/* Session files the daemon did not adopt (see zc_client_set_aside). */
-	uint32_t set_aside_files;
-	/* memory_file_bytes by kind. */
-	uint64_t memory_views_bytes;     /* fp16 views */
-	uint64_t memory_blocks_bytes;    /* compressed blocks */
-	uint64_t memory_residual_bytes;  /* exact residual rows */
-	uint64_t memory_index_bytes;     /* block index */
-	uint64_t memory_headers_bytes;   /* headers and commit areas */
 } zc_server_stats;
+
+/*
+ * The sessions' memory as their files hold it (the caller's sessions, or
+ * all of them for root and the daemon's uid), by kind. A struct of its own
+ * so that zc_server_stats keeps its size for programs built against it.
+ */
+typedef struct zc_memory_stats {
+	uint64_t charged_bytes;    /* what the budget counts (memory_used_bytes) */
+	uint64_t file_bytes;       /* what the files hold; the charge catches up
+				    * with it (pages readers faulted in) within a second */
+	uint64_t views_bytes;      /* file_bytes by kind: fp16 views, */
+	uint64_t blocks_bytes;     /* compressed blocks, */
+	uint64_t residual_bytes;   /* exact residual rows, */
+	uint64_t index_bytes;      /* block index, */
+	uint64_t headers_bytes;    /* headers and commit areas */
+	uint32_t set_aside_files;  /* files not adopted (see zc_client_set_aside) */
+} zc_memory_stats;
 
 /* A session file in the daemon's directory that it did not adopt: corrupt
  * (renamed NAME.corrupt), or another uid's; see docs/DURABILITY.md. */
@@ -344,9 +350,13 @@ int zc_client_list_sessions(zc_client *client, zc_session_info *sessions, size_t
 
 int zc_client_stats(zc_client *client, zc_server_stats *stats);
 
-/* The caller's own usage and quotas; stats (may be NULL) gets what
- * zc_client_stats() would, from the same reply. */
-int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *stats);
+/* The caller's own usage and quotas; stats and memory (either may be
+ * NULL) get what zc_client_stats() and zc_client_memory_stats() would,
+ * from the same reply. */
+int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *stats,
+			zc_memory_stats *memory);
+
+int zc_client_memory_stats(zc_client *client, zc_memory_stats *out);
 
 /* The session files the daemon set aside, into files[0..capacity) (the
  * first 16 at most); *count is how many there are in all. Only root and

@@ -209,13 +209,19 @@ class zc_server_stats(Structure):
         ("tokens_appended", c_uint64),
         ("uptime_ms", c_uint64),
         ("boot_epoch", c_uint64),
-        ("memory_file_bytes", c_uint64),
+    ]
+
+
+class zc_memory_stats(Structure):
+    _fields_ = [
+        ("charged_bytes", c_uint64),
+        ("file_bytes", c_uint64),
+        ("views_bytes", c_uint64),
+        ("blocks_bytes", c_uint64),
+        ("residual_bytes", c_uint64),
+        ("index_bytes", c_uint64),
+        ("headers_bytes", c_uint64),
         ("set_aside_files", c_uint32),
-        ("memory_views_bytes", c_uint64),
-        ("memory_blocks_bytes", c_uint64),
-        ("memory_residual_bytes", c_uint64),
-        ("memory_index_bytes", c_uint64),
-        ("memory_headers_bytes", c_uint64),
     ]
 
 
@@ -299,6 +305,7 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
         [zc_client_p, POINTER(zc_session_info), c_size_t, POINTER(c_size_t)],
     ),
     "zc_client_stats": (c_int, [zc_client_p, POINTER(zc_server_stats)]),
+    "zc_client_memory_stats": (c_int, [zc_client_p, POINTER(zc_memory_stats)]),
 }
 
 

@@ -213,13 +213,19 @@ class ServerStats:
     tokens_appended: int
     uptime_ms: int
     boot_epoch: int
-    memory_file_bytes: int   # what the session files really hold
-    set_aside_files: int     # session files the daemon did not adopt
-    memory_views_bytes: int  # memory_file_bytes by kind: fp16 views,
-    memory_blocks_bytes: int    # compressed blocks,
-    memory_residual_bytes: int  # exact residual rows,
-    memory_index_bytes: int     # block index,
-    memory_headers_bytes: int   # headers and commit areas
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """The sessions' memory as their files hold it, by kind (zc_memory_stats)."""
+    charged_bytes: int    # what the budget counts
+    file_bytes: int       # what the files hold
+    views_bytes: int      # file_bytes by kind: fp16 views,
+    blocks_bytes: int     # compressed blocks,
+    residual_bytes: int   # exact residual rows,
+    index_bytes: int      # block index,
+    headers_bytes: int    # headers and commit areas
+    set_aside_files: int  # session files the daemon did not adopt
 
 
 def default_socket_path() -> str:
@@ -476,6 +482,14 @@ class Client:
         with handle.lock:
             handle.check(lib.zc_client_stats(handle.ptr, ctypes.byref(s)), "stats")
         return ServerStats(*(getattr(s, name) for name, _ in _lib.zc_server_stats._fields_))
+
+    def memory_stats(self) -> MemoryStats:
+        """The sessions' memory as their files hold it, by kind."""
+        handle = self._native()
+        m = _lib.zc_memory_stats()
+        with handle.lock:
+            handle.check(lib.zc_client_memory_stats(handle.ptr, ctypes.byref(m)), "memory_stats")
+        return MemoryStats(*(getattr(m, name) for name, _ in _lib.zc_memory_stats._fields_))
 
     def list_sessions(self) -> list[SessionInfo]:
         """This user's sessions on the daemon (not only this client's)."""
