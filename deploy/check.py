@@ -70,7 +70,7 @@ METRICS = {
     "zipcache_memory_used_bytes",
     "zipcache_memory_budget_bytes",
     "zipcache_view_rebuilds_total",
-    "zipcache_evictions_total",
+    "zipcache_view_drops_total",
     "zipcache_connections",
     "zipcache_connections_total",
     "zipcache_errors_total",

@@ -283,8 +283,9 @@ int metrics_render(const struct server *server, char **out, size_t *out_len)
 	      (double)server->reply_queue_bytes);
 	counter(&text, "zipcache_view_rebuilds_total", "fp16 views rebuilt from compressed stores.",
 		store_view_rebuilds_total());
-	counter(&text, "zipcache_evictions_total",
-		"fp16 views of idle sessions dropped under memory pressure.", m->view_drops);
+	/* Named for what it counts: sessions are never evicted, their views are dropped. */
+	counter(&text, "zipcache_view_drops_total",
+		"Sessions whose idle fp16 views memory relief dropped.", m->view_drops);
 	gauge(&text, "zipcache_connections", "Open client connections.", (double)server->n_connections);
 	counter(&text, "zipcache_connections_total", "Client connections accepted.",
 		server->counters.connections_accepted);
