@@ -161,14 +161,6 @@ struct outcome {
 	int rc;          /* its code when acknowledged */
 };
 
-static bool lost(int rc)
-{
-	/* Anything but a reply: the daemon is gone. */
-	return rc == ZC_EBROKEN || rc == ZC_EPROTOCOL || rc == -EPIPE || rc == -ECONNRESET || rc == -ENOTCONN ||
-	       rc == -ETIMEDOUT || rc == ZC_ERESTARTED || rc == -ECONNREFUSED || rc == -ENOENT ||
-	       rc == ZC_EINTERNAL || (rc < 0 && rc > -200 && rc != -ENOMEM);
-}
-
 /*
  * Runs the script until the daemon dies; returns how many operations were
  * acknowledged (outcomes[0..n) hold their codes); *died says whether it
@@ -223,7 +215,7 @@ static size_t script_run(const struct daemon_harness *daemon, const struct op *o
 			sessions[op->session] = NULL;
 			break;
 		}
-		if (rc < 0 && lost(rc)) {
+		if (rc < 0 && daemon_lost(rc)) {
 			*died = true;
 			break;
 		}

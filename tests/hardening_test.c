@@ -424,13 +424,6 @@ static struct rk_op rk_next(struct rng *rng, const struct rk_shadow *sh)
 	return op;
 }
 
-static bool rk_lost(int rc)
-{
-	return rc == ZC_EBROKEN || rc == ZC_EPROTOCOL || rc == -EPIPE || rc == -ECONNRESET ||
-	       rc == -ENOTCONN || rc == -ETIMEDOUT || rc == ZC_ERESTARTED || rc == -ECONNREFUSED ||
-	       rc == -ENOENT || (rc < 0 && rc > -200 && rc != -ENOMEM);
-}
-
 /* Every session the daemon holds against st. */
 static bool rk_matches(zc_client *client, const struct rk_state *st, char *why, size_t size)
 {
@@ -558,7 +551,7 @@ static void kill_loop(uint64_t seed, int rounds, int64_t time_budget_ms, const c
 				break;
 			}
 			block_free(&block);
-			if (rc < 0 && rk_lost(rc)) {
+			if (rc < 0 && daemon_lost(rc)) {
 				died = true;
 				break;
 			}

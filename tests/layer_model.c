@@ -707,3 +707,10 @@ bool daemon_sessions_match(zc_client *client, const zc_session_config *configs,
 	}
 	return true;
 }
+
+bool daemon_lost(int rc)
+{
+	return rc == ZC_EBROKEN || rc == ZC_EPROTOCOL || rc == -EPIPE || rc == -ECONNRESET ||
+	       rc == -ENOTCONN || rc == -ETIMEDOUT || rc == ZC_ERESTARTED || rc == -ECONNREFUSED ||
+	       rc == -ENOENT || (rc < 0 && rc > -200 && rc != -ENOMEM);
+}

@@ -159,6 +159,10 @@ bool daemon_sessions_match(zc_client *client, const zc_session_config *configs,
 			   const struct model *models, const bool *exists, int n, char *why,
 			   size_t size);
 
+/* Whether a call's code means no reply came: the daemon is gone (killed,
+ * or dead of an injected fault), not that it refused. */
+bool daemon_lost(int rc);
+
 /* ---- blocks and checked updates -------------------------------------------- */
 
 /* K/V of one update, contiguous [batch * kv_heads][tokens][D]. */
