@@ -1247,7 +1247,7 @@ static int rebuild_measure(zc_client *client, const struct data *d, uint64_t *by
 	return rc;
 }
 
-static uint32_t views_dropped(const struct store_header *h)
+static uint32_t views_dropped(const zc_map_header *h)
 {
 	uint32_t dropped = 0;
 	for (uint32_t i = 0; i < h->layers; i++)
@@ -1257,7 +1257,7 @@ static uint32_t views_dropped(const struct store_header *h)
 
 /* A third session grows until relief has dropped every view of the big
  * one (the least recently used), then closes so that their rebuild fits. */
-static int rebuild_drop(zc_client *client, const struct data *d, const struct store_header *big,
+static int rebuild_drop(zc_client *client, const struct data *d, const zc_map_header *big,
 			int round)
 {
 	char name[48];
@@ -1374,10 +1374,8 @@ static int bench_rebuild(zc_client *client, const char *socket, const struct dat
 		goto out;
 	}
 	rebuild_sample(&first, &last, sample, false, NULL);
-	size_t header_bytes = (sizeof(struct store_header) +
-			       REBUILD_LAYERS * sizeof(struct store_layer_header) + 4095) / 4096 * 4096;
-	const struct store_header *header = (const void *)((const uint8_t *)first.keys - header_bytes);
-	if (memcmp(header->magic, STORE_MAGIC, sizeof header->magic) != 0 ||
+	const zc_map_header *header = zc_session_map(big);
+	if (memcmp(header->magic, ZC_MAP_MAGIC, sizeof header->magic) != 0 ||
 	    header->layers != REBUILD_LAYERS) {
 		fail("rebuild: no store header before the first view", ZC_EPROTOCOL);
 		rc = ZC_EPROTOCOL;

@@ -19,7 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "store_format.h"
+#include "zipcache/map.h"
 #include "transport.h"
 #include "version.h"
 #include "wire.h"
@@ -37,9 +37,11 @@
 struct zc_session {
 	zc_client *client;
 	zc_session_info info;
-	const uint8_t *mapping;
+	const uint8_t *mapping;        /* the session map (zipcache/map.h) */
 	size_t mapping_bytes;
 	uint64_t header_bytes;
+	const uint8_t *pool;           /* the uid's block pool */
+	size_t pool_bytes;
 	uint64_t *key_offsets;
 	uint64_t *value_offsets;
 	zc_session *prev, *next;
@@ -361,9 +363,10 @@ static void stats_from_wire(zc_layer_stats *stats, const zipcache_v1_LayerStats 
 	stats->effective_avg_bits = w->effective_avg_bits;
 }
 
-/* Maps the views and records where each layer's K and V live; checks the
- * layout against the mapping so a bad reply cannot send us out of it. */
-static int session_map(zc_session *session, int fd, const zipcache_v1_ViewLayout *view)
+/* Maps the session map and the pool, and records where each layer's K
+ * and V views live; checks the layout against the mappings so a bad reply
+ * cannot send us out of them. */
+static int session_map(zc_session *session, const int *fds, const zipcache_v1_ViewLayout *view)
 {
 	const zc_session_info *info = &session->info;
 	uint64_t heads = (uint64_t)info->batch * info->kv_heads;
@@ -372,10 +375,11 @@ static int session_map(zc_session *session, int fd, const zipcache_v1_ViewLayout
 
 	if (view->key_offsets_count != info->layers || view->value_offsets_count != info->layers ||
 	    info->layers == 0 || view->header_bytes > view->mapping_bytes ||
-	    sizeof(struct store_header) + info->layers * sizeof(struct store_layer_header) >
-		    view->header_bytes)
+	    sizeof(zc_map_header) + info->layers * sizeof(zc_map_layer) > view->header_bytes)
 		return ZC_EPROTOCOL;
 	for (uint32_t i = 0; i < info->layers; i++) {
+		if (view->key_offsets[i] == 0 && view->value_offsets[i] == 0)
+			continue;   /* views = none */
 		if (view->key_offsets[i] > view->mapping_bytes ||
 		    key_bytes > view->mapping_bytes - view->key_offsets[i] ||
 		    view->value_offsets[i] > view->mapping_bytes ||
@@ -391,12 +395,28 @@ static int session_map(zc_session *session, int fd, const zipcache_v1_ViewLayout
 	memcpy(session->value_offsets, view->value_offsets, info->layers * sizeof(uint64_t));
 	/* PROT_READ on a read-only descriptor: the mapping can never become
 	 * writable, not even with mprotect(). */
-	void *mapping = mmap(NULL, view->mapping_bytes, PROT_READ, MAP_SHARED, fd, 0);
+	void *mapping = mmap(NULL, view->mapping_bytes, PROT_READ, MAP_SHARED, fds[0], 0);
 	if (mapping == MAP_FAILED)
 		return -errno;
 	session->mapping = mapping;
 	session->mapping_bytes = view->mapping_bytes;
 	session->header_bytes = view->header_bytes;
+	const zc_map_header *m = mapping;
+	if (memcmp(m->magic, ZC_MAP_MAGIC, sizeof(m->magic)) != 0 || m->version != ZC_MAP_VERSION ||
+	    m->layers != info->layers || m->batch != info->batch || m->kv_heads != info->kv_heads ||
+	    m->head_dim_k != info->head_dim_k || m->head_dim_v != info->head_dim_v ||
+	    m->max_tokens != info->max_tokens || m->map_bytes != view->mapping_bytes ||
+	    m->table_offset < m->header_bytes || m->table_bytes < m->max_blocks * sizeof(zc_map_block) ||
+	    m->table_offset + (uint64_t)m->layers * m->table_bytes > m->map_bytes ||
+	    (m->residual_offset &&
+	     m->residual_offset + (uint64_t)m->layers * m->residual_bytes > m->map_bytes) ||
+	    m->pool_bytes == 0)
+		return ZC_EPROTOCOL;
+	void *pool = mmap(NULL, m->pool_bytes, PROT_READ, MAP_SHARED | MAP_NORESERVE, fds[1], 0);
+	if (pool == MAP_FAILED)
+		return -errno;
+	session->pool = pool;
+	session->pool_bytes = m->pool_bytes;
 	return 0;
 }
 
@@ -404,6 +424,8 @@ static void session_free(zc_session *session)
 {
 	if (session->mapping)
 		munmap((void *)session->mapping, session->mapping_bytes);
+	if (session->pool)
+		munmap((void *)session->pool, session->pool_bytes);
 	free(session->key_offsets);
 	free(session->value_offsets);
 	free(session);
@@ -414,7 +436,7 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 	wire_request request = { 0 };
 	wire_response response;
 	zipcache_v1_OpenSessionRequest *open = &request.msg.op.open_session;
-	int fd = -1, rc;
+	int fds[2] = { -1, -1 }, rc;
 
 	if (client->broken)
 		return client_refuse_broken(client);
@@ -449,13 +471,13 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 	}
 	open->attach = config->attach;
 
-	rc = call(client, &request, &response, &fd, 1);
+	rc = call(client, &request, &response, fds, 2);
 	if (rc < 0)
 		return rc;
-	if (rc != 1 || response.msg.which_op != zipcache_v1_Response_open_session_tag ||
+	if (rc != 2 || response.msg.which_op != zipcache_v1_Response_open_session_tag ||
 	    !response.msg.op.open_session.has_view) {
-		if (rc == 1)
-			close(fd);
+		for (int i = 0; i < rc; i++)
+			close(fds[i]);
 		wire_response_free(&response);
 		return client_break(client, ZC_EPROTOCOL, "open reply without a view");
 	}
@@ -466,7 +488,7 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 	}
 	session->client = client;
 	info_from_wire(&session->info, &response.msg.op.open_session.session);
-	rc = session_map(session, fd, &response.msg.op.open_session.view);
+	rc = session_map(session, fds, &response.msg.op.open_session.view);
 	if (rc < 0) {
 		session_free(session);
 		/* A layout that does not fit its mapping is the daemon's mistake;
@@ -484,7 +506,8 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 	*out = session;
 	rc = 0;
 out_close:
-	close(fd);
+	close(fds[0]);
+	close(fds[1]);
 	wire_response_free(&response);
 	return rc;
 }
@@ -513,6 +536,18 @@ int zc_session_close(zc_session *session)
 const zc_session_info *zc_session_get_info(const zc_session *session)
 {
 	return &session->info;
+}
+
+const zc_map_header *zc_session_map(const zc_session *session)
+{
+	return (const zc_map_header *)session->mapping;
+}
+
+const uint8_t *zc_session_pool(const zc_session *session, size_t *bytes)
+{
+	if (bytes)
+		*bytes = session->pool_bytes;
+	return session->pool;
 }
 
 /* Fills a view of one layer; tokens as the reply (or the header) says. */
@@ -656,7 +691,7 @@ int zc_client_staging(zc_client *client, size_t bytes, void **buffer)
  * up. Returns 0 once the sequence is even.
  */
 static int view_wait_for_writer(zc_session *session, uint32_t layer,
-				const struct store_layer_header *l, unsigned *spins,
+				const zc_map_layer *l, unsigned *spins,
 				int64_t *deadline)
 {
 	zc_client *client = session->client;
@@ -700,8 +735,8 @@ int zc_session_view(zc_session *session, uint32_t layer, zc_view *view)
 		return client_refuse_broken(client);
 	if (layer >= session->info.layers)
 		return error_set(client, ZC_EINVALID, "layer out of range");
-	const struct store_header *header = (const struct store_header *)session->mapping;
-	const struct store_layer_header *l = &header->layer[layer];
+	const zc_map_header *header = (const zc_map_header *)session->mapping;
+	const zc_map_layer *l = &header->layer[layer];
 	/* Views the daemon dropped under memory pressure come back with any
 	 * request that touches the session; stats is the cheapest. */
 	if (!__atomic_load_n(&l->view_valid, __ATOMIC_ACQUIRE)) {

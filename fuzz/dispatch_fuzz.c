@@ -65,6 +65,7 @@
 #include "../server/connection.h"
 #include "../server/log.h"
 #include "../server/options.h"
+#include "../server/pool.h"
 #include "../server/server.h"
 #include "../server/session.h"
 #include "../server/store.h"
@@ -309,10 +310,11 @@ static void reply_check(struct reply_log *log, const uint8_t *frame, size_t len)
 		fuzz_fail("reply to request %llu has unknown status %d", (unsigned long long)id,
 			  (int)m->status);
 	check_string("its message", m->message, id);
-	bool wants_fd = m->status == zipcache_v1_Status_OK &&
-			(m->which_op == zipcache_v1_Response_open_session_tag ||
-			 m->which_op == zipcache_v1_Response_staging_tag);
-	if (m->fds != (wants_fd ? 1u : 0u))
+	/* An open passes the session map and the uid's pool; staging its buffer. */
+	unsigned wants_fds = m->status != zipcache_v1_Status_OK ? 0u :
+			     m->which_op == zipcache_v1_Response_open_session_tag ? 2u :
+			     m->which_op == zipcache_v1_Response_staging_tag ? 1u : 0u;
+	if (m->fds != wants_fds)
 		fuzz_fail("reply to request %llu (op %u, status %d) announces %u descriptors",
 			  (unsigned long long)id, (unsigned)m->which_op, (int)m->status, m->fds);
 	switch (m->which_op) {
@@ -468,8 +470,10 @@ static void budget_verify(void)
 		return;
 	for (size_t i = 0; i < s->sessions.count; i++)
 		held += store_memory_bytes(s->sessions.items[i]->store);
+	held += pool_set_file_bytes(&s->pools);
 	if (held != server_memory_bytes(s))
-		fuzz_fail("the memory budget counts %llu bytes in use, the %zu session files hold %llu",
+		fuzz_fail("the memory budget counts %llu bytes in use, the %zu session files and "
+			  "the pools hold %llu",
 			  (unsigned long long)server_memory_bytes(s), s->sessions.count,
 			  (unsigned long long)held);
 	if (s->options.memory_budget && server_memory_bytes(s) > s->options.memory_budget)

@@ -1,5 +1,6 @@
 /* Adoption of session files: see adopt.h and docs/DURABILITY.md. */
 #include "adopt.h"
+#include "pool.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -89,20 +90,26 @@ static bool adopt_one(struct server *server, const char *file)
 	struct store *store;
 	struct session *session;
 	char reason[200] = "";
-	int rc = store_adopt(server->shm_dir_fd, server->options.shm_dir, file, NULL, &store, reason,
-			     sizeof(reason));
+	int rc = store_adopt(server->shm_dir_fd, server->options.shm_dir, file, NULL, &server->pools,
+			     &store, reason, sizeof(reason));
 
 	if (rc == 0 && session_find(&server->sessions, store_header(store)->session_id,
 				    store_header(store)->owner_uid)) {
+		store_release_blocks(store);
 		store_close(store, false);
 		rc = ZC_ECORRUPT;
 		snprintf(reason, sizeof(reason), "another file holds the same session id");
 	}
 	if (rc == 0) {
-		store_charge_to(store, quota_budget(&server->quotas, store_header(store)->owner_uid));
+		struct store_budget *quota = quota_budget(&server->quotas, store_header(store)->owner_uid);
+		store_charge_to(store, quota);
+		pool_charge_to(store_pool(store), quota);
 		rc = session_table_add(&server->sessions, store, &session);
-		if (rc < 0)
+		if (rc < 0) {
+			/* Tried again later: it claims its blocks again then. */
+			store_release_blocks(store);
 			store_close(store, false);
+		}
 	}
 	if (rc == 0) {
 		log_info("server", "adopted session", "session=%llu name=%s uid=%u",
@@ -167,6 +174,17 @@ void adopt_scan(struct server *server)
 			unlinkat(server->shm_dir_fd, name, 0);
 			continue;
 		}
+		if (strncmp(name, ".pool-", 6) == 0 && has_suffix(name, ".zcp.tmp")) {
+			unlinkat(server->shm_dir_fd, name, 0);
+			continue;
+		}
+		if (strncmp(name, "pool-", 5) == 0 && has_suffix(name, ".zcp")) {
+			/* Pools are opened below (or, with --no-adopt, go with
+			 * the sessions whose blocks they hold). */
+			if (!server->options.adopt)
+				unlinkat(server->shm_dir_fd, name, 0);
+			continue;
+		}
 		if (strncmp(name, "session-", 8) != 0)
 			continue;
 		id_seen(server, name);
@@ -183,6 +201,14 @@ void adopt_scan(struct server *server)
 		pending_add(adoption, name);
 	}
 	closedir(dir);
+	if (server->options.adopt) {
+		/* Every pool, so that the sweep frees blocks no session names,
+		 * even in a pool whose sessions are all gone. */
+		pool_set_scan(&server->pools, NULL);
+		for (size_t i = 0; i < server->pools.n; i++)
+			pool_charge_to(server->pools.items[i],
+				       quota_budget(&server->quotas, pool_uid(server->pools.items[i])));
+	}
 	adopt_retry(server);
 }
 
@@ -199,6 +225,10 @@ size_t adopt_retry(struct server *server)
 		adoption->pending[kept++] = p;
 	}
 	adoption->n_pending = kept;
+	/* Once no file waits, every block a session names has been claimed:
+	 * the rest was written by mutations that never committed. */
+	if (kept == 0)
+		pool_set_sweep(&server->pools);
 	return kept;
 }
 

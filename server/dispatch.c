@@ -25,6 +25,7 @@
 #include "session.h"
 #include "staging.h"
 #include "store.h"
+#include "pool.h"
 #include "version.h"
 #include "wire.h"
 
@@ -246,6 +247,15 @@ static void stats_daemon_fill(const struct connection *connection, zipcache_v1_S
 			store_memory_add(s->store, &kinds);
 		}
 	}
+	/* Blocks are the pools': each counted once, however many sessions
+	 * share it. */
+	for (size_t i = 0; i < server->pools.n; i++) {
+		const struct pool *pool = server->pools.items[i];
+		if (own->trusted || pool_uid(pool) == connection->uid) {
+			kinds.blocks += pool_memory_bytes(pool);
+			stats->memory_file_bytes += pool_memory_bytes(pool);
+		}
+	}
 	stats->has_memory = true;
 	stats->memory = (zipcache_v1_MemoryByKind){ .views = kinds.views, .blocks = kinds.blocks,
 						    .residual = kinds.residual, .index = kinds.index,
@@ -320,9 +330,18 @@ static int reply_open(struct connection *connection, const struct request_meta *
 	wire_response response;
 	zipcache_v1_OpenSessionResponse *open = &response.msg.op.open_session;
 	const struct store_header *h = store_header(session->store);
-	int fd = store_open_readonly(session->store);
+	const zc_map_header *m = store_map_layout(session->store);
+	int fds[2] = { store_open_readonly(session->store), -1 };
+	int fd = fds[0];
 	char why[200];
 
+	if (fd >= 0) {
+		fds[1] = pool_open_readonly(store_pool(session->store));
+		if (fds[1] < 0) {
+			close(fds[0]);
+			fd = fds[1];
+		}
+	}
 	if (fd < 0) {
 		reply_error(connection, meta, request_id, fd,
 			    "cannot open the view of session %llu: %s%s",
@@ -336,8 +355,8 @@ static int reply_open(struct connection *connection, const struct request_meta *
 	open->has_session = true;
 	session_info_fill(session, &open->session);
 	open->has_view = true;
-	open->view.mapping_bytes = h->views_bytes;
-	open->view.header_bytes = h->header_bytes;
+	open->view.mapping_bytes = m->map_bytes;
+	open->view.header_bytes = m->header_bytes;
 	open->view.key_offsets_count = (pb_size_t)h->layers;
 	open->view.value_offsets_count = (pb_size_t)h->layers;
 	for (uint32_t i = 0; i < h->layers; i++) {
@@ -345,7 +364,7 @@ static int reply_open(struct connection *connection, const struct request_meta *
 		open->view.value_offsets[i] = store_value_view_offset(session->store, i);
 	}
 	open->attached = attached;
-	return reply_send(connection, meta, &response, &fd, 1);
+	return reply_send(connection, meta, &response, fds, 2);
 }
 
 /* What an attach request asks that its session does not have. */
@@ -616,18 +635,30 @@ static void handle_open(struct connection *connection, const wire_request *reque
 		return;
 	}
 	struct store_budget *budget = &connection->quota->memory;
-	rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, &store);
+	struct pool *pool = NULL;
+	char pool_reason[200] = "";
+	rc = pool_set_get(&server->pools, connection->uid, budget, &pool, NULL, pool_reason,
+			  sizeof(pool_reason));
+	if (rc == ZC_ECORRUPT) {
+		reply_error(connection, &connection->current, id, ZC_EINTERNAL,
+			    "cannot use the block pool of uid %u: %s", (unsigned)connection->uid,
+			    pool_reason);
+		return;
+	}
+	if (rc == 0)
+		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, pool,
+				  &store);
 	for (int tries = 0; rc == ZC_EEXISTS && tries < 3; tries++) {
 		/* A file nobody adopted holds this id: take the next. */
 		params.session_id = ++server->sessions.next_id;
 		if (!open->name[0])
 			snprintf(name, sizeof(name), "session-%llu",
 				 (unsigned long long)params.session_id);
-		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, &store);
+		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, pool, &store);
 	}
 	if (rc == STORE_EBUDGET &&
 	    server_relieve_memory_for(server, 1u << 20, NULL, connection->uid) > 0)
-		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, &store);
+		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, pool, &store);
 	if (rc == STORE_EBUDGET) {
 		char why[200];
 		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED, "%s",

@@ -14,14 +14,14 @@ const char *const fault_steps[] = {
 	"create.file",       /* temporary file made and sized */
 	"create.header",     /* header and empty commit area written */
 	"create.rename",     /* renamed to its final name: the open's commit point */
-	"append.compress",   /* block(s) compressed into the arenas, views written */
+	"append.compress",   /* block(s) compressed into the pool, views written */
 	"append.index",      /* index entries written past the committed count */
 	"append.record",     /* the layer's next commit record written */
 	"append.publish",    /* committed generation advanced: the commit point */
 	"residual.copy",     /* rows copied into the residual and the views */
 	"residual.record",
 	"residual.publish",  /* commit point of a short streaming update */
-	"flush.compress",    /* the full residual compressed into the arenas */
+	"flush.compress",    /* the full residual compressed into the pool */
 	"flush.index",
 	"flush.record",
 	"flush.publish",     /* commit point of the residual flush */
@@ -33,6 +33,8 @@ const char *const fault_steps[] = {
 	"rebuild.done",      /* a layer's view valid again */
 	"close.unlink",      /* about to remove the file: the close's commit point */
 	"close.done",        /* file removed */
+	"pool.create",       /* a uid's pool file made, not yet renamed into place */
+	"pool.write",        /* a new block's bytes in the pool, not yet named by a session */
 	NULL
 };
 

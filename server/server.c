@@ -262,6 +262,7 @@ static void on_ttl(uv_timer_t *timer)
 	for (size_t i = 0; i < server->sessions.count; i++)
 		if (session_idle(server->sessions.items[i]))
 			store_sync_charge(server->sessions.items[i]->store);
+	pool_set_sync_charge(&server->pools);
 	if (ttl_ms == 0)
 		return;
 
@@ -443,6 +444,7 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 		return rc;
 	}
 	limits_resolve(server);
+	pool_set_init(&server->pools, server->shm_dir_fd, server->options.shm_dir);
 	adopt_scan(server);
 	rc = listener_open(server);
 	if (rc < 0) {
@@ -504,6 +506,9 @@ void server_free(struct server *server)
 	/* Let the close callbacks run, then release what they released. */
 	uv_run(server->loop, UV_RUN_DEFAULT);
 	session_table_free(&server->sessions);
+	/* After the stores (which borrow them), before the quotas (which
+	 * they charge). */
+	pool_set_free(&server->pools);
 	/* After the stores: each gave its charge back to its uid's budget. */
 	quota_table_free(&server->quotas);
 	if (server->lock_fd >= 0)

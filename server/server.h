@@ -15,6 +15,7 @@
 #include "options.h"
 #include "quota.h"
 #include "session.h"
+#include "pool.h"
 
 struct connection;
 
@@ -48,6 +49,7 @@ struct server {
 	struct store_budget budget;
 	struct store_budget staging;   /* staging bytes of all connections: counted, no limit */
 	struct quota_table quotas;
+	struct pool_set pools;         /* one block pool per uid */
 	uint64_t reply_queue_bytes;    /* unsent reply bytes of all connections */
 	bool replies_over;             /* past --max-reply-queue-total (connection.c) */
 	struct connection *connections;

@@ -1,15 +1,18 @@
 /*
- * One session's store in a sparse shared-memory file: create or adopt it,
- * append blocks, trim, count bytes, drop and rebuild views. The numerics
- * are the codec's; this file decides where bytes go and in which order
- * they become durable (docs/DURABILITY.md) and visible (store_format.h).
+ * One session's store: its durable file (commit area, exact residual,
+ * block index), its blocks in the uid's pool, and the session map readers
+ * get (header, block tables, and the fp16 views or a readers' residual).
+ * Create, adopt or fork it, append blocks, trim, count bytes, drop and
+ * rebuild views. The numerics are the codec's; this file decides where
+ * bytes go and in which order they become durable (docs/DURABILITY.md)
+ * and visible (zipcache/map.h).
  *
  * The daemon keeps its working state (shape, codec, every layer's counts,
- * the block index) in private memory. What it writes into the file is a
- * copy: the commit area and index for the next daemon, the layer headers
- * and views for readers. It never reads the file's copy back except when
- * it adopts the file, and then it checks every field first, so a client
- * that found a way to write its mapping can spoil only its own data.
+ * the block index) in private memory. What it writes into the file and
+ * the map is a copy: the commit area and index for the next daemon, the
+ * map for readers. It never reads either back except when it adopts a
+ * file, and then it checks every field first, so a client that found a
+ * way to write its mapping can spoil only its own data.
  */
 #include "store.h"
 
@@ -25,6 +28,7 @@
 
 #include "fault.h"
 #include "log.h"
+#include "pool.h"
 
 #define PAGE_BYTES 4096u
 
@@ -32,19 +36,13 @@
  * every 256 decode steps instead of one per step. */
 #define VIEW_RESERVE_TOKENS 256u
 
-/* Arenas grow geometrically between these steps: a short session costs
- * little, a long one few fallocate calls. */
-#define ARENA_RESERVE_MIN_BYTES (64u << 10)
-#define ARENA_RESERVE_MAX_BYTES (1u << 20)
-
-/* Worst-case compressed bytes per token per head is below 5*D + 3 (one-row
- * groups: 4*D of params, up to D of codes, a mask byte); twice that leaves
- * room for the dead tails of blocks cut by trim. */
-#define ARENA_TOKEN_FACTOR 2u
-
-/* A sparse file larger than this is refused: the address space and tmpfs
+/* A file or map larger than this is refused: the address space and tmpfs
  * have limits even when untouched pages cost nothing. */
 #define STORE_MAX_FILE_BYTES (UINT64_C(1) << 44)
+
+/* Compression scratch a worker keeps between jobs; a larger block gets a
+ * buffer of its own for the call. */
+#define SCRATCH_KEEP_BYTES (UINT64_C(64) << 20)
 
 /* The daemon's own copy of a layer's committed state: the truth while it
  * runs. A mutation works on a copy and commits it whole. */
@@ -53,46 +51,44 @@ struct layer_state {
 	uint32_t residual_tokens;
 	uint32_t blocks;
 	uint32_t active;              /* the record slot that holds the committed state */
-	uint64_t key_arena_used, value_arena_used;
 	uint64_t key_compressed, key_baseline, value_compressed, value_baseline;
 };
 
 /* What is not durable: reservations and the readers' view. */
 struct layer_room {
 	uint64_t reserved_view_tokens;   /* views fallocated up to this token */
-	uint64_t reserved_key_arena;     /* arena bytes fallocated */
-	uint64_t reserved_value_arena;
 	bool residual_reserved;
 	bool view_valid;
 	uint64_t sequence;
+	uint64_t generation;             /* view drops and rebuilds */
 };
 
 /* What the store's memory holds, by kind (store_memory). */
-enum memory_kind { KIND_VIEWS, KIND_BLOCKS, KIND_RESIDUAL, KIND_INDEX, KIND_HEADERS, KINDS };
+enum memory_kind { KIND_VIEWS, KIND_RESIDUAL, KIND_INDEX, KIND_HEADERS, KINDS };
 
 struct layer_index {
-	struct store_block *entries;
+	store_block *entries;
 	uint32_t capacity;
 };
 
 struct store {
 	struct store_budget *budget;
-	uint64_t charged;         /* bytes of budget.used that are this file's */
+	uint64_t charged;         /* bytes of budget.used that are this store's */
 	uint64_t kind_bytes[KINDS];   /* charged, by what the pages hold (atomic) */
-	uint64_t mapped;          /* bytes of the address-space bound that are this file's */
+	struct pool *pool;        /* borrowed: the owner's blocks */
 	int dir_fd;               /* borrowed: the shm-dir */
 	int fd;                   /* the durable file: never handed out */
 	bool unlinked;
 	uint8_t *base;
 	size_t file_bytes;
-	/* What readers map: the header and the fp16 views, in a memfd sealed
-	 * against resizing, so no descriptor a client holds can truncate
-	 * memory the daemon writes. Not durable: rebuilt after adoption. */
-	int view_fd;
-	uint8_t *view_base;
-	size_t view_bytes;
+	/* What readers map: a memfd sealed against resizing, so no descriptor
+	 * a client holds can truncate memory the daemon writes. Not durable:
+	 * rebuilt after adoption. */
+	int map_fd;
+	uint8_t *map_base;
+	zc_map_header *map;
+	zc_map_header layout;             /* private copy of the map's layout */
 	struct store_header *header;      /* private copy: shape, codec, layout */
-	struct store_header *shared;      /* the file's header, for readers */
 	struct store_commit_area *commit; /* in the file */
 	uint64_t generation;              /* last committed */
 	struct layer_state *layer;
@@ -161,28 +157,27 @@ static uint64_t heads_of(const struct store_header *h)
 	return (uint64_t)h->batch * h->kv_heads;
 }
 
-/* Bytes of one [B][H][max_tokens][D] fp16 view. Only called on headers
- * whose layout was checked, so it cannot wrap. */
-static uint64_t view_bytes(const struct store_header *h, uint32_t dim)
+static bool views_full(const struct store *store)
 {
-	return round_up(heads_of(h) * h->max_tokens * dim * 2, PAGE_BYTES);
+	return store->header->views == ZC_VIEWS_FULL;
 }
 
 uint64_t store_key_view_offset(const struct store *store, uint32_t layer)
 {
-	const struct store_header *h = store->header;
-	return h->header_bytes + layer * (view_bytes(h, h->head_dim_k) + view_bytes(h, h->head_dim_v));
+	const zc_map_header *m = &store->layout;
+	return m->views_offset ? m->views_offset + layer * m->view_layer_bytes : 0;
 }
 
 uint64_t store_value_view_offset(const struct store *store, uint32_t layer)
 {
-	return store_key_view_offset(store, layer) + view_bytes(store->header, store->header->head_dim_k);
+	const zc_map_header *m = &store->layout;
+	return m->views_offset ? store_key_view_offset(store, layer) + m->key_view_bytes : 0;
 }
 
 static uint64_t layer_region_offset(const struct store *store, uint32_t layer)
 {
 	const struct store_header *h = store->header;
-	return h->commit_offset + h->commit_bytes + (uint64_t)layer * h->layer_region_bytes;
+	return h->layers_offset + (uint64_t)layer * h->layer_region_bytes;
 }
 
 static uint8_t *layer_region(const struct store *store, uint32_t layer)
@@ -190,19 +185,29 @@ static uint8_t *layer_region(const struct store *store, uint32_t layer)
 	return store->base + layer_region_offset(store, layer);
 }
 
-static struct store_block *file_index(const struct store *store, uint32_t layer)
+static store_block *file_index(const struct store *store, uint32_t layer)
 {
-	return (struct store_block *)(layer_region(store, layer) + store->header->index_offset);
+	return (store_block *)(layer_region(store, layer) + store->header->index_offset);
+}
+
+static uint64_t table_offset(const struct store *store, uint32_t layer)
+{
+	return store->layout.table_offset + (uint64_t)layer * store->layout.table_bytes;
+}
+
+static zc_map_block *map_table(const struct store *store, uint32_t layer)
+{
+	return (zc_map_block *)(store->map_base + table_offset(store, layer));
 }
 
 static uint16_t *key_view(const struct store *store, uint32_t layer)
 {
-	return (uint16_t *)(store->view_base + store_key_view_offset(store, layer));
+	return (uint16_t *)(store->map_base + store_key_view_offset(store, layer));
 }
 
 static uint16_t *value_view(const struct store *store, uint32_t layer)
 {
-	return (uint16_t *)(store->view_base + store_value_view_offset(store, layer));
+	return (uint16_t *)(store->map_base + store_value_view_offset(store, layer));
 }
 
 static uint16_t *key_residual(const struct store *store, uint32_t layer)
@@ -213,6 +218,18 @@ static uint16_t *key_residual(const struct store *store, uint32_t layer)
 static uint16_t *value_residual(const struct store *store, uint32_t layer)
 {
 	return (uint16_t *)(layer_region(store, layer) + store->header->value_residual_offset);
+}
+
+/* The readers' copy of the residual (views = none). */
+static uint64_t map_residual_offset(const struct store *store, uint32_t layer, bool keys)
+{
+	const zc_map_header *m = &store->layout;
+	return m->residual_offset + layer * m->residual_bytes + (keys ? 0 : m->key_residual_bytes);
+}
+
+static uint16_t *map_residual(const struct store *store, uint32_t layer, bool keys)
+{
+	return (uint16_t *)(store->map_base + map_residual_offset(store, layer, keys));
 }
 
 static zc_strides view_strides(const struct store_header *h, uint32_t dim)
@@ -249,7 +266,7 @@ static zc_codec_config header_codec(const struct store_header *h)
 static uint32_t block_valid_tokens(const struct store *store, uint32_t layer,
 				   const struct layer_state *state, uint32_t i)
 {
-	const struct store_block *index = store->index[layer].entries;
+	const store_block *index = store->index[layer].entries;
 	uint32_t end = i + 1 < state->blocks ? index[i + 1].first_token :
 					       state->tokens - state->residual_tokens;
 	return end - index[i].first_token;
@@ -261,14 +278,13 @@ static uint64_t fd_allocated(int fd)
 	return fd >= 0 && fstat(fd, &st) == 0 ? (uint64_t)st.st_blocks * 512 : 0;
 }
 
-/* What the store holds in memory: the durable file and the views. */
+/* What the store holds in memory: the durable file and the map (its
+ * blocks are the pool's). */
 static uint64_t file_allocated(const struct store *store)
 {
-	return fd_allocated(store->fd) + fd_allocated(store->view_fd);
+	return fd_allocated(store->fd) + fd_allocated(store->map_fd);
 }
 
-/* Brings the charge up to what the file holds: pages a client's read
- * faults allocated in dropped views are memory too. Returns the growth. */
 static void kinds_measure(struct store *store);
 
 static void kind_add(struct store *store, enum memory_kind kind, int64_t bytes)
@@ -277,7 +293,7 @@ static void kind_add(struct store *store, enum memory_kind kind, int64_t bytes)
 }
 
 /* Growth nobody reserved is a reader's faults, and readers map only the
- * views. */
+ * map (its views, mostly). */
 static uint64_t charge_sync(struct store *store, uint64_t allocated)
 {
 	if (allocated <= store->charged)
@@ -301,39 +317,9 @@ uint64_t store_sync_charge(struct store *store)
 	return charge_sync(store, file_allocated(store));
 }
 
-static int budget_take_one(struct store_budget *budget, uint64_t bytes)
+struct pool *store_pool(const struct store *store)
 {
-	uint64_t used = __atomic_load_n(&budget->used, __ATOMIC_RELAXED);
-	do {
-		if (budget->limit && (used + bytes < used || used + bytes > budget->limit))
-			return STORE_EBUDGET;
-	} while (!__atomic_compare_exchange_n(&budget->used, &used, used + bytes, true,
-					      __ATOMIC_RELAXED, __ATOMIC_RELAXED));
-	return 0;
-}
-
-int store_budget_take(struct store_budget *budget, uint64_t bytes)
-{
-	for (struct store_budget *b = budget; b; b = b->parent) {
-		if (budget_take_one(b, bytes) < 0) {
-			for (struct store_budget *undo = budget; undo != b; undo = undo->parent)
-				__atomic_fetch_sub(&undo->used, bytes, __ATOMIC_RELAXED);
-			return STORE_EBUDGET;
-		}
-	}
-	return 0;
-}
-
-void store_budget_give(struct store_budget *budget, uint64_t bytes)
-{
-	for (struct store_budget *b = budget; b; b = b->parent)
-		__atomic_fetch_sub(&b->used, bytes, __ATOMIC_RELAXED);
-}
-
-void store_budget_force(struct store_budget *budget, uint64_t bytes)
-{
-	for (struct store_budget *b = budget; b; b = b->parent)
-		__atomic_fetch_add(&b->used, bytes, __ATOMIC_RELAXED);
+	return store->pool;
 }
 
 /* Makes pages real before they are written, so that a full tmpfs is an
@@ -378,12 +364,6 @@ static int reserve_in(struct store *store, int fd, uint64_t offset, uint64_t byt
 	return 0;
 }
 
-static int reserve_range(struct store *store, uint64_t offset, uint64_t bytes,
-			 enum memory_kind kind)
-{
-	return reserve_in(store, store->fd, offset, bytes, kind);
-}
-
 /* Reserves each head's slice of tokens [from, to) in both views of a layer. */
 static int reserve_view_tokens(struct store *store, uint32_t layer, uint64_t from, uint64_t to)
 {
@@ -395,7 +375,7 @@ static int reserve_view_tokens(struct store *store, uint32_t layer, uint64_t fro
 					      store_value_view_offset(store, layer);
 		for (uint64_t head = 0; head < heads; head++) {
 			uint64_t head_start = view + head * h->max_tokens * dim * 2;
-			int rc = reserve_in(store, store->view_fd, head_start + from * dim * 2,
+			int rc = reserve_in(store, store->map_fd, head_start + from * dim * 2,
 					    (to - from) * dim * 2, KIND_VIEWS);
 			if (rc < 0)
 				return rc;
@@ -419,58 +399,39 @@ static int reserve_views(struct store *store, uint32_t layer, uint64_t tokens_ne
 	return 0;
 }
 
-static int reserve_arena(struct store *store, uint32_t layer, bool keys, uint64_t bytes_needed)
-{
-	const struct store_header *h = store->header;
-	struct layer_room *l = &store->room[layer];
-	uint64_t *reserved = keys ? &l->reserved_key_arena : &l->reserved_value_arena;
-	uint64_t capacity = keys ? h->key_arena_bytes : h->value_arena_bytes;
-	uint64_t arena = layer_region_offset(store, layer) +
-			 (keys ? h->key_arena_offset : h->value_arena_offset);
-
-	if (bytes_needed > capacity)
-		return ZC_EEXHAUSTED;
-	if (bytes_needed <= *reserved)
-		return 0;
-	uint64_t step = *reserved;
-	if (step < ARENA_RESERVE_MIN_BYTES)
-		step = ARENA_RESERVE_MIN_BYTES;
-	if (step > ARENA_RESERVE_MAX_BYTES)
-		step = ARENA_RESERVE_MAX_BYTES;
-	uint64_t target = *reserved + step > bytes_needed ? *reserved + step : bytes_needed;
-	if (target > capacity)
-		target = capacity;
-	int rc = reserve_range(store, arena + *reserved, target - *reserved, KIND_BLOCKS);
-	if (rc < 0)
-		return rc;
-	*reserved = target;
-	return 0;
-}
-
 /* The residual is small and used at once; reserve it on a layer's first
- * write (and again after an adoption: reservations are not durable). */
+ * write (and again after an adoption: reservations are not durable). With
+ * views = none readers have a residual of their own in the map. */
 static int reserve_residual(struct store *store, uint32_t layer)
 {
 	struct layer_room *l = &store->room[layer];
 	if (l->residual_reserved)
 		return 0;
-	int rc = reserve_range(store, layer_region_offset(store, layer), store->header->index_offset,
-			       KIND_RESIDUAL);
+	int rc = reserve_in(store, store->fd, layer_region_offset(store, layer),
+			    store->header->index_offset, KIND_RESIDUAL);
+	if (rc == 0 && store->layout.residual_offset)
+		rc = reserve_in(store, store->map_fd, map_residual_offset(store, layer, true),
+				store->layout.residual_bytes, KIND_RESIDUAL);
 	if (rc == 0)
 		l->residual_reserved = true;
 	return rc;
 }
 
-/* Index pages are reserved as entries reach them. */
+/* Index pages (the file's, and the readers' table) are reserved as
+ * entries reach them. */
 static int reserve_index_entry(struct store *store, uint32_t layer, uint32_t entry)
 {
-	uint64_t entry_bytes = sizeof(struct store_block);
+	uint64_t entry_bytes = sizeof(store_block);
 	uint64_t start = (uint64_t)entry * entry_bytes;
 	if (entry > 0 && start / PAGE_BYTES == (start - 1) / PAGE_BYTES &&
 	    (start + entry_bytes - 1) / PAGE_BYTES == start / PAGE_BYTES)
 		return 0;
 	uint64_t index = layer_region_offset(store, layer) + store->header->index_offset;
-	return reserve_range(store, index + start, entry_bytes, KIND_INDEX);
+	int rc = reserve_in(store, store->fd, index + start, entry_bytes, KIND_INDEX);
+	if (rc == 0)
+		rc = reserve_in(store, store->map_fd, table_offset(store, layer) + start, entry_bytes,
+				KIND_INDEX);
+	return rc;
 }
 
 /* Room for entry `entry` in the private index. */
@@ -486,7 +447,7 @@ static int index_grow(struct store *store, uint32_t layer, uint32_t entry)
 		capacity = store->header->max_blocks;
 	if (capacity <= entry)
 		return ZC_EEXHAUSTED;
-	struct store_block *entries = realloc(index->entries, capacity * sizeof(*entries));
+	store_block *entries = realloc(index->entries, capacity * sizeof(*entries));
 	if (!entries)
 		return -ENOMEM;
 	index->entries = entries;
@@ -500,7 +461,7 @@ static void sequence_begin(struct store *store, uint32_t layer)
 {
 	struct layer_room *l = &store->room[layer];
 	__atomic_store_n(&l->sequence, l->sequence | 1, __ATOMIC_RELAXED);
-	__atomic_store_n(&store->shared->layer[layer].sequence, l->sequence, __ATOMIC_RELAXED);
+	__atomic_store_n(&store->map->layer[layer].sequence, l->sequence, __ATOMIC_RELAXED);
 	__atomic_thread_fence(__ATOMIC_RELEASE);
 }
 
@@ -508,18 +469,17 @@ static void sequence_end(struct store *store, uint32_t layer)
 {
 	struct layer_room *l = &store->room[layer];
 	__atomic_store_n(&l->sequence, l->sequence + 1, __ATOMIC_RELEASE);
-	__atomic_store_n(&store->shared->layer[layer].sequence, l->sequence, __ATOMIC_RELEASE);
+	__atomic_store_n(&store->map->layer[layer].sequence, l->sequence, __ATOMIC_RELEASE);
 }
 
 /* Copies a layer's private state into the header readers see. */
 static void mirror_layer(struct store *store, uint32_t layer)
 {
 	const struct layer_state *l = &store->layer[layer];
-	struct store_layer_header *p = &store->shared->layer[layer];
+	zc_map_layer *p = &store->map->layer[layer];
 	p->residual_tokens = l->residual_tokens;
 	p->blocks = l->blocks;
-	p->key_arena_used = l->key_arena_used;
-	p->value_arena_used = l->value_arena_used;
+	p->generation = store->room[layer].generation;
 	p->key_compressed_bytes = l->key_compressed;
 	p->key_baseline_bytes = l->key_baseline;
 	p->value_compressed_bytes = l->value_compressed;
@@ -549,8 +509,7 @@ static void record_write(struct store *store, uint32_t layer, const struct layer
 	r->residual_tokens = next->residual_tokens;
 	r->blocks = next->blocks;
 	r->pad = 0;
-	r->key_arena_used = next->key_arena_used;
-	r->value_arena_used = next->value_arena_used;
+	r->reserved[0] = r->reserved[1] = 0;
 }
 
 /* The commit point: one aligned 64-bit store makes every record written
@@ -569,8 +528,6 @@ static void layer_state_set(struct store *store, uint32_t layer, const struct la
 	struct layer_state *l = &store->layer[layer];
 	l->blocks = next->blocks;
 	l->active = next->active;
-	l->key_arena_used = next->key_arena_used;
-	l->value_arena_used = next->value_arena_used;
 	l->key_compressed = next->key_compressed;
 	l->key_baseline = next->key_baseline;
 	l->value_compressed = next->value_compressed;
@@ -581,7 +538,10 @@ static void layer_state_set(struct store *store, uint32_t layer, const struct la
 
 static void view_valid_set(struct store *store, uint32_t layer, bool valid)
 {
-	__atomic_store_n(&store->room[layer].view_valid, valid, __ATOMIC_RELEASE);
+	struct layer_room *room = &store->room[layer];
+	if (room->view_valid != valid)
+		room->generation++;
+	__atomic_store_n(&room->view_valid, valid, __ATOMIC_RELEASE);
 }
 
 /* Makes `next` the committed state of one layer, then the private one. */
@@ -595,6 +555,14 @@ static void layer_commit(struct store *store, uint32_t layer, struct layer_state
 	fault_point(step_publish);
 	next->active = 1u - store->layer[layer].active;
 	layer_state_set(store, layer, next);
+}
+
+/* Drops the references of a layer's entries [from, to): blocks no longer
+ * named by any committed state (or never committed). */
+static void blocks_unref(struct store *store, uint32_t layer, uint32_t from, uint32_t to)
+{
+	for (uint32_t i = from; i < to; i++)
+		pool_unref(store->pool, store->index[layer].entries[i].key_offset);
 }
 
 /* ---- layout ----------------------------------------------------------------- */
@@ -614,6 +582,8 @@ static int params_validate(const struct store_params *p)
 		return ZC_EINVALID;
 	if (p->policy == STORE_POLICY_STREAMING &&
 	    (p->residual_tokens == 0 || p->residual_tokens > STORE_MAX_RESIDUAL_TOKENS))
+		return ZC_EINVALID;
+	if (p->views != ZC_VIEWS_FULL && p->views != ZC_VIEWS_NONE)
 		return ZC_EINVALID;
 	if (!p->name || strlen(p->name) >= STORE_NAME_BYTES)
 		return ZC_EINVALID;
@@ -640,6 +610,16 @@ static bool region_add(uint64_t *offset, uint64_t bytes)
 	return *offset <= STORE_MAX_FILE_BYTES;
 }
 
+/* `count` page-rounded regions of `bytes` each at *offset. */
+static bool regions_add(uint64_t *offset, uint64_t count, uint64_t bytes)
+{
+	uint64_t rounded, total;
+	if (__builtin_add_overflow(bytes, PAGE_BYTES - 1, &rounded))
+		return false;
+	rounded = rounded / PAGE_BYTES * PAGE_BYTES;
+	return !__builtin_mul_overflow(rounded, count, &total) && region_add(offset, total);
+}
+
 /*
  * Fills in every size and offset of a header from its shape: the one
  * definition of the file's layout, for new files and for checking adopted
@@ -649,29 +629,21 @@ static bool region_add(uint64_t *offset, uint64_t bytes)
 static int header_layout(struct store_header *h)
 {
 	uint64_t heads = (uint64_t)h->batch * h->kv_heads;
-	uint64_t offset = 0, bytes, key_view, value_view, key_res, value_res, key_arena, value_arena;
+	uint64_t offset = 0, key_res, value_res;
 
-	if (!mul3(heads, h->max_tokens, (uint64_t)h->head_dim_k * 2, &key_view) ||
-	    !mul3(heads, h->max_tokens, (uint64_t)h->head_dim_v * 2, &value_view) ||
-	    !mul3(heads, h->residual_capacity, (uint64_t)h->head_dim_k * 2, &key_res) ||
-	    !mul3(heads, h->residual_capacity, (uint64_t)h->head_dim_v * 2, &value_res) ||
-	    !mul3(ARENA_TOKEN_FACTOR * heads, h->max_tokens, 5ull * h->head_dim_k + 3, &key_arena) ||
-	    !mul3(ARENA_TOKEN_FACTOR * heads, h->max_tokens, 5ull * h->head_dim_v + 3, &value_arena))
+	if (!mul3(heads, h->residual_capacity, (uint64_t)h->head_dim_k * 2, &key_res) ||
+	    !mul3(heads, h->residual_capacity, (uint64_t)h->head_dim_v * 2, &value_res))
 		return ZC_EEXHAUSTED;
-
-	if (!region_add(&offset, sizeof(*h) + (uint64_t)h->layers * sizeof(h->layer[0])))
+	if (!region_add(&offset, sizeof(*h)))
 		return ZC_EEXHAUSTED;
 	h->header_bytes = (uint32_t)offset;
-	for (uint32_t i = 0; i < h->layers; i++)
-		if (!region_add(&offset, key_view) || !region_add(&offset, value_view))
-			return ZC_EEXHAUSTED;
-	h->views_bytes = offset;
 	h->max_blocks = h->max_tokens;
 	h->commit_offset = offset;
 	if (!region_add(&offset, sizeof(struct store_commit_area) +
 					 2 * (uint64_t)h->layers * sizeof(struct store_layer_commit)))
 		return ZC_EEXHAUSTED;
 	h->commit_bytes = offset - h->commit_offset;
+	h->layers_offset = offset;
 
 	uint64_t region = 0;
 	h->key_residual_offset = region;
@@ -679,18 +651,71 @@ static int header_layout(struct store_header *h)
 	h->value_residual_offset = region;
 	ok = ok && region_add(&region, value_res);
 	h->index_offset = region;
-	ok = ok && region_add(&region, h->max_blocks * sizeof(struct store_block));
-	h->key_arena_offset = region;
-	h->key_arena_bytes = round_up(key_arena, PAGE_BYTES);
-	ok = ok && region_add(&region, key_arena);
-	h->value_arena_offset = region;
-	h->value_arena_bytes = round_up(value_arena, PAGE_BYTES);
-	ok = ok && region_add(&region, value_arena);
+	ok = ok && region_add(&region, h->max_blocks * sizeof(store_block));
 	h->layer_region_bytes = region;
-	if (!ok || __builtin_mul_overflow(region, (uint64_t)h->layers, &bytes) ||
-	    __builtin_add_overflow(offset, bytes, &h->file_bytes) ||
-	    h->file_bytes > STORE_MAX_FILE_BYTES)
+	if (!ok || !regions_add(&offset, h->layers, region))
 		return ZC_EEXHAUSTED;
+	h->file_bytes = offset;
+	return 0;
+}
+
+/* The session map's layout (zipcache/map.h) for a checked header: the one
+ * definition readers and the daemon share. */
+static int map_layout(const struct store_header *h, zc_map_header *m)
+{
+	uint64_t heads = (uint64_t)h->batch * h->kv_heads, offset = 0, bytes;
+
+	memset(m, 0, sizeof(*m));
+	memcpy(m->magic, ZC_MAP_MAGIC, sizeof(m->magic));
+	m->version = ZC_MAP_VERSION;
+	m->session_id = h->session_id;
+	m->layers = h->layers;
+	m->batch = h->batch;
+	m->kv_heads = h->kv_heads;
+	m->head_dim_k = h->head_dim_k;
+	m->head_dim_v = h->head_dim_v;
+	m->max_tokens = h->max_tokens;
+	m->policy = h->policy;
+	m->residual_tokens = h->residual_tokens;
+	m->residual_capacity = h->residual_capacity;
+	m->views = h->views;
+	m->hi_bits = h->hi_bits;
+	m->lo_bits = h->lo_bits;
+	m->hi_fraction = h->hi_fraction;
+	m->group_size = h->group_size;
+	m->quantize_values = h->quantize_values;
+	m->max_blocks = h->max_blocks;
+	m->pool_bytes = POOL_CAPACITY_BYTES;
+	if (!region_add(&offset, sizeof(*m) + (uint64_t)h->layers * sizeof(m->layer[0])))
+		return ZC_EEXHAUSTED;
+	m->header_bytes = (uint32_t)offset;
+	m->table_offset = offset;
+	m->table_bytes = round_up(h->max_blocks * sizeof(zc_map_block), PAGE_BYTES);
+	if (!regions_add(&offset, h->layers, m->table_bytes))
+		return ZC_EEXHAUSTED;
+	if (h->views == ZC_VIEWS_NONE) {
+		uint64_t key, value;
+		if (!mul3(heads, h->residual_capacity, (uint64_t)h->head_dim_k * 2, &key) ||
+		    !mul3(heads, h->residual_capacity, (uint64_t)h->head_dim_v * 2, &value))
+			return ZC_EEXHAUSTED;
+		m->residual_offset = offset;
+		m->key_residual_bytes = round_up(key, PAGE_BYTES);
+		m->residual_bytes = m->key_residual_bytes + round_up(value, PAGE_BYTES);
+		if (!regions_add(&offset, h->layers, m->residual_bytes))
+			return ZC_EEXHAUSTED;
+	} else {
+		uint64_t key, value;
+		if (!mul3(heads, h->max_tokens, (uint64_t)h->head_dim_k * 2, &key) ||
+		    !mul3(heads, h->max_tokens, (uint64_t)h->head_dim_v * 2, &value) ||
+		    __builtin_add_overflow(round_up(key, PAGE_BYTES), round_up(value, PAGE_BYTES), &bytes))
+			return ZC_EEXHAUSTED;
+		m->views_offset = offset;
+		m->key_view_bytes = round_up(key, PAGE_BYTES);
+		m->view_layer_bytes = bytes;
+		if (!regions_add(&offset, h->layers, bytes))
+			return ZC_EEXHAUSTED;
+	}
+	m->map_bytes = offset;
 	return 0;
 }
 
@@ -713,7 +738,7 @@ static int store_alloc(const struct store_header *h, struct store **out)
 	if (!store)
 		return -ENOMEM;
 	store->fd = -1;
-	store->view_fd = -1;
+	store->map_fd = -1;
 	store->header = malloc(sizeof(*h));
 	if (!store->header) {
 		free(store);
@@ -723,9 +748,9 @@ static int store_alloc(const struct store_header *h, struct store **out)
 	store->layer = calloc(h->layers, sizeof(*store->layer));
 	store->room = calloc(h->layers, sizeof(*store->room));
 	store->index = calloc(h->layers, sizeof(*store->index));
-	if (!store->layer || !store->room || !store->index) {
+	if (!store->layer || !store->room || !store->index || map_layout(h, &store->layout) < 0) {
 		store_free_memory(store);
-		return -ENOMEM;
+		return store->layer ? ZC_EEXHAUSTED : -ENOMEM;
 	}
 	store->codec = header_codec(h);
 	*out = store;
@@ -745,49 +770,46 @@ static int store_map(struct store *store, size_t bytes)
 	}
 	store->base = base;
 	store->file_bytes = bytes;
-	store->mapped = bytes;
 	store->commit = (struct store_commit_area *)(store->base + store->header->commit_offset);
 	return 0;
 }
 
 /*
- * The readers' part: a memfd of header + views, sealed so that it can
- * never shrink or grow (whoever holds a descriptor), mapped, its header
- * page reserved and written from the private header, every layer's
- * readers' copy from the private state.
+ * The readers' part: a memfd sealed so that it can never shrink or grow
+ * (whoever holds a descriptor), mapped, its header pages reserved and
+ * written from the private layout, every layer's readers' copy from the
+ * private state.
  */
-static int views_open(struct store *store)
+static int map_open(struct store *store)
 {
-	const struct store_header *h = store->header;
-	size_t bytes = h->views_bytes;
+	const zc_map_header *m = &store->layout;
+	size_t bytes = m->map_bytes;
 	int rc = map_take(bytes);
 	if (rc < 0)
 		return rc;
-	store->view_fd = memfd_create("zipcache-views", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-	if (store->view_fd < 0 || ftruncate(store->view_fd, (off_t)bytes) < 0 ||
-	    fcntl(store->view_fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
+	store->map_fd = memfd_create("zipcache-map", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (store->map_fd < 0 || ftruncate(store->map_fd, (off_t)bytes) < 0 ||
+	    fcntl(store->map_fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
 		rc = -errno;
 		goto out_close;
 	}
 	/* Readers get a read-only descriptor; no write bits keeps them (as
 	 * any other user) from reopening it for writing. */
-	fchmod(store->view_fd, 0400);
-	rc = reserve_in(store, store->view_fd, 0, h->header_bytes, KIND_HEADERS);
+	fchmod(store->map_fd, 0400);
+	rc = reserve_in(store, store->map_fd, 0, m->header_bytes, KIND_HEADERS);
 	if (rc < 0)
 		goto out_close;
-	void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, store->view_fd, 0);
+	void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, store->map_fd, 0);
 	if (base == MAP_FAILED) {
 		rc = -errno;
 		goto out_close;
 	}
-	store->view_base = base;
-	store->view_bytes = bytes;
-	store->shared = base;
-	memcpy(store->shared, h, sizeof(*h));
-	memcpy(store->shared->magic, STORE_MAGIC, sizeof(store->shared->magic));
-	for (uint32_t i = 0; i < h->layers; i++) {
+	store->map_base = base;
+	store->map = base;
+	memcpy(store->map, m, sizeof(*m));
+	for (uint32_t i = 0; i < m->layers; i++) {
 		mirror_layer(store, i);
-		__atomic_store_n(&store->shared->layer[i].sequence, store->room[i].sequence,
+		__atomic_store_n(&store->map->layer[i].sequence, store->room[i].sequence,
 				 __ATOMIC_RELEASE);
 	}
 	return 0;
@@ -795,27 +817,43 @@ static int views_open(struct store *store)
 out_close:
 	/* What its header page was charged stays in store->charged, which
 	 * the caller's failure path gives back whole. */
-	if (store->view_fd >= 0)
-		close(store->view_fd);
-	store->view_fd = -1;
+	if (store->map_fd >= 0)
+		close(store->map_fd);
+	store->map_fd = -1;
 	map_give(bytes);
+	return rc;
+}
+
+/* Writes the readers' table entries of a layer (after an adoption or a
+ * fork filled the private index). */
+static int map_table_fill(struct store *store, uint32_t layer)
+{
+	uint32_t blocks = store->layer[layer].blocks;
+	if (blocks == 0)
+		return 0;
+	int rc = reserve_in(store, store->map_fd, table_offset(store, layer),
+			    (uint64_t)blocks * sizeof(zc_map_block), KIND_INDEX);
+	if (rc == 0)
+		memcpy(map_table(store, layer), store->index[layer].entries,
+		       (size_t)blocks * sizeof(zc_map_block));
 	return rc;
 }
 
 static void store_unmap(struct store *store)
 {
-	if (store->view_base) {
-		munmap(store->view_base, store->view_bytes);
-		map_give(store->view_bytes);
-		store->view_base = NULL;
+	if (store->map_base) {
+		munmap(store->map_base, store->layout.map_bytes);
+		map_give(store->layout.map_bytes);
+		store->map_base = NULL;
+		store->map = NULL;
 	}
-	if (store->view_fd >= 0)
-		close(store->view_fd);
-	store->view_fd = -1;
+	if (store->map_fd >= 0)
+		close(store->map_fd);
+	store->map_fd = -1;
 	if (!store->base)
 		return;
 	munmap(store->base, store->file_bytes);
-	map_give(store->mapped);
+	map_give(store->file_bytes);
 	store->base = NULL;
 }
 
@@ -845,18 +883,29 @@ static void layout_from_params(struct store_header *layout, const struct store_p
 	layout->hi_fraction = params->codec.hi_fraction;
 	layout->group_size = params->codec.group_size;
 	layout->quantize_values = params->codec.quantize_values;
+	layout->views = (uint32_t)params->views;
 	snprintf(layout->name, sizeof(layout->name), "%s", params->name);
+}
+
+/* The file and map sizes a session needs, checked. */
+static int layouts_of(const struct store_params *params, struct store_header *layout,
+		      zc_map_header *map)
+{
+	int rc = params_validate(params);
+	if (rc < 0)
+		return rc;
+	memset(layout, 0, sizeof(*layout));
+	layout_from_params(layout, params);
+	rc = header_layout(layout);
+	return rc < 0 ? rc : map_layout(layout, map);
 }
 
 int store_layout_bytes(const struct store_params *params, uint64_t *bytes)
 {
-	struct store_header layout = { 0 };
-	int rc = params_validate(params);
-	if (rc < 0)
-		return rc;
-	layout_from_params(&layout, params);
-	rc = header_layout(&layout);
-	*bytes = rc == 0 ? layout.file_bytes : 0;
+	struct store_header layout;
+	zc_map_header map;
+	int rc = layouts_of(params, &layout, &map);
+	*bytes = rc == 0 ? layout.file_bytes + map.map_bytes : 0;
 	return rc;
 }
 
@@ -865,30 +914,33 @@ uint64_t store_max_file_bytes(void)
 	return STORE_MAX_FILE_BYTES;
 }
 
-int store_create(int dir_fd, const char *dir_path, const struct store_params *params,
-		 struct store_budget *budget, struct store **out)
+/*
+ * Builds a new store's file under its temporary name, with header, empty
+ * commit area and map; the caller fills layers (a fork) and publishes it
+ * with store_publish, or throws it away with store_discard.
+ */
+static int store_build(int dir_fd, const char *dir_path, const struct store_params *params,
+		       struct store_budget *budget, struct pool *pool, struct store **out)
 {
-	struct store_header layout = { 0 };
+	struct store_header layout;
+	zc_map_header map;
 	struct store *store;
 	char temporary[64];
-	int rc = params_validate(params);
+	int rc = layouts_of(params, &layout, &map);
 
-	if (rc < 0)
-		return rc;
-	layout_from_params(&layout, params);
-	rc = header_layout(&layout);
 	if (rc < 0)
 		return rc;
 	rc = store_alloc(&layout, &store);
 	if (rc < 0)
 		return rc;
 	store->budget = budget;
+	store->pool = pool;
 	store->dir_fd = dir_fd;
 	file_name(store->name, sizeof(store->name), params->session_id, false);
 	file_name(temporary, sizeof(temporary), params->session_id, true);
 	snprintf(store->path, sizeof(store->path), "%s/%s", dir_path, store->name);
 	for (uint32_t i = 0; i < layout.layers; i++)
-		store->room[i].view_valid = true;
+		store->room[i].view_valid = layout.views == ZC_VIEWS_FULL;
 
 	/* Built under a temporary name and renamed into place: a crash
 	 * before the rename leaves a file no daemon mistakes for a session. */
@@ -899,20 +951,22 @@ int store_create(int dir_fd, const char *dir_path, const struct store_params *pa
 				   O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
 	if (store->fd < 0) {
 		rc = -errno;
-		goto out_free;
+		store_free_memory(store);
+		return rc;
 	}
 	if (ftruncate(store->fd, (off_t)layout.file_bytes) < 0) {
 		rc = -errno;
-		goto out_unlink;
+		goto out_discard;
 	}
 	fault_point("create.file");
-	rc = reserve_range(store, 0, layout.header_bytes, KIND_HEADERS);
+	rc = reserve_in(store, store->fd, 0, layout.header_bytes, KIND_HEADERS);
 	if (rc == 0)
-		rc = reserve_range(store, layout.commit_offset, layout.commit_bytes, KIND_HEADERS);
+		rc = reserve_in(store, store->fd, layout.commit_offset, layout.commit_bytes,
+				KIND_HEADERS);
 	if (rc == 0)
 		rc = store_map(store, layout.file_bytes);
 	if (rc < 0)
-		goto out_unlink;
+		goto out_discard;
 
 	struct store_header *durable = (struct store_header *)store->base;
 	memcpy(durable, &layout, sizeof(layout));
@@ -923,28 +977,207 @@ int store_create(int dir_fd, const char *dir_path, const struct store_params *pa
 	/* No write bits: the daemon keeps its own read-write descriptor. */
 	if (fchmod(store->fd, 0400) < 0) {
 		rc = -errno;
-		goto out_unlink;
+		goto out_discard;
 	}
-	rc = views_open(store);
+	rc = map_open(store);
 	if (rc < 0)
-		goto out_unlink;
-	fault_point("create.header");
-	if (renameat2(dir_fd, temporary, dir_fd, store->name, RENAME_NOREPLACE) < 0) {
-		rc = errno == EEXIST ? ZC_EEXISTS : -errno;
-		goto out_unlink;
-	}
-	fault_point("create.rename");
+		goto out_discard;
 	*out = store;
 	return 0;
 
-out_unlink:
+out_discard:
 	unlinkat(dir_fd, temporary, 0);
 	store_unmap(store);
 	store_budget_give(store->budget, store->charged);
 	close(store->fd);
-out_free:
 	store_free_memory(store);
 	return rc;
+}
+
+/* Throws away a store store_build made (its blocks' references first). */
+static void store_discard(struct store *store)
+{
+	char temporary[64];
+	file_name(temporary, sizeof(temporary), store->header->session_id, true);
+	for (uint32_t i = 0; i < store->header->layers; i++)
+		blocks_unref(store, i, 0, store->layer[i].blocks);
+	unlinkat(store->dir_fd, temporary, 0);
+	store_unmap(store);
+	store_budget_give(store->budget, store->charged);
+	close(store->fd);
+	store_free_memory(store);
+}
+
+/* The rename: the commit point of an open (and of a fork). */
+static int store_publish(struct store *store)
+{
+	char temporary[64];
+	file_name(temporary, sizeof(temporary), store->header->session_id, true);
+	fault_point("create.header");
+	if (renameat2(store->dir_fd, temporary, store->dir_fd, store->name, RENAME_NOREPLACE) < 0) {
+		int rc = errno == EEXIST ? ZC_EEXISTS : -errno;
+		store_discard(store);
+		return rc;
+	}
+	fault_point("create.rename");
+	return 0;
+}
+
+int store_create(int dir_fd, const char *dir_path, const struct store_params *params,
+		 struct store_budget *budget, struct pool *pool, struct store **out)
+{
+	struct store *store;
+	int rc = store_build(dir_fd, dir_path, params, budget, pool, &store);
+	if (rc < 0)
+		return rc;
+	rc = store_publish(store);
+	if (rc < 0)
+		return rc;
+	*out = store;
+	return 0;
+}
+
+/* Copies rows [from, from + tokens) of every head of a strided buffer to
+ * row `at` of another. */
+static void rows_move(uint16_t *target, const zc_strides *to, size_t at, const uint16_t *source,
+		      const zc_strides *from, size_t first, const struct store_header *h,
+		      uint32_t tokens, uint32_t dim)
+{
+	for (uint32_t b = 0; b < h->batch; b++)
+		for (uint32_t head = 0; head < h->kv_heads; head++)
+			memcpy(target + b * to->batch + head * to->head + at * dim,
+			       source + b * from->batch + head * from->head + first * dim,
+			       (size_t)tokens * dim * 2);
+}
+
+/*
+ * Fills one layer of a fork with the first `tokens` tokens of the
+ * source's: whole blocks by reference (the last one cut where the fork
+ * ends, as a trim would), the residual's rows copied.
+ */
+static int fork_layer(struct store *fork, const struct store *source, uint32_t layer,
+		      uint32_t tokens)
+{
+	const struct store_header *h = fork->header;
+	const struct layer_state *s = &source->layer[layer];
+	uint32_t keep = tokens < s->tokens ? tokens : s->tokens;
+	uint32_t blocks_end = s->tokens - s->residual_tokens;
+	struct layer_state next = { 0 };
+	int rc = 0;
+
+	const store_block *index = source->index[layer].entries;
+	while (next.blocks < s->blocks && index[next.blocks].first_token < keep) {
+		const store_block *b = &index[next.blocks];
+		rc = index_grow(fork, layer, next.blocks);
+		if (rc == 0)
+			rc = reserve_index_entry(fork, layer, next.blocks);
+		if (rc < 0)
+			return rc;
+		zc_block_shape key_shape = { h->batch, h->kv_heads, b->tokens, h->head_dim_k };
+		zc_block_shape value_shape = { h->batch, h->kv_heads, b->tokens, h->head_dim_v };
+		zc_byte_count key_count = { 0 }, value_count = { 0 };
+		zc_block_count_bytes(&fork->codec, ZC_TENSOR_KEYS, &key_shape, &key_count);
+		zc_block_count_bytes(&fork->codec, ZC_TENSOR_VALUES, &value_shape, &value_count);
+		pool_ref(fork->pool, b->key_offset);
+		fork->index[layer].entries[next.blocks] = *b;
+		file_index(fork, layer)[next.blocks] = *b;
+		map_table(fork, layer)[next.blocks] = *b;
+		next.blocks++;
+		/* Counted now: a failure below unreferences every entry so far. */
+		fork->layer[layer].blocks = next.blocks;
+		next.key_compressed += key_count.compressed;
+		next.key_baseline += key_count.baseline;
+		next.value_compressed += value_count.compressed;
+		next.value_baseline += value_count.baseline;
+	}
+	if (keep > blocks_end) {
+		uint32_t rows = keep - blocks_end;
+		rc = reserve_residual(fork, layer);
+		if (rc < 0)
+			return rc;
+		for (int tensor = 0; tensor < 2; tensor++) {
+			uint32_t dim = tensor == 0 ? h->head_dim_k : h->head_dim_v;
+			zc_strides strides = residual_strides(h, dim);
+			rows_move(tensor == 0 ? key_residual(fork, layer) : value_residual(fork, layer),
+				  &strides, 0,
+				  tensor == 0 ? key_residual(source, layer) : value_residual(source, layer),
+				  &strides, 0, h, rows, dim);
+			if (fork->layout.residual_offset)
+				rows_move(map_residual(fork, layer, tensor == 0), &strides, 0,
+					  tensor == 0 ? key_residual(source, layer) :
+							value_residual(source, layer),
+					  &strides, 0, h, rows, dim);
+		}
+		next.residual_tokens = rows;
+	}
+	next.tokens = keep;
+	/* Records of generation 1, committed with the file's rename. */
+	struct store_layer_commit *r = record_slot(fork, layer, 0);
+	r->generation = 1;
+	r->tokens = next.tokens;
+	r->residual_tokens = next.residual_tokens;
+	r->blocks = next.blocks;
+	next.active = 0;
+	layer_state_set(fork, layer, &next);
+
+	/* The fork's views start as the source's rows where those are valid. */
+	if (views_full(fork)) {
+		if (keep > 0 && source->room[layer].view_valid && views_full(source)) {
+			rc = reserve_views(fork, layer, keep);
+			if (rc < 0)
+				return rc;
+			for (int tensor = 0; tensor < 2; tensor++) {
+				uint32_t dim = tensor == 0 ? h->head_dim_k : h->head_dim_v;
+				zc_strides strides = view_strides(h, dim);
+				rows_move(tensor == 0 ? key_view(fork, layer) : value_view(fork, layer),
+					  &strides, 0,
+					  tensor == 0 ? key_view(source, layer) : value_view(source, layer),
+					  &strides, 0, h, keep, dim);
+			}
+		} else {
+			fork->room[layer].view_valid = keep == 0;
+		}
+	}
+	return 0;
+}
+
+int store_fork(struct store *source, uint32_t tokens, int dir_fd, const char *dir_path,
+	       const struct store_params *params, struct store_budget *budget, struct store **out)
+{
+	const struct store_header *h = source->header;
+	struct store_params p = {
+		.session_id = params->session_id,
+		.boot_epoch = params->boot_epoch,
+		.owner_uid = h->owner_uid,
+		.name = params->name,
+		.layers = h->layers, .batch = h->batch, .kv_heads = h->kv_heads,
+		.head_dim_k = h->head_dim_k, .head_dim_v = h->head_dim_v,
+		.max_tokens = h->max_tokens,
+		.codec = source->codec,
+		.policy = (enum store_policy)h->policy,
+		.residual_tokens = h->residual_tokens,
+		.views = params->views,
+	};
+	struct store *fork;
+	int rc = store_build(dir_fd, dir_path, &p, budget, source->pool, &fork);
+	if (rc < 0)
+		return rc;
+	for (uint32_t i = 0; rc == 0 && i < h->layers; i++)
+		rc = fork_layer(fork, source, i, tokens);
+	if (rc < 0) {
+		store_discard(fork);
+		return rc;
+	}
+	fork->generation = 1;
+	fork->commit->generation = 1;
+	for (uint32_t i = 0; i < h->layers; i++)
+		mirror_layer(fork, i);
+	fault_point("fork.layers");
+	rc = store_publish(fork);
+	if (rc < 0)
+		return rc;
+	*out = fork;
+	return 0;
 }
 
 /* Refuses an adopted file with the reason said. */
@@ -966,6 +1199,7 @@ static int header_check(const struct store_header *h, uint64_t file_bytes, char 
 			size_t size)
 {
 	struct store_header expected = { 0 };
+	zc_map_header map;
 
 	if (memcmp(h->magic, STORE_MAGIC, sizeof(h->magic)) != 0)
 		return corrupt(reason, size, "no store magic (the file was never finished)");
@@ -979,6 +1213,7 @@ static int header_check(const struct store_header *h, uint64_t file_bytes, char 
 	expected.head_dim_v = h->head_dim_v;
 	expected.max_tokens = h->max_tokens;
 	expected.residual_capacity = h->residual_capacity;
+	expected.views = h->views;
 	if (h->layers == 0 || h->layers > STORE_MAX_LAYERS || h->batch == 0 || h->kv_heads == 0 ||
 	    h->head_dim_k == 0 || h->head_dim_k > ZC_MAX_HEAD_DIM || h->head_dim_v == 0 ||
 	    h->head_dim_v > ZC_MAX_HEAD_DIM || h->max_tokens == 0 ||
@@ -987,21 +1222,19 @@ static int header_check(const struct store_header *h, uint64_t file_bytes, char 
 	    (h->policy == STORE_POLICY_STREAMING &&
 	     (h->residual_tokens == 0 || h->residual_tokens > STORE_MAX_RESIDUAL_TOKENS)) ||
 	    (h->policy == STORE_POLICY_PER_CALL && h->residual_tokens != 0) ||
-	    h->residual_capacity != residual_capacity_of(h->residual_tokens, h->max_tokens))
-		return corrupt(reason, size, "shape or policy out of range");
-	if (header_layout(&expected) < 0 || expected.file_bytes != h->file_bytes ||
+	    h->residual_capacity != residual_capacity_of(h->residual_tokens, h->max_tokens) ||
+	    (h->views != ZC_VIEWS_FULL && h->views != ZC_VIEWS_NONE))
+		return corrupt(reason, size, "shape, policy or views out of range");
+	if (header_layout(&expected) < 0 || map_layout(&expected, &map) < 0 ||
+	    expected.file_bytes != h->file_bytes ||
 	    expected.file_bytes != file_bytes || expected.header_bytes != h->header_bytes ||
-	    expected.views_bytes != h->views_bytes || expected.commit_offset != h->commit_offset ||
+	    expected.commit_offset != h->commit_offset ||
 	    expected.commit_bytes != h->commit_bytes ||
+	    expected.layers_offset != h->layers_offset ||
 	    expected.layer_region_bytes != h->layer_region_bytes ||
 	    expected.key_residual_offset != h->key_residual_offset ||
 	    expected.value_residual_offset != h->value_residual_offset ||
-	    expected.index_offset != h->index_offset ||
-	    expected.key_arena_offset != h->key_arena_offset ||
-	    expected.key_arena_bytes != h->key_arena_bytes ||
-	    expected.value_arena_offset != h->value_arena_offset ||
-	    expected.value_arena_bytes != h->value_arena_bytes ||
-	    expected.max_blocks != h->max_blocks)
+	    expected.index_offset != h->index_offset || expected.max_blocks != h->max_blocks)
 		return corrupt(reason, size, "layout does not follow from the shape (file %llu bytes)",
 			       (unsigned long long)file_bytes);
 	zc_codec_config codec = header_codec(h);
@@ -1015,12 +1248,15 @@ static int header_check(const struct store_header *h, uint64_t file_bytes, char 
 /*
  * A layer's durable state after a crash: the record with the highest
  * generation not past the committed one. Its block entries must tile the
- * tokens before the residual and sit end to end in the arenas, with the
- * sizes the codec gives their shapes, or the file is corrupt. Records of
- * a generation that was never committed are cleared, so no later commit
- * can make them current by accident.
+ * tokens before the residual, with the sizes the codec gives their
+ * shapes, and name blocks the pool holds, or the file is corrupt. Records
+ * of a generation that was never committed are cleared, so no later
+ * commit can make them current by accident. Each block it names is
+ * claimed in the pool (one reference); on failure the caller gives back
+ * the layer's claims (store->layer[layer].blocks of them).
  */
-static int layer_recover(struct store *store, uint32_t layer, char *reason, size_t size)
+static int layer_recover(struct store *store, uint32_t layer, bool pool_existed, char *reason,
+			 size_t size)
 {
 	const struct store_header *h = store->header;
 	struct layer_state *l = &store->layer[layer];
@@ -1036,40 +1272,41 @@ static int layer_recover(struct store *store, uint32_t layer, char *reason, size
 	if (r.tokens > h->max_tokens || r.blocks > h->max_blocks || r.blocks > r.tokens ||
 	    r.residual_tokens > r.tokens || r.residual_tokens > h->residual_capacity)
 		return corrupt(reason, size, "layer %u: record counts out of range", layer);
+	if (r.blocks > 0 && !pool_existed)
+		return corrupt(reason, size, "layer %u: %u blocks, but the pool file is missing", layer,
+			       r.blocks);
 	if (r.blocks > 0) {
 		int rc = index_grow(store, layer, r.blocks - 1);
 		if (rc < 0)
 			return rc;
 		memcpy(store->index[layer].entries, file_index(store, layer),
-		       (size_t)r.blocks * sizeof(struct store_block));
+		       (size_t)r.blocks * sizeof(store_block));
 	}
-	l->tokens = r.tokens;
-	l->residual_tokens = r.residual_tokens;
-	l->blocks = r.blocks;
 
-	const struct store_block *index = store->index[layer].entries;
-	uint64_t key_end = 0, value_end = 0;
+	const store_block *index = store->index[layer].entries;
 	uint32_t end_of_blocks = r.tokens - r.residual_tokens;
 	for (uint32_t i = 0; i < r.blocks; i++) {
-		const struct store_block *b = &index[i];
+		const store_block *b = &index[i];
 		zc_block_shape key_shape = { h->batch, h->kv_heads, b->tokens, h->head_dim_k };
 		zc_block_shape value_shape = { h->batch, h->kv_heads, b->tokens, h->head_dim_v };
 		zc_byte_count key_bytes, value_bytes;
 		uint64_t end = i + 1 < r.blocks ? index[i + 1].first_token : end_of_blocks;
 		if ((i == 0 && b->first_token != 0) || end <= b->first_token ||
-		    (uint64_t)b->first_token + b->tokens > h->max_tokens || end - b->first_token > b->tokens ||
-		    b->key_offset != key_end || b->value_offset != value_end)
+		    (uint64_t)b->first_token + b->tokens > h->max_tokens || end - b->first_token > b->tokens)
 			return corrupt(reason, size, "layer %u: block %u does not follow its predecessor",
 				       layer, i);
 		if (zc_block_count_bytes(&store->codec, ZC_TENSOR_KEYS, &key_shape, &key_bytes) < 0 ||
 		    zc_block_count_bytes(&store->codec, ZC_TENSOR_VALUES, &value_shape, &value_bytes) < 0 ||
-		    key_bytes.compressed != b->key_bytes || value_bytes.compressed != b->value_bytes ||
-		    key_end + b->key_bytes > h->key_arena_bytes ||
-		    value_end + b->value_bytes > h->value_arena_bytes)
+		    key_bytes.compressed != b->key_bytes || value_bytes.compressed != b->value_bytes)
 			return corrupt(reason, size, "layer %u: block %u has sizes its shape cannot have",
 				       layer, i);
-		key_end += b->key_bytes;
-		value_end += b->value_bytes;
+		char why[160];
+		int rc = pool_claim(store->pool, b->key_offset, b->key_bytes, b->value_offset,
+				    b->value_bytes, why, sizeof(why));
+		if (rc < 0)
+			return rc == ZC_ECORRUPT ? corrupt(reason, size, "layer %u: block %u: %s", layer,
+							   i, why) : rc;
+		l->blocks = i + 1;
 		l->key_compressed += key_bytes.compressed;
 		l->key_baseline += key_bytes.baseline;
 		l->value_compressed += value_bytes.compressed;
@@ -1078,20 +1315,12 @@ static int layer_recover(struct store *store, uint32_t layer, char *reason, size
 	if (r.blocks == 0 && end_of_blocks != 0)
 		return corrupt(reason, size, "layer %u: %u tokens but no blocks and a residual of %u",
 			       layer, r.tokens, r.residual_tokens);
-	if (key_end != r.key_arena_used || value_end != r.value_arena_used)
-		return corrupt(reason, size, "layer %u: arena marks disagree with the blocks", layer);
-	l->key_arena_used = key_end;
-	l->value_arena_used = value_end;
+	l->tokens = r.tokens;
+	l->residual_tokens = r.residual_tokens;
 
-	struct layer_room *room = &store->room[layer];
-	/* Reservations are not durable (a dropped view may have been punched
-	 * after its mark): every page past what the blocks fill is reserved
-	 * again before it is written. */
-	*room = (struct layer_room){
-		.reserved_key_arena = key_end / PAGE_BYTES * PAGE_BYTES,
-		.reserved_value_arena = value_end / PAGE_BYTES * PAGE_BYTES,
-		.sequence = 0,
-	};
+	/* Reservations are not durable: every page is reserved again before
+	 * it is written. */
+	store->room[layer] = (struct layer_room){ .sequence = 0 };
 	return 0;
 }
 
@@ -1100,8 +1329,26 @@ static bool owner_may_write(int fd, uid_t uid)
 	return uid == 0 || fchmod(fd, 0600) == 0;
 }
 
+/* The readers' residual (views = none) from the durable one. */
+static int map_residual_fill(struct store *store, uint32_t layer)
+{
+	const struct store_header *h = store->header;
+	uint32_t rows = store->layer[layer].residual_tokens;
+	if (!store->layout.residual_offset || rows == 0)
+		return 0;
+	int rc = reserve_residual(store, layer);
+	for (int tensor = 0; rc == 0 && tensor < 2; tensor++) {
+		uint32_t dim = tensor == 0 ? h->head_dim_k : h->head_dim_v;
+		zc_strides strides = residual_strides(h, dim);
+		rows_move(map_residual(store, layer, tensor == 0), &strides, 0,
+			  tensor == 0 ? key_residual(store, layer) : value_residual(store, layer),
+			  &strides, 0, h, rows, dim);
+	}
+	return rc;
+}
+
 int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store_budget *budget,
-		struct store **out, char *reason, size_t reason_size)
+		struct pool_set *pools, struct store **out, char *reason, size_t reason_size)
 {
 	struct stat st;
 	struct store_header copy;
@@ -1135,7 +1382,7 @@ int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store
 		return corrupt(reason, reason_size, "%lld bytes: shorter than a header",
 			       (long long)st.st_size);
 	}
-	/* The file is 0400 so that readers cannot reopen it for writing; its
+	/* The file is 0400 so that nobody else can reopen it for writing; its
 	 * owner lifts that for the moment it takes a read-write descriptor. */
 	snprintf(proc_path, sizeof(proc_path), "/proc/self/fd/%d", ro);
 	int fd = -1;
@@ -1160,6 +1407,13 @@ int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store
 		close(fd);
 		return rc;
 	}
+	bool pool_existed = false;
+	struct pool *pool;
+	rc = pool_set_get(pools, copy.owner_uid, budget, &pool, &pool_existed, reason, reason_size);
+	if (rc < 0) {
+		close(fd);
+		return rc;
+	}
 	rc = store_alloc(&copy, &store);
 	if (rc < 0) {
 		close(fd);
@@ -1167,6 +1421,7 @@ int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store
 	}
 	store->fd = fd;
 	store->dir_fd = dir_fd;
+	store->pool = pool;
 	snprintf(store->name, sizeof(store->name), "%s", name);
 	snprintf(store->path, sizeof(store->path), "%s/%s", dir_path, name);
 	rc = store_map(store, (size_t)st.st_size);
@@ -1178,10 +1433,6 @@ int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store
 		rc = -errno;
 		goto out_unmap;
 	}
-	/* Views live in memory of their own; pages a file still holds there
-	 * (nothing writes them) are given back. */
-	fallocate(store->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)copy.header_bytes,
-		  (off_t)(copy.views_bytes - copy.header_bytes));
 	store->generation = __atomic_load_n(&store->commit->generation, __ATOMIC_ACQUIRE);
 	/* One commit per mutation: 2^62 of them is not a file any daemon wrote. */
 	if (store->generation > (UINT64_C(1) << 62)) {
@@ -1197,17 +1448,21 @@ int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store
 		goto out_unmap;
 	}
 	for (uint32_t i = 0; rc == 0 && i < copy.layers; i++)
-		rc = layer_recover(store, i, reason, reason_size);
+		rc = layer_recover(store, i, pool_existed, reason, reason_size);
 	if (rc < 0)
-		goto out_unmap;
+		goto out_unclaim;
 	/* Views are not durable: every daemon that adopts a file rebuilds
-	 * them from the committed blocks and residual on first use, in views
+	 * them from the committed blocks and residual on first use, in a map
 	 * of its own. */
-	for (uint32_t i = 0; i < copy.layers; i++)
-		store->room[i].view_valid = false;
-	rc = views_open(store);
+	rc = map_open(store);
+	for (uint32_t i = 0; rc == 0 && i < copy.layers; i++) {
+		rc = map_table_fill(store, i);
+		if (rc == 0)
+			rc = map_residual_fill(store, i);
+		mirror_layer(store, i);
+	}
 	if (rc < 0)
-		goto out_unmap;
+		goto out_unclaim;
 	/* What an adopted file holds counts, even past the budget: refusing
 	 * it would lose acknowledged tokens. New reservations then wait
 	 * until views are dropped or sessions close. */
@@ -1218,6 +1473,9 @@ int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store
 	*out = store;
 	return 0;
 
+out_unclaim:
+	for (uint32_t i = 0; i < copy.layers; i++)
+		blocks_unref(store, i, 0, store->layer[i].blocks);
 out_unmap:
 	store_unmap(store);
 out_free:
@@ -1238,18 +1496,25 @@ void store_unlink(struct store *store)
 	fault_point("close.done");
 }
 
+void store_release_blocks(struct store *store)
+{
+	for (uint32_t i = 0; i < store->header->layers; i++) {
+		blocks_unref(store, i, 0, store->layer[i].blocks);
+		store->layer[i].blocks = 0;
+	}
+}
+
 void store_close(struct store *store, bool remove_file)
 {
 	if (!store)
 		return;
-	if (remove_file) {
+	if (remove_file)
 		store_unlink(store);
-		/* A client may still map the unlinked file: its pages would live
-		 * on, charged to nobody. */
-		fallocate(store->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)store->file_bytes);
-		fallocate(store->view_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
-			  (off_t)store->view_bytes);
-	}
+	/* A closed session's blocks go with their last reference. (Its map
+	 * stays readable to a client that still maps it, as the seed's arrays
+	 * outlive the cache; those pages go when the last mapping does.) */
+	if (store->unlinked)
+		store_release_blocks(store);
 	store_budget_give(store->budget, store->charged);
 	store_unmap(store);
 	close(store->fd);
@@ -1261,6 +1526,11 @@ const struct store_header *store_header(const struct store *store)
 	return store->header;
 }
 
+const zc_map_header *store_map_layout(const struct store *store)
+{
+	return &store->layout;
+}
+
 const char *store_path(const struct store *store)
 {
 	return store->path;
@@ -1269,8 +1539,8 @@ const char *store_path(const struct store *store)
 int store_open_readonly(const struct store *store)
 {
 	char proc_path[64];
-	snprintf(proc_path, sizeof(proc_path), "/proc/self/fd/%d", store->view_fd);
-	/* A new open file description of the views (never the durable file),
+	snprintf(proc_path, sizeof(proc_path), "/proc/self/fd/%d", store->map_fd);
+	/* A new open file description of the map (never the durable file),
 	 * read-only: the client cannot get PROT_WRITE on a MAP_SHARED mapping
 	 * of it, and the seals keep anyone from resizing it. */
 	int fd = open(proc_path, O_RDONLY | O_CLOEXEC);
@@ -1303,27 +1573,31 @@ static uint64_t range_written(int fd, uint64_t start, uint64_t end)
 	return total;
 }
 
-/* An adopted file's charge by kind: what each region holds written; the
- * rest (reserved, never written) is arena room reserved ahead. */
+/* An adopted store's charge by kind: what each region holds. */
 static void kinds_measure(struct store *store)
 {
 	const struct store_header *h = store->header;
+	const zc_map_header *m = &store->layout;
 	uint64_t kinds[KINDS] = { 0 };
-	kinds[KIND_HEADERS] = range_written(store->fd, 0, h->header_bytes) +
-			      range_written(store->fd, h->commit_offset, h->commit_offset + h->commit_bytes) +
-			      fd_allocated(store->view_fd);
+	kinds[KIND_HEADERS] = range_written(store->fd, 0, h->layers_offset) +
+			      range_written(store->map_fd, 0, m->header_bytes);
+	kinds[KIND_INDEX] = range_written(store->map_fd, m->table_offset,
+					  m->table_offset + m->layers * m->table_bytes);
+	if (m->residual_offset)
+		kinds[KIND_RESIDUAL] = range_written(store->map_fd, m->residual_offset,
+						     m->residual_offset + m->layers * m->residual_bytes);
+	if (m->views_offset)
+		kinds[KIND_VIEWS] = range_written(store->map_fd, m->views_offset, m->map_bytes);
 	for (uint32_t i = 0; i < h->layers; i++) {
 		uint64_t region = layer_region_offset(store, i);
 		kinds[KIND_RESIDUAL] += range_written(store->fd, region, region + h->index_offset);
 		kinds[KIND_INDEX] += range_written(store->fd, region + h->index_offset,
-						   region + h->key_arena_offset);
-		kinds[KIND_BLOCKS] += range_written(store->fd, region + h->key_arena_offset,
-						    region + h->layer_region_bytes);
+						   region + h->layer_region_bytes);
 	}
 	uint64_t measured = kinds[KIND_HEADERS] + kinds[KIND_RESIDUAL] + kinds[KIND_INDEX] +
-			    kinds[KIND_BLOCKS];
+			    kinds[KIND_VIEWS];
 	if (store->charged > measured)
-		kinds[KIND_BLOCKS] += store->charged - measured;
+		kinds[KIND_HEADERS] += store->charged - measured;
 	for (int k = 0; k < KINDS; k++)
 		__atomic_store_n(&store->kind_bytes[k], kinds[k], __ATOMIC_RELAXED);
 }
@@ -1331,7 +1605,6 @@ static void kinds_measure(struct store *store)
 void store_memory_add(const struct store *store, struct store_memory *sum)
 {
 	sum->views += __atomic_load_n(&store->kind_bytes[KIND_VIEWS], __ATOMIC_RELAXED);
-	sum->blocks += __atomic_load_n(&store->kind_bytes[KIND_BLOCKS], __ATOMIC_RELAXED);
 	sum->residual += __atomic_load_n(&store->kind_bytes[KIND_RESIDUAL], __ATOMIC_RELAXED);
 	sum->index += __atomic_load_n(&store->kind_bytes[KIND_INDEX], __ATOMIC_RELAXED);
 	sum->headers += __atomic_load_n(&store->kind_bytes[KIND_HEADERS], __ATOMIC_RELAXED);
@@ -1341,6 +1614,8 @@ uint64_t store_rebuild_bytes(const struct store *store)
 {
 	const struct store_header *h = store->header;
 	uint64_t bytes = 0;
+	if (!views_full(store))
+		return 0;
 	for (uint32_t i = 0; i < h->layers; i++) {
 		if (__atomic_load_n(&store->room[i].view_valid, __ATOMIC_RELAXED))
 			continue;
@@ -1361,14 +1636,56 @@ uint64_t store_layer_sequence(const struct store *store, uint32_t layer)
 	return __atomic_load_n(&store->room[layer].sequence, __ATOMIC_ACQUIRE);
 }
 
+/* Bytes of this store's blocks that another session refers to too. */
+uint64_t store_shared_bytes(const struct store *store)
+{
+	uint64_t shared = 0;
+	for (uint32_t i = 0; i < store->header->layers; i++) {
+		const store_block *index = store->index[i].entries;
+		for (uint32_t b = 0; b < store->layer[i].blocks; b++)
+			if (pool_refs(store->pool, index[b].key_offset) > 1)
+				shared += pool_extent_bytes(index[b].key_bytes, index[b].value_bytes);
+	}
+	return shared;
+}
+
 /* ---- mutations ---------------------------------------------------------------- */
+
+/* A worker's buffer for one block's compressed bytes: kept between jobs
+ * up to SCRATCH_KEEP_BYTES, so a decode loop's flushes allocate nothing. */
+static _Thread_local uint8_t *scratch_kept;
+static _Thread_local uint64_t scratch_kept_bytes;
+
+static uint8_t *scratch_get(uint64_t bytes, bool *owned)
+{
+	*owned = false;
+	if (bytes <= scratch_kept_bytes)
+		return scratch_kept;
+	if (bytes > SCRATCH_KEEP_BYTES) {
+		*owned = true;
+		return malloc(bytes);
+	}
+	uint8_t *grown = realloc(scratch_kept, bytes);
+	if (!grown)
+		return NULL;
+	scratch_kept = grown;
+	scratch_kept_bytes = bytes;
+	return grown;
+}
+
+static void scratch_put(uint8_t *buffer, bool owned)
+{
+	if (owned)
+		free(buffer);
+}
 
 /*
  * Compresses a [B, H, tokens, D] block (keys and values, each with its own
- * strides) into the arenas past next's marks, reconstructs it into the
- * views at first_token and writes its index entry past next's count; then
+ * strides) into a new pool block, reconstructs it into the views at
+ * first_token and writes its index entries past next's count; then
  * counts it in next. Nothing is committed here: until the caller commits
- * next, the block is scratch a crash forgets.
+ * next, the block is scratch a crash forgets (the pool's sweep frees it),
+ * and on failure the caller drops its reference (blocks_unref).
  */
 static int block_append(struct store *store, uint32_t layer, struct layer_state *next,
 			uint32_t first_token, uint32_t tokens, const uint16_t *keys,
@@ -1380,7 +1697,7 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 	zc_block_shape key_shape = { h->batch, h->kv_heads, tokens, h->head_dim_k };
 	zc_block_shape value_shape = { h->batch, h->kv_heads, tokens, h->head_dim_v };
 	zc_byte_count key_count, value_count;
-	uint8_t *region = layer_region(store, layer);
+	bool owned;
 	int rc;
 
 	if (next->blocks >= h->max_blocks)
@@ -1392,57 +1709,61 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 		rc = index_grow(store, layer, next->blocks);
 	if (rc == 0)
 		rc = reserve_index_entry(store, layer, next->blocks);
-	if (rc == 0)
-		rc = reserve_arena(store, layer, true, next->key_arena_used + key_count.compressed);
-	if (rc == 0)
-		rc = reserve_arena(store, layer, false, next->value_arena_used + value_count.compressed);
 	if (rc < 0)
 		return rc;
 
-	uint8_t *key_out = region + h->key_arena_offset + next->key_arena_used;
-	uint8_t *value_out = region + h->value_arena_offset + next->value_arena_used;
+	uint8_t *key_out = scratch_get(key_count.compressed + value_count.compressed, &owned);
+	if (!key_out)
+		return -ENOMEM;
+	uint8_t *value_out = key_out + key_count.compressed;
 	int64_t written = zc_block_compress_strided(&store->codec, ZC_TENSOR_KEYS, &key_shape, keys,
 						    key_strides, key_out, key_count.compressed);
-	if (written < 0)
-		return (int)written;
-	written = zc_block_compress_strided(&store->codec, ZC_TENSOR_VALUES, &value_shape, values,
-					    value_strides, value_out, value_count.compressed);
-	if (written < 0)
-		return (int)written;
-
-	zc_strides key_view_strides = view_strides(h, h->head_dim_k);
-	zc_strides value_view_strides = view_strides(h, h->head_dim_v);
-	rc = zc_block_reconstruct(&store->codec, ZC_TENSOR_KEYS, &key_shape, key_out,
-				  key_count.compressed,
-				  key_view(store, layer) + (size_t)first_token * h->head_dim_k,
-				  &key_view_strides);
-	if (rc == 0)
-		rc = zc_block_reconstruct(&store->codec, ZC_TENSOR_VALUES, &value_shape, value_out,
-					  value_count.compressed,
-					  value_view(store, layer) + (size_t)first_token * h->head_dim_v,
-					  &value_view_strides);
-	if (rc < 0) {
-		/* Rows of the view may hold the half-written reconstruction. */
-		view_valid_set(store, layer, false);
-		return rc;
+	if (written >= 0)
+		written = zc_block_compress_strided(&store->codec, ZC_TENSOR_VALUES, &value_shape,
+						    values, value_strides, value_out,
+						    value_count.compressed);
+	uint64_t key_offset = 0;
+	rc = written < 0 ? (int)written :
+			   pool_write(store->pool, key_out, key_count.compressed, value_out,
+				      value_count.compressed, &key_offset);
+	if (rc == 0 && views_full(store)) {
+		zc_strides key_view_strides = view_strides(h, h->head_dim_k);
+		zc_strides value_view_strides = view_strides(h, h->head_dim_v);
+		rc = zc_block_reconstruct(&store->codec, ZC_TENSOR_KEYS, &key_shape, key_out,
+					  key_count.compressed,
+					  key_view(store, layer) + (size_t)first_token * h->head_dim_k,
+					  &key_view_strides);
+		if (rc == 0)
+			rc = zc_block_reconstruct(&store->codec, ZC_TENSOR_VALUES, &value_shape,
+						  value_out, value_count.compressed,
+						  value_view(store, layer) +
+							  (size_t)first_token * h->head_dim_v,
+						  &value_view_strides);
+		if (rc < 0) {
+			/* Rows of the view may hold the half-written reconstruction. */
+			view_valid_set(store, layer, false);
+			pool_unref(store->pool, key_offset);
+		}
 	}
+	scratch_put(key_out, owned);
+	if (rc < 0)
+		return rc;
 	fault_point(step_compress);
 
-	struct store_block entry = {
+	store_block entry = {
 		.first_token = first_token,
 		.tokens = tokens,
 		.valid_tokens = tokens,
-		.key_offset = next->key_arena_used,
+		.key_offset = key_offset,
 		.key_bytes = key_count.compressed,
-		.value_offset = next->value_arena_used,
+		.value_offset = pool_value_offset(key_offset, key_count.compressed),
 		.value_bytes = value_count.compressed,
 	};
 	store->index[layer].entries[next->blocks] = entry;
 	file_index(store, layer)[next->blocks] = entry;
+	map_table(store, layer)[next->blocks] = entry;
 	fault_point(step_index);
 	next->blocks++;
-	next->key_arena_used += key_count.compressed;
-	next->value_arena_used += value_count.compressed;
 	next->key_compressed += key_count.compressed;
 	next->key_baseline += key_count.baseline;
 	next->value_compressed += value_count.compressed;
@@ -1486,13 +1807,8 @@ static void rows_copy(uint16_t *target, const zc_strides *strides, size_t at, co
 		      const struct store_header *h, uint32_t tokens, uint32_t dim)
 {
 	size_t head_elements = (size_t)tokens * dim;
-	for (uint32_t b = 0; b < h->batch; b++) {
-		for (uint32_t head = 0; head < h->kv_heads; head++) {
-			const uint16_t *from = block + ((size_t)b * h->kv_heads + head) * head_elements;
-			uint16_t *to = target + b * strides->batch + head * strides->head + at * dim;
-			memcpy(to, from, head_elements * 2);
-		}
-	}
+	zc_strides packed = { (size_t)h->kv_heads * head_elements, head_elements, dim };
+	rows_move(target, strides, at, block, &packed, 0, h, tokens, dim);
 }
 
 /* Whether rows [at, at + tokens) of every head of a strided buffer are finite. */
@@ -1531,8 +1847,9 @@ static int update_direct(struct store *store, uint32_t layer, uint32_t tokens,
 	if (rc < 0) {
 		/* The residual's rows in the view may hold its reconstruction
 		 * now, but the residual stays exact: rebuild before the next read. */
-		if (residual > 0)
+		if (residual > 0 && views_full(store))
 			view_valid_set(store, layer, false);
+		blocks_unref(store, layer, store->layer[layer].blocks, next.blocks);
 		return rc;
 	}
 	next.tokens += tokens;
@@ -1540,8 +1857,9 @@ static int update_direct(struct store *store, uint32_t layer, uint32_t tokens,
 	return 0;
 }
 
-/* A short streaming block goes into the exact residual (and the views);
- * a residual that fills up is compressed as one block right after. */
+/* A short streaming block goes into the exact residual (and the views, or
+ * the readers' residual); a residual that fills up is compressed as one
+ * block right after. */
 static int update_residual(struct store *store, uint32_t layer, uint32_t tokens,
 			   const uint16_t *keys, const uint16_t *values)
 {
@@ -1558,14 +1876,13 @@ static int update_residual(struct store *store, uint32_t layer, uint32_t tokens,
 	struct layer_state next = store->layer[layer];
 	zc_strides key_res = residual_strides(h, h->head_dim_k);
 	zc_strides value_res = residual_strides(h, h->head_dim_v);
-	zc_strides key_view_s = view_strides(h, h->head_dim_k);
-	zc_strides value_view_s = view_strides(h, h->head_dim_v);
 	rows_copy(key_residual(store, layer), &key_res, next.residual_tokens, keys, h, tokens,
 		  h->head_dim_k);
 	rows_copy(value_residual(store, layer), &value_res, next.residual_tokens, values, h, tokens,
 		  h->head_dim_v);
 	/* Staged input sits in memory the client may still write: what counts
-	 * is what was copied, so that is what must be finite. */
+	 * is what was copied, so that is what must be finite, and what
+	 * readers get. */
 	rc = rows_check_finite(key_residual(store, layer), &key_res, next.residual_tokens, h, tokens,
 			       h->head_dim_k);
 	if (rc == 0)
@@ -1573,9 +1890,22 @@ static int update_residual(struct store *store, uint32_t layer, uint32_t tokens,
 				       tokens, h->head_dim_v);
 	if (rc < 0)
 		return rc;
-	rows_copy(key_view(store, layer), &key_view_s, next.tokens, keys, h, tokens, h->head_dim_k);
-	rows_copy(value_view(store, layer), &value_view_s, next.tokens, values, h, tokens,
-		  h->head_dim_v);
+	if (views_full(store)) {
+		zc_strides key_view_s = view_strides(h, h->head_dim_k);
+		zc_strides value_view_s = view_strides(h, h->head_dim_v);
+		rows_move(key_view(store, layer), &key_view_s, next.tokens, key_residual(store, layer),
+			  &key_res, next.residual_tokens, h, tokens, h->head_dim_k);
+		rows_move(value_view(store, layer), &value_view_s, next.tokens,
+			  value_residual(store, layer), &value_res, next.residual_tokens, h, tokens,
+			  h->head_dim_v);
+	} else {
+		rows_move(map_residual(store, layer, true), &key_res, next.residual_tokens,
+			  key_residual(store, layer), &key_res, next.residual_tokens, h, tokens,
+			  h->head_dim_k);
+		rows_move(map_residual(store, layer, false), &value_res, next.residual_tokens,
+			  value_residual(store, layer), &value_res, next.residual_tokens, h, tokens,
+			  h->head_dim_v);
+	}
 	fault_point("residual.copy");
 	next.residual_tokens += tokens;
 	next.tokens += tokens;
@@ -1616,13 +1946,13 @@ int store_update(struct store *store, uint32_t layer, uint32_t tokens,
 		if (rc < 0)
 			return rc;
 	}
-	if (!store->room[layer].view_valid) {
+	if (views_full(store) && !store->room[layer].view_valid) {
 		rc = views_rebuild_layer(store, layer);
 		if (rc < 0)
 			return rc;
 	}
 	rc = reserve_residual(store, layer);
-	if (rc == 0)
+	if (rc == 0 && views_full(store))
 		rc = reserve_views(store, layer, (uint64_t)l->tokens + tokens);
 	if (rc < 0)
 		return rc;
@@ -1641,7 +1971,7 @@ static uint32_t trim_state(const struct store *store, uint32_t layer, uint32_t t
 			   struct layer_state *next)
 {
 	const struct store_header *h = store->header;
-	const struct store_block *index = store->index[layer].entries;
+	const store_block *index = store->index[layer].entries;
 	uint32_t cut = tokens < next->tokens ? tokens : next->tokens;
 	uint32_t keep = next->tokens - cut;
 
@@ -1649,11 +1979,11 @@ static uint32_t trim_state(const struct store *store, uint32_t layer, uint32_t t
 		next->residual_tokens -= cut;
 	} else {
 		next->residual_tokens = 0;
-		/* Blocks are appended in order, so the arenas unwind like a
-		 * stack; a block cut in the middle stays whole (re-encoding its
-		 * prefix would change tokens the model already used). */
+		/* Blocks go from the end; a block cut in the middle stays whole
+		 * (re-encoding its prefix would change tokens the model already
+		 * used), and so it may stay shared. */
 		while (next->blocks > 0 && index[next->blocks - 1].first_token >= keep) {
-			const struct store_block *last = &index[next->blocks - 1];
+			const store_block *last = &index[next->blocks - 1];
 			zc_block_shape key_shape = { h->batch, h->kv_heads, last->tokens, h->head_dim_k };
 			zc_block_shape value_shape = { h->batch, h->kv_heads, last->tokens, h->head_dim_v };
 			zc_byte_count key_count = { 0 }, value_count = { 0 };
@@ -1663,8 +1993,6 @@ static uint32_t trim_state(const struct store *store, uint32_t layer, uint32_t t
 			next->key_baseline -= key_count.baseline;
 			next->value_compressed -= value_count.compressed;
 			next->value_baseline -= value_count.baseline;
-			next->key_arena_used = last->key_offset;
-			next->value_arena_used = last->value_offset;
 			next->blocks--;
 		}
 	}
@@ -1675,7 +2003,9 @@ static uint32_t trim_state(const struct store *store, uint32_t layer, uint32_t t
 /*
  * Trims layers [first, first + count) by `tokens` each as one mutation:
  * every changed layer's record is written under one generation, which is
- * then published, so a crash leaves all of them trimmed or none.
+ * then published, so a crash leaves all of them trimmed or none. Blocks
+ * no longer named lose their reference after the commit, once readers
+ * were told (the sequence moved).
  */
 static int trim_layers(struct store *store, uint32_t first, uint32_t count, uint32_t tokens,
 		       uint32_t *trimmed)
@@ -1706,11 +2036,13 @@ static int trim_layers(struct store *store, uint32_t first, uint32_t count, uint
 		uint32_t layer = first + i;
 		if (next[i].tokens == store->layer[layer].tokens)
 			continue;
+		uint32_t had = store->layer[layer].blocks;
 		sequence_begin(store, layer);
 		next[i].active = 1u - store->layer[layer].active;
 		layer_state_set(store, layer, &next[i]);
 		mirror_layer(store, layer);
 		sequence_end(store, layer);
+		blocks_unref(store, layer, next[i].blocks, had);
 	}
 	free(next);
 	*trimmed = most;
@@ -1787,20 +2119,24 @@ void store_token_range(const struct store *store, uint32_t *min_tokens, uint32_t
 }
 
 /* Views are not durable, so dropping them needs no commit: readers are
- * told first (view_valid, under the seqlock), then the pages go. */
+ * told first (view_valid and the generation, under the seqlock), then the
+ * pages go. */
 int store_drop_views(struct store *store, uint64_t *freed)
 {
 	const struct store_header *h = store->header;
 	uint64_t before = file_allocated(store);
 	int rc = 0;
 
+	*freed = 0;
+	if (!views_full(store))
+		return 0;
 	charge_sync(store, before);
 	for (uint32_t i = 0; i < h->layers && rc == 0; i++) {
 		struct layer_room *room = &store->room[i];
 		uint64_t start = store_key_view_offset(store, i);
-		uint64_t bytes = view_bytes(h, h->head_dim_k) + view_bytes(h, h->head_dim_v);
-		/* An invalid view holds nothing but pages a reader faulted in
-		 * (or an adopted file's old views): those go too. */
+		uint64_t bytes = store->layout.view_layer_bytes;
+		/* An invalid view holds nothing but pages a reader faulted in:
+		 * those go too. */
 		if (room->view_valid && room->reserved_view_tokens == 0)
 			continue;
 		sequence_begin(store, i);
@@ -1808,7 +2144,7 @@ int store_drop_views(struct store *store, uint64_t *freed)
 		room->reserved_view_tokens = 0;
 		mirror_layer(store, i);
 		fault_point("drop.mark");
-		if (fallocate(store->view_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)start,
+		if (fallocate(store->map_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)start,
 			      (off_t)bytes) < 0)
 			rc = -errno;
 		fault_point("drop.punch");
@@ -1826,56 +2162,60 @@ int store_drop_views(struct store *store, uint64_t *freed)
 	return rc;
 }
 
-/* Reconstructs one block's valid tokens into the views. A block cut by
- * trim goes through a scratch buffer, so its dead tail never lands past
- * its valid tokens (or past the end of the view). */
+/* Reconstructs one block's valid tokens into the views, from the pool's
+ * bytes read into scratch. A block cut by trim goes head by head through
+ * a second scratch, so its dead tail never lands past its valid tokens
+ * (or past the end of the view). */
 static int block_restore(struct store *store, uint32_t layer, uint32_t i)
 {
 	const struct store_header *h = store->header;
-	const struct store_block *block = &store->index[layer].entries[i];
+	const store_block *block = &store->index[layer].entries[i];
 	uint32_t valid = block_valid_tokens(store, layer, &store->layer[layer], i);
-	uint8_t *region = layer_region(store, layer);
-	for (int tensor = 0; tensor < 2; tensor++) {
+	bool owned;
+	uint64_t bytes = block->key_bytes > block->value_bytes ? block->key_bytes : block->value_bytes;
+	uint8_t *data = scratch_get(bytes, &owned);
+	if (!data)
+		return -ENOMEM;
+	int rc = 0;
+	for (int tensor = 0; rc == 0 && tensor < 2; tensor++) {
 		zc_tensor kind = tensor == 0 ? ZC_TENSOR_KEYS : ZC_TENSOR_VALUES;
 		uint32_t dim = tensor == 0 ? h->head_dim_k : h->head_dim_v;
 		zc_block_shape shape = { h->batch, h->kv_heads, block->tokens, dim };
-		const uint8_t *data = region + (tensor == 0 ? h->key_arena_offset + block->key_offset :
-							      h->value_arena_offset + block->value_offset);
-		uint64_t bytes = tensor == 0 ? block->key_bytes : block->value_bytes;
+		uint64_t size = tensor == 0 ? block->key_bytes : block->value_bytes;
 		uint16_t *view = tensor == 0 ? key_view(store, layer) : value_view(store, layer);
 		zc_strides strides = view_strides(h, dim);
-		int rc;
 
-		if (valid == block->tokens) {
-			rc = zc_block_reconstruct(&store->codec, kind, &shape, data, bytes,
-						  view + (size_t)block->first_token * dim, &strides);
-		} else {
-			/* Head by head (each head's payload is contiguous), so the
-			 * scratch is one head's rows, not the whole block's. */
-			zc_block_shape one = { 1, 1, block->tokens, dim };
-			zc_byte_count head_count;
-			size_t head_elements = (size_t)block->tokens * dim;
-			zc_strides packed = { head_elements, head_elements, dim };
-			rc = zc_block_count_bytes(&store->codec, kind, &one, &head_count);
-			uint16_t *scratch = rc == 0 ? malloc(head_elements * 2) : NULL;
-			if (rc == 0 && !scratch)
-				rc = -ENOMEM;
-			for (uint64_t head = 0; rc == 0 && head < heads_of(h); head++) {
-				rc = zc_block_reconstruct(&store->codec, kind, &one,
-							  data + head * head_count.compressed,
-							  head_count.compressed, scratch, &packed);
-				uint16_t *to = view + (head / h->kv_heads) * strides.batch +
-					       (head % h->kv_heads) * strides.head +
-					       (size_t)block->first_token * dim;
-				if (rc == 0)
-					memcpy(to, scratch, (size_t)valid * dim * 2);
-			}
-			free(scratch);
-		}
+		rc = pool_read(store->pool, tensor == 0 ? block->key_offset : block->value_offset, data,
+			       size);
 		if (rc < 0)
-			return rc;
+			break;
+		if (valid == block->tokens) {
+			rc = zc_block_reconstruct(&store->codec, kind, &shape, data, size,
+						  view + (size_t)block->first_token * dim, &strides);
+			continue;
+		}
+		zc_block_shape one = { 1, 1, block->tokens, dim };
+		zc_byte_count head_count;
+		size_t head_elements = (size_t)block->tokens * dim;
+		zc_strides packed = { head_elements, head_elements, dim };
+		rc = zc_block_count_bytes(&store->codec, kind, &one, &head_count);
+		uint16_t *rows = rc == 0 ? malloc(head_elements * 2) : NULL;
+		if (rc == 0 && !rows)
+			rc = -ENOMEM;
+		for (uint64_t head = 0; rc == 0 && head < heads_of(h); head++) {
+			rc = zc_block_reconstruct(&store->codec, kind, &one,
+						  data + head * head_count.compressed,
+						  head_count.compressed, rows, &packed);
+			uint16_t *to = view + (head / h->kv_heads) * strides.batch +
+				       (head % h->kv_heads) * strides.head +
+				       (size_t)block->first_token * dim;
+			if (rc == 0)
+				memcpy(to, rows, (size_t)valid * dim * 2);
+		}
+		free(rows);
 	}
-	return 0;
+	scratch_put(data, owned);
+	return rc;
 }
 
 static int views_rebuild_layer(struct store *store, uint32_t layer)
@@ -1896,15 +2236,10 @@ static int views_rebuild_layer(struct store *store, uint32_t layer)
 			uint32_t dim = tensor == 0 ? h->head_dim_k : h->head_dim_v;
 			zc_strides from = residual_strides(h, dim);
 			zc_strides to = view_strides(h, dim);
-			const uint16_t *residual = tensor == 0 ? key_residual(store, layer) :
-								 value_residual(store, layer);
-			uint16_t *view = tensor == 0 ? key_view(store, layer) : value_view(store, layer);
-			for (uint64_t head = 0; head < heads_of(h); head++) {
-				size_t b = head / h->kv_heads, hh = head % h->kv_heads;
-				memcpy(view + b * to.batch + hh * to.head + (size_t)first * dim,
-				       residual + b * from.batch + hh * from.head,
-				       (size_t)l->residual_tokens * dim * 2);
-			}
+			rows_move(tensor == 0 ? key_view(store, layer) : value_view(store, layer), &to,
+				  first,
+				  tensor == 0 ? key_residual(store, layer) : value_residual(store, layer),
+				  &from, 0, h, l->residual_tokens, dim);
 		}
 	}
 	if (rc == 0) {
@@ -1919,6 +2254,8 @@ static int views_rebuild_layer(struct store *store, uint32_t layer)
 
 int store_rebuild_views(struct store *store)
 {
+	if (!views_full(store))
+		return 0;
 	for (uint32_t i = 0; i < store->header->layers; i++) {
 		if (store->room[i].view_valid)
 			continue;
@@ -1936,7 +2273,7 @@ uint64_t store_rebuild_elements(const struct store *store, uint32_t layer)
 	uint32_t first = all ? 0 : layer, end = all ? h->layers : layer + 1;
 	uint64_t tokens = 0;
 
-	if (!all && layer >= h->layers)
+	if ((!all && layer >= h->layers) || !views_full(store))
 		return 0;
 	for (uint32_t i = first; i < end; i++) {
 		/* A worker may be rebuilding or appending to this store. */
@@ -1944,4 +2281,14 @@ uint64_t store_rebuild_elements(const struct store *store, uint32_t layer)
 			tokens += __atomic_load_n(&store->layer[i].tokens, __ATOMIC_RELAXED);
 	}
 	return tokens * heads_of(h) * ((uint64_t)h->head_dim_k + h->head_dim_v);
+}
+
+bool store_views_full(const struct store *store)
+{
+	return views_full(store);
+}
+
+uint64_t store_view_generation(const struct store *store, uint32_t layer)
+{
+	return __atomic_load_n(&store->room[layer].generation, __ATOMIC_RELAXED);
 }

@@ -1,8 +1,10 @@
 /*
- * One session's store: a sparse shared-memory file holding the fp16 views
- * the client maps, and the compressed blocks and exact residual behind
- * them (layout in store_format.h). Not thread-safe: the session's work
- * queue guarantees one caller at a time.
+ * One session's store: its durable file (commit area, exact residual,
+ * block index: store_format.h), its compressed blocks in the owner's pool
+ * (pool.h), and the session map clients read (zipcache/map.h: block
+ * tables, and fp16 views or a readers' residual). Not thread-safe: the
+ * session's work queue guarantees one caller at a time (the pool is
+ * shared and locks itself).
  */
 #ifndef ZIPCACHE_STORE_H
 #define ZIPCACHE_STORE_H
@@ -13,6 +15,10 @@
 
 #include "zipcache/codec.h"
 #include "store_format.h"
+#include "budget.h"
+
+struct pool;
+struct pool_set;
 
 /* Shape limits a session (and an adopted file) must keep. */
 #define STORE_MAX_LAYERS 1024u
@@ -34,6 +40,7 @@ struct store_params {
 	zc_codec_config codec;
 	enum store_policy policy;
 	uint32_t residual_tokens;
+	enum zc_views views;
 };
 
 /* The seed's accounting for one layer, residual included. */
@@ -46,29 +53,6 @@ struct store_layer_stats {
 	zc_byte_count value;
 };
 
-/*
- * Shared memory charged to stores. Reservations are taken with a
- * compare-and-swap before the pages are allocated, so `used` never passes
- * `limit` (0: no limit), even with jobs on several threads. Budgets nest:
- * a charge is taken from a budget and every parent (a uid's quota inside
- * the daemon-wide budget), all or none.
- */
-struct store_budget {
-	uint64_t used;   /* atomic */
-	uint64_t limit;
-	struct store_budget *parent;
-};
-
-/* Takes `bytes` from budget and its parents, or fails (STORE_EBUDGET)
- * without taking any. A NULL budget takes nothing. */
-int store_budget_take(struct store_budget *budget, uint64_t bytes);
-void store_budget_give(struct store_budget *budget, uint64_t bytes);
-/* Charges past the limit (what an adopted file already holds). */
-void store_budget_force(struct store_budget *budget, uint64_t bytes);
-
-/* A reservation that would pass the budget: the caller may free memory
- * (drop idle views) and retry; clients see ZC_EEXHAUSTED. */
-#define STORE_EBUDGET (ZC_ERROR_BASE - 100)
 
 struct store;
 
@@ -81,7 +65,17 @@ struct store;
  * nothing is left behind on failure.
  */
 int store_create(int dir_fd, const char *dir_path, const struct store_params *params,
-		 struct store_budget *budget, struct store **out);
+		 struct store_budget *budget, struct pool *pool, struct store **out);
+
+/*
+ * A new session (params gives its id, epoch, name and views; the rest is
+ * the source's) whose first `tokens` tokens of every layer are the
+ * source's: whole blocks shared by reference (the last one cut where the
+ * fork ends, as a trim cuts), the residual's rows copied. The rename of
+ * its file is the commit point. Then both go on independently.
+ */
+int store_fork(struct store *source, uint32_t tokens, int dir_fd, const char *dir_path,
+	       const struct store_params *params, struct store_budget *budget, struct store **out);
 
 /* The file (and mapping) size a session with these params needs: 0, or
  * ZC_EEXHAUSTED past store_max_file_bytes(), or a validation code. */
@@ -98,9 +92,14 @@ uint64_t store_map_limit(void);
  * the file is untouched.
  */
 int store_adopt(int dir_fd, const char *dir_path, const char *name, struct store_budget *budget,
-		struct store **out, char *reason, size_t reason_size);
+		struct pool_set *pools, struct store **out, char *reason, size_t reason_size);
 
-/* Unmaps; with remove_file the file is deleted (closed sessions). */
+/* Drops the store's references to its blocks without touching its file:
+ * an adopted file that will not become a session now (it claimed them). */
+void store_release_blocks(struct store *store);
+
+/* Unmaps; with remove_file the file is deleted (closed sessions) and its
+ * blocks lose their references. */
 void store_close(struct store *store, bool remove_file);
 
 /* Deletes the file now (the commit point of a close); the mapping stays
@@ -126,24 +125,35 @@ void store_set_map_limit(uint64_t bytes);
 uint64_t store_mapped_bytes_total(void);
 
 const struct store_header *store_header(const struct store *store);
+/* The session map's layout (what readers are told in the open reply). */
+const zc_map_header *store_map_layout(const struct store *store);
+struct pool *store_pool(const struct store *store);
+bool store_views_full(const struct store *store);
+/* Changes whenever a layer's view is dropped or rebuilt. */
+uint64_t store_view_generation(const struct store *store, uint32_t layer);
+/* Bytes of this store's blocks another session refers to as well. */
+uint64_t store_shared_bytes(const struct store *store);
 const char *store_path(const struct store *store);
 
-/* A fresh read-only descriptor of the file for a client (caller closes). */
+/* A fresh read-only descriptor of the session map for a client (caller
+ * closes). */
 int store_open_readonly(const struct store *store);
 
 uint64_t store_key_view_offset(const struct store *store, uint32_t layer);
 uint64_t store_value_view_offset(const struct store *store, uint32_t layer);
 
-/* Bytes of memory the file really holds (fstat's blocks); what the budget
- * charges for it must match (the fuzzer checks). */
+/* Bytes of memory the file and map really hold (fstat's blocks); what the
+ * budget charges for them must match (the fuzzer checks). Blocks are the
+ * pool's. */
 uint64_t store_memory_bytes(const struct store *store);
 
 /* What a store's memory holds, by kind: the file growth each reservation
  * really caused (fstat's blocks before and after), pages readers faulted
- * in counted as views, and for an adopted file its written extents. */
+ * in counted as views, and for an adopted file its written extents.
+ * Blocks are the pools' (pool_memory_bytes), filled in by the caller. */
 struct store_memory {
 	uint64_t views;      /* fp16 views */
-	uint64_t blocks;     /* compressed blocks: the arenas */
+	uint64_t blocks;     /* compressed blocks: the pools */
 	uint64_t residual;   /* exact residual rows */
 	uint64_t index;      /* block index pages */
 	uint64_t headers;    /* headers and the commit area */

@@ -561,9 +561,8 @@ static int session_views_open(const struct daemon_harness *daemon, const char *n
 
 static off_t sequence_offset(uint32_t layer)
 {
-	return (off_t)(offsetof(struct store_header, layer) +
-		       layer * sizeof(struct store_layer_header) +
-		       offsetof(struct store_layer_header, sequence));
+	return (off_t)(offsetof(zc_map_header, layer) + layer * sizeof(zc_map_layer) +
+		       offsetof(zc_map_layer, sequence));
 }
 
 /* Leaves the layer as a writer killed mid-write does; returns the old value. */

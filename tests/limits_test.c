@@ -375,7 +375,7 @@ START_TEST(open_at_the_descriptor_limit_leaves_nothing_behind)
 		undone = undone || strstr(log, "event=\"open undone\"") != NULL;
 		free(log);
 	}
-	ck_assert_msg(!reply.msg.op.open_session.attached && reply.msg.fds == 1,
+	ck_assert_msg(!reply.msg.op.open_session.attached && reply.msg.fds == 2,
 		      "the open after the refusals: attached %d, %u descriptors",
 		      reply.msg.op.open_session.attached, reply.msg.fds);
 	wire_response_free(&reply);

@@ -180,7 +180,8 @@ START_TEST(test_short_run_passes)
 	ck_assert_msg(open_at_end >= 1 && open_at_end <= 4, "%s", result.out);
 	ck_assert_msg(JSON_NUMBER(result.out, "memory", "end", "shm_bytes") > 0, "%s", result.out);
 	ck_assert_msg(JSON_NUMBER(result.out, "memory", "after", "sessions") == 0, "%s", result.out);
-	ck_assert_msg(JSON_NUMBER(result.out, "memory", "after", "shm_bytes") == 0, "%s", result.out);
+	/* What stays is the uid's block pool's header page. */
+	ck_assert_msg(JSON_NUMBER(result.out, "memory", "after", "shm_bytes") <= 4096, "%s", result.out);
 	ck_assert_msg(JSON_NUMBER(result.out, "memory", "after", "connections") == 1, "%s", result.out);
 	daemon_stop(&daemon);
 	daemon_cleanup(&daemon);

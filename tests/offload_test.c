@@ -77,7 +77,7 @@ struct fixture {
 	zc_client *ping;     /* asks for the daemon's stats during the rebuild */
 	zc_session_config config;
 	zc_session *big;
-	const struct store_header *header;
+	const zc_map_header *header;
 	uint16_t *snapshot;  /* every layer's first BIG_TOKENS tokens, K then V */
 	struct block decode; /* one row per decode step */
 	int pressure_round;
@@ -126,7 +126,7 @@ static int views_walk(struct fixture *f, bool check)
 	return -1;
 }
 
-static uint32_t layers_dropped(const struct store_header *h, uint32_t first, uint32_t count)
+static uint32_t layers_dropped(const zc_map_header *h, uint32_t first, uint32_t count)
 {
 	uint32_t dropped = 0;
 	for (uint32_t i = first; i < first + count; i++)
@@ -168,14 +168,10 @@ static void fixture_start(struct fixture *f)
 	block_free(&block);
 	block_make_shape(&f->decode, HEADS, DIM, DIM, 1, &rng);
 
-	/* The store header sits in the pages before layer 0's key view. */
-	size_t header_bytes = (sizeof(struct store_header) +
-			       BIG_LAYERS * sizeof(struct store_layer_header) + 4095) / 4096 * 4096;
-	ck_assert_int_eq(zc_session_view(f->big, 0, &view), 0);
-	f->header = (const void *)((const uint8_t *)view.keys - header_bytes);
-	ck_assert_msg(memcmp(f->header->magic, STORE_MAGIC, sizeof(f->header->magic)) == 0 &&
+	f->header = zc_session_map(f->big);
+	ck_assert_msg(memcmp(f->header->magic, ZC_MAP_MAGIC, sizeof(f->header->magic)) == 0 &&
 			      f->header->layers == BIG_LAYERS,
-		      "no store header where the mapping should start");
+		      "no map header where the mapping starts");
 
 	f->snapshot = allocate(2 * (size_t)BIG_LAYERS * layer_elements * 2);
 	views_walk(f, false);

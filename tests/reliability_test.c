@@ -1495,23 +1495,16 @@ static uint64_t memory_used(zc_client *client)
  */
 static char budget_refusal[300];   /* the last refusal's sentence */
 
-/* A session's store header as its read-only mapping shows it (found from
- * layer 0's view, which starts right after the header's pages). */
-static const struct store_header *mapped_header(zc_session *session, uint32_t layers)
+/* A session's map as its read-only mapping shows it. */
+static const zc_map_header *mapped_header(zc_session *session, uint32_t layers)
 {
-	size_t header_bytes = (sizeof(struct store_header) + layers * sizeof(struct store_layer_header) +
-			       4095) / 4096 * 4096;
-	zc_view view;
-
-	ck_assert_int_eq(zc_session_view(session, 0, &view), 0);
-	const struct store_header *h = (const void *)((const uint8_t *)view.keys - header_bytes);
-	ck_assert_msg(memcmp(h->magic, STORE_MAGIC, sizeof(h->magic)) == 0 &&
-			      h->header_bytes == header_bytes && h->layers == layers,
-		      "no store header where the mapping should start");
+	const zc_map_header *h = zc_session_map(session);
+	ck_assert_msg(memcmp(h->magic, ZC_MAP_MAGIC, sizeof(h->magic)) == 0 && h->layers == layers,
+		      "no map header where the mapping starts");
 	return h;
 }
 
-static uint32_t views_dropped(const struct store_header *h)
+static uint32_t views_dropped(const zc_map_header *h)
 {
 	uint32_t dropped = 0;
 	for (uint32_t i = 0; i < h->layers; i++)
@@ -1565,7 +1558,7 @@ START_TEST(memory_budget_refuses_cleanly_and_recovers)
 	/* Phase 1: the active session grows; the idle one's views go first
 	 * (seen in its header, through the mapping, without touching it: a
 	 * request would rebuild them), and never a refusal before that. */
-	const struct store_header *b_header = mapped_header(b, b_config.layers);
+	const zc_map_header *b_header = mapped_header(b, b_config.layers);
 	uint64_t before = memory_used(client), lowest_drop = UINT64_MAX;
 	for (steps = 0; steps < 80 && !dropped; steps++) {
 		block_make(&block, &a_model, BLOCK, &rng);

@@ -97,6 +97,7 @@
 #include <stdint.h>
 
 #include "zipcache/codec.h"
+#include "zipcache/map.h"
 #include "zipcache/error.h"
 
 typedef struct zc_client zc_client;
@@ -291,6 +292,11 @@ int zc_session_close(zc_session *session);
 void zc_session_release(zc_session *session);
 
 const zc_session_info *zc_session_get_info(const zc_session *session);
+
+/* The session map as this client maps it (read-only; layout in
+ * zipcache/map.h), and the uid's block pool. */
+const zc_map_header *zc_session_map(const zc_session *session);
+const uint8_t *zc_session_pool(const zc_session *session, size_t *bytes);
 
 /* Appends a [batch, kv_heads, tokens, head_dim] block of fp16 keys and
  * values (C order) to one layer and fills `view` with the whole layer.

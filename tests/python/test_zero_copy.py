@@ -85,7 +85,7 @@ def test_address_is_the_c_view_inside_a_read_only_shared_mapping(filled, daemon)
         start, end, perms, path = hits[0]
         assert perms == "r--s", f"expected a read-only shared mapping, got {perms}"
         # The daemon's views: a memfd it passed, never its durable file.
-        assert path.startswith("/memfd:zipcache-views"), path
+        assert path.startswith("/memfd:zipcache-map"), path
 
 
 def test_two_fetches_share_memory(filled):

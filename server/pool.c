@@ -1,0 +1,794 @@
+/*
+ * A uid's block pool (pool.h): extents in a sparse file, a reference
+ * count per extent, first-fit reuse of freed space.
+ */
+#include "pool.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "fault.h"
+#include "log.h"
+#include "zipcache/map.h"
+
+#define PAGE_BYTES 4096u
+#define POOL_DATA_OFFSET PAGE_BYTES
+
+struct extent {
+	uint64_t offset;          /* 0: empty slot (no extent starts at 0) */
+	uint64_t bytes;           /* page-rounded */
+	uint64_t key_bytes, value_bytes;
+	uint32_t refs;
+};
+
+struct span {
+	uint64_t start, bytes;
+};
+
+struct pool {
+	pthread_mutex_t lock;
+	struct store_budget *budget;
+	uint64_t charged;
+	uint32_t uid;
+	int fd;
+	char path[4096];
+	/* Live extents, open addressing with linear probing. */
+	struct extent *slots;
+	size_t capacity, count;
+	uint64_t shared_bytes;    /* extents with refs > 1 */
+	/* Free space below top, sorted by start, coalesced. */
+	struct span *free;
+	size_t n_free, free_capacity;
+	uint64_t top;             /* nothing at or above it */
+	bool swept;
+	bool existed;             /* its file was there when this daemon opened it */
+};
+
+static uint64_t round_up(uint64_t value, uint64_t unit)
+{
+	return (value + unit - 1) / unit * unit;
+}
+
+uint64_t pool_value_offset(uint64_t key_offset, uint64_t key_bytes)
+{
+	return key_offset + round_up(key_bytes, POOL_PAYLOAD_ALIGN);
+}
+
+uint64_t pool_extent_bytes(uint64_t key_bytes, uint64_t value_bytes)
+{
+	return round_up(round_up(key_bytes, POOL_PAYLOAD_ALIGN) + value_bytes, PAGE_BYTES);
+}
+
+static uint64_t fd_allocated(int fd)
+{
+	struct stat st;
+	return fstat(fd, &st) == 0 ? (uint64_t)st.st_blocks * 512 : 0;
+}
+
+/* ---- the extent table ------------------------------------------------------ */
+
+static size_t slot_of(const struct pool *pool, uint64_t offset)
+{
+	uint64_t h = (offset / PAGE_BYTES) * UINT64_C(0x9E3779B97F4A7C15);
+	return (size_t)(h >> 20) & (pool->capacity - 1);
+}
+
+static struct extent *extent_find(const struct pool *pool, uint64_t offset)
+{
+	if (pool->capacity == 0)
+		return NULL;
+	for (size_t i = slot_of(pool, offset);; i = (i + 1) & (pool->capacity - 1)) {
+		if (pool->slots[i].offset == offset)
+			return &pool->slots[i];
+		if (pool->slots[i].offset == 0)
+			return NULL;
+	}
+}
+
+static int extent_table_grow(struct pool *pool)
+{
+	size_t capacity = pool->capacity ? pool->capacity * 2 : 256;
+	struct extent *slots = calloc(capacity, sizeof(*slots));
+	if (!slots)
+		return -ENOMEM;
+	struct extent *old = pool->slots;
+	size_t old_capacity = pool->capacity;
+	pool->slots = slots;
+	pool->capacity = capacity;
+	for (size_t i = 0; i < old_capacity; i++) {
+		if (old[i].offset == 0)
+			continue;
+		size_t j = slot_of(pool, old[i].offset);
+		while (slots[j].offset != 0)
+			j = (j + 1) & (capacity - 1);
+		slots[j] = old[i];
+	}
+	free(old);
+	return 0;
+}
+
+static int extent_insert(struct pool *pool, const struct extent *e)
+{
+	if ((pool->count + 1) * 4 > pool->capacity * 3) {
+		int rc = extent_table_grow(pool);
+		if (rc < 0)
+			return rc;
+	}
+	size_t i = slot_of(pool, e->offset);
+	while (pool->slots[i].offset != 0)
+		i = (i + 1) & (pool->capacity - 1);
+	pool->slots[i] = *e;
+	pool->count++;
+	return 0;
+}
+
+/* Backward-shift deletion keeps every probe chain unbroken. */
+static void extent_remove(struct pool *pool, struct extent *e)
+{
+	size_t mask = pool->capacity - 1;
+	size_t hole = (size_t)(e - pool->slots);
+	for (size_t i = (hole + 1) & mask; pool->slots[i].offset != 0; i = (i + 1) & mask) {
+		size_t home = slot_of(pool, pool->slots[i].offset);
+		/* Moves back only entries whose home is not in (hole, i]. */
+		bool between = hole <= i ? (home > hole && home <= i) : (home > hole || home <= i);
+		if (!between) {
+			pool->slots[hole] = pool->slots[i];
+			hole = i;
+		}
+	}
+	pool->slots[hole].offset = 0;
+	pool->count--;
+}
+
+/* ---- free space ----------------------------------------------------------- */
+
+static int free_insert(struct pool *pool, uint64_t start, uint64_t bytes)
+{
+	if (start + bytes == pool->top) {
+		pool->top = start;
+		/* The span below may now end at top too. */
+		if (pool->n_free > 0) {
+			struct span *last = &pool->free[pool->n_free - 1];
+			if (last->start + last->bytes == pool->top) {
+				pool->top = last->start;
+				pool->n_free--;
+			}
+		}
+		return 0;
+	}
+	size_t at = 0;
+	while (at < pool->n_free && pool->free[at].start < start)
+		at++;
+	bool joins_before = at > 0 && pool->free[at - 1].start + pool->free[at - 1].bytes == start;
+	bool joins_after = at < pool->n_free && start + bytes == pool->free[at].start;
+	if (joins_before && joins_after) {
+		pool->free[at - 1].bytes += bytes + pool->free[at].bytes;
+		memmove(&pool->free[at], &pool->free[at + 1],
+			(pool->n_free - at - 1) * sizeof(pool->free[0]));
+		pool->n_free--;
+		return 0;
+	}
+	if (joins_before) {
+		pool->free[at - 1].bytes += bytes;
+		return 0;
+	}
+	if (joins_after) {
+		pool->free[at].start = start;
+		pool->free[at].bytes += bytes;
+		return 0;
+	}
+	if (pool->n_free == pool->free_capacity) {
+		size_t capacity = pool->free_capacity ? pool->free_capacity * 2 : 64;
+		struct span *spans = realloc(pool->free, capacity * sizeof(*spans));
+		if (!spans)
+			return -ENOMEM;   /* the space is lost until the next sweep */
+		pool->free = spans;
+		pool->free_capacity = capacity;
+	}
+	memmove(&pool->free[at + 1], &pool->free[at], (pool->n_free - at) * sizeof(pool->free[0]));
+	pool->free[at] = (struct span){ start, bytes };
+	pool->n_free++;
+	return 0;
+}
+
+/* First fit below top, else at top. */
+static int space_take(struct pool *pool, uint64_t bytes, uint64_t *start)
+{
+	for (size_t i = 0; i < pool->n_free; i++) {
+		struct span *s = &pool->free[i];
+		if (s->bytes < bytes)
+			continue;
+		*start = s->start;
+		s->start += bytes;
+		s->bytes -= bytes;
+		if (s->bytes == 0) {
+			memmove(s, s + 1, (pool->n_free - i - 1) * sizeof(*s));
+			pool->n_free--;
+		}
+		return 0;
+	}
+	if (pool->top + bytes > POOL_CAPACITY_BYTES || pool->top + bytes < pool->top)
+		return ZC_EEXHAUSTED;
+	*start = pool->top;
+	pool->top += bytes;
+	return 0;
+}
+
+/* ---- memory --------------------------------------------------------------- */
+
+/* Growth nobody reserved is a reader's faults in free space. */
+static uint64_t charge_sync_locked(struct pool *pool)
+{
+	uint64_t allocated = fd_allocated(pool->fd);
+	if (allocated <= pool->charged)
+		return 0;
+	uint64_t grown = allocated - pool->charged;
+	store_budget_force(pool->budget, grown);
+	pool->charged = allocated;
+	return grown;
+}
+
+/* Gives the extent's pages back: the file, then the budget. */
+static void extent_release(struct pool *pool, uint64_t start, uint64_t bytes)
+{
+	uint64_t before = fd_allocated(pool->fd);
+	if (fallocate(pool->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)start,
+		      (off_t)bytes) < 0)
+		log_warn("pool", "cannot punch a freed block", "path=%s offset=%llu error=%s",
+			 pool->path, (unsigned long long)start, strerror(errno));
+	uint64_t after = fd_allocated(pool->fd);
+	uint64_t released = before > after ? before - after : 0;
+	if (released > pool->charged)
+		released = pool->charged;
+	pool->charged -= released;
+	store_budget_give(pool->budget, released);
+	free_insert(pool, start, bytes);
+}
+
+/* ---- open ----------------------------------------------------------------- */
+
+static void file_name(char *out, size_t size, uint32_t uid, bool temporary)
+{
+	snprintf(out, size, "%spool-%u.zcp%s", temporary ? "." : "", (unsigned)uid,
+		 temporary ? ".tmp" : "");
+}
+
+/* The end of the last data the file holds: new extents go above it until
+ * the sweep knows what is free. */
+static uint64_t data_end(int fd)
+{
+	uint64_t end = POOL_DATA_OFFSET;
+	off_t at = POOL_DATA_OFFSET;
+	for (;;) {
+		off_t data = lseek(fd, at, SEEK_DATA);
+		if (data < 0)
+			break;
+		off_t hole = lseek(fd, data, SEEK_HOLE);
+		if (hole < 0)
+			break;
+		end = round_up((uint64_t)hole, PAGE_BYTES);
+		at = hole;
+	}
+	return end;
+}
+
+static int pool_create_file(int dir_fd, uint32_t uid, const char *name)
+{
+	char temporary[64];
+	file_name(temporary, sizeof(temporary), uid, true);
+	unlinkat(dir_fd, temporary, 0);
+	int fd = openat(dir_fd, temporary, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+	if (fd < 0)
+		return -errno;
+	zc_pool_header header = { .version = ZC_POOL_VERSION, .owner_uid = uid,
+				  .capacity = POOL_CAPACITY_BYTES, .data_offset = POOL_DATA_OFFSET };
+	memcpy(header.magic, ZC_POOL_MAGIC, sizeof(header.magic));
+	int rc = 0;
+	if (ftruncate(fd, (off_t)POOL_CAPACITY_BYTES) < 0 ||
+	    fallocate(fd, 0, 0, POOL_DATA_OFFSET) < 0 ||
+	    pwrite(fd, &header, sizeof(header), 0) != (ssize_t)sizeof(header) || fchmod(fd, 0400) < 0)
+		rc = errno ? -errno : -EIO;
+	fault_point("pool.create");
+	if (rc == 0 && renameat2(dir_fd, temporary, dir_fd, name, RENAME_NOREPLACE) < 0)
+		rc = -errno;
+	if (rc < 0) {
+		unlinkat(dir_fd, temporary, 0);
+		close(fd);
+		return rc;
+	}
+	return fd;
+}
+
+static int pool_open_file(int dir_fd, uint32_t uid, const char *name, bool *existed, char *reason,
+			  size_t reason_size)
+{
+	char proc_path[64];
+	int ro = openat(dir_fd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+	if (ro < 0 && errno == ENOENT) {
+		*existed = false;
+		return pool_create_file(dir_fd, uid, name);
+	}
+	if (ro < 0)
+		return -errno;
+	*existed = true;
+	struct stat st;
+	zc_pool_header header;
+	int rc = 0;
+	if (fstat(ro, &st) < 0)
+		rc = -errno;
+	else if (!S_ISREG(st.st_mode) || st.st_uid != geteuid())
+		rc = -EPERM;
+	else if (pread(ro, &header, sizeof(header), 0) != (ssize_t)sizeof(header) ||
+		 memcmp(header.magic, ZC_POOL_MAGIC, sizeof(header.magic)) != 0 ||
+		 header.version != ZC_POOL_VERSION || header.owner_uid != uid ||
+		 header.capacity != POOL_CAPACITY_BYTES || (uint64_t)st.st_size != header.capacity ||
+		 header.data_offset != POOL_DATA_OFFSET) {
+		snprintf(reason, reason_size, "pool file %s is not a version %u pool of uid %u", name,
+			 ZC_POOL_VERSION, (unsigned)uid);
+		rc = ZC_ECORRUPT;
+	}
+	if (rc < 0) {
+		close(ro);
+		return rc;
+	}
+	/* 0400 keeps readers from reopening it for writing; the owner lifts
+	 * that for the moment it takes its own read-write descriptor. */
+	snprintf(proc_path, sizeof(proc_path), "/proc/self/fd/%d", ro);
+	int fd = -1;
+	if (geteuid() == 0 || fchmod(ro, 0600) == 0) {
+		fd = open(proc_path, O_RDWR | O_CLOEXEC);
+		if (fd < 0)
+			rc = -errno;
+		fchmod(ro, 0400);
+	} else {
+		rc = -errno;
+	}
+	close(ro);
+	return rc < 0 ? rc : fd;
+}
+
+int pool_open(int dir_fd, const char *dir_path, uint32_t uid, struct store_budget *budget,
+	      struct pool **out, bool *existed, char *reason, size_t reason_size)
+{
+	char name[64];
+	if (reason && reason_size)
+		reason[0] = '\0';
+	file_name(name, sizeof(name), uid, false);
+	struct pool *pool = calloc(1, sizeof(*pool));
+	if (!pool)
+		return -ENOMEM;
+	int fd = pool_open_file(dir_fd, uid, name, existed, reason, reason_size);
+	if (fd < 0) {
+		free(pool);
+		return fd;
+	}
+	pthread_mutex_init(&pool->lock, NULL);
+	pool->fd = fd;
+	pool->uid = uid;
+	pool->budget = budget;
+	snprintf(pool->path, sizeof(pool->path), "%s/%s", dir_path, name);
+	pool->top = *existed ? data_end(fd) : POOL_DATA_OFFSET;
+	pool->swept = !*existed;
+	/* What an existing pool holds counts, even past the budget. */
+	pool->charged = fd_allocated(fd);
+	store_budget_force(budget, pool->charged);
+	*out = pool;
+	return 0;
+}
+
+void pool_close(struct pool *pool)
+{
+	if (!pool)
+		return;
+	store_budget_give(pool->budget, pool->charged);
+	close(pool->fd);
+	pthread_mutex_destroy(&pool->lock);
+	free(pool->slots);
+	free(pool->free);
+	free(pool);
+}
+
+uint32_t pool_uid(const struct pool *pool)
+{
+	return pool->uid;
+}
+
+void pool_charge_to(struct pool *pool, struct store_budget *budget)
+{
+	pthread_mutex_lock(&pool->lock);
+	store_budget_give(pool->budget, pool->charged);
+	pool->budget = budget;
+	store_budget_force(budget, pool->charged);
+	pthread_mutex_unlock(&pool->lock);
+}
+
+/* ---- blocks ---------------------------------------------------------------- */
+
+static int write_all(int fd, const void *data, uint64_t bytes, uint64_t offset)
+{
+	const uint8_t *p = data;
+	while (bytes > 0) {
+		ssize_t n = pwrite(fd, p, bytes, (off_t)offset);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			return n < 0 ? -errno : -EIO;
+		p += n;
+		bytes -= (uint64_t)n;
+		offset += (uint64_t)n;
+	}
+	return 0;
+}
+
+int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const void *value,
+	       uint64_t value_bytes, uint64_t *key_offset)
+{
+	uint64_t bytes = pool_extent_bytes(key_bytes, value_bytes), start;
+	pthread_mutex_lock(&pool->lock);
+	int rc = store_budget_take(pool->budget, bytes);
+	if (rc < 0)
+		goto out;
+	rc = space_take(pool, bytes, &start);
+	if (rc < 0) {
+		store_budget_give(pool->budget, bytes);
+		goto out;
+	}
+	/* Pages first: a full tmpfs is an error reply, and the charge is what
+	 * the file really grew (a reader may have faulted some in already). */
+	uint64_t before = fd_allocated(pool->fd);
+	if (fallocate(pool->fd, 0, (off_t)start, (off_t)bytes) < 0) {
+		rc = -errno;
+		store_budget_give(pool->budget, bytes);
+		free_insert(pool, start, bytes);
+		log_warn("pool", "fallocate failed", "path=%s bytes=%llu error=%s", pool->path,
+			 (unsigned long long)bytes, strerror(-rc));
+		goto out;
+	}
+	uint64_t after = fd_allocated(pool->fd);
+	uint64_t grown = after > before ? after - before : 0;
+	if (grown > bytes)
+		grown = bytes;
+	store_budget_give(pool->budget, bytes - grown);
+	pool->charged += grown;
+	charge_sync_locked(pool);
+	struct extent e = { .offset = start, .bytes = bytes, .key_bytes = key_bytes,
+			    .value_bytes = value_bytes, .refs = 1 };
+	rc = extent_insert(pool, &e);
+	if (rc < 0) {
+		extent_release(pool, start, bytes);
+		goto out;
+	}
+	/* The bytes are written without the lock: the extent is the caller's. */
+	pthread_mutex_unlock(&pool->lock);
+	rc = write_all(pool->fd, key, key_bytes, start);
+	if (rc == 0)
+		rc = write_all(pool->fd, value, value_bytes, pool_value_offset(start, key_bytes));
+	if (rc < 0) {
+		pool_unref(pool, start);
+		return rc;
+	}
+	fault_point("pool.write");
+	*key_offset = start;
+	return 0;
+out:
+	pthread_mutex_unlock(&pool->lock);
+	return rc;
+}
+
+int pool_read(struct pool *pool, uint64_t offset, void *out, uint64_t bytes)
+{
+	uint8_t *p = out;
+	while (bytes > 0) {
+		ssize_t n = pread(pool->fd, p, bytes, (off_t)offset);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0)
+			return -errno;
+		if (n == 0) {
+			log_error("pool", "block bytes missing (the pool file was cut)",
+				  "path=%s offset=%llu", pool->path, (unsigned long long)offset);
+			return ZC_ECORRUPT;
+		}
+		p += n;
+		bytes -= (uint64_t)n;
+		offset += (uint64_t)n;
+	}
+	return 0;
+}
+
+void pool_ref(struct pool *pool, uint64_t key_offset)
+{
+	pthread_mutex_lock(&pool->lock);
+	struct extent *e = extent_find(pool, key_offset);
+	if (e) {
+		if (e->refs == 1)
+			pool->shared_bytes += e->bytes;
+		e->refs++;
+	}
+	pthread_mutex_unlock(&pool->lock);
+}
+
+void pool_unref(struct pool *pool, uint64_t key_offset)
+{
+	pthread_mutex_lock(&pool->lock);
+	struct extent *e = extent_find(pool, key_offset);
+	if (e && --e->refs <= 1) {
+		if (e->refs == 1)
+			pool->shared_bytes -= e->bytes;
+		if (e->refs == 0) {
+			uint64_t start = e->offset, bytes = e->bytes;
+			extent_remove(pool, e);
+			/* Before the sweep nothing is freed: the space may hold
+			 * blocks of a session not adopted yet, and the sweep frees
+			 * what nobody claimed. */
+			if (pool->swept)
+				extent_release(pool, start, bytes);
+		}
+	}
+	pthread_mutex_unlock(&pool->lock);
+}
+
+uint32_t pool_refs(struct pool *pool, uint64_t key_offset)
+{
+	pthread_mutex_lock(&pool->lock);
+	struct extent *e = extent_find(pool, key_offset);
+	uint32_t refs = e ? e->refs : 0;
+	pthread_mutex_unlock(&pool->lock);
+	return refs;
+}
+
+int pool_claim(struct pool *pool, uint64_t key_offset, uint64_t key_bytes, uint64_t value_offset,
+	       uint64_t value_bytes, char *reason, size_t reason_size)
+{
+	uint64_t bytes = pool_extent_bytes(key_bytes, value_bytes);
+	int rc = 0;
+	if (key_offset % PAGE_BYTES != 0 || key_offset < POOL_DATA_OFFSET ||
+	    value_offset != pool_value_offset(key_offset, key_bytes) ||
+	    key_offset > POOL_CAPACITY_BYTES || bytes > POOL_CAPACITY_BYTES - key_offset) {
+		snprintf(reason, reason_size, "a block at pool offset %llu is out of place",
+			 (unsigned long long)key_offset);
+		return ZC_ECORRUPT;
+	}
+	pthread_mutex_lock(&pool->lock);
+	struct extent *e = extent_find(pool, key_offset);
+	if (e) {
+		if (e->key_bytes != key_bytes || e->value_bytes != value_bytes) {
+			snprintf(reason, reason_size,
+				 "the block at pool offset %llu has another size in another session",
+				 (unsigned long long)key_offset);
+			rc = ZC_ECORRUPT;
+		} else {
+			if (e->refs == 1)
+				pool->shared_bytes += e->bytes;
+			e->refs++;
+		}
+		goto out;
+	}
+	/* Every page of an extent holds payload bytes: a hole in it means
+	 * the file lost the block. */
+	off_t hole = lseek(pool->fd, (off_t)key_offset, SEEK_HOLE);
+	if (hole < 0 || (uint64_t)hole < key_offset + bytes) {
+		snprintf(reason, reason_size, "the block at pool offset %llu is not in the pool",
+			 (unsigned long long)key_offset);
+		rc = ZC_ECORRUPT;
+		goto out;
+	}
+	struct extent claim = { .offset = key_offset, .bytes = bytes, .key_bytes = key_bytes,
+				.value_bytes = value_bytes, .refs = 1 };
+	rc = extent_insert(pool, &claim);
+	if (rc == 0 && key_offset + bytes > pool->top)
+		pool->top = key_offset + bytes;
+out:
+	pthread_mutex_unlock(&pool->lock);
+	return rc;
+}
+
+static int span_compare(const void *a, const void *b)
+{
+	const struct span *x = a, *y = b;
+	return x->start < y->start ? -1 : x->start > y->start;
+}
+
+void pool_sweep(struct pool *pool)
+{
+	pthread_mutex_lock(&pool->lock);
+	if (pool->swept) {
+		pthread_mutex_unlock(&pool->lock);
+		return;
+	}
+	struct span *live = malloc((pool->count + 1) * sizeof(*live));
+	if (!live) {
+		/* Tried again at the next sweep; new blocks keep going on top. */
+		pthread_mutex_unlock(&pool->lock);
+		return;
+	}
+	size_t n = 0;
+	for (size_t i = 0; i < pool->capacity; i++)
+		if (pool->slots[i].offset != 0)
+			live[n++] = (struct span){ pool->slots[i].offset, pool->slots[i].bytes };
+	qsort(live, n, sizeof(*live), span_compare);
+	uint64_t at = POOL_DATA_OFFSET, end = pool->top, swept = 0;
+	pool->top = n > 0 ? live[n - 1].start + live[n - 1].bytes : POOL_DATA_OFFSET;
+	pool->n_free = 0;
+	for (size_t i = 0; i <= n; i++) {
+		uint64_t next = i < n ? live[i].start : end;
+		if (next > at) {
+			swept += next - at;
+			uint64_t before = fd_allocated(pool->fd);
+			fallocate(pool->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)at,
+				  (off_t)(next - at));
+			uint64_t after = fd_allocated(pool->fd);
+			uint64_t released = before > after ? before - after : 0;
+			if (released > pool->charged)
+				released = pool->charged;
+			pool->charged -= released;
+			store_budget_give(pool->budget, released);
+			if (i < n)
+				free_insert(pool, at, next - at);
+		}
+		if (i < n && live[i].start + live[i].bytes > at)
+			at = live[i].start + live[i].bytes;
+	}
+	free(live);
+	pool->swept = true;
+	pthread_mutex_unlock(&pool->lock);
+	if (swept > 0)
+		log_info("pool", "unreferenced blocks freed", "path=%s bytes=%llu", pool->path,
+			 (unsigned long long)swept);
+}
+
+int pool_open_readonly(const struct pool *pool)
+{
+	char proc_path[64];
+	snprintf(proc_path, sizeof(proc_path), "/proc/self/fd/%d", pool->fd);
+	int fd = open(proc_path, O_RDONLY | O_CLOEXEC);
+	return fd < 0 ? -errno : fd;
+}
+
+uint64_t pool_memory_bytes(const struct pool *pool)
+{
+	return __atomic_load_n(&pool->charged, __ATOMIC_RELAXED);
+}
+
+uint64_t pool_file_bytes(const struct pool *pool)
+{
+	return fd_allocated(pool->fd);
+}
+
+uint64_t pool_shared_bytes(const struct pool *pool)
+{
+	return __atomic_load_n(&pool->shared_bytes, __ATOMIC_RELAXED);
+}
+
+uint64_t pool_blocks(const struct pool *pool)
+{
+	return __atomic_load_n(&pool->count, __ATOMIC_RELAXED);
+}
+
+uint64_t pool_sync_charge(struct pool *pool)
+{
+	pthread_mutex_lock(&pool->lock);
+	uint64_t grown = charge_sync_locked(pool);
+	pthread_mutex_unlock(&pool->lock);
+	return grown;
+}
+
+/* ---- the daemon's pools ------------------------------------------------------ */
+
+void pool_set_init(struct pool_set *set, int dir_fd, const char *dir_path)
+{
+	*set = (struct pool_set){ .dir_fd = dir_fd, .dir_path = dir_path };
+}
+
+int pool_set_get(struct pool_set *set, uint32_t uid, struct store_budget *budget,
+		 struct pool **out, bool *existed, char *reason, size_t reason_size)
+{
+	bool found;
+	for (size_t i = 0; i < set->n; i++) {
+		if (set->items[i]->uid == uid) {
+			*out = set->items[i];
+			if (existed)
+				*existed = set->items[i]->existed;
+			return 0;
+		}
+	}
+	if (set->n == set->capacity) {
+		size_t capacity = set->capacity ? set->capacity * 2 : 8;
+		struct pool **items = realloc(set->items, capacity * sizeof(*items));
+		if (!items)
+			return -ENOMEM;
+		set->items = items;
+		set->capacity = capacity;
+	}
+	struct pool *pool;
+	int rc = pool_open(set->dir_fd, set->dir_path, uid, budget, &pool, &found, reason,
+			   reason_size);
+	if (rc < 0)
+		return rc;
+	pool->existed = found;
+	set->items[set->n++] = pool;
+	*out = pool;
+	if (existed)
+		*existed = found;
+	return 0;
+}
+
+void pool_set_scan(struct pool_set *set, struct store_budget *budget)
+{
+	int fd = dup(set->dir_fd);
+	DIR *dir = fd >= 0 ? fdopendir(fd) : NULL;
+	if (!dir) {
+		if (fd >= 0)
+			close(fd);
+		return;
+	}
+	struct dirent *entry;
+	while ((entry = readdir(dir)) != NULL) {
+		unsigned uid;
+		char tail[8], reason[200];
+		struct pool *pool;
+		if (sscanf(entry->d_name, "pool-%u.zc%7s", &uid, tail) != 2 || strcmp(tail, "p") != 0)
+			continue;
+		char expected[64];
+		file_name(expected, sizeof(expected), uid, false);
+		if (strcmp(expected, entry->d_name) != 0)
+			continue;
+		int rc = pool_set_get(set, uid, budget, &pool, NULL, reason, sizeof(reason));
+		if (rc < 0)
+			log_warn("pool", "pool file not opened", "dir=%s file=%s error=%s reason=%s",
+				 set->dir_path, entry->d_name, zc_strerror(rc), reason);
+	}
+	closedir(dir);
+}
+
+void pool_set_sweep(struct pool_set *set)
+{
+	for (size_t i = 0; i < set->n; i++)
+		pool_sweep(set->items[i]);
+}
+
+void pool_set_sync_charge(struct pool_set *set)
+{
+	for (size_t i = 0; i < set->n; i++)
+		pool_sync_charge(set->items[i]);
+}
+
+void pool_set_free(struct pool_set *set)
+{
+	for (size_t i = 0; i < set->n; i++)
+		pool_close(set->items[i]);
+	free(set->items);
+	set->items = NULL;
+	set->n = set->capacity = 0;
+}
+
+uint64_t pool_set_memory_bytes(const struct pool_set *set)
+{
+	uint64_t total = 0;
+	for (size_t i = 0; i < set->n; i++)
+		total += pool_memory_bytes(set->items[i]);
+	return total;
+}
+
+uint64_t pool_set_file_bytes(const struct pool_set *set)
+{
+	uint64_t total = 0;
+	for (size_t i = 0; i < set->n; i++)
+		total += pool_file_bytes(set->items[i]);
+	return total;
+}
+
+uint64_t pool_set_shared_bytes(const struct pool_set *set)
+{
+	uint64_t total = 0;
+	for (size_t i = 0; i < set->n; i++)
+		total += pool_shared_bytes(set->items[i]);
+	return total;
+}

@@ -1,0 +1,119 @@
+/*
+ * A uid's pool of immutable compressed blocks: one sparse file in the
+ * shm-dir (pool-UID.zcp, layout in zipcache/map.h), shared by every
+ * session of that uid. A block is written once into a page-aligned extent
+ * of its own and never changes; sessions refer to it by offset, and it is
+ * freed (its pages punched) when the last reference goes.
+ *
+ * Nothing about references is durable here: the session files are the
+ * truth. After a restart each adopted session claims the extents it
+ * names, and pool_sweep() frees every other one (a block written by a
+ * mutation that never committed). Until then new blocks go above every
+ * byte the file holds, so nothing a pending session may claim is reused.
+ *
+ * The daemon never maps the pool: it writes and reads it with pwrite and
+ * pread, so a client that found a way to truncate the file (its mapping's
+ * descriptor, reopened by a same-uid process) cannot crash the daemon.
+ * Thread-safe: jobs of different sessions of one uid run concurrently.
+ */
+#ifndef ZIPCACHE_POOL_H
+#define ZIPCACHE_POOL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "budget.h"
+
+/* The pool file's size: sparse, never mapped by the daemon; clients map
+ * it whole, read-only (address space only). */
+#define POOL_CAPACITY_BYTES (UINT64_C(1) << 40)
+
+/* A block's V payload starts this aligned after its K payload (fp16
+ * params and exact values are read as 16-bit words). */
+#define POOL_PAYLOAD_ALIGN 64u
+
+struct pool;
+
+/* Opens the uid's pool in dir_fd, creating it when missing (*existed says
+ * which). ZC_ECORRUPT with a reason when the file found is not a pool. */
+int pool_open(int dir_fd, const char *dir_path, uint32_t uid, struct store_budget *budget,
+	      struct pool **out, bool *existed, char *reason, size_t reason_size);
+void pool_close(struct pool *pool);
+
+uint32_t pool_uid(const struct pool *pool);
+/* Moves the pool's charge to another budget (the uid's quota). */
+void pool_charge_to(struct pool *pool, struct store_budget *budget);
+
+/* Where a block of these payload sizes sits relative to its extent. */
+uint64_t pool_value_offset(uint64_t key_offset, uint64_t key_bytes);
+uint64_t pool_extent_bytes(uint64_t key_bytes, uint64_t value_bytes);
+
+/*
+ * Writes a new block (K payload, then V at pool_value_offset) into a
+ * fresh extent holding one reference, which the caller owns: it drops it
+ * with pool_unref unless a commit made a session refer to the block.
+ * STORE_EBUDGET, ZC_EEXHAUSTED (pool full), -ENOSPC and other errnos.
+ */
+int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const void *value,
+	       uint64_t value_bytes, uint64_t *key_offset);
+
+/* Reads bytes at offset (a block's payload); ZC_ECORRUPT when the file
+ * no longer holds them. */
+int pool_read(struct pool *pool, uint64_t offset, void *out, uint64_t bytes);
+
+/* One more reference to a live block (a fork shares it). */
+void pool_ref(struct pool *pool, uint64_t key_offset);
+/* One reference fewer; the last frees the extent. */
+void pool_unref(struct pool *pool, uint64_t key_offset);
+/* References to the block at key_offset (0: none). */
+uint32_t pool_refs(struct pool *pool, uint64_t key_offset);
+
+/* Adoption: a session names a block. ZC_ECORRUPT (with reason) when it is
+ * out of range, disagrees with a claim already made, or its bytes are not
+ * in the file. */
+int pool_claim(struct pool *pool, uint64_t key_offset, uint64_t key_bytes, uint64_t value_offset,
+	       uint64_t value_bytes, char *reason, size_t reason_size);
+/* Frees every extent no session claimed; afterwards freed space is
+ * reused. Call once no adopted session is pending. */
+void pool_sweep(struct pool *pool);
+
+/* A fresh read-only descriptor for a client (caller closes). */
+int pool_open_readonly(const struct pool *pool);
+
+/* Memory the pool holds (charged), and the part of it in blocks that
+ * more than one session refers to. */
+uint64_t pool_memory_bytes(const struct pool *pool);
+uint64_t pool_shared_bytes(const struct pool *pool);
+/* What the file really holds (fstat's blocks): what the charge must match. */
+uint64_t pool_file_bytes(const struct pool *pool);
+uint64_t pool_blocks(const struct pool *pool);
+/* Charges pages a client's read faults allocated; returns the growth. */
+uint64_t pool_sync_charge(struct pool *pool);
+
+/* The daemon's pools, one per uid, opened on first use. */
+struct pool_set {
+	struct pool **items;
+	size_t n, capacity;
+	int dir_fd;               /* borrowed */
+	const char *dir_path;
+};
+
+void pool_set_init(struct pool_set *set, int dir_fd, const char *dir_path);
+/* The uid's pool, opened (or created) on first use and charged to budget
+ * then; *existed (may be NULL) says whether its file was there before
+ * this daemon opened it. */
+int pool_set_get(struct pool_set *set, uint32_t uid, struct store_budget *budget,
+		 struct pool **out, bool *existed, char *reason, size_t reason_size);
+/* Opens every pool file in the directory (so that the sweep frees the
+ * blocks of pools no session refers to). */
+void pool_set_scan(struct pool_set *set, struct store_budget *budget);
+void pool_set_sweep(struct pool_set *set);
+void pool_set_sync_charge(struct pool_set *set);
+void pool_set_free(struct pool_set *set);
+/* Sums over every pool. */
+uint64_t pool_set_memory_bytes(const struct pool_set *set);
+uint64_t pool_set_shared_bytes(const struct pool_set *set);
+uint64_t pool_set_file_bytes(const struct pool_set *set);
+
+#endif
