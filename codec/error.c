@@ -29,6 +29,9 @@ static const struct error_text error_texts[] = {
 	{ ZC_EINVALID, "ZC_EINVALID", "invalid argument" },
 	{ ZC_ERESTARTED, "ZC_ERESTARTED", "the daemon restarted; reopen sessions to remap them" },
 	{ ZC_EBROKEN, "ZC_EBROKEN", "the connection broke in an earlier call; call zc_client_reconnect" },
+	{ ZC_ESTALE, "ZC_ESTALE", "the view was read after its lease ended or after it was dropped; "
+				  "fetch it again" },
+	{ ZC_EAGAIN, "ZC_EAGAIN", "the layer changed while it was read; read it again" },
 };
 
 static const struct error_text *error_find(int code)

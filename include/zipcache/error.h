@@ -33,7 +33,9 @@ enum zc_error {
 	ZC_EINVALID = ZC_ERROR_BASE - 17,      /* invalid argument (daemon said so) */
 	ZC_ERESTARTED = ZC_ERROR_BASE - 18,    /* the daemon restarted; remap */
 	ZC_EBROKEN = ZC_ERROR_BASE - 19,       /* connection unusable since an earlier failure */
-	ZC_ERROR_LAST = ZC_ERROR_BASE - 20
+	ZC_ESTALE = ZC_ERROR_BASE - 20,        /* a view read after its lease (or after a drop) */
+	ZC_EAGAIN = ZC_ERROR_BASE - 21,        /* the layer changed during a read: read again */
+	ZC_ERROR_LAST = ZC_ERROR_BASE - 22
 };
 
 /* A static sentence describing code; never NULL. */

@@ -32,6 +32,8 @@ from .client import (
 from .errors import (
     AlreadyExists,
     ConnectionBroken,
+    StaleView,
+    ConcurrentWrite,
     DaemonRestarted,
     FailedPrecondition,
     Internal,
@@ -72,5 +74,7 @@ __all__ = [
     "Unavailable",
     "DaemonRestarted",
     "ConnectionBroken",
+    "StaleView",
+    "ConcurrentWrite",
     "error_from_code",
 ]

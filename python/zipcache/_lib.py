@@ -52,6 +52,8 @@ ZC_EINTERNAL = ZC_ERROR_BASE - 16
 ZC_EINVALID = ZC_ERROR_BASE - 17
 ZC_ERESTARTED = ZC_ERROR_BASE - 18
 ZC_EBROKEN = ZC_ERROR_BASE - 19
+ZC_ESTALE = ZC_ERROR_BASE - 20
+ZC_EAGAIN = ZC_ERROR_BASE - 21
 
 # --- codec.h -----------------------------------------------------------------
 

@@ -119,6 +119,18 @@ class DaemonRestarted(Unavailable):
     """A restarted daemon answered: sessions must be reopened with ``attach=True``."""
 
 
+class StaleView(ZipCacheError):
+    """A view was read after its lease ended or after the daemon dropped it.
+
+    The arrays read may hold zeros or another session's bytes: fetch the
+    layer again (``Session.view`` or the next ``update_and_fetch``).
+    """
+
+
+class ConcurrentWrite(ZipCacheError):
+    """The layer changed while it was being read; read it again."""
+
+
 class ConnectionBroken(Unavailable):
     """An earlier call broke the connection; every call refuses until ``Client.reconnect()``.
 
@@ -161,6 +173,8 @@ _BY_CODE: dict[int, type[ZipCacheError]] = {
     _lib.ZC_EPROTOCOL: Unavailable,
     _lib.ZC_ERESTARTED: DaemonRestarted,
     _lib.ZC_EBROKEN: ConnectionBroken,
+    _lib.ZC_ESTALE: StaleView,
+    _lib.ZC_EAGAIN: ConcurrentWrite,
     -_errno.EPIPE: Unavailable,
     -_errno.ECONNRESET: Unavailable,
     -_errno.ECONNREFUSED: Unavailable,
