@@ -79,7 +79,7 @@
 /* Private, but only to size the raw baseline's frames exactly as the
  * daemon's are: a guessed size would bias the ratio. */
 #include "frame.h"
-#include "wire.h"
+#include "wire_pb.h"
 /* To see, through the big session's mapping, when relief dropped its
  * views without a request that would rebuild them. */
 #include "store_format.h"
@@ -597,7 +597,7 @@ static int raw_round_trip(int fd, const uint8_t *frame, size_t len, uint8_t *rep
 static int update_request_bytes(uint64_t session_id, const void *keys, const void *values,
 				size_t *out)
 {
-	wire_request req;
+	wire_pb_request req;
 	memset(&req, 0, sizeof req);
 	req.msg.request_id = TYPICAL_REQUEST_ID;
 	req.msg.which_op = zipcache_v1_Request_update_and_fetch_tag;
@@ -606,14 +606,14 @@ static int update_request_bytes(uint64_t session_id, const void *keys, const voi
 	req.msg.op.update_and_fetch.tokens = 1;
 	req.keys = (wire_span){ keys, 2 * ROW_ELEMENTS };
 	req.values = (wire_span){ values, 2 * ROW_ELEMENTS };
-	return wire_request_frame_size(&req, out);
+	return wire_pb_request_frame_size(&req, out);
 }
 
 /* The reply the daemon sends for an update with these stats (dispatch.c's
  * update_done). */
 static int update_reply_bytes(const zc_layer_stats *s, uint64_t sequence, size_t *out)
 {
-	wire_response resp;
+	wire_pb_response resp;
 	memset(&resp, 0, sizeof resp);
 	resp.msg.request_id = TYPICAL_REQUEST_ID;
 	resp.msg.which_op = zipcache_v1_Response_update_and_fetch_tag;
@@ -635,7 +635,7 @@ static int update_reply_bytes(const zc_layer_stats *s, uint64_t sequence, size_t
 		.effective_avg_bits = s->effective_avg_bits,
 		.blocks = s->blocks,
 	};
-	return wire_response_frame_size(&resp, out);
+	return wire_pb_response_frame_size(&resp, out);
 }
 
 /* ---- sessions ------------------------------------------------------------ */

@@ -19,6 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kv_layout.h"
 #include "zipcache/map.h"
 #include "transport.h"
 #include "version.h"
@@ -112,7 +113,7 @@ static int call(zc_client *client, wire_request *request, wire_response *respons
 	if (client->broken)
 		return client_refuse_broken(client);
 	client->last_error[0] = '\0';
-	request->msg.request_id = client->next_request_id++;
+	request->request_id = client->next_request_id++;
 	rc = wire_request_frame_size(request, &size);
 	if (rc < 0)
 		return error_set(client, rc, "request cannot be encoded");
@@ -145,28 +146,28 @@ static int call(zc_client *client, wire_request *request, wire_response *respons
 	transport_consume(&client->transport);
 	if (rc < 0)
 		return client_break(client, rc, "malformed reply from the daemon");
-	if (response->msg.request_id == 0 && response->msg.status != zipcache_v1_Status_OK) {
+	if (response->request_id == 0 && response->status != WIRE_STATUS_OK) {
 		/* About the connection, not a request (a limit, a stop, a frame
 		 * too large): the daemon closes it after saying so. */
-		rc = wire_error_from_status(response->msg.status);
-		client_break(client, rc, response->msg.message);
+		rc = wire_error_from_status(response->status);
+		client_break(client, rc, response->message);
 		wire_response_free(response);
 		return rc;
 	}
-	if (response->msg.request_id != request->msg.request_id) {
+	if (response->request_id != request->request_id) {
 		snprintf(message, sizeof(message), "reply to request %llu, expected %llu",
-			 (unsigned long long)response->msg.request_id,
-			 (unsigned long long)request->msg.request_id);
+			 (unsigned long long)response->request_id,
+			 (unsigned long long)request->request_id);
 		wire_response_free(response);
 		return client_break(client, ZC_EPROTOCOL, message);
 	}
-	if (response->msg.fds > (uint32_t)max_fds) {
+	if (response->fds > (uint32_t)max_fds) {
 		snprintf(message, sizeof(message), "reply announced %u descriptors; at most %d "
-			 "were expected", response->msg.fds, max_fds);
+			 "were expected", response->fds, max_fds);
 		wire_response_free(response);
 		return client_break(client, ZC_EPROTOCOL, message);
 	}
-	int n_fds = (int)response->msg.fds;
+	int n_fds = (int)response->fds;
 	if (transport_take_fds(&client->transport, fds, n_fds) < 0) {
 		snprintf(message, sizeof(message), "reply announced %d descriptors, %d arrived",
 			 n_fds, transport_unclaimed_fds(&client->transport));
@@ -180,9 +181,9 @@ static int call(zc_client *client, wire_request *request, wire_response *respons
 		wire_response_free(response);
 		return client_break(client, ZC_EPROTOCOL, "descriptors arrived that no reply announced");
 	}
-	if (response->msg.status != zipcache_v1_Status_OK) {
-		rc = wire_error_from_status(response->msg.status);
-		error_set(client, rc, response->msg.message);
+	if (response->status != WIRE_STATUS_OK) {
+		rc = wire_error_from_status(response->status);
+		error_set(client, rc, response->message);
 		for (int i = 0; i < n_fds; i++)
 			close(fds[i]);
 		wire_response_free(response);
@@ -195,27 +196,19 @@ static int hello(zc_client *client)
 {
 	wire_request request = { 0 };
 	wire_response response;
-	request.msg.which_op = zipcache_v1_Request_hello_tag;
-	request.msg.op.hello.protocol_version = ZIPCACHE_PROTOCOL_VERSION;
-	snprintf(request.msg.op.hello.client_name, sizeof(request.msg.op.hello.client_name),
+	request.op = WIRE_OP_HELLO;
+	request.hello.protocol_version = ZIPCACHE_PROTOCOL_VERSION;
+	snprintf(request.hello.client_name, sizeof(request.hello.client_name),
 		 "libzipcache/%s", ZIPCACHE_VERSION);
 	int rc = call(client, &request, &response, NULL, 0);
 	if (rc < 0)
 		return rc;
-	const zipcache_v1_HelloResponse *h = &response.msg.op.hello;
-	if (response.msg.which_op != zipcache_v1_Response_hello_tag ||
-	    h->protocol_version != ZIPCACHE_PROTOCOL_VERSION) {
+	if (response.op != WIRE_OP_HELLO ||
+	    response.hello.protocol_version != ZIPCACHE_PROTOCOL_VERSION) {
 		wire_response_free(&response);
 		return client_break(client, ZC_EPROTOCOL, "daemon speaks another protocol version");
 	}
-	client->server.protocol_version = h->protocol_version;
-	memcpy(client->server.server_version, h->server_version, sizeof(client->server.server_version));
-	client->server.boot_epoch = h->boot_epoch;
-	client->server.max_frame_bytes = h->max_frame_bytes;
-	client->server.max_inline_bytes = h->max_inline_bytes;
-	client->server.max_sessions = h->max_sessions;
-	client->server.max_tokens_per_session = h->max_tokens_per_session;
-	client->server.memory_budget_bytes = h->memory_budget_bytes;
+	client->server = response.hello;
 	wire_response_free(&response);
 	return 0;
 }
@@ -323,55 +316,15 @@ void zc_session_config_default(zc_session_config *config)
 	config->policy = ZC_POLICY_STREAMING;
 }
 
-static void info_from_wire(zc_session_info *info, const zipcache_v1_SessionInfo *w)
-{
-	memset(info, 0, sizeof(*info));
-	info->id = w->session_id;
-	memcpy(info->name, w->name, sizeof(info->name));
-	info->layers = w->shape.layers;
-	info->batch = w->shape.batch;
-	info->kv_heads = w->shape.kv_heads;
-	info->head_dim_k = w->shape.head_dim_k;
-	info->head_dim_v = w->shape.head_dim_v;
-	info->max_tokens = w->max_tokens;
-	info->codec.hi_bits = (int)w->codec.hi_bits;
-	info->codec.lo_bits = (int)w->codec.lo_bits;
-	info->codec.hi_fraction = w->codec.hi_fraction;
-	info->codec.group_size = (int)w->codec.group_size;
-	info->codec.quantize_values = w->codec.quantize_values;
-	info->policy = w->policy == zipcache_v1_BlockPolicy_PER_CALL ? ZC_POLICY_PER_CALL :
-								       ZC_POLICY_STREAMING;
-	info->residual_tokens = w->residual_tokens;
-	info->min_tokens = w->min_tokens;
-	info->max_layer_tokens = w->max_layer_tokens;
-	info->idle_ms = w->idle_ms;
-}
-
-static void stats_from_wire(zc_layer_stats *stats, const zipcache_v1_LayerStats *w)
-{
-	stats->layer = w->layer;
-	stats->tokens = w->tokens;
-	stats->residual_tokens = w->residual_tokens;
-	stats->blocks = w->blocks;
-	stats->compressed_key_bytes = w->compressed_key_bytes;
-	stats->compressed_value_bytes = w->compressed_value_bytes;
-	stats->baseline_key_bytes = w->baseline_key_bytes;
-	stats->baseline_value_bytes = w->baseline_value_bytes;
-	stats->fp16_key_bytes = w->fp16_key_bytes;
-	stats->fp16_value_bytes = w->fp16_value_bytes;
-	stats->compression_ratio = w->compression_ratio;
-	stats->effective_avg_bits = w->effective_avg_bits;
-}
-
 /* Maps the session map and the pool, and records where each layer's K
  * and V views live; checks the layout against the mappings so a bad reply
  * cannot send us out of them. */
-static int session_map(zc_session *session, const int *fds, const zipcache_v1_ViewLayout *view)
+static int session_map(zc_session *session, const int *fds, const struct wire_view_layout *view)
 {
 	const zc_session_info *info = &session->info;
-	uint64_t heads = (uint64_t)info->batch * info->kv_heads;
-	uint64_t key_bytes = heads * info->max_tokens * info->head_dim_k * 2;
-	uint64_t value_bytes = heads * info->max_tokens * info->head_dim_v * 2;
+	uint64_t key_bytes = kv_block_bytes(info->batch, info->kv_heads, info->max_tokens, info->head_dim_k);
+	uint64_t value_bytes = kv_block_bytes(info->batch, info->kv_heads, info->max_tokens,
+					      info->head_dim_v);
 
 	if (view->key_offsets_count != info->layers || view->value_offsets_count != info->layers ||
 	    info->layers == 0 || view->header_bytes > view->mapping_bytes ||
@@ -435,7 +388,7 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 {
 	wire_request request = { 0 };
 	wire_response response;
-	zipcache_v1_OpenSessionRequest *open = &request.msg.op.open_session;
+	struct wire_open_request *open = &request.open_session;
 	int fds[2] = { -1, -1 }, rc;
 
 	if (client->broken)
@@ -446,25 +399,16 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 			 strlen(config->name), sizeof(open->name) - 1);
 		return error_set(client, ZC_EINVALID, message);
 	}
-	request.msg.which_op = zipcache_v1_Request_open_session_tag;
+	request.op = WIRE_OP_OPEN_SESSION;
 	if (config->name)
 		snprintf(open->name, sizeof(open->name), "%s", config->name);
 	open->has_shape = true;
-	open->shape = (zipcache_v1_SessionShape){ config->layers, config->batch, config->kv_heads,
-						  config->head_dim_k, config->head_dim_v };
+	open->shape = (struct wire_shape){ config->layers, config->batch, config->kv_heads,
+					   config->head_dim_k, config->head_dim_v };
 	open->max_tokens = config->max_tokens;
 	open->has_codec = true;
-	/* Negative widths must fail validation in the daemon, not wrap. */
-	open->codec = (zipcache_v1_CodecConfig){
-		.has_hi_bits = true, .hi_bits = config->codec.hi_bits < 0 ? 0 : (uint32_t)config->codec.hi_bits,
-		.has_lo_bits = true, .lo_bits = config->codec.lo_bits < 0 ? 0 : (uint32_t)config->codec.lo_bits,
-		.has_hi_fraction = true, .hi_fraction = config->codec.hi_fraction,
-		.has_group_size = true,
-		.group_size = config->codec.group_size < 0 ? 0 : (uint32_t)config->codec.group_size,
-		.has_quantize_values = true, .quantize_values = config->codec.quantize_values,
-	};
-	open->policy = config->policy == ZC_POLICY_PER_CALL ? zipcache_v1_BlockPolicy_PER_CALL :
-							      zipcache_v1_BlockPolicy_STREAMING;
+	wire_codec_from_config(&config->codec, &open->codec);
+	open->policy = config->policy == ZC_POLICY_PER_CALL ? ZC_POLICY_PER_CALL : ZC_POLICY_STREAMING;
 	if (config->residual_tokens) {
 		open->has_residual_tokens = true;
 		open->residual_tokens = config->residual_tokens;
@@ -474,8 +418,7 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 	rc = call(client, &request, &response, fds, 2);
 	if (rc < 0)
 		return rc;
-	if (rc != 2 || response.msg.which_op != zipcache_v1_Response_open_session_tag ||
-	    !response.msg.op.open_session.has_view) {
+	if (rc != 2 || response.op != WIRE_OP_OPEN_SESSION || !response.open_session.has_view) {
 		for (int i = 0; i < rc; i++)
 			close(fds[i]);
 		wire_response_free(&response);
@@ -487,8 +430,8 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 		goto out_close;
 	}
 	session->client = client;
-	info_from_wire(&session->info, &response.msg.op.open_session.session);
-	rc = session_map(session, fds, &response.msg.op.open_session.view);
+	session->info = response.open_session.session;
+	rc = session_map(session, fds, &response.open_session.view);
 	if (rc < 0) {
 		session_free(session);
 		/* A layout that does not fit its mapping is the daemon's mistake;
@@ -563,10 +506,8 @@ static void view_fill(const zc_session *session, uint32_t layer, uint32_t tokens
 	view->head_dim_k = info->head_dim_k;
 	view->head_dim_v = info->head_dim_v;
 	view->max_tokens = info->max_tokens;
-	view->key_strides = (zc_strides){ (size_t)info->kv_heads * info->max_tokens * info->head_dim_k,
-					  (size_t)info->max_tokens * info->head_dim_k, info->head_dim_k };
-	view->value_strides = (zc_strides){ (size_t)info->kv_heads * info->max_tokens * info->head_dim_v,
-					    (size_t)info->max_tokens * info->head_dim_v, info->head_dim_v };
+	view->key_strides = kv_view_strides(info->kv_heads, info->max_tokens, info->head_dim_k);
+	view->value_strides = kv_view_strides(info->kv_heads, info->max_tokens, info->head_dim_v);
 	view->sequence = sequence;
 }
 
@@ -577,16 +518,15 @@ static int update_call(zc_session *session, wire_request *request, uint32_t laye
 	int rc = call(session->client, request, &response, NULL, 0);
 	if (rc < 0)
 		return rc;
-	const zipcache_v1_UpdateAndFetchResponse *reply = &response.msg.op.update_and_fetch;
-	if (response.msg.which_op != zipcache_v1_Response_update_and_fetch_tag ||
-	    reply->tokens > session->info.max_tokens) {
+	const struct wire_update_response *reply = &response.update_and_fetch;
+	if (response.op != WIRE_OP_UPDATE_AND_FETCH || reply->tokens > session->info.max_tokens) {
 		wire_response_free(&response);
 		return client_break(session->client, ZC_EPROTOCOL, "bad update_and_fetch reply");
 	}
 	if (view)
 		view_fill(session, layer, reply->tokens, reply->sequence, view);
 	if (stats)
-		stats_from_wire(stats, &reply->stats);
+		*stats = reply->stats;
 	wire_response_free(&response);
 	return 0;
 }
@@ -595,9 +535,8 @@ static int block_bytes(const zc_session *session, uint32_t tokens, uint64_t *key
 		       uint64_t *value_bytes)
 {
 	const zc_session_info *info = &session->info;
-	uint64_t heads = (uint64_t)info->batch * info->kv_heads;
-	*key_bytes = heads * tokens * info->head_dim_k * 2;
-	*value_bytes = heads * tokens * info->head_dim_v * 2;
+	*key_bytes = kv_block_bytes(info->batch, info->kv_heads, tokens, info->head_dim_k);
+	*value_bytes = kv_block_bytes(info->batch, info->kv_heads, tokens, info->head_dim_v);
 	return 0;
 }
 
@@ -606,8 +545,8 @@ int zc_update_and_fetch_staged(zc_session *session, uint32_t layer, uint32_t tok
 			       zc_layer_stats *stats)
 {
 	wire_request request = { 0 };
-	zipcache_v1_UpdateAndFetchRequest *update = &request.msg.op.update_and_fetch;
-	request.msg.which_op = zipcache_v1_Request_update_and_fetch_tag;
+	struct wire_update_request *update = &request.update_and_fetch;
+	request.op = WIRE_OP_UPDATE_AND_FETCH;
 	update->session_id = session->info.id;
 	update->layer = layer;
 	update->tokens = tokens;
@@ -639,13 +578,13 @@ int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
 		return zc_update_and_fetch_staged(session, layer, tokens, 0, key_bytes, view, stats);
 	}
 	wire_request request = { 0 };
-	zipcache_v1_UpdateAndFetchRequest *update = &request.msg.op.update_and_fetch;
-	request.msg.which_op = zipcache_v1_Request_update_and_fetch_tag;
+	struct wire_update_request *update = &request.update_and_fetch;
+	request.op = WIRE_OP_UPDATE_AND_FETCH;
 	update->session_id = session->info.id;
 	update->layer = layer;
 	update->tokens = tokens;
-	request.keys = (wire_span){ (const uint8_t *)keys, key_bytes };
-	request.values = (wire_span){ (const uint8_t *)values, value_bytes };
+	update->keys = (wire_span){ (const uint8_t *)keys, key_bytes };
+	update->values = (wire_span){ (const uint8_t *)values, value_bytes };
 	return update_call(session, &request, layer, view, stats);
 }
 
@@ -660,12 +599,12 @@ int zc_client_staging(zc_client *client, size_t bytes, void **buffer)
 	wire_request request = { 0 };
 	wire_response response;
 	int fd = -1;
-	request.msg.which_op = zipcache_v1_Request_staging_tag;
-	request.msg.op.staging.bytes = bytes;
+	request.op = WIRE_OP_STAGING;
+	request.staging.bytes = bytes;
 	int rc = call(client, &request, &response, &fd, 1);
 	if (rc < 0)
 		return rc;
-	uint64_t granted = response.msg.op.staging.bytes;
+	uint64_t granted = response.staging.bytes;
 	wire_response_free(&response);
 	if (rc != 1 || granted < bytes) {
 		if (rc == 1)
@@ -771,16 +710,16 @@ static int trim_call(zc_session *session, bool one_layer, uint32_t layer, uint32
 {
 	wire_request request = { 0 };
 	wire_response response;
-	request.msg.which_op = zipcache_v1_Request_trim_tag;
-	request.msg.op.trim.session_id = session->info.id;
-	request.msg.op.trim.tokens = tokens;
-	request.msg.op.trim.has_layer = one_layer;
-	request.msg.op.trim.layer = layer;
+	request.op = WIRE_OP_TRIM;
+	request.trim.session_id = session->info.id;
+	request.trim.tokens = tokens;
+	request.trim.has_layer = one_layer;
+	request.trim.layer = layer;
 	int rc = call(session->client, &request, &response, NULL, 0);
 	if (rc < 0)
 		return rc;
 	if (trimmed)
-		*trimmed = response.msg.op.trim.trimmed;
+		*trimmed = response.trim.trimmed;
 	wire_response_free(&response);
 	return 0;
 }
@@ -802,18 +741,18 @@ static int stats_call(zc_client *client, uint64_t session_id, bool use, zc_layer
 {
 	wire_request request = { 0 };
 	wire_response response;
-	request.msg.which_op = zipcache_v1_Request_stats_tag;
-	request.msg.op.stats.session_id = session_id;
-	request.msg.op.stats.use = use;
+	request.op = WIRE_OP_STATS;
+	request.stats.session_id = session_id;
+	request.stats.use = use;
 	int rc = call(client, &request, &response, NULL, 0);
 	if (rc < 0)
 		return rc;
 	for (size_t i = 0; layers && i < capacity && i < response.n_layers; i++)
-		stats_from_wire(&layers[i], &response.layers[i]);
+		layers[i] = response.layers[i];
 	if (total)
-		stats_from_wire(total, &response.msg.op.stats.total);
-	if (info && response.msg.op.stats.has_session)
-		info_from_wire(info, &response.msg.op.stats.session);
+		*total = response.stats.total;
+	if (info && response.stats.has_session)
+		*info = response.stats.session;
 	wire_response_free(&response);
 	return 0;
 }
@@ -839,8 +778,8 @@ int zc_client_close_session(zc_client *client, uint64_t session_id)
 {
 	wire_request request = { 0 };
 	wire_response response;
-	request.msg.which_op = zipcache_v1_Request_close_session_tag;
-	request.msg.op.close_session.session_id = session_id;
+	request.op = WIRE_OP_CLOSE_SESSION;
+	request.close_session.session_id = session_id;
 	int rc = call(client, &request, &response, NULL, 0);
 	if (rc < 0)
 		return rc;
@@ -853,12 +792,12 @@ int zc_client_list_sessions(zc_client *client, zc_session_info *sessions, size_t
 {
 	wire_request request = { 0 };
 	wire_response response;
-	request.msg.which_op = zipcache_v1_Request_list_sessions_tag;
+	request.op = WIRE_OP_LIST_SESSIONS;
 	int rc = call(client, &request, &response, NULL, 0);
 	if (rc < 0)
 		return rc;
 	for (size_t i = 0; sessions && i < capacity && i < response.n_sessions; i++)
-		info_from_wire(&sessions[i], &response.sessions[i]);
+		sessions[i] = response.sessions[i];
 	*count = response.n_sessions;
 	wire_response_free(&response);
 	return 0;
@@ -868,7 +807,7 @@ int zc_client_list_sessions(zc_client *client, zc_session_info *sessions, size_t
 static int server_stats_call(zc_client *client, wire_response *response)
 {
 	wire_request request = { 0 };
-	request.msg.which_op = zipcache_v1_Request_stats_tag;
+	request.op = WIRE_OP_STATS;
 	return call(client, &request, response, NULL, 0);
 }
 
@@ -879,10 +818,10 @@ int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *s
 	int rc = server_stats_call(client, &response);
 	if (rc < 0)
 		return rc;
-	const zipcache_v1_UidUsage *u = &response.msg.op.stats.caller;
+	const struct wire_uid_usage *u = &response.stats.caller;
 	*uid = (zc_uid_stats){
 		.uid = u->uid,
-		.daemon_wide = response.msg.op.stats.daemon_wide,
+		.daemon_wide = response.stats.daemon_wide,
 		.sessions = u->sessions,
 		.max_sessions = u->max_sessions,
 		.connections = u->connections,
@@ -893,7 +832,7 @@ int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *s
 		.max_staging_bytes = u->max_staging_bytes,
 	};
 	if (stats) {
-		const zipcache_v1_StatsResponse *r = &response.msg.op.stats;
+		const struct wire_stats_response *r = &response.stats;
 		stats->sessions = r->sessions;
 		stats->connections = r->connections;
 		stats->memory_used_bytes = r->memory_used_bytes;
@@ -905,7 +844,7 @@ int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *s
 		stats->boot_epoch = r->boot_epoch;
 	}
 	if (memory) {
-		const zipcache_v1_StatsResponse *r = &response.msg.op.stats;
+		const struct wire_stats_response *r = &response.stats;
 		*memory = (zc_memory_stats){
 			.charged_bytes = r->memory_used_bytes,
 			.file_bytes = r->memory_file_bytes,
@@ -934,7 +873,7 @@ int zc_client_set_aside(zc_client *client, zc_set_aside_file *files, size_t capa
 	int rc = server_stats_call(client, &response);
 	if (rc < 0)
 		return rc;
-	const zipcache_v1_StatsResponse *r = &response.msg.op.stats;
+	const struct wire_stats_response *r = &response.stats;
 	for (size_t i = 0; files && i < capacity && i < r->set_aside_count; i++) {
 		snprintf(files[i].file, sizeof(files[i].file), "%s", r->set_aside[i].file);
 		snprintf(files[i].reason, sizeof(files[i].reason), "%s", r->set_aside[i].reason);

@@ -71,6 +71,7 @@ METRICS = {
     "zipcache_memory_budget_bytes",
     "zipcache_view_rebuilds_total",
     "zipcache_view_drops_total",
+    "zipcache_relief_steps_total",
     "zipcache_connections",
     "zipcache_connections_total",
     "zipcache_errors_total",

@@ -11,7 +11,7 @@
  *      on a private loop (server_start on a temporary directory, adopt
  *      off), so no input sees what an earlier one left and every crash
  *      reproduces from its file alone.
- *   2. One end of a socketpair goes to connection_accept(); the input is
+ *   2. One end of a socketpair goes to server_accept(); the input is
  *      written into the other end in chunks of varying size (so headers and
  *      bodies split across reads), with loop turns in between and the
  *      replies drained (descriptors that come with them are closed).
@@ -20,7 +20,7 @@
  *   4. The daemon is stopped and freed (server_free).
  *
  * Besides the sanitizers, these oracles turn a wrong answer into a crash:
- *   - every reply frame decodes (wire_response_decode), its status is a
+ *   - every reply frame decodes (wire_pb_response_decode), its status is a
  *     known one, its strings are valid UTF-8 (proto3 decoders other than
  *     nanopb refuse anything else), and it announces descriptors exactly
  *     when an OK open_session or staging reply should;
@@ -70,7 +70,7 @@
 #include "../server/session.h"
 #include "../server/store.h"
 #include "frame.h"
-#include "wire.h"
+#include "wire_pb.h"
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
 
@@ -294,8 +294,8 @@ static void check_string(const char *what, const char *text, uint64_t request_id
 /* One whole reply frame: it must decode and make sense on its own. */
 static void reply_check(struct reply_log *log, const uint8_t *frame, size_t len)
 {
-	wire_response reply;
-	int rc = wire_response_decode(frame, len, &reply);
+	wire_pb_response reply;
+	int rc = wire_pb_response_decode(frame, len, &reply);
 	const zipcache_v1_Response *m = &reply.msg;
 	uint64_t id;
 
@@ -336,7 +336,7 @@ static void reply_check(struct reply_log *log, const uint8_t *frame, size_t len)
 	}
 	ids_push(&log->ids, &log->n_ids, &log->cap_ids, id);
 	log->fds_announced += m->fds;
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 }
 
 /* Reads what the daemon sent until the socket would block; *eof once the
@@ -418,9 +418,9 @@ static void expected_ids(const uint8_t *data, size_t size, uint64_t **ids, size_
 	if (frame_reader_feed(&reader, data, size) < 0)
 		fuzz_fail("out of memory");
 	while ((rc = frame_reader_next(&reader, &frame, &len)) == 1) {
-		wire_request request;
+		wire_pb_request request;
 		/* A refused frame keeps the id the decoder could read. */
-		(void)wire_request_decode(frame, len, &request);
+		(void)wire_pb_request_decode(frame, len, &request);
 		ids_push(ids, n, &cap, request.msg.request_id);
 		frame_reader_consume(&reader);
 	}
@@ -496,11 +496,13 @@ static void hang_report(size_t sent, size_t size, bool shut, bool eof)
 		fuzz.hang_ms, sent, size, shut ? "write side shut" : "write side open",
 		eof ? "daemon closed" : "daemon has not closed", s->n_connections,
 		(unsigned long long)s->sessions.jobs_in_flight, s->sessions.count);
-	for (struct connection *c = s->connections; c; c = c->next)
+	for (const struct client *client = s->clients; client; client = client->next) {
+		const struct connection *c = &client->connection;
 		fprintf(stderr, "dispatch_fuzz: connection %llu: state %d, poll events %d, "
 			"in flight %u, refs %u, reply bytes queued %zu, request bytes buffered %zu\n",
 			(unsigned long long)c->id, (int)c->state, c->poll_events, c->in_flight,
 			c->refs, c->out_bytes, frame_reader_buffered(&c->reader));
+	}
 	fuzz_fail("the daemon hangs");
 }
 
@@ -515,7 +517,7 @@ static void connection_run(const uint8_t *data, size_t size, struct reply_log *l
 
 	if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, fds) < 0)
 		fuzz_fail("socketpair: %s", strerror(errno));
-	connection_accept(s, fds[0]);
+	server_accept(s, fds[0]);
 	if (s->n_connections != before + 1)
 		fuzz_fail("the daemon refused the connection");
 

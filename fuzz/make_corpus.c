@@ -1,7 +1,7 @@
 /*
  * Writes the seed corpus of fuzz/dispatch_fuzz.c: each file is the bytes
  * one client sends on a connection, a handful of framed requests built
- * with wire_request_encode(). The files are committed; run this only to
+ * with wire_pb_request_encode(). The files are committed; run this only to
  * change them (see fuzz/README.md):
  *
  *	make_corpus DIR
@@ -20,7 +20,7 @@
 
 #include "../server/store.h"
 #include "frame.h"
-#include "wire.h"
+#include "wire_pb.h"
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
 
@@ -83,20 +83,20 @@ static void header(struct seed *s, uint32_t len)
 }
 
 /* Appends one request, giving it the next id unless it has one. */
-static void add(struct seed *s, wire_request *req)
+static void add(struct seed *s, wire_pb_request *req)
 {
 	size_t n;
 
 	if (req->msg.request_id == 0)
 		req->msg.request_id = s->next_id++;
-	if (wire_request_encode(req, s->bytes + s->len, sizeof(s->bytes) - s->len, &n) < 0)
+	if (wire_pb_request_encode(req, s->bytes + s->len, sizeof(s->bytes) - s->len, &n) < 0)
 		die("cannot encode a request");
 	s->len += n;
 }
 
-static wire_request request_new(pb_size_t op)
+static wire_pb_request request_new(pb_size_t op)
 {
-	wire_request req;
+	wire_pb_request req;
 	memset(&req, 0, sizeof(req));
 	req.msg.which_op = op;
 	return req;
@@ -104,14 +104,14 @@ static wire_request request_new(pb_size_t op)
 
 static void hello(struct seed *s, const char *client)
 {
-	wire_request req = request_new(zipcache_v1_Request_hello_tag);
+	wire_pb_request req = request_new(zipcache_v1_Request_hello_tag);
 	req.msg.op.hello.protocol_version = 1;
 	snprintf(req.msg.op.hello.client_name, sizeof(req.msg.op.hello.client_name), "%s", client);
 	add(s, &req);
 }
 
 /* open_session with the daemon's defaults for whatever is not given. */
-static zipcache_v1_OpenSessionRequest *open_prepare(wire_request *req, const char *name,
+static zipcache_v1_OpenSessionRequest *open_prepare(wire_pb_request *req, const char *name,
 						    struct shape shape, uint32_t max_tokens)
 {
 	*req = request_new(zipcache_v1_Request_open_session_tag);
@@ -127,7 +127,7 @@ static zipcache_v1_OpenSessionRequest *open_prepare(wire_request *req, const cha
 static void open_streaming(struct seed *s, const char *name, struct shape shape,
 			   uint32_t max_tokens, uint32_t residual)
 {
-	wire_request req;
+	wire_pb_request req;
 	zipcache_v1_OpenSessionRequest *open = open_prepare(&req, name, shape, max_tokens);
 	open->policy = zipcache_v1_BlockPolicy_STREAMING;
 	open->has_residual_tokens = residual != 0;
@@ -138,7 +138,7 @@ static void open_streaming(struct seed *s, const char *name, struct shape shape,
 static void open_per_call(struct seed *s, const char *name, struct shape shape,
 			  uint32_t max_tokens, const zipcache_v1_CodecConfig *codec)
 {
-	wire_request req;
+	wire_pb_request req;
 	zipcache_v1_OpenSessionRequest *open = open_prepare(&req, name, shape, max_tokens);
 	open->policy = zipcache_v1_BlockPolicy_PER_CALL;
 	if (codec) {
@@ -162,7 +162,7 @@ static zipcache_v1_CodecConfig codec_all(uint32_t hi_bits, uint32_t lo_bits, dou
 
 static void attach(struct seed *s, const char *name, const struct shape *shape)
 {
-	wire_request req = request_new(zipcache_v1_Request_open_session_tag);
+	wire_pb_request req = request_new(zipcache_v1_Request_open_session_tag);
 	zipcache_v1_OpenSessionRequest *open = &req.msg.op.open_session;
 	snprintf(open->name, sizeof(open->name), "%s", name);
 	open->attach = true;
@@ -206,7 +206,7 @@ static void update_inline(struct seed *s, uint64_t session, uint32_t layer, uint
 	if (poison_value)
 		values[nv - 1] = poison_value;
 
-	wire_request req = request_new(zipcache_v1_Request_update_and_fetch_tag);
+	wire_pb_request req = request_new(zipcache_v1_Request_update_and_fetch_tag);
 	req.msg.op.update_and_fetch.session_id = session;
 	req.msg.op.update_and_fetch.layer = layer;
 	req.msg.op.update_and_fetch.tokens = tokens;
@@ -222,7 +222,7 @@ static void update_lengths(struct seed *s, uint64_t session, uint32_t layer, uin
 			   size_t key_bytes, size_t value_bytes)
 {
 	static const uint8_t filler[4096];
-	wire_request req = request_new(zipcache_v1_Request_update_and_fetch_tag);
+	wire_pb_request req = request_new(zipcache_v1_Request_update_and_fetch_tag);
 	req.msg.op.update_and_fetch.session_id = session;
 	req.msg.op.update_and_fetch.layer = layer;
 	req.msg.op.update_and_fetch.tokens = tokens;
@@ -234,7 +234,7 @@ static void update_lengths(struct seed *s, uint64_t session, uint32_t layer, uin
 static void update_staged(struct seed *s, uint64_t session, uint32_t layer, uint32_t tokens,
 			  uint64_t keys_offset, uint64_t values_offset)
 {
-	wire_request req = request_new(zipcache_v1_Request_update_and_fetch_tag);
+	wire_pb_request req = request_new(zipcache_v1_Request_update_and_fetch_tag);
 	req.msg.op.update_and_fetch.session_id = session;
 	req.msg.op.update_and_fetch.layer = layer;
 	req.msg.op.update_and_fetch.tokens = tokens;
@@ -246,7 +246,7 @@ static void update_staged(struct seed *s, uint64_t session, uint32_t layer, uint
 
 static void trim(struct seed *s, uint64_t session, uint32_t tokens)
 {
-	wire_request req = request_new(zipcache_v1_Request_trim_tag);
+	wire_pb_request req = request_new(zipcache_v1_Request_trim_tag);
 	req.msg.op.trim.session_id = session;
 	req.msg.op.trim.tokens = tokens;
 	add(s, &req);
@@ -254,27 +254,27 @@ static void trim(struct seed *s, uint64_t session, uint32_t tokens)
 
 static void close_session(struct seed *s, uint64_t session)
 {
-	wire_request req = request_new(zipcache_v1_Request_close_session_tag);
+	wire_pb_request req = request_new(zipcache_v1_Request_close_session_tag);
 	req.msg.op.close_session.session_id = session;
 	add(s, &req);
 }
 
 static void stats(struct seed *s, uint64_t session)
 {
-	wire_request req = request_new(zipcache_v1_Request_stats_tag);
+	wire_pb_request req = request_new(zipcache_v1_Request_stats_tag);
 	req.msg.op.stats.session_id = session;
 	add(s, &req);
 }
 
 static void list(struct seed *s)
 {
-	wire_request req = request_new(zipcache_v1_Request_list_sessions_tag);
+	wire_pb_request req = request_new(zipcache_v1_Request_list_sessions_tag);
 	add(s, &req);
 }
 
 static void staging(struct seed *s, uint64_t bytes)
 {
-	wire_request req = request_new(zipcache_v1_Request_staging_tag);
+	wire_pb_request req = request_new(zipcache_v1_Request_staging_tag);
 	req.msg.op.staging.bytes = bytes;
 	add(s, &req);
 }
@@ -433,7 +433,7 @@ int main(int argc, char **argv)
 	/* Refusals of open_session. */
 	seed_begin(&s);
 	{
-		wire_request req = request_new(zipcache_v1_Request_open_session_tag);
+		wire_pb_request req = request_new(zipcache_v1_Request_open_session_tag);
 		add(&s, &req);
 	}
 	open_streaming(&s, "", SMALL, 0, 0);
@@ -444,7 +444,7 @@ int main(int argc, char **argv)
 	open_streaming(&s, "", (struct shape){ 1, 300, 300, 8, 8 }, 8, 0);
 	open_streaming(&s, "", SMALL, 8, 70000);
 	{
-		wire_request req;
+		wire_pb_request req;
 		zipcache_v1_OpenSessionRequest *open = open_prepare(&req, "", SMALL, 8);
 		open->policy = (zipcache_v1_BlockPolicy)7;
 		add(&s, &req);
@@ -592,7 +592,7 @@ int main(int argc, char **argv)
 	/* Request ids at the edges, and an empty op. */
 	seed_begin(&s);
 	{
-		wire_request req = request_new(zipcache_v1_Request_hello_tag);
+		wire_pb_request req = request_new(zipcache_v1_Request_hello_tag);
 		req.msg.request_id = UINT64_MAX;
 		add(&s, &req);
 		req = request_new(0);

@@ -1,6 +1,9 @@
 /*
  * Wire messages over nanopb 0.4.7: every nanopb call of the project is in
- * this file (see wire.h).
+ * this file. The generated structs (wire_pb.h) are decoded and encoded
+ * first; the plain structs of wire.h, which the daemon and the client
+ * speak, are converted to and from them at the end of the file, only the
+ * op a message carries.
  *
  * Why decoding the three callback-carrying ops takes two passes.
  * UpdateAndFetchRequest, StatsResponse and ListSessionsResponse live inside
@@ -22,7 +25,7 @@
  * and refuse the message rather than miss bytes. The second pass costs a
  * re-parse of a few dozen bytes of scalars, nothing next to the codec.
  */
-#include "wire.h"
+#include "wire_pb.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -54,12 +57,20 @@ struct decode_ctx {
 	const char *why; /* our reason for a callback failure, over nanopb's */
 };
 
-/* A list to encode: the caller's array and how to encode one entry. */
+/* The generated struct one entry of a list becomes before it is encoded. */
+union pb_entry {
+	zipcache_v1_LayerStats layer;
+	zipcache_v1_SessionInfo session;
+};
+
+/* A list to encode: the caller's array and how to encode one entry
+ * (converted first when the array holds plain structs). */
 struct encode_list {
 	const void *items;
 	size_t n;
 	size_t size;
 	const pb_msgdesc_t *desc;
+	void (*convert)(const void *item, union pb_entry *out);
 };
 
 /*
@@ -354,7 +365,7 @@ skip:
 }
 
 /* Fills out->msg.request_id and, for a broken limit, out->reason. */
-static void request_check(const uint8_t *frame, size_t len, wire_request *out)
+static void request_check(const uint8_t *frame, size_t len, wire_pb_request *out)
 {
 	struct request_check check = { .why = out->reason, .why_size = sizeof(out->reason) };
 	pb_istream_t s = pb_istream_from_buffer(frame, len);
@@ -364,7 +375,7 @@ static void request_check(const uint8_t *frame, size_t len, wire_request *out)
 	out->msg.request_id = check.request_id;
 }
 
-int wire_request_decode(const uint8_t *frame, size_t len, wire_request *out)
+int wire_pb_request_decode(const uint8_t *frame, size_t len, wire_pb_request *out)
 {
 	struct decode_ctx ctx = { .frame = frame, .len = len };
 	zipcache_v1_UpdateAndFetchRequest *uaf = &out->msg.op.update_and_fetch;
@@ -414,7 +425,7 @@ out_malformed:
 	return ZC_EPROTOCOL;
 }
 
-int wire_response_decode(const uint8_t *frame, size_t len, wire_response *out)
+int wire_pb_response_decode(const uint8_t *frame, size_t len, wire_pb_response *out)
 {
 	struct decode_ctx ctx = { .frame = frame, .len = len };
 	pb_callback_t *cb;
@@ -463,7 +474,7 @@ out_free_lists:
 	return ctx.err ? ctx.err : ZC_EPROTOCOL;
 }
 
-void wire_response_free(wire_response *resp)
+void wire_pb_response_free(wire_pb_response *resp)
 {
 	if (resp->lists_owned) {
 		free(resp->layers);
@@ -493,6 +504,12 @@ static bool encode_list(pb_ostream_t *stream, const pb_field_t *field, void *con
 
 	for (size_t i = 0; i < list->n; i++) {
 		const void *item = (const char *)list->items + i * list->size;
+		union pb_entry entry;
+
+		if (list->convert) {
+			list->convert(item, &entry);
+			item = &entry;
+		}
 
 		if (!pb_encode_tag_for_field(stream, field) ||
 		    !pb_encode_submessage(stream, list->desc, item))
@@ -505,7 +522,7 @@ static bool encode_list(pb_ostream_t *stream, const pb_field_t *field, void *con
  * A request as nanopb should see it: a copy (the caller's is const) with
  * the inline callbacks pointing at the caller's spans.
  */
-static void request_prepare(const wire_request *req, zipcache_v1_Request *msg)
+static void request_prepare(const wire_pb_request *req, zipcache_v1_Request *msg)
 {
 	*msg = req->msg;
 	if (msg->which_op == zipcache_v1_Request_update_and_fetch_tag) {
@@ -524,7 +541,7 @@ static void request_prepare(const wire_request *req, zipcache_v1_Request *msg)
  * whose list callbacks must be planted; *list must outlive the encode.
  * Returns NULL for a list too long for any decoder to accept.
  */
-static const zipcache_v1_Response *response_prepare(const wire_response *resp,
+static const zipcache_v1_Response *response_prepare(const wire_pb_response *resp,
 						    zipcache_v1_Response *copy,
 						    struct encode_list *list)
 {
@@ -533,13 +550,13 @@ static const zipcache_v1_Response *response_prepare(const wire_response *resp,
 	if (resp->msg.which_op == zipcache_v1_Response_stats_tag) {
 		*list = (struct encode_list){ resp->layers, resp->n_layers,
 					      sizeof(zipcache_v1_LayerStats),
-					      &zipcache_v1_LayerStats_msg };
+					      &zipcache_v1_LayerStats_msg, NULL };
 		*copy = resp->msg;
 		cb = &copy->op.stats.layers;
 	} else if (resp->msg.which_op == zipcache_v1_Response_list_sessions_tag) {
 		*list = (struct encode_list){ resp->sessions, resp->n_sessions,
 					      sizeof(zipcache_v1_SessionInfo),
-					      &zipcache_v1_SessionInfo_msg };
+					      &zipcache_v1_SessionInfo_msg, NULL };
 		*copy = resp->msg;
 		cb = &copy->op.list_sessions.sessions;
 	} else {
@@ -595,7 +612,7 @@ out_classify:
 	return rc < 0 ? rc : ZC_EBUFFER;
 }
 
-int wire_request_frame_size(const wire_request *req, size_t *size)
+int wire_pb_request_frame_size(const wire_pb_request *req, size_t *size)
 {
 	zipcache_v1_Request msg;
 
@@ -603,7 +620,7 @@ int wire_request_frame_size(const wire_request *req, size_t *size)
 	return frame_size(&zipcache_v1_Request_msg, &msg, size);
 }
 
-int wire_request_encode(const wire_request *req, uint8_t *buf, size_t cap, size_t *frame_len)
+int wire_pb_request_encode(const wire_pb_request *req, uint8_t *buf, size_t cap, size_t *frame_len)
 {
 	zipcache_v1_Request msg;
 
@@ -611,7 +628,7 @@ int wire_request_encode(const wire_request *req, uint8_t *buf, size_t cap, size_
 	return encode_frame(&zipcache_v1_Request_msg, &msg, buf, cap, frame_len);
 }
 
-int wire_response_frame_size(const wire_response *resp, size_t *size)
+int wire_pb_response_frame_size(const wire_pb_response *resp, size_t *size)
 {
 	zipcache_v1_Response copy;
 	struct encode_list list;
@@ -622,7 +639,7 @@ int wire_response_frame_size(const wire_response *resp, size_t *size)
 	return frame_size(&zipcache_v1_Response_msg, msg, size);
 }
 
-int wire_response_encode(const wire_response *resp, uint8_t *buf, size_t cap, size_t *frame_len)
+int wire_pb_response_encode(const wire_pb_response *resp, uint8_t *buf, size_t cap, size_t *frame_len)
 {
 	zipcache_v1_Response copy;
 	struct encode_list list;
@@ -633,12 +650,13 @@ int wire_response_encode(const wire_response *resp, uint8_t *buf, size_t cap, si
 	return encode_frame(&zipcache_v1_Response_msg, msg, buf, cap, frame_len);
 }
 
-void wire_response_set_status(wire_response *resp, int zc_error, const char *message)
+/* message (may be NULL) into text[0..size), cut on a UTF-8 character
+ * boundary so other protobuf decoders accept it. */
+static void message_copy(char *text, size_t size, const char *message)
 {
-	size_t max = sizeof(resp->msg.message) - 1;
+	size_t max = size - 1;
 	size_t n = message ? strlen(message) : 0;
 
-	resp->msg.status = wire_status_from_error(zc_error);
 	if (n > max) {
 		/* message[n] is the first byte left out: back off to a lead byte. */
 		n = max;
@@ -646,14 +664,30 @@ void wire_response_set_status(wire_response *resp, int zc_error, const char *mes
 			n--;
 	}
 	if (n > 0)
-		memcpy(resp->msg.message, message, n);
-	resp->msg.message[n] = '\0';
+		memcpy(text, message, n);
+	text[n] = '\0';
 }
 
-zipcache_v1_Status wire_status_from_error(int zc_error)
+void wire_pb_response_set_status(wire_pb_response *resp, int zc_error, const char *message)
+{
+	resp->msg.status = wire_pb_status_from_error(zc_error);
+	message_copy(resp->msg.message, sizeof(resp->msg.message), message);
+}
+
+zipcache_v1_Status wire_pb_status_from_error(int zc_error)
+{
+	return (zipcache_v1_Status)wire_status_from_error(zc_error);
+}
+
+int wire_pb_error_from_status(zipcache_v1_Status status)
+{
+	return wire_error_from_status((int)status);
+}
+
+enum wire_status wire_status_from_error(int zc_error)
 {
 	if (zc_error >= 0)
-		return zipcache_v1_Status_OK;
+		return WIRE_STATUS_OK;
 	switch (zc_error) {
 	case ZC_EINVALID:
 	case ZC_EBITS:
@@ -663,11 +697,11 @@ zipcache_v1_Status wire_status_from_error(int zc_error)
 	case ZC_ENONFINITE:
 	case ZC_ETENSOR:
 	case ZC_EPROTOCOL:
-		return zipcache_v1_Status_INVALID_ARGUMENT;
+		return WIRE_STATUS_INVALID_ARGUMENT;
 	case ZC_ENOTFOUND:
-		return zipcache_v1_Status_NOT_FOUND;
+		return WIRE_STATUS_NOT_FOUND;
 	case ZC_EEXISTS:
-		return zipcache_v1_Status_ALREADY_EXISTS;
+		return WIRE_STATUS_ALREADY_EXISTS;
 	case ZC_EEXHAUSTED:
 	case ZC_EFRAMESIZE:
 	case -ENOMEM:
@@ -676,35 +710,742 @@ zipcache_v1_Status wire_status_from_error(int zc_error)
 	case -ENFILE:
 	case -EAGAIN:
 	case -ENOBUFS:
-		return zipcache_v1_Status_RESOURCE_EXHAUSTED;
+		return WIRE_STATUS_RESOURCE_EXHAUSTED;
 	case ZC_EDENIED:
-		return zipcache_v1_Status_PERMISSION_DENIED;
+		return WIRE_STATUS_PERMISSION_DENIED;
 	case ZC_EPRECONDITION:
-		return zipcache_v1_Status_FAILED_PRECONDITION;
+		return WIRE_STATUS_FAILED_PRECONDITION;
 	default:
-		return zipcache_v1_Status_INTERNAL;
+		return WIRE_STATUS_INTERNAL;
 	}
 }
 
-int wire_error_from_status(zipcache_v1_Status status)
+int wire_error_from_status(int status)
 {
 	switch (status) {
-	case zipcache_v1_Status_OK:
+	case WIRE_STATUS_OK:
 		return 0;
-	case zipcache_v1_Status_INVALID_ARGUMENT:
+	case WIRE_STATUS_INVALID_ARGUMENT:
 		return ZC_EINVALID;
-	case zipcache_v1_Status_NOT_FOUND:
+	case WIRE_STATUS_NOT_FOUND:
 		return ZC_ENOTFOUND;
-	case zipcache_v1_Status_ALREADY_EXISTS:
+	case WIRE_STATUS_ALREADY_EXISTS:
 		return ZC_EEXISTS;
-	case zipcache_v1_Status_RESOURCE_EXHAUSTED:
+	case WIRE_STATUS_RESOURCE_EXHAUSTED:
 		return ZC_EEXHAUSTED;
-	case zipcache_v1_Status_PERMISSION_DENIED:
+	case WIRE_STATUS_PERMISSION_DENIED:
 		return ZC_EDENIED;
-	case zipcache_v1_Status_FAILED_PRECONDITION:
+	case WIRE_STATUS_FAILED_PRECONDITION:
 		return ZC_EPRECONDITION;
-	case zipcache_v1_Status_INTERNAL:
+	case WIRE_STATUS_INTERNAL:
 	default:
 		return ZC_EINTERNAL;
 	}
+}
+
+/* ---- the plain structs of wire.h, to and from the generated ones ---- */
+
+/* The bounded fields of zipcache.options and the sizes wire.h gives them. */
+#define WIRE_SAME_SIZE(a, b) _Static_assert(sizeof(a) == sizeof(b), #a " and " #b " differ")
+WIRE_SAME_SIZE(((zipcache_v1_OpenSessionRequest *)0)->name, ((struct wire_open_request *)0)->name);
+WIRE_SAME_SIZE(((zipcache_v1_SessionInfo *)0)->name, ((zc_session_info *)0)->name);
+WIRE_SAME_SIZE(((zipcache_v1_HelloRequest *)0)->client_name,
+	       ((struct wire_hello_request *)0)->client_name);
+WIRE_SAME_SIZE(((zipcache_v1_HelloResponse *)0)->server_version,
+	       ((zc_server_info *)0)->server_version);
+WIRE_SAME_SIZE(((zipcache_v1_Response *)0)->message, ((wire_response *)0)->message);
+WIRE_SAME_SIZE(((zipcache_v1_ViewLayout *)0)->key_offsets,
+	       ((struct wire_view_layout *)0)->key_offsets);
+WIRE_SAME_SIZE(((zipcache_v1_ViewLayout *)0)->value_offsets,
+	       ((struct wire_view_layout *)0)->value_offsets);
+WIRE_SAME_SIZE(((zipcache_v1_StatsResponse *)0)->set_aside,
+	       ((struct wire_stats_response *)0)->set_aside);
+WIRE_SAME_SIZE(((zipcache_v1_SetAsideFile *)0)->file, ((zc_set_aside_file *)0)->file);
+WIRE_SAME_SIZE(((zipcache_v1_SetAsideFile *)0)->reason, ((zc_set_aside_file *)0)->reason);
+_Static_assert(WIRE_STATUS_INTERNAL == (int)zipcache_v1_Status_INTERNAL &&
+	       WIRE_STATUS_RESOURCE_EXHAUSTED == (int)zipcache_v1_Status_RESOURCE_EXHAUSTED,
+	       "enum wire_status follows zipcache.v1.Status");
+_Static_assert(ZC_POLICY_PER_CALL == (int)zipcache_v1_BlockPolicy_PER_CALL &&
+	       ZC_POLICY_STREAMING == (int)zipcache_v1_BlockPolicy_STREAMING,
+	       "zc_block_policy follows zipcache.v1.BlockPolicy");
+
+void wire_codec_from_config(const zc_codec_config *config, struct wire_codec *out)
+{
+	*out = (struct wire_codec){
+		.has_hi_bits = true, .hi_bits = config->hi_bits < 0 ? 0 : (uint32_t)config->hi_bits,
+		.has_lo_bits = true, .lo_bits = config->lo_bits < 0 ? 0 : (uint32_t)config->lo_bits,
+		.has_hi_fraction = true, .hi_fraction = config->hi_fraction,
+		.has_group_size = true,
+		.group_size = config->group_size < 0 ? 0 : (uint32_t)config->group_size,
+		.has_quantize_values = true, .quantize_values = config->quantize_values,
+	};
+}
+
+void wire_codec_to_config(const struct wire_codec *codec, zc_codec_config *config)
+{
+	if (codec->has_hi_bits)
+		config->hi_bits = codec->hi_bits > 64 ? 64 : (int)codec->hi_bits;
+	if (codec->has_lo_bits)
+		config->lo_bits = codec->lo_bits > 64 ? 64 : (int)codec->lo_bits;
+	if (codec->has_hi_fraction)
+		config->hi_fraction = codec->hi_fraction;
+	if (codec->has_group_size)
+		config->group_size = codec->group_size > ZC_MAX_BLOCK_TOKENS ? 0 : (int)codec->group_size;
+	if (codec->has_quantize_values)
+		config->quantize_values = codec->quantize_values;
+}
+
+static void codec_to_pb(const struct wire_codec *c, zipcache_v1_CodecConfig *out)
+{
+	*out = (zipcache_v1_CodecConfig){
+		.has_hi_bits = c->has_hi_bits, .hi_bits = c->hi_bits,
+		.has_lo_bits = c->has_lo_bits, .lo_bits = c->lo_bits,
+		.has_hi_fraction = c->has_hi_fraction, .hi_fraction = c->hi_fraction,
+		.has_group_size = c->has_group_size, .group_size = c->group_size,
+		.has_quantize_values = c->has_quantize_values, .quantize_values = c->quantize_values,
+	};
+}
+
+static void codec_from_pb(const zipcache_v1_CodecConfig *c, struct wire_codec *out)
+{
+	*out = (struct wire_codec){
+		.has_hi_bits = c->has_hi_bits, .hi_bits = c->hi_bits,
+		.has_lo_bits = c->has_lo_bits, .lo_bits = c->lo_bits,
+		.has_hi_fraction = c->has_hi_fraction, .hi_fraction = c->hi_fraction,
+		.has_group_size = c->has_group_size, .group_size = c->group_size,
+		.has_quantize_values = c->has_quantize_values, .quantize_values = c->quantize_values,
+	};
+}
+
+static void shape_to_pb(const struct wire_shape *s, zipcache_v1_SessionShape *out)
+{
+	*out = (zipcache_v1_SessionShape){ s->layers, s->batch, s->kv_heads, s->head_dim_k, s->head_dim_v };
+}
+
+static void shape_from_pb(const zipcache_v1_SessionShape *s, struct wire_shape *out)
+{
+	*out = (struct wire_shape){ s->layers, s->batch, s->kv_heads, s->head_dim_k, s->head_dim_v };
+}
+
+/* A session as replies describe it: shape and codec always present. */
+static void session_to_pb(const zc_session_info *info, zipcache_v1_SessionInfo *out)
+{
+	struct wire_codec codec;
+
+	memset(out, 0, sizeof(*out));
+	out->session_id = info->id;
+	memcpy(out->name, info->name, sizeof(out->name));
+	out->name[sizeof(out->name) - 1] = '\0';
+	out->has_shape = true;
+	out->shape = (zipcache_v1_SessionShape){ info->layers, info->batch, info->kv_heads,
+						 info->head_dim_k, info->head_dim_v };
+	out->max_tokens = info->max_tokens;
+	out->has_codec = true;
+	wire_codec_from_config(&info->codec, &codec);
+	codec_to_pb(&codec, &out->codec);
+	out->policy = info->policy == ZC_POLICY_PER_CALL ? zipcache_v1_BlockPolicy_PER_CALL :
+							   zipcache_v1_BlockPolicy_STREAMING;
+	out->residual_tokens = info->residual_tokens;
+	out->min_tokens = info->min_tokens;
+	out->max_layer_tokens = info->max_layer_tokens;
+	out->idle_ms = info->idle_ms;
+}
+
+static void session_from_pb(const zipcache_v1_SessionInfo *w, zc_session_info *info)
+{
+	struct wire_codec codec;
+
+	memset(info, 0, sizeof(*info));
+	info->id = w->session_id;
+	memcpy(info->name, w->name, sizeof(info->name));
+	info->layers = w->shape.layers;
+	info->batch = w->shape.batch;
+	info->kv_heads = w->shape.kv_heads;
+	info->head_dim_k = w->shape.head_dim_k;
+	info->head_dim_v = w->shape.head_dim_v;
+	info->max_tokens = w->max_tokens;
+	codec_from_pb(&w->codec, &codec);
+	wire_codec_to_config(&codec, &info->codec);
+	info->policy = w->policy == zipcache_v1_BlockPolicy_PER_CALL ? ZC_POLICY_PER_CALL :
+								       ZC_POLICY_STREAMING;
+	info->residual_tokens = w->residual_tokens;
+	info->min_tokens = w->min_tokens;
+	info->max_layer_tokens = w->max_layer_tokens;
+	info->idle_ms = w->idle_ms;
+}
+
+static void layer_to_pb(const zc_layer_stats *s, zipcache_v1_LayerStats *out)
+{
+	*out = (zipcache_v1_LayerStats){
+		.layer = s->layer,
+		.tokens = s->tokens,
+		.residual_tokens = s->residual_tokens,
+		.compressed_key_bytes = s->compressed_key_bytes,
+		.compressed_value_bytes = s->compressed_value_bytes,
+		.baseline_key_bytes = s->baseline_key_bytes,
+		.baseline_value_bytes = s->baseline_value_bytes,
+		.fp16_key_bytes = s->fp16_key_bytes,
+		.fp16_value_bytes = s->fp16_value_bytes,
+		.compression_ratio = s->compression_ratio,
+		.effective_avg_bits = s->effective_avg_bits,
+		.blocks = s->blocks,
+	};
+}
+
+static void layer_from_pb(const zipcache_v1_LayerStats *w, zc_layer_stats *out)
+{
+	*out = (zc_layer_stats){
+		.layer = w->layer,
+		.tokens = w->tokens,
+		.residual_tokens = w->residual_tokens,
+		.blocks = w->blocks,
+		.compressed_key_bytes = w->compressed_key_bytes,
+		.compressed_value_bytes = w->compressed_value_bytes,
+		.baseline_key_bytes = w->baseline_key_bytes,
+		.baseline_value_bytes = w->baseline_value_bytes,
+		.fp16_key_bytes = w->fp16_key_bytes,
+		.fp16_value_bytes = w->fp16_value_bytes,
+		.compression_ratio = w->compression_ratio,
+		.effective_avg_bits = w->effective_avg_bits,
+	};
+}
+
+static void convert_layer(const void *item, union pb_entry *out)
+{
+	layer_to_pb(item, &out->layer);
+}
+
+static void convert_session(const void *item, union pb_entry *out)
+{
+	session_to_pb(item, &out->session);
+}
+
+static void request_to_pb(const wire_request *req, wire_pb_request *out)
+{
+	zipcache_v1_Request *msg = &out->msg;
+
+	memset(out, 0, sizeof(*out));
+	msg->request_id = req->request_id;
+	switch (req->op) {
+	case WIRE_OP_HELLO:
+		msg->which_op = zipcache_v1_Request_hello_tag;
+		msg->op.hello.protocol_version = req->hello.protocol_version;
+		memcpy(msg->op.hello.client_name, req->hello.client_name,
+		       sizeof(msg->op.hello.client_name));
+		break;
+	case WIRE_OP_OPEN_SESSION: {
+		const struct wire_open_request *o = &req->open_session;
+		zipcache_v1_OpenSessionRequest *p = &msg->op.open_session;
+
+		msg->which_op = zipcache_v1_Request_open_session_tag;
+		memcpy(p->name, o->name, sizeof(p->name));
+		p->has_shape = o->has_shape;
+		shape_to_pb(&o->shape, &p->shape);
+		p->max_tokens = o->max_tokens;
+		p->has_codec = o->has_codec;
+		codec_to_pb(&o->codec, &p->codec);
+		p->policy = (zipcache_v1_BlockPolicy)o->policy;
+		p->has_residual_tokens = o->has_residual_tokens;
+		p->residual_tokens = o->residual_tokens;
+		p->attach = o->attach;
+		break;
+	}
+	case WIRE_OP_UPDATE_AND_FETCH: {
+		const struct wire_update_request *u = &req->update_and_fetch;
+		zipcache_v1_UpdateAndFetchRequest *p = &msg->op.update_and_fetch;
+
+		msg->which_op = zipcache_v1_Request_update_and_fetch_tag;
+		p->session_id = u->session_id;
+		p->layer = u->layer;
+		p->tokens = u->tokens;
+		p->staged = u->staged;
+		p->keys_offset = u->keys_offset;
+		p->values_offset = u->values_offset;
+		out->keys = u->keys;
+		out->values = u->values;
+		break;
+	}
+	case WIRE_OP_TRIM:
+		msg->which_op = zipcache_v1_Request_trim_tag;
+		msg->op.trim = (zipcache_v1_TrimRequest){ req->trim.session_id, req->trim.tokens,
+							  req->trim.has_layer, req->trim.layer };
+		break;
+	case WIRE_OP_CLOSE_SESSION:
+		msg->which_op = zipcache_v1_Request_close_session_tag;
+		msg->op.close_session.session_id = req->close_session.session_id;
+		break;
+	case WIRE_OP_STATS:
+		msg->which_op = zipcache_v1_Request_stats_tag;
+		msg->op.stats.session_id = req->stats.session_id;
+		msg->op.stats.use = req->stats.use;
+		break;
+	case WIRE_OP_LIST_SESSIONS:
+		msg->which_op = zipcache_v1_Request_list_sessions_tag;
+		break;
+	case WIRE_OP_STAGING:
+		msg->which_op = zipcache_v1_Request_staging_tag;
+		msg->op.staging.bytes = req->staging.bytes;
+		break;
+	case WIRE_OP_NONE:
+		break;
+	}
+}
+
+static void request_from_pb(const wire_pb_request *in, wire_request *out)
+{
+	const zipcache_v1_Request *msg = &in->msg;
+
+	memset(out, 0, sizeof(*out));
+	out->request_id = msg->request_id;
+	switch (msg->which_op) {
+	case zipcache_v1_Request_hello_tag:
+		out->op = WIRE_OP_HELLO;
+		out->hello.protocol_version = msg->op.hello.protocol_version;
+		memcpy(out->hello.client_name, msg->op.hello.client_name, sizeof(out->hello.client_name));
+		break;
+	case zipcache_v1_Request_open_session_tag: {
+		const zipcache_v1_OpenSessionRequest *p = &msg->op.open_session;
+		struct wire_open_request *o = &out->open_session;
+
+		out->op = WIRE_OP_OPEN_SESSION;
+		memcpy(o->name, p->name, sizeof(o->name));
+		o->has_shape = p->has_shape;
+		shape_from_pb(&p->shape, &o->shape);
+		o->max_tokens = p->max_tokens;
+		o->has_codec = p->has_codec;
+		codec_from_pb(&p->codec, &o->codec);
+		o->policy = (int)p->policy;
+		o->has_residual_tokens = p->has_residual_tokens;
+		o->residual_tokens = p->residual_tokens;
+		o->attach = p->attach;
+		break;
+	}
+	case zipcache_v1_Request_update_and_fetch_tag: {
+		const zipcache_v1_UpdateAndFetchRequest *p = &msg->op.update_and_fetch;
+		struct wire_update_request *u = &out->update_and_fetch;
+
+		out->op = WIRE_OP_UPDATE_AND_FETCH;
+		u->session_id = p->session_id;
+		u->layer = p->layer;
+		u->tokens = p->tokens;
+		u->keys = in->keys;
+		u->values = in->values;
+		u->staged = p->staged;
+		u->keys_offset = p->keys_offset;
+		u->values_offset = p->values_offset;
+		break;
+	}
+	case zipcache_v1_Request_trim_tag:
+		out->op = WIRE_OP_TRIM;
+		out->trim = (struct wire_trim_request){ msg->op.trim.session_id, msg->op.trim.tokens,
+							msg->op.trim.has_layer, msg->op.trim.layer };
+		break;
+	case zipcache_v1_Request_close_session_tag:
+		out->op = WIRE_OP_CLOSE_SESSION;
+		out->close_session.session_id = msg->op.close_session.session_id;
+		break;
+	case zipcache_v1_Request_stats_tag:
+		out->op = WIRE_OP_STATS;
+		out->stats.session_id = msg->op.stats.session_id;
+		out->stats.use = msg->op.stats.use;
+		break;
+	case zipcache_v1_Request_list_sessions_tag:
+		out->op = WIRE_OP_LIST_SESSIONS;
+		break;
+	case zipcache_v1_Request_staging_tag:
+		out->op = WIRE_OP_STAGING;
+		out->staging.bytes = msg->op.staging.bytes;
+		break;
+	default:
+		out->op = WIRE_OP_NONE;
+		break;
+	}
+}
+
+int wire_request_decode(const uint8_t *frame, size_t len, wire_request *out)
+{
+	wire_pb_request pb;
+	int rc = wire_pb_request_decode(frame, len, &pb);
+
+	request_from_pb(&pb, out);
+	if (rc < 0) {
+		out->op = WIRE_OP_NONE;
+		if (pb.error == pb.reason) {
+			memcpy(out->reason, pb.reason, sizeof(out->reason));
+			out->error = out->reason;
+		} else {
+			out->error = pb.error;
+		}
+	}
+	return rc;
+}
+
+int wire_request_frame_size(const wire_request *req, size_t *size)
+{
+	wire_pb_request pb;
+
+	request_to_pb(req, &pb);
+	return wire_pb_request_frame_size(&pb, size);
+}
+
+int wire_request_encode(const wire_request *req, uint8_t *buf, size_t cap, size_t *frame_len)
+{
+	wire_pb_request pb;
+
+	request_to_pb(req, &pb);
+	return wire_pb_request_encode(&pb, buf, cap, frame_len);
+}
+
+static void view_to_pb(const struct wire_view_layout *v, zipcache_v1_ViewLayout *out)
+{
+	out->mapping_bytes = v->mapping_bytes;
+	out->header_bytes = v->header_bytes;
+	out->key_offsets_count = (pb_size_t)(v->key_offsets_count > ZC_MAX_LAYERS ? ZC_MAX_LAYERS :
+					     v->key_offsets_count);
+	memcpy(out->key_offsets, v->key_offsets, out->key_offsets_count * sizeof(uint64_t));
+	out->value_offsets_count = (pb_size_t)(v->value_offsets_count > ZC_MAX_LAYERS ? ZC_MAX_LAYERS :
+					       v->value_offsets_count);
+	memcpy(out->value_offsets, v->value_offsets, out->value_offsets_count * sizeof(uint64_t));
+}
+
+static void view_from_pb(const zipcache_v1_ViewLayout *v, struct wire_view_layout *out)
+{
+	out->mapping_bytes = v->mapping_bytes;
+	out->header_bytes = v->header_bytes;
+	out->key_offsets_count = v->key_offsets_count;
+	memcpy(out->key_offsets, v->key_offsets, v->key_offsets_count * sizeof(uint64_t));
+	out->value_offsets_count = v->value_offsets_count;
+	memcpy(out->value_offsets, v->value_offsets, v->value_offsets_count * sizeof(uint64_t));
+}
+
+static void stats_to_pb(const struct wire_stats_response *s, zipcache_v1_StatsResponse *out)
+{
+	out->has_session = s->has_session;
+	if (s->has_session)
+		session_to_pb(&s->session, &out->session);
+	out->has_total = s->has_total;
+	layer_to_pb(&s->total, &out->total);
+	out->sessions = s->sessions;
+	out->connections = s->connections;
+	out->memory_used_bytes = s->memory_used_bytes;
+	out->memory_budget_bytes = s->memory_budget_bytes;
+	out->requests = s->requests;
+	out->request_errors = s->request_errors;
+	out->tokens_appended = s->tokens_appended;
+	out->uptime_ms = s->uptime_ms;
+	out->boot_epoch = s->boot_epoch;
+	out->has_caller = s->has_caller;
+	out->caller = (zipcache_v1_UidUsage){
+		s->caller.uid, s->caller.sessions, s->caller.max_sessions, s->caller.connections,
+		s->caller.max_connections, s->caller.memory_used_bytes, s->caller.memory_budget_bytes,
+		s->caller.staging_bytes, s->caller.max_staging_bytes,
+	};
+	out->daemon_wide = s->daemon_wide;
+	out->staging_bytes = s->staging_bytes;
+	out->reply_queue_bytes = s->reply_queue_bytes;
+	out->memory_file_bytes = s->memory_file_bytes;
+	out->set_aside_count = (pb_size_t)(s->set_aside_count > WIRE_MAX_SET_ASIDE ? WIRE_MAX_SET_ASIDE :
+					   s->set_aside_count);
+	for (pb_size_t i = 0; i < out->set_aside_count; i++) {
+		memcpy(out->set_aside[i].file, s->set_aside[i].file, sizeof(out->set_aside[i].file));
+		memcpy(out->set_aside[i].reason, s->set_aside[i].reason, sizeof(out->set_aside[i].reason));
+	}
+	out->set_aside_total = s->set_aside_total;
+	out->has_memory = s->has_memory;
+	out->memory = (zipcache_v1_MemoryByKind){ s->memory.views, s->memory.blocks, s->memory.residual,
+						  s->memory.index, s->memory.headers };
+}
+
+static void stats_from_pb(const zipcache_v1_StatsResponse *s, struct wire_stats_response *out)
+{
+	out->has_session = s->has_session;
+	if (s->has_session)
+		session_from_pb(&s->session, &out->session);
+	out->has_total = s->has_total;
+	layer_from_pb(&s->total, &out->total);
+	out->sessions = s->sessions;
+	out->connections = s->connections;
+	out->memory_used_bytes = s->memory_used_bytes;
+	out->memory_budget_bytes = s->memory_budget_bytes;
+	out->requests = s->requests;
+	out->request_errors = s->request_errors;
+	out->tokens_appended = s->tokens_appended;
+	out->uptime_ms = s->uptime_ms;
+	out->boot_epoch = s->boot_epoch;
+	out->has_caller = s->has_caller;
+	out->caller = (struct wire_uid_usage){
+		s->caller.uid, s->caller.sessions, s->caller.max_sessions, s->caller.connections,
+		s->caller.max_connections, s->caller.memory_used_bytes, s->caller.memory_budget_bytes,
+		s->caller.staging_bytes, s->caller.max_staging_bytes,
+	};
+	out->daemon_wide = s->daemon_wide;
+	out->staging_bytes = s->staging_bytes;
+	out->reply_queue_bytes = s->reply_queue_bytes;
+	out->memory_file_bytes = s->memory_file_bytes;
+	out->set_aside_count = s->set_aside_count;
+	for (pb_size_t i = 0; i < s->set_aside_count; i++) {
+		memcpy(out->set_aside[i].file, s->set_aside[i].file, sizeof(out->set_aside[i].file));
+		memcpy(out->set_aside[i].reason, s->set_aside[i].reason, sizeof(out->set_aside[i].reason));
+	}
+	out->set_aside_total = s->set_aside_total;
+	out->has_memory = s->has_memory;
+	out->memory = (struct wire_memory_by_kind){ s->memory.views, s->memory.blocks, s->memory.residual,
+						    s->memory.index, s->memory.headers };
+}
+
+/*
+ * The generated response for a plain one: the header and the op's member
+ * only (the struct is ~17 KiB, and the other members are never read), the
+ * list callbacks planted over the caller's plain arrays. Returns NULL for
+ * a list too long for any decoder to accept.
+ */
+static const zipcache_v1_Response *plain_response_prepare(const wire_response *resp,
+							  zipcache_v1_Response *msg,
+							  struct encode_list *list)
+{
+	pb_callback_t *cb = NULL;
+
+	msg->request_id = resp->request_id;
+	msg->status = (zipcache_v1_Status)resp->status;
+	memcpy(msg->message, resp->message, sizeof(msg->message));
+	msg->fds = resp->fds;
+	switch (resp->op) {
+	case WIRE_OP_HELLO: {
+		const zc_server_info *h = &resp->hello;
+
+		msg->which_op = zipcache_v1_Response_hello_tag;
+		msg->op.hello = (zipcache_v1_HelloResponse){
+			.protocol_version = h->protocol_version,
+			.boot_epoch = h->boot_epoch,
+			.max_frame_bytes = h->max_frame_bytes,
+			.max_inline_bytes = h->max_inline_bytes,
+			.max_sessions = h->max_sessions,
+			.max_tokens_per_session = h->max_tokens_per_session,
+			.memory_budget_bytes = h->memory_budget_bytes,
+		};
+		memcpy(msg->op.hello.server_version, h->server_version,
+		       sizeof(msg->op.hello.server_version));
+		break;
+	}
+	case WIRE_OP_OPEN_SESSION: {
+		const struct wire_open_response *o = &resp->open_session;
+		zipcache_v1_OpenSessionResponse *p = &msg->op.open_session;
+
+		msg->which_op = zipcache_v1_Response_open_session_tag;
+		memset(p, 0, sizeof(*p));
+		p->has_session = o->has_session;
+		if (o->has_session)
+			session_to_pb(&o->session, &p->session);
+		p->has_view = o->has_view;
+		if (o->has_view)
+			view_to_pb(&o->view, &p->view);
+		p->attached = o->attached;
+		break;
+	}
+	case WIRE_OP_UPDATE_AND_FETCH: {
+		const struct wire_update_response *u = &resp->update_and_fetch;
+
+		msg->which_op = zipcache_v1_Response_update_and_fetch_tag;
+		msg->op.update_and_fetch.tokens = u->tokens;
+		msg->op.update_and_fetch.has_stats = u->has_stats;
+		layer_to_pb(&u->stats, &msg->op.update_and_fetch.stats);
+		msg->op.update_and_fetch.sequence = u->sequence;
+		break;
+	}
+	case WIRE_OP_TRIM:
+		msg->which_op = zipcache_v1_Response_trim_tag;
+		msg->op.trim = (zipcache_v1_TrimResponse){ resp->trim.trimmed, resp->trim.tokens };
+		break;
+	case WIRE_OP_CLOSE_SESSION:
+		msg->which_op = zipcache_v1_Response_close_session_tag;
+		memset(&msg->op.close_session, 0, sizeof(msg->op.close_session));
+		break;
+	case WIRE_OP_STATS:
+		msg->which_op = zipcache_v1_Response_stats_tag;
+		memset(&msg->op.stats, 0, sizeof(msg->op.stats));
+		stats_to_pb(&resp->stats, &msg->op.stats);
+		*list = (struct encode_list){ resp->layers, resp->n_layers, sizeof(zc_layer_stats),
+					      &zipcache_v1_LayerStats_msg, convert_layer };
+		cb = &msg->op.stats.layers;
+		break;
+	case WIRE_OP_LIST_SESSIONS:
+		msg->which_op = zipcache_v1_Response_list_sessions_tag;
+		memset(&msg->op.list_sessions, 0, sizeof(msg->op.list_sessions));
+		*list = (struct encode_list){ resp->sessions, resp->n_sessions, sizeof(zc_session_info),
+					      &zipcache_v1_SessionInfo_msg, convert_session };
+		cb = &msg->op.list_sessions.sessions;
+		break;
+	case WIRE_OP_STAGING:
+		msg->which_op = zipcache_v1_Response_staging_tag;
+		msg->op.staging.bytes = resp->staging.bytes;
+		break;
+	case WIRE_OP_NONE:
+		msg->which_op = 0;
+		break;
+	}
+	if (!cb)
+		return msg;
+	if (list->n > WIRE_MAX_LIST_ITEMS || (list->n > 0 && list->items == NULL))
+		return NULL;
+	cb->funcs.encode = encode_list;
+	cb->arg = list;
+	return msg;
+}
+
+int wire_response_frame_size(const wire_response *resp, size_t *size)
+{
+	zipcache_v1_Response msg;
+	struct encode_list list;
+	const zipcache_v1_Response *prepared = plain_response_prepare(resp, &msg, &list);
+
+	if (prepared == NULL)
+		return ZC_EINVALID;
+	return frame_size(&zipcache_v1_Response_msg, prepared, size);
+}
+
+int wire_response_encode(const wire_response *resp, uint8_t *buf, size_t cap, size_t *frame_len)
+{
+	zipcache_v1_Response msg;
+	struct encode_list list;
+	const zipcache_v1_Response *prepared = plain_response_prepare(resp, &msg, &list);
+
+	if (prepared == NULL)
+		return ZC_EINVALID;
+	return encode_frame(&zipcache_v1_Response_msg, prepared, buf, cap, frame_len);
+}
+
+/* The lists of a decoded response, converted; the generated ones freed. */
+static int lists_from_pb(wire_pb_response *pb, wire_response *out)
+{
+	if (pb->n_layers > 0) {
+		out->layers = calloc(pb->n_layers, sizeof(*out->layers));
+		if (!out->layers)
+			return -ENOMEM;
+		for (size_t i = 0; i < pb->n_layers; i++)
+			layer_from_pb(&pb->layers[i], &out->layers[i]);
+		out->n_layers = pb->n_layers;
+	}
+	if (pb->n_sessions > 0) {
+		out->sessions = calloc(pb->n_sessions, sizeof(*out->sessions));
+		if (!out->sessions)
+			return -ENOMEM;
+		for (size_t i = 0; i < pb->n_sessions; i++)
+			session_from_pb(&pb->sessions[i], &out->sessions[i]);
+		out->n_sessions = pb->n_sessions;
+	}
+	return 0;
+}
+
+int wire_response_decode(const uint8_t *frame, size_t len, wire_response *out)
+{
+	wire_pb_response decoded, *pb = &decoded;
+	const zipcache_v1_Response *msg;
+	int rc;
+
+	memset(out, 0, sizeof(*out));
+	rc = wire_pb_response_decode(frame, len, pb);
+	if (rc < 0) {
+		out->error = pb->error;
+		return rc;
+	}
+	msg = &pb->msg;
+	out->request_id = msg->request_id;
+	out->status = (int)msg->status;
+	memcpy(out->message, msg->message, sizeof(out->message));
+	out->fds = msg->fds;
+	switch (msg->which_op) {
+	case zipcache_v1_Response_hello_tag: {
+		const zipcache_v1_HelloResponse *h = &msg->op.hello;
+
+		out->op = WIRE_OP_HELLO;
+		out->hello = (zc_server_info){
+			.protocol_version = h->protocol_version,
+			.boot_epoch = h->boot_epoch,
+			.max_frame_bytes = h->max_frame_bytes,
+			.max_inline_bytes = h->max_inline_bytes,
+			.max_sessions = h->max_sessions,
+			.max_tokens_per_session = h->max_tokens_per_session,
+			.memory_budget_bytes = h->memory_budget_bytes,
+		};
+		memcpy(out->hello.server_version, h->server_version, sizeof(out->hello.server_version));
+		break;
+	}
+	case zipcache_v1_Response_open_session_tag: {
+		const zipcache_v1_OpenSessionResponse *p = &msg->op.open_session;
+
+		out->op = WIRE_OP_OPEN_SESSION;
+		out->open_session.has_session = p->has_session;
+		session_from_pb(&p->session, &out->open_session.session);
+		out->open_session.has_view = p->has_view;
+		view_from_pb(&p->view, &out->open_session.view);
+		out->open_session.attached = p->attached;
+		break;
+	}
+	case zipcache_v1_Response_update_and_fetch_tag:
+		out->op = WIRE_OP_UPDATE_AND_FETCH;
+		out->update_and_fetch.tokens = msg->op.update_and_fetch.tokens;
+		out->update_and_fetch.has_stats = msg->op.update_and_fetch.has_stats;
+		layer_from_pb(&msg->op.update_and_fetch.stats, &out->update_and_fetch.stats);
+		out->update_and_fetch.sequence = msg->op.update_and_fetch.sequence;
+		break;
+	case zipcache_v1_Response_trim_tag:
+		out->op = WIRE_OP_TRIM;
+		out->trim.trimmed = msg->op.trim.trimmed;
+		out->trim.tokens = msg->op.trim.tokens;
+		break;
+	case zipcache_v1_Response_close_session_tag:
+		out->op = WIRE_OP_CLOSE_SESSION;
+		break;
+	case zipcache_v1_Response_stats_tag:
+		out->op = WIRE_OP_STATS;
+		stats_from_pb(&msg->op.stats, &out->stats);
+		break;
+	case zipcache_v1_Response_list_sessions_tag:
+		out->op = WIRE_OP_LIST_SESSIONS;
+		break;
+	case zipcache_v1_Response_staging_tag:
+		out->op = WIRE_OP_STAGING;
+		out->staging.bytes = msg->op.staging.bytes;
+		break;
+	default:
+		out->op = WIRE_OP_NONE;
+		break;
+	}
+	rc = lists_from_pb(pb, out);
+	wire_pb_response_free(pb);
+	if (rc < 0) {
+		free(out->layers);
+		free(out->sessions);
+		memset(out, 0, sizeof(*out));
+		out->error = "out of memory";
+		return rc;
+	}
+	out->lists_owned = 1;
+	return 0;
+}
+
+void wire_response_free(wire_response *resp)
+{
+	if (resp->lists_owned) {
+		free(resp->layers);
+		free(resp->sessions);
+	}
+	resp->layers = NULL;
+	resp->n_layers = 0;
+	resp->sessions = NULL;
+	resp->n_sessions = 0;
+	resp->lists_owned = 0;
+}
+
+void wire_response_init(wire_response *resp, uint64_t request_id, enum wire_op op)
+{
+	memset(resp, 0, sizeof(*resp));
+	resp->request_id = request_id;
+	resp->op = op;
+}
+
+void wire_response_set_status(wire_response *resp, int zc_error, const char *message)
+{
+	resp->status = (int)wire_status_from_error(zc_error);
+	message_copy(resp->message, sizeof(resp->message), message);
 }

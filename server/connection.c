@@ -1,6 +1,6 @@
 /*
  * One client connection's I/O: reading frames into the frame reader,
- * handing each to dispatch, and writing reply frames (with descriptors)
+ * handing each to the owner, and writing reply frames (with descriptors)
  * with sendmsg. See connection.h for the states.
  */
 #include "connection.h"
@@ -13,12 +13,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "dispatch.h"
 #include "log.h"
-#include "quota.h"
-#include "server.h"
-#include "staging.h"
-#include "store.h"
 
 /* Requests a connection may have in flight before we stop reading it:
  * deep enough for a 128-layer pipelined step, small enough that one
@@ -34,11 +29,6 @@
  * back to the system (malloc keeps them otherwise: the RSS of a daemon
  * that once buffered for slow clients would stay high). */
 #define TRIM_AFTER_BYTES (1u << 20)
-
-/* Below this share of --max-reply-queue-total, connections paused for the
- * total read again (hysteresis: no flapping at the line). */
-#define TOTAL_RESUME_NUM 3
-#define TOTAL_RESUME_DEN 4
 
 /* Reads per readiness event, so one busy client cannot starve others. */
 #define READS_PER_EVENT 16
@@ -66,17 +56,17 @@ static void out_frame_free(struct out_frame *frame)
 	free(frame);
 }
 
-void connection_ref(struct connection *connection)
+static void connection_ref(struct connection *connection)
 {
 	connection->refs++;
 }
 
-void connection_unref(struct connection *connection)
+static void connection_unref(struct connection *connection)
 {
 	if (--connection->refs > 0)
 		return;
 	frame_reader_free(&connection->reader);
-	free(connection);
+	connection->callbacks->freed(connection);
 }
 
 static void on_close(uv_handle_t *handle)
@@ -94,54 +84,16 @@ static void on_resume_closed(uv_handle_t *handle)
 static void flow_update(struct connection *connection);
 
 /*
- * Whether the replies queued over all connections passed
- * --max-reply-queue-total (and, once past, whether they are still above
- * the resume mark). On a change every connection is looked at again:
- * those with replies waiting pause, or read again.
- */
-static void replies_total_update(struct server *server)
-{
-	uint64_t total = server->options.max_reply_queue_total;
-	bool over = server->replies_over ?
-		server->reply_queue_bytes >= total / TOTAL_RESUME_DEN * TOTAL_RESUME_NUM :
-		server->reply_queue_bytes >= total;
-	if (over == server->replies_over)
-		return;
-	server->replies_over = over;
-	log_info("connection", over ? "reply queues full" : "reply queues drained",
-		 "queued_bytes=%llu limit=%llu", (unsigned long long)server->reply_queue_bytes,
-		 (unsigned long long)total);
-	for (struct connection *c = server->connections, *next; c; c = next) {
-		next = c->next;
-		flow_update(c);
-	}
-}
-
-/*
- * Brings the counts in line with the bytes queued now. Reply bytes are
- * heap, which the cgroup counts like the session files, so they are
- * charged to the uid's memory budget and the daemon's. The charge is
- * forced: a reply to work already done cannot be refused, and the queue
- * bounds keep what passes the budget bounded; new sessions and blocks see
- * the room taken until the client reads or goes.
+ * Tells the owner how the bytes queued now differ from what it was told
+ * last (it charges them), and gives the heap back after a large queue.
  */
 static void queue_account(struct connection *connection)
 {
-	struct server *server = connection->server;
-	struct quota_usage *quota = connection->quota;
-
-	if (connection->out_bytes > connection->out_charged) {
-		size_t more = connection->out_bytes - connection->out_charged;
-		store_budget_force(&quota->memory, more);
-		server->reply_queue_bytes += more;
-		quota->reply_queue_bytes += more;
-	} else if (connection->out_bytes < connection->out_charged) {
-		size_t less = connection->out_charged - connection->out_bytes;
-		store_budget_give(&quota->memory, less);
-		server->reply_queue_bytes -= less;
-		quota->reply_queue_bytes -= less;
+	if (connection->out_bytes != connection->out_reported) {
+		int64_t delta = (int64_t)connection->out_bytes - (int64_t)connection->out_reported;
+		connection->out_reported = connection->out_bytes;
+		connection->callbacks->queued(connection, delta);
 	}
-	connection->out_charged = connection->out_bytes;
 	if (connection->out_bytes > connection->out_peak)
 		connection->out_peak = connection->out_bytes;
 	if (connection->out_bytes == 0) {
@@ -149,22 +101,20 @@ static void queue_account(struct connection *connection)
 			malloc_trim(0);
 		connection->out_peak = 0;
 	}
-	replies_total_update(server);
+}
+
+void connection_set_total_over(struct connection *connection, bool over)
+{
+	connection->total_over = over;
+	if (connection->state != CONNECTION_CLOSING)
+		flow_update(connection);
 }
 
 void connection_close(struct connection *connection)
 {
-	struct server *server = connection->server;
 	if (connection->state == CONNECTION_CLOSING)
 		return;
 	connection->state = CONNECTION_CLOSING;
-	if (connection->prev)
-		connection->prev->next = connection->next;
-	else
-		server->connections = connection->next;
-	if (connection->next)
-		connection->next->prev = connection->prev;
-	server->n_connections--;
 	while (connection->out_head) {
 		struct out_frame *frame = connection->out_head;
 		connection->out_head = frame->next;
@@ -174,14 +124,11 @@ void connection_close(struct connection *connection)
 	connection->out_bytes = 0;
 	connection->out_fds = 0;
 	queue_account(connection);
-	connection->quota->connections--;
-	staging_unref(connection->staging);
-	connection->staging = NULL;
 	log_debug("connection", "closed", "connection=%llu uid=%u pid=%d",
 		  (unsigned long long)connection->id, connection->uid, connection->pid);
 	uv_close((uv_handle_t *)&connection->resume, on_resume_closed);
 	uv_close((uv_handle_t *)&connection->poll, on_close);
-	dispatch_connection_closed(server);
+	connection->callbacks->closing(connection);
 }
 
 static void on_poll(uv_poll_t *handle, int status, int events);
@@ -214,12 +161,11 @@ static void on_resume(uv_idle_t *handle);
 
 static void flow_update(struct connection *connection)
 {
-	const struct server *server = connection->server;
 	bool backlogged = connection->out_bytes > 0;
 	bool busy = connection->in_flight >= MAX_IN_FLIGHT ||
-		    connection->out_bytes >= server->options.max_reply_queue_bytes ||
+		    connection->out_bytes >= connection->limits->max_reply_queue_bytes ||
 		    connection->out_fds >= CONNECTION_MAX_QUEUED_FDS ||
-		    (backlogged && (server->replies_over ||
+		    (backlogged && (connection->total_over ||
 				    connection->in_flight >= MAX_IN_FLIGHT_BACKLOGGED));
 	if (connection->state == CONNECTION_OPEN && busy) {
 		connection->state = CONNECTION_PAUSED;
@@ -227,7 +173,7 @@ static void flow_update(struct connection *connection)
 		connection->state = CONNECTION_OPEN;
 		/* Frames read before the pause come before anything new, but
 		 * not from here: this may run inside a job's done callback, and
-		 * a dispatch from there could close and free that job's session. */
+		 * a request from there could close and free that job's session. */
 		if (frame_reader_buffered(&connection->reader) > 0 || connection->peer_closed)
 			uv_idle_start(&connection->resume, on_resume);
 	}
@@ -333,11 +279,25 @@ out_drop:
 	return rc;
 }
 
-void connection_request_done(struct connection *connection)
+static void request_begin(struct connection *connection)
+{
+	connection->in_flight++;
+	connection_ref(connection);
+}
+
+void connection_request_begin(struct connection *connection)
+{
+	/* Runs inside a request, which ends after this one began: the flow
+	 * is looked at then. */
+	request_begin(connection);
+}
+
+void connection_request_end(struct connection *connection)
 {
 	connection->in_flight--;
 	if (connection->state != CONNECTION_CLOSING)
 		flow_update(connection);
+	connection_unref(connection);
 }
 
 void connection_drain(struct connection *connection)
@@ -348,7 +308,7 @@ void connection_drain(struct connection *connection)
 	poll_update(connection);
 }
 
-/* Hands every complete frame to dispatch; stops early if the connection
+/* Hands every complete frame to the owner; stops early if the connection
  * was closed or paused meanwhile. Runs only from the loop's own callbacks
  * (readable, resume), never from inside a request: see flow_update. */
 static void frames_dispatch(struct connection *connection)
@@ -362,8 +322,8 @@ static void frames_dispatch(struct connection *connection)
 	connection->dispatching = true;
 	while (connection->state == CONNECTION_OPEN &&
 	       (rc = frame_reader_next(&connection->reader, &frame, &len)) == 1) {
-		connection->in_flight++;
-		dispatch_request(connection, frame, len);
+		request_begin(connection);
+		connection->callbacks->frame(connection, frame, len);
 		if (connection->state == CONNECTION_CLOSING)
 			return;
 		frame_reader_consume(&connection->reader);
@@ -375,7 +335,8 @@ static void frames_dispatch(struct connection *connection)
 	if (rc < 0) {
 		/* The stream cannot be resynchronised after an oversized frame:
 		 * say why, then close once the reply is out. */
-		dispatch_reject_frame(connection, rc);
+		request_begin(connection);
+		connection->callbacks->frame_error(connection, rc);
 		connection_drain(connection);
 	} else if (connection->peer_closed) {
 		/* Every whole frame is served; a partial one died with its sender. */
@@ -437,73 +398,38 @@ static void on_poll(uv_poll_t *handle, int status, int events)
 		flow_update(connection);
 }
 
-/* Counts, logs and refuses a connection we will not serve, then closes it. */
-static void connection_refuse(struct server *server, int fd, const char *reason,
-			      const char *message)
+int connection_init(struct connection *connection, uv_loop_t *loop, int fd, uint32_t uid,
+		    int32_t pid, const struct connection_callbacks *callbacks,
+		    const struct connection_limits *limits, void *data)
 {
-	metrics_error_reason(&server->metrics, METRICS_REASON_CONNECTION_REFUSED);
-	log_warn("connection", "refused", "reason=\"%s\" message=\"%s\"", reason, message);
-	dispatch_refuse_connection(server, fd, message);
-	close(fd);
-}
+	int rc;
 
-void connection_accept(struct server *server, int fd)
-{
-	struct ucred credentials;
-	socklen_t length = sizeof(credentials);
-	struct connection *connection;
-	char message[160];
-
-	if (server->n_connections >= server->options.max_connections || server->stopping) {
-		snprintf(message, sizeof(message), server->stopping ? "the daemon is stopping" :
-			 "connection limit of %u reached", server->options.max_connections);
-		connection_refuse(server, fd, server->stopping ? "stopping" : "connection limit", message);
-		return;
-	}
-	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) < 0) {
-		log_warn("connection", "refused: no peer credentials", "error=%s", strerror(errno));
-		close(fd);
-		return;
-	}
-	struct quota_usage *quota = quota_usage_of(&server->quotas, credentials.uid);
-	if (!quota) {
-		connection_refuse(server, fd, "out of memory", "out of memory for this uid's quota entry");
-		return;
-	}
-	uint64_t uid_limit = quota_limits_of(&server->quotas, quota)->connections;
-	if (uid_limit && quota->connections >= uid_limit) {
-		snprintf(message, sizeof(message),
-			 "connection limit of %llu per uid reached (uid %u has %u; --max-connections-per-uid)",
-			 (unsigned long long)uid_limit, (unsigned)credentials.uid, quota->connections);
-		connection_refuse(server, fd, "uid connection limit", message);
-		return;
-	}
-	connection = calloc(1, sizeof(*connection));
-	if (!connection || uv_poll_init(server->loop, &connection->poll, fd) < 0) {
-		free(connection);
-		close(fd);
-		return;
-	}
-	uv_idle_init(server->loop, &connection->resume);
+	memset(connection, 0, sizeof(*connection));
+	rc = uv_poll_init(loop, &connection->poll, fd);
+	if (rc < 0)
+		return rc;
+	uv_idle_init(loop, &connection->resume);
 	connection->resume.data = connection;
 	connection->poll.data = connection;
 	connection->fd = fd;
 	connection->id = next_connection_id++;
-	connection->uid = credentials.uid;
-	connection->pid = credentials.pid;
-	connection->server = server;
-	connection->quota = quota;
-	quota->connections++;
+	connection->uid = uid;
+	connection->pid = pid;
+	connection->callbacks = callbacks;
+	connection->limits = limits;
+	connection->data = data;
 	connection->refs = 2;
 	connection->state = CONNECTION_OPEN;
-	frame_reader_init(&connection->reader, server->options.max_frame_bytes);
-	connection->next = server->connections;
-	if (server->connections)
-		server->connections->prev = connection;
-	server->connections = connection;
-	server->n_connections++;
-	server->counters.connections_accepted++;
+	frame_reader_init(&connection->reader, limits->max_frame_bytes);
 	log_debug("connection", "accepted", "connection=%llu uid=%u pid=%d",
 		  (unsigned long long)connection->id, connection->uid, connection->pid);
 	poll_update(connection);
+	return 0;
+}
+
+void connection_refuse_socket(int fd, const uint8_t *frame, size_t len)
+{
+	if (frame)
+		(void)!send(fd, frame, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+	close(fd);
 }

@@ -1,10 +1,10 @@
 /*
- * Request handlers. Each checks the request against the session before
- * anything changes, then either answers at once (hello, open, list,
- * staging) or queues a job on the session (update_and_fetch, trim, stats,
- * close, attach) so that work on one session stays in order. Each job
- * declares its cost in elements, which decides where it runs
- * (server/session.h).
+ * What each request does. Each handler checks the request against the
+ * session before anything changes, then either answers at once (hello,
+ * open, list, staging) or queues a job on the session (update_and_fetch,
+ * trim, stats, close, attach) so that work on one session stays in order.
+ * Each job declares its cost in elements, which decides where it runs
+ * (server/session.h). How the answers look on the wire is reply.c's.
  */
 #include "dispatch.h"
 
@@ -17,17 +17,26 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "connection.h"
+#include "adopt.h"
+#include "kv_layout.h"
 #include "log.h"
 #include "metrics.h"
 #include "quota.h"
+#include "relief.h"
+#include "reply.h"
 #include "server.h"
 #include "session.h"
 #include "staging.h"
 #include "store.h"
 #include "pool.h"
-#include "version.h"
 #include "wire.h"
+
+/* The store enforces the same shape limits the public header promises
+ * (store.h keeps its own names for them until it says ZC_MAX_*). */
+_Static_assert(STORE_MAX_LAYERS == ZC_MAX_LAYERS && STORE_MAX_HEADS == ZC_MAX_HEADS &&
+	       STORE_MAX_RESIDUAL_TOKENS == ZC_MAX_RESIDUAL_TOKENS &&
+	       STORE_NAME_BYTES == ZC_SESSION_NAME_MAX + 1,
+	       "store.h and zipcache/client.h disagree on a session limit");
 
 enum job_kind {
 	JOB_UPDATE,
@@ -40,9 +49,7 @@ enum job_kind {
 struct request_job {
 	struct job job;               /* first: session.c sees only this */
 	enum job_kind kind;
-	struct request_meta meta;     /* for the latency histogram */
-	struct connection *connection;
-	uint64_t request_id;
+	struct request rq;            /* who asked, where the answer goes */
 	/* update */
 	uint32_t layer, tokens;
 	bool retried;                 /* once, after freeing memory */
@@ -60,312 +67,6 @@ struct request_job {
 	uint64_t sequence;
 	struct store_layer_stats *layer_stats; /* JOB_STATS: one per layer */
 };
-
-/* Encodes and queues a reply; the frame buffer passes to the connection.
- * Returns 0, or why the reply could not be queued (the connection is then
- * closed or closing, and the client will never see it). */
-static int reply_send(struct connection *connection, const struct request_meta *meta,
-		      wire_response *response, const int *fds, int n_fds)
-{
-	size_t size, len;
-	uint8_t *frame = NULL;
-	int rc;
-
-	response->msg.fds = (uint32_t)n_fds;
-	rc = wire_response_frame_size(response, &size);
-	if (rc == 0) {
-		frame = malloc(size);
-		rc = frame ? wire_response_encode(response, frame, size, &len) : -ENOMEM;
-	}
-	if (rc < 0) {
-		log_error("dispatch", "reply encoding failed", "connection=%llu error=%s",
-			  (unsigned long long)connection->id, zc_strerror(rc));
-		free(frame);
-		for (int i = 0; i < n_fds; i++)
-			close(fds[i]);
-		connection_close(connection);
-		return rc;
-	}
-	metrics_request_done(&connection->server->metrics, meta->op, response->msg.status,
-			     uv_hrtime() - meta->start_ns);
-	return connection_send(connection, frame, len, fds, n_fds);
-}
-
-static void response_init(wire_response *response, uint64_t request_id)
-{
-	memset(response, 0, sizeof(*response));
-	response->msg.request_id = request_id;
-}
-
-/* An error reply with a formatted message; also counts and logs it. */
-static void reply_error(struct connection *connection, const struct request_meta *meta,
-			uint64_t request_id, int error, const char *format, ...)
-	__attribute__((format(printf, 5, 6)));
-
-static void reply_error(struct connection *connection, const struct request_meta *meta,
-			uint64_t request_id, int error, const char *format, ...)
-{
-	wire_response response;
-	char message[256];
-	va_list args;
-
-	va_start(args, format);
-	vsnprintf(message, sizeof(message), format, args);
-	va_end(args);
-	response_init(&response, request_id);
-	wire_response_set_status(&response, error, message);
-	connection->server->counters.request_errors++;
-	connection->quota->request_errors++;
-	log_debug("dispatch", "request refused", "connection=%llu request=%llu error=%s message=\"%s\"",
-		  (unsigned long long)connection->id, (unsigned long long)request_id,
-		  zc_error_name(error), message);
-	metrics_error(&connection->server->metrics, error);
-	reply_send(connection, meta, &response, NULL, 0);
-}
-
-/*
- * What ran out, for a refusal caused by a resource error (these answer
- * RESOURCE_EXHAUSTED, see wire.h); other errors are their own sentence.
- */
-static const char *resource_text(const struct server *server, int rc, char *text, size_t size)
-{
-	switch (rc) {
-	case -EMFILE:
-		snprintf(text, size, "out of file descriptors (the daemon's limit is %llu; "
-			 "`zipcached --help` says what its limits need)",
-			 (unsigned long long)server->descriptor_limit);
-		break;
-	case -ENFILE:
-		snprintf(text, size, "the system's open-file table is full (fs.file-max)");
-		break;
-	case -ENOMEM:
-		snprintf(text, size, "the daemon is out of memory");
-		break;
-	case -ENOSPC:
-		snprintf(text, size, "the shared-memory file system is full");
-		break;
-	case -EAGAIN:
-		snprintf(text, size, "a kernel resource is temporarily exhausted");
-		break;
-	default:
-		snprintf(text, size, "%s", zc_strerror(rc));
-		break;
-	}
-	return text;
-}
-
-/* Sessions `uid` holds. */
-static uint32_t uid_sessions(const struct session_table *table, uint32_t uid)
-{
-	uint32_t count = 0;
-	for (size_t i = 0; i < table->count; i++)
-		count += table->items[i]->owner_uid == uid && !table->items[i]->closed;
-	return count;
-}
-
-static void session_info_fill(const struct session *session, zipcache_v1_SessionInfo *info)
-{
-	const struct store_header *h = store_header(session->store);
-	uint32_t low = 0, high = 0;
-
-	memset(info, 0, sizeof(*info));
-	store_token_range(session->store, &low, &high);
-	info->session_id = session->id;
-	snprintf(info->name, sizeof(info->name), "%s", session->name);
-	info->has_shape = true;
-	info->shape = (zipcache_v1_SessionShape){ h->layers, h->batch, h->kv_heads, h->head_dim_k,
-						  h->head_dim_v };
-	info->max_tokens = h->max_tokens;
-	info->has_codec = true;
-	info->codec = (zipcache_v1_CodecConfig){
-		.has_hi_bits = true, .hi_bits = (uint32_t)h->hi_bits,
-		.has_lo_bits = true, .lo_bits = (uint32_t)h->lo_bits,
-		.has_hi_fraction = true, .hi_fraction = h->hi_fraction,
-		.has_group_size = true, .group_size = (uint32_t)h->group_size,
-		.has_quantize_values = true, .quantize_values = h->quantize_values != 0,
-	};
-	info->policy = h->policy == STORE_POLICY_PER_CALL ? zipcache_v1_BlockPolicy_PER_CALL :
-							    zipcache_v1_BlockPolicy_STREAMING;
-	info->residual_tokens = h->residual_tokens;
-	info->min_tokens = low;
-	info->max_layer_tokens = high;
-	info->idle_ms = session_now_ms() - session->last_used_ms;
-}
-
-static void layer_stats_fill(const struct store_layer_stats *s, zipcache_v1_LayerStats *out)
-{
-	memset(out, 0, sizeof(*out));
-	out->layer = s->layer;
-	out->tokens = s->tokens;
-	out->residual_tokens = s->residual_tokens;
-	out->blocks = s->blocks;
-	out->compressed_key_bytes = s->key.compressed;
-	out->compressed_value_bytes = s->value.compressed;
-	out->baseline_key_bytes = s->key.baseline;
-	out->baseline_value_bytes = s->value.baseline;
-	out->fp16_key_bytes = s->key.fp16;
-	out->fp16_value_bytes = s->value.fp16;
-	/* The seed's two figures, key side. */
-	out->compression_ratio = s->key.compressed ? (double)s->key.fp16 / (double)s->key.compressed : 0.0;
-	out->effective_avg_bits = s->key.fp16 ? 16.0 * (double)s->key.compressed / (double)s->key.fp16 : 0.0;
-}
-
-static void server_counters_fill(const struct server *server, zipcache_v1_StatsResponse *stats)
-{
-	stats->requests = server->counters.requests;
-	stats->request_errors = server->counters.request_errors;
-	stats->tokens_appended = server->counters.tokens_appended;
-	stats->uptime_ms = uv_now(server->loop) - server->started_ms;
-	stats->boot_epoch = server->boot_epoch;
-}
-
-/*
- * The daemon-level figures of a stats reply, as the caller may see them.
- * Root and the daemon's own uid see the daemon's totals; any other uid
- * sees its own in the same fields (how many sessions, how much memory,
- * how much traffic other users have is theirs, not its). Configuration
- * (the budget), uptime and boot epoch are no one's secret. The caller's
- * usage and quotas come with either.
- */
-static void stats_daemon_fill(const struct connection *connection, zipcache_v1_StatsResponse *stats)
-{
-	const struct server *server = connection->server;
-	const struct quota_usage *own = connection->quota;
-	const struct quota_limits *limits = quota_limits_of(&server->quotas, own);
-	uint32_t own_sessions = uid_sessions(&server->sessions, connection->uid);
-	uint64_t own_memory = __atomic_load_n(&own->memory.used, __ATOMIC_RELAXED);
-	uint64_t own_staging = __atomic_load_n(&own->staging.used, __ATOMIC_RELAXED);
-
-	server_counters_fill(server, stats);
-	stats->memory_budget_bytes = server->options.memory_budget;
-	stats->daemon_wide = own->trusted;
-	struct store_memory kinds = { 0 };
-	for (size_t i = 0; i < server->sessions.count; i++) {
-		const struct session *s = server->sessions.items[i];
-		if (own->trusted || s->owner_uid == connection->uid) {
-			stats->memory_file_bytes += store_memory_bytes(s->store);
-			store_memory_add(s->store, &kinds);
-		}
-	}
-	/* Blocks are the pools': each counted once, however many sessions
-	 * share it. */
-	for (size_t i = 0; i < server->pools.n; i++) {
-		const struct pool *pool = server->pools.items[i];
-		if (own->trusted || pool_uid(pool) == connection->uid) {
-			kinds.blocks += pool_memory_bytes(pool);
-			stats->memory_file_bytes += pool_memory_bytes(pool);
-		}
-	}
-	stats->has_memory = true;
-	stats->memory = (zipcache_v1_MemoryByKind){ .views = kinds.views, .blocks = kinds.blocks,
-						    .residual = kinds.residual, .index = kinds.index,
-						    .headers = kinds.headers };
-	if (own->trusted) {
-		const struct adoption *adoption = &server->adoption;
-		size_t listed = sizeof(stats->set_aside) / sizeof(stats->set_aside[0]);
-		stats->set_aside_total = (uint32_t)adoption->n_set_aside;
-		for (size_t i = 0; i < adoption->n_set_aside && i < listed; i++) {
-			zipcache_v1_SetAsideFile *f = &stats->set_aside[stats->set_aside_count++];
-			snprintf(f->file, sizeof(f->file), "%s", adoption->set_aside[i].file);
-			snprintf(f->reason, sizeof(f->reason), "%s", adoption->set_aside[i].reason);
-		}
-		stats->sessions = (uint32_t)server->sessions.count;
-		stats->connections = server->n_connections;
-		stats->memory_used_bytes = server_memory_bytes(server);
-		stats->staging_bytes = __atomic_load_n(&server->staging.used, __ATOMIC_RELAXED);
-		stats->reply_queue_bytes = server->reply_queue_bytes;
-	} else {
-		stats->sessions = own_sessions;
-		stats->connections = own->connections;
-		stats->memory_used_bytes = own_memory;
-		stats->staging_bytes = own_staging;
-		stats->reply_queue_bytes = own->reply_queue_bytes;
-		stats->requests = own->requests;
-		stats->request_errors = own->request_errors;
-		stats->tokens_appended = own->tokens_appended;
-	}
-	stats->has_caller = true;
-	stats->caller = (zipcache_v1_UidUsage){
-		.uid = connection->uid,
-		.sessions = own_sessions,
-		.max_sessions = (uint32_t)limits->sessions,
-		.connections = own->connections,
-		.max_connections = (uint32_t)limits->connections,
-		.memory_used_bytes = own_memory,
-		.memory_budget_bytes = limits->memory,
-		.staging_bytes = own_staging,
-		.max_staging_bytes = limits->staging,
-	};
-}
-
-/* ---- hello ---- */
-
-static void handle_hello(struct connection *connection, const wire_request *request)
-{
-	struct server *server = connection->server;
-	wire_response response;
-	zipcache_v1_HelloResponse *hello = &response.msg.op.hello;
-
-	response_init(&response, request->msg.request_id);
-	response.msg.which_op = zipcache_v1_Response_hello_tag;
-	hello->protocol_version = ZIPCACHE_PROTOCOL_VERSION;
-	snprintf(hello->server_version, sizeof(hello->server_version), "%s", ZIPCACHE_VERSION);
-	hello->boot_epoch = server->boot_epoch;
-	hello->max_frame_bytes = server->options.max_frame_bytes;
-	hello->max_inline_bytes = server->options.max_inline_bytes;
-	hello->max_sessions = server->options.max_sessions;
-	hello->max_tokens_per_session = server->options.max_tokens;
-	hello->memory_budget_bytes = server->options.memory_budget;
-	reply_send(connection, &connection->current, &response, NULL, 0);
-}
-
-/* ---- open_session ---- */
-
-/* Returns 0 once the reply is queued; a negative code when it could not
- * be (the client was told why, or its connection is gone), so that a
- * session made for this request can be taken back. */
-static int reply_open(struct connection *connection, const struct request_meta *meta,
-		      uint64_t request_id, struct session *session, bool attached)
-{
-	wire_response response;
-	zipcache_v1_OpenSessionResponse *open = &response.msg.op.open_session;
-	const struct store_header *h = store_header(session->store);
-	const zc_map_header *m = store_map_layout(session->store);
-	int fds[2] = { store_open_readonly(session->store), -1 };
-	int fd = fds[0];
-	char why[200];
-
-	if (fd >= 0) {
-		fds[1] = pool_open_readonly(store_pool(session->store));
-		if (fds[1] < 0) {
-			close(fds[0]);
-			fd = fds[1];
-		}
-	}
-	if (fd < 0) {
-		reply_error(connection, meta, request_id, fd,
-			    "cannot open the view of session %llu: %s%s",
-			    (unsigned long long)session->id,
-			    resource_text(connection->server, fd, why, sizeof(why)),
-			    attached ? "" : "; the session was not created");
-		return fd;
-	}
-	response_init(&response, request_id);
-	response.msg.which_op = zipcache_v1_Response_open_session_tag;
-	open->has_session = true;
-	session_info_fill(session, &open->session);
-	open->has_view = true;
-	open->view.mapping_bytes = m->map_bytes;
-	open->view.header_bytes = m->header_bytes;
-	open->view.key_offsets_count = (pb_size_t)h->layers;
-	open->view.value_offsets_count = (pb_size_t)h->layers;
-	for (uint32_t i = 0; i < h->layers; i++) {
-		open->view.key_offsets[i] = store_key_view_offset(session->store, i);
-		open->view.value_offsets[i] = store_value_view_offset(session->store, i);
-	}
-	open->attached = attached;
-	return reply_send(connection, meta, &response, fds, 2);
-}
 
 /* What an attach request asks that its session does not have. */
 struct mismatch {
@@ -397,28 +98,29 @@ static void mismatch_note(struct mismatch *m, const char *group, const char *for
 	va_end(args);
 }
 
-static const char *policy_text(uint32_t store_policy)
+static const char *policy_text(int policy)
 {
-	return store_policy == STORE_POLICY_PER_CALL ? "per_call" : "streaming";
+	return policy == ZC_POLICY_PER_CALL ? "per_call" : "streaming";
 }
 
 /*
- * Whether an attach request fits the session it names. Only what the
- * request gives is compared (zipcache.proto, OpenSessionRequest.attach):
- * the shape when present, max_tokens when not 0, each codec field when
- * present, residual_tokens when present and the session streams, the
- * policy when not STREAMING or when a shape is given (proto3 cannot tell
- * STREAMING from unset; a request with a shape describes a whole session,
- * as the C and Python clients send).
+ * Whether an attach request fits the session it names, as the session
+ * describes itself (reply_session_info). Only what the request gives is
+ * compared (zipcache.proto, OpenSessionRequest.attach): the shape when
+ * present, max_tokens when not 0, each codec field when present,
+ * residual_tokens when present and the session streams, the policy when
+ * not STREAMING or when a shape is given (proto3 cannot tell STREAMING
+ * from unset; a request with a shape describes a whole session, as the C
+ * and Python clients send).
  */
-static bool attach_matches(const zipcache_v1_OpenSessionRequest *open, const struct store_header *h,
+static bool attach_matches(const struct wire_open_request *open, const zc_session_info *h,
 			   struct mismatch *m)
 {
 	static const char shape[] = "shape", tokens[] = "max_tokens", policy_group[] = "policy",
 			  residual[] = "residual_tokens", codec[] = "codec";
-	const zipcache_v1_CodecConfig *c = &open->codec;
-	uint32_t policy = open->policy == zipcache_v1_BlockPolicy_PER_CALL ? STORE_POLICY_PER_CALL :
-									     STORE_POLICY_STREAMING;
+	const struct wire_codec *c = &open->codec;
+	const zc_codec_config *has = &h->codec;
+	int policy = open->policy == ZC_POLICY_PER_CALL ? ZC_POLICY_PER_CALL : ZC_POLICY_STREAMING;
 
 	memset(m, 0, sizeof(*m));
 	if (open->has_shape) {
@@ -439,28 +141,28 @@ static bool attach_matches(const zipcache_v1_OpenSessionRequest *open, const str
 	}
 	if (open->max_tokens && open->max_tokens != h->max_tokens)
 		mismatch_note(m, tokens, "max_tokens is %u, not %u", h->max_tokens, open->max_tokens);
-	if ((open->has_shape || open->policy != zipcache_v1_BlockPolicy_STREAMING) && policy != h->policy)
-		mismatch_note(m, policy_group, "policy is %s, not %s", policy_text(h->policy),
+	if ((open->has_shape || open->policy != ZC_POLICY_STREAMING) && policy != (int)h->policy)
+		mismatch_note(m, policy_group, "policy is %s, not %s", policy_text((int)h->policy),
 			      policy_text(policy));
 	/* A per_call session has no residual (it keeps 0, whatever was asked). */
-	if (open->has_residual_tokens && h->policy == STORE_POLICY_STREAMING &&
+	if (open->has_residual_tokens && h->policy == ZC_POLICY_STREAMING &&
 	    open->residual_tokens != h->residual_tokens)
 		mismatch_note(m, residual, "residual_tokens is %u, not %u", h->residual_tokens,
 			      open->residual_tokens);
 	if (open->has_codec) {
-		if (c->has_hi_bits && c->hi_bits != (uint32_t)h->hi_bits)
-			mismatch_note(m, codec, "codec.hi_bits is %d, not %u", h->hi_bits, c->hi_bits);
-		if (c->has_lo_bits && c->lo_bits != (uint32_t)h->lo_bits)
-			mismatch_note(m, codec, "codec.lo_bits is %d, not %u", h->lo_bits, c->lo_bits);
-		if (c->has_hi_fraction && c->hi_fraction != h->hi_fraction)
-			mismatch_note(m, codec, "codec.hi_fraction is %g, not %g", h->hi_fraction,
+		if (c->has_hi_bits && c->hi_bits != (uint32_t)has->hi_bits)
+			mismatch_note(m, codec, "codec.hi_bits is %d, not %u", has->hi_bits, c->hi_bits);
+		if (c->has_lo_bits && c->lo_bits != (uint32_t)has->lo_bits)
+			mismatch_note(m, codec, "codec.lo_bits is %d, not %u", has->lo_bits, c->lo_bits);
+		if (c->has_hi_fraction && c->hi_fraction != has->hi_fraction)
+			mismatch_note(m, codec, "codec.hi_fraction is %g, not %g", has->hi_fraction,
 				      c->hi_fraction);
-		if (c->has_group_size && c->group_size != (uint32_t)h->group_size)
-			mismatch_note(m, codec, "codec.group_size is %d, not %u", h->group_size,
+		if (c->has_group_size && c->group_size != (uint32_t)has->group_size)
+			mismatch_note(m, codec, "codec.group_size is %d, not %u", has->group_size,
 				      c->group_size);
-		if (c->has_quantize_values && c->quantize_values != (h->quantize_values != 0))
+		if (c->has_quantize_values && c->quantize_values != has->quantize_values)
 			mismatch_note(m, codec, "codec.quantize_values is %s, not %s",
-				      h->quantize_values ? "true" : "false",
+				      has->quantize_values ? "true" : "false",
 				      c->quantize_values ? "true" : "false");
 	}
 	return m->groups[0] == '\0';
@@ -493,110 +195,109 @@ static bool name_acceptable(const char *name)
 	return true;
 }
 
-static void attach_submit(struct connection *connection, uint64_t request_id,
-			  struct session *session);
+static void attach_submit(const struct request *rq, struct session *session);
 
-static void handle_open(struct connection *connection, const wire_request *request)
+static void handle_open(const struct request *rq, const wire_request *request)
 {
-	struct server *server = connection->server;
-	const zipcache_v1_OpenSessionRequest *open = &request->msg.op.open_session;
-	uint64_t id = request->msg.request_id;
+	struct server *server = rq->server;
+	const struct wire_open_request *open = &request->open_session;
 	struct session *session;
 	struct store *store;
 	char name[STORE_NAME_BYTES];
 	int rc;
 
 	if (!name_acceptable(open->name)) {
-		reply_error(connection, &connection->current, id, ZC_EINVALID,
+		reply_error(rq, ZC_EINVALID,
 			    "session names must be UTF-8 without control characters");
 		return;
 	}
 	if (open->name[0]) {
 		snprintf(name, sizeof(name), "%s", open->name);
-		session = session_find_name(&server->sessions, name, connection->uid);
+		session = session_find_name(&server->sessions, name, rq->peer->uid);
 		if (session && !open->attach) {
-			reply_error(connection, &connection->current, id, ZC_EEXISTS, "session '%s' already exists (id %llu)",
+			reply_error(rq, ZC_EEXISTS, "session '%s' already exists (id %llu)",
 				    name, (unsigned long long)session->id);
 			return;
 		}
 		if (session) {
 			struct mismatch m;
-			if (!attach_matches(open, store_header(session->store), &m)) {
-				reply_error(connection, &connection->current, id, ZC_EINVALID,
+			zc_session_info has;
+			reply_session_info(session, &has);
+			if (!attach_matches(open, &has, &m)) {
+				reply_error(rq, ZC_EINVALID,
 					    "session '%s' exists with a different %s: %s; nothing was changed",
 					    name, m.groups, m.detail);
 				return;
 			}
 			/* Dropped views are rebuilt by a job in the session's
 			 * line, which replies. */
-			attach_submit(connection, id, session);
+			attach_submit(rq, session);
 			return;
 		}
 	}
 	if (!open->has_shape) {
-		reply_error(connection, &connection->current, id, ZC_EINVALID, "open_session needs a shape");
+		reply_error(rq, ZC_EINVALID, "open_session needs a shape");
 		return;
 	}
 	if (open->max_tokens == 0 || open->max_tokens > server->options.max_tokens) {
-		reply_error(connection, &connection->current, id, open->max_tokens ? ZC_EEXHAUSTED : ZC_EINVALID,
+		reply_error(rq, open->max_tokens ? ZC_EEXHAUSTED : ZC_EINVALID,
 			    "max_tokens %u is outside 1..%u", open->max_tokens,
 			    server->options.max_tokens);
 		return;
 	}
-	if (open->shape.layers > STORE_MAX_LAYERS) {
-		reply_error(connection, &connection->current, id, ZC_EINVALID, "layers %u is above the limit of %u",
-			    open->shape.layers, STORE_MAX_LAYERS);
+	if (open->shape.layers > ZC_MAX_LAYERS) {
+		reply_error(rq, ZC_EINVALID, "layers %u is above the limit of %u",
+			    open->shape.layers, ZC_MAX_LAYERS);
 		return;
 	}
-	const zipcache_v1_SessionShape *shape = &open->shape;
+	const struct wire_shape *shape = &open->shape;
 	if (!shape->layers || !shape->batch || !shape->kv_heads || !shape->head_dim_k || !shape->head_dim_v) {
-		reply_error(connection, &connection->current, id, ZC_EINVALID,
+		reply_error(rq, ZC_EINVALID,
 			    "every dimension of the shape must be at least 1 (layers %u, batch %u, "
 			    "kv_heads %u, head_dim_k %u, head_dim_v %u)", shape->layers, shape->batch,
 			    shape->kv_heads, shape->head_dim_k, shape->head_dim_v);
 		return;
 	}
-	if ((uint64_t)shape->batch * shape->kv_heads > STORE_MAX_HEADS) {
-		reply_error(connection, &connection->current, id, ZC_EINVALID,
+	if ((uint64_t)shape->batch * shape->kv_heads > ZC_MAX_HEADS) {
+		reply_error(rq, ZC_EINVALID,
 			    "batch x kv_heads is %llu; the limit is %u",
-			    (unsigned long long)shape->batch * shape->kv_heads, STORE_MAX_HEADS);
+			    (unsigned long long)shape->batch * shape->kv_heads, ZC_MAX_HEADS);
 		return;
 	}
 	if (shape->head_dim_k > ZC_MAX_HEAD_DIM || shape->head_dim_v > ZC_MAX_HEAD_DIM) {
-		reply_error(connection, &connection->current, id, ZC_EINVALID,
+		reply_error(rq, ZC_EINVALID,
 			    "head_dim_k %u, head_dim_v %u: the limit is %u", shape->head_dim_k,
 			    shape->head_dim_v, ZC_MAX_HEAD_DIM);
 		return;
 	}
-	if (open->policy == zipcache_v1_BlockPolicy_STREAMING && open->has_residual_tokens &&
-	    (open->residual_tokens == 0 || open->residual_tokens > STORE_MAX_RESIDUAL_TOKENS)) {
-		reply_error(connection, &connection->current, id, ZC_EINVALID,
+	if (open->policy == ZC_POLICY_STREAMING && open->has_residual_tokens &&
+	    (open->residual_tokens == 0 || open->residual_tokens > ZC_MAX_RESIDUAL_TOKENS)) {
+		reply_error(rq, ZC_EINVALID,
 			    "residual_tokens %u is outside 1..%u", open->residual_tokens,
-			    STORE_MAX_RESIDUAL_TOKENS);
+			    ZC_MAX_RESIDUAL_TOKENS);
 		return;
 	}
 	if (server->sessions.count >= server->options.max_sessions) {
-		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED, "session limit of %u reached",
+		reply_error(rq, ZC_EEXHAUSTED, "session limit of %u reached",
 			    server->options.max_sessions);
 		return;
 	}
-	uint64_t uid_limit = quota_limits_of(&server->quotas, connection->quota)->sessions;
-	if (uid_limit && uid_sessions(&server->sessions, connection->uid) >= uid_limit) {
-		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED,
+	uint64_t uid_limit = quota_limits_of(&server->quotas, rq->peer->quota)->sessions;
+	if (uid_limit && session_count_of_uid(&server->sessions, rq->peer->uid) >= uid_limit) {
+		reply_error(rq, ZC_EEXHAUSTED,
 			    "session limit of %llu per uid reached (uid %u; --max-sessions-per-uid)",
-			    (unsigned long long)uid_limit, connection->uid);
+			    (unsigned long long)uid_limit, rq->peer->uid);
 		return;
 	}
-	if (open->policy != zipcache_v1_BlockPolicy_STREAMING &&
-	    open->policy != zipcache_v1_BlockPolicy_PER_CALL) {
-		reply_error(connection, &connection->current, id, ZC_EINVALID, "unknown block policy %d", (int)open->policy);
+	if (open->policy != ZC_POLICY_STREAMING && open->policy != ZC_POLICY_PER_CALL) {
+		reply_error(rq, ZC_EINVALID, "unknown block policy %d", (int)open->policy);
 		return;
 	}
 
 	struct store_params params = {
 		.session_id = server->sessions.next_id,
 		.boot_epoch = server->boot_epoch,
-		.owner_uid = connection->uid,
+		.owner_uid = rq->peer->uid,
 		.name = name,
 		.layers = open->shape.layers,
 		.batch = open->shape.batch,
@@ -604,45 +305,32 @@ static void handle_open(struct connection *connection, const wire_request *reque
 		.head_dim_k = open->shape.head_dim_k,
 		.head_dim_v = open->shape.head_dim_v,
 		.max_tokens = open->max_tokens,
-		.policy = open->policy == zipcache_v1_BlockPolicy_PER_CALL ? STORE_POLICY_PER_CALL :
-									 STORE_POLICY_STREAMING,
-		.residual_tokens = open->has_residual_tokens ? open->residual_tokens : 128,
+		.policy = open->policy == ZC_POLICY_PER_CALL ? STORE_POLICY_PER_CALL :
+							       STORE_POLICY_STREAMING,
+		.residual_tokens = open->has_residual_tokens ? open->residual_tokens :
+							       ZC_DEFAULT_RESIDUAL_TOKENS,
 	};
 	if (!open->name[0])
 		snprintf(name, sizeof(name), "session-%llu", (unsigned long long)params.session_id);
 	zc_codec_config_default(&params.codec);
-	if (open->has_codec) {
-		const zipcache_v1_CodecConfig *c = &open->codec;
-		/* Bits arrive unsigned; out-of-range values must fail validation,
-		 * not wrap into range. */
-		if (c->has_hi_bits)
-			params.codec.hi_bits = c->hi_bits > 64 ? 64 : (int)c->hi_bits;
-		if (c->has_lo_bits)
-			params.codec.lo_bits = c->lo_bits > 64 ? 64 : (int)c->lo_bits;
-		if (c->has_hi_fraction)
-			params.codec.hi_fraction = c->hi_fraction;
-		if (c->has_group_size)
-			params.codec.group_size = c->group_size > (1u << 24) ? 0 : (int)c->group_size;
-		if (c->has_quantize_values)
-			params.codec.quantize_values = c->quantize_values;
-	}
+	if (open->has_codec)
+		wire_codec_to_config(&open->codec, &params.codec);
 	/* A file adoption could not read yet may hold this very session:
 	 * never open a second one beside it. */
-	if (adopt_blocks_open(server, connection->uid, name)) {
-		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED,
+	if (adopt_blocks_open(server, rq->peer->uid, name)) {
+		reply_error(rq, ZC_EEXHAUSTED,
 			    "%zu session files could not be adopted yet and may hold session '%s' "
 			    "(the daemon's log says why); try again", server->adoption.n_pending, name);
 		return;
 	}
-	struct store_budget *budget = &connection->quota->memory;
+	struct store_budget *budget = &rq->peer->quota->memory;
 	struct pool *pool = NULL;
 	char pool_reason[200] = "";
-	rc = pool_set_get(&server->pools, connection->uid, budget, &pool, NULL, pool_reason,
+	rc = pool_set_get(&server->pools, rq->peer->uid, budget, &pool, NULL, pool_reason,
 			  sizeof(pool_reason));
 	if (rc == ZC_ECORRUPT) {
-		reply_error(connection, &connection->current, id, ZC_EINTERNAL,
-			    "cannot use the block pool of uid %u: %s", (unsigned)connection->uid,
-			    pool_reason);
+		reply_error(rq, ZC_EINTERNAL, "cannot use the block pool of uid %u: %s",
+			    (unsigned)rq->peer->uid, pool_reason);
 		return;
 	}
 	if (rc == 0)
@@ -656,19 +344,20 @@ static void handle_open(struct connection *connection, const wire_request *reque
 				 (unsigned long long)params.session_id);
 		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, pool, &store);
 	}
-	if (rc == STORE_EBUDGET &&
-	    server_relieve_memory_for(server, 1u << 20, NULL, connection->uid) > 0)
+	char why[200];
+	/* Memory relief for a new session's first pages (a chunk of them),
+	 * then one more try; a second refusal is the answer. */
+	for (bool tried = false; rc == STORE_EBUDGET; tried = true) {
+		if (relief_run(server, 1u << 20, NULL, rq->peer->uid, tried, why, sizeof(why)) < 0) {
+			reply_error(rq, ZC_EEXHAUSTED, "%s", why);
+			return;
+		}
 		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, pool, &store);
-	if (rc == STORE_EBUDGET) {
-		char why[200];
-		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED, "%s",
-			    server_budget_refusal(server, connection->uid, why, sizeof(why)));
-		return;
 	}
 	uint64_t layout_bytes = 0;
 	if (rc == ZC_EEXHAUSTED && store_layout_bytes(&params, &layout_bytes) != ZC_ESHAPE &&
 	    (layout_bytes == 0 || store_mapped_bytes_total() + layout_bytes > store_map_limit())) {
-		reply_error(connection, &connection->current, id, rc,
+		reply_error(rq, rc,
 			    "cannot open session '%s': its layout needs %llu bytes of address space (0: more "
 			    "than fits); "
 			    "one session may map at most %llu, and all of them --max-mapped-bytes %llu "
@@ -678,22 +367,20 @@ static void handle_open(struct connection *connection, const wire_request *reque
 		return;
 	}
 	if (rc < 0) {
-		char why[200];
-		reply_error(connection, &connection->current, id, rc == ZC_ESHAPE ? ZC_EINVALID : rc,
-			    "cannot open session '%s': %s", name, resource_text(server, rc, why, sizeof(why)));
+		reply_error(rq, rc == ZC_ESHAPE ? ZC_EINVALID : rc,
+			    "cannot open session '%s': %s", name, reply_resource_text(server, rc, why, sizeof(why)));
 		return;
 	}
 	server->sessions.next_id++;
 	rc = session_table_add(&server->sessions, store, &session);
 	if (rc < 0) {
-		char why[200];
 		store_close(store, true);
-		reply_error(connection, &connection->current, id, rc,
+		reply_error(rq, rc,
 			    "cannot open session '%s': %s; the session was not created", name,
-			    resource_text(server, rc, why, sizeof(why)));
+			    reply_resource_text(server, rc, why, sizeof(why)));
 		return;
 	}
-	if (reply_open(connection, &connection->current, id, session, false) < 0) {
+	if (reply_open(rq, session, false) < 0) {
 		/* The client was told why, or is gone: take back what was made,
 		 * so a retry starts from nothing (not ALREADY_EXISTS). */
 		log_warn("session", "open undone", "session=%llu name=%s uid=%u",
@@ -716,8 +403,14 @@ static void job_free(struct request_job *job)
 	free(job->inline_copy);
 	staging_unref(job->staging);
 	free(job->layer_stats);
-	connection_unref(job->connection);
 	free(job);
+}
+
+/* The job's request is answered: the responder may let go of it. */
+static void job_end(struct request_job *job)
+{
+	job->rq.responder->ops->end(job->rq.responder);
+	job_free(job);
 }
 
 static void job_fail(struct request_job *job, int rc, const char *format, ...)
@@ -737,7 +430,6 @@ static void update_run(struct job *base)
 	struct request_job *job = (struct request_job *)base;
 	struct store *store = base->session->store;
 	const struct store_header *h = store_header(store);
-	uint64_t heads = (uint64_t)h->batch * h->kv_heads;
 	int rc;
 
 	if (base->session->closed) {
@@ -748,7 +440,8 @@ static void update_run(struct job *base)
 	rc = store_update(store, job->layer, job->tokens, job->keys, job->values);
 	if (rc == ZC_ENONFINITE) {
 		/* Which tensor is bad is worth saying; only a failure pays for it. */
-		bool keys_bad = zc_fp16_check_finite(job->keys, heads * job->tokens * h->head_dim_k) < 0;
+		bool keys_bad = zc_fp16_check_finite(job->keys, kv_block_elements(h->batch, h->kv_heads,
+										 job->tokens, h->head_dim_k)) < 0;
 		job_fail(job, rc, "%s contain NaN or Inf; nothing was stored", keys_bad ? "keys" : "values");
 		return;
 	}
@@ -772,125 +465,121 @@ static void update_run(struct job *base)
 }
 
 /*
- * A job the memory budget refused: drop idle sessions' views (never this
- * session's) and, if that freed anything, run the job once more ahead of
- * the session's other jobs. Nothing was stored the first time, so running
- * it again is safe. Returns true when the job was resubmitted.
+ * A job the memory budget refused goes through memory relief (relief.h):
+ * if that freed anything, the job runs once more ahead of the session's
+ * other jobs (nothing was stored the first time, so running it again is
+ * safe) and this returns true. Else the job fails with the refusal's
+ * sentence followed by `what`.
  */
-static bool job_retry_after_relief(struct request_job *job, uint64_t wanted)
+static bool job_relieve_or_fail(struct request_job *job, uint64_t wanted, const char *what)
 {
-	struct server *server = job->connection->server;
-	if (!job->retried && server_relieve_memory(server, wanted, job->job.session) > 0) {
+	struct server *server = job->rq.server;
+	struct session *session = job->job.session;
+	char why[200];
+
+	if (relief_run(server, wanted, session, session->owner_uid, job->retried, why,
+		       sizeof(why)) == 0) {
 		job->retried = true;
 		job->rc = 0;
 		session_submit_front(&server->sessions, &job->job);
 		return true;
 	}
+	job_fail(job, ZC_EEXHAUSTED, "%s; %s", why, what);
 	return false;
 }
 
 static void update_done(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
-	struct connection *connection = job->connection;
-	struct server *server = connection->server;
+	const struct request *rq = &job->rq;
 
 	if (job->rc == STORE_EBUDGET) {
 		const struct store_header *h = store_header(base->session->store);
 		/* Room for this block's views and compressed bytes, and a chunk. */
-		uint64_t wanted = 2 * ((uint64_t)h->batch * h->kv_heads * job->tokens *
-				       (h->head_dim_k + h->head_dim_v) * 2) + (2u << 20);
-		if (job_retry_after_relief(job, wanted))
+		uint64_t wanted = 2 * (kv_block_bytes(h->batch, h->kv_heads, job->tokens, h->head_dim_k) +
+				       kv_block_bytes(h->batch, h->kv_heads, job->tokens, h->head_dim_v)) +
+				  (2u << 20);
+		if (job_relieve_or_fail(job, wanted, "nothing was stored"))
 			return;
-		char why[200];
-		job_fail(job, ZC_EEXHAUSTED, "%s; nothing was stored",
-			 server_budget_refusal(server, base->session->owner_uid, why, sizeof(why)));
 	}
 
 	if (job->rc < 0) {
-		reply_error(connection, &job->meta, job->request_id, job->rc, "%s", job->message);
+		reply_error(rq, job->rc, "%s", job->message);
 	} else {
 		wire_response response;
-		response_init(&response, job->request_id);
-		response.msg.which_op = zipcache_v1_Response_update_and_fetch_tag;
-		response.msg.op.update_and_fetch.tokens = job->stats.tokens;
-		response.msg.op.update_and_fetch.has_stats = true;
-		layer_stats_fill(&job->stats, &response.msg.op.update_and_fetch.stats);
-		response.msg.op.update_and_fetch.sequence = job->sequence;
-		connection->server->counters.tokens_appended += job->tokens;
-		connection->quota->tokens_appended += job->tokens;
-		session_account_layer(&connection->server->sessions, base->session, &job->stats);
-		reply_send(connection, &job->meta, &response, NULL, 0);
+		wire_response_init(&response, rq->id, WIRE_OP_UPDATE_AND_FETCH);
+		response.update_and_fetch.tokens = job->stats.tokens;
+		response.update_and_fetch.has_stats = true;
+		reply_layer_stats(&job->stats, &response.update_and_fetch.stats);
+		response.update_and_fetch.sequence = job->sequence;
+		rq->server->counters.tokens_appended += job->tokens;
+		rq->peer->quota->tokens_appended += job->tokens;
+		session_account_layer(&rq->server->sessions, base->session, &job->stats);
+		reply_send(rq, &response, NULL, 0);
 	}
-	connection_request_done(connection);
-	job_free(job);
+	job_end(job);
 }
 
-static struct request_job *job_new(struct connection *connection, struct session *session,
-				   uint64_t request_id, enum job_kind kind)
+static struct request_job *job_new(const struct request *rq, struct session *session,
+				   enum job_kind kind)
 {
 	struct request_job *job = calloc(1, sizeof(*job));
 	if (!job)
 		return NULL;
 	job->kind = kind;
-	job->meta = connection->current;
-	job->request_id = request_id;
-	job->connection = connection;
-	connection_ref(connection);
+	job->rq = *rq;
 	job->job.session = session;
 	return job;
 }
 
 /* Returns true when a job was queued (it finishes the request). */
-static bool handle_update(struct connection *connection, const wire_request *request)
+static bool handle_update(const struct request *rq, const wire_request *request)
 {
-	struct server *server = connection->server;
-	const zipcache_v1_UpdateAndFetchRequest *update = &request->msg.op.update_and_fetch;
-	uint64_t id = request->msg.request_id;
-	struct session *session = session_find(&server->sessions, update->session_id, connection->uid);
+	struct server *server = rq->server;
+	const struct wire_update_request *update = &request->update_and_fetch;
+	struct session *session = session_find(&server->sessions, update->session_id, rq->peer->uid);
 
 	if (!session) {
-		reply_error(connection, &connection->current, id, ZC_ENOTFOUND, "no session %llu",
+		reply_error(rq, ZC_ENOTFOUND, "no session %llu",
 			    (unsigned long long)update->session_id);
 		return false;
 	}
 	const struct store_header *h = store_header(session->store);
 	if (update->layer >= h->layers) {
-		reply_error(connection, &connection->current, id, ZC_EINVALID, "layer %u out of range: session has %u layers",
+		reply_error(rq, ZC_EINVALID, "layer %u out of range: session has %u layers",
 			    update->layer, h->layers);
 		return false;
 	}
 	if (update->tokens == 0) {
-		reply_error(connection, &connection->current, id, ZC_EINVALID, "a block needs at least one token");
+		reply_error(rq, ZC_EINVALID, "a block needs at least one token");
 		return false;
 	}
 	if (update->tokens > h->max_tokens) {
-		reply_error(connection, &connection->current, id, ZC_EEXHAUSTED,
+		reply_error(rq, ZC_EEXHAUSTED,
 			    "a block of %u tokens exceeds max_tokens %u; nothing was stored",
 			    update->tokens, h->max_tokens);
 		return false;
 	}
-	uint64_t heads = (uint64_t)h->batch * h->kv_heads;
-	uint64_t key_bytes = heads * update->tokens * h->head_dim_k * 2;
-	uint64_t value_bytes = heads * update->tokens * h->head_dim_v * 2;
+	uint64_t key_bytes = kv_block_bytes(h->batch, h->kv_heads, update->tokens, h->head_dim_k);
+	uint64_t value_bytes = kv_block_bytes(h->batch, h->kv_heads, update->tokens, h->head_dim_v);
 	struct request_job *job = NULL;
 
 	if (update->staged) {
-		struct staging *staging = connection->staging;
+		struct staging *staging = rq->peer->staging;
 		if (!staging) {
-			reply_error(connection, &connection->current, id, ZC_EPRECONDITION,
+			reply_error(rq, ZC_EPRECONDITION,
 				    "staged update without a staging buffer: request one first");
 			return false;
 		}
-		if (request->keys.len || request->values.len) {
-			reply_error(connection, &connection->current, id, ZC_EINVALID, "a staged update carries no inline bytes");
+		if (update->keys.len || update->values.len) {
+			reply_error(rq, ZC_EINVALID, "a staged update carries no inline bytes");
 			return false;
 		}
 		if ((update->keys_offset | update->values_offset) & 1 ||
 		    update->keys_offset > staging->bytes || key_bytes > staging->bytes - update->keys_offset ||
 		    update->values_offset > staging->bytes ||
 		    value_bytes > staging->bytes - update->values_offset) {
-			reply_error(connection, &connection->current, id, ZC_EINVALID,
+			reply_error(rq, ZC_EINVALID,
 				    "staging offsets out of range: keys %llu+%llu, values %llu+%llu bytes "
 				    "in a %llu-byte buffer (offsets must be even)",
 				    (unsigned long long)update->keys_offset, (unsigned long long)key_bytes,
@@ -898,7 +587,7 @@ static bool handle_update(struct connection *connection, const wire_request *req
 				    (unsigned long long)value_bytes, (unsigned long long)staging->bytes);
 			return false;
 		}
-		job = job_new(connection, session, id, JOB_UPDATE);
+		job = job_new(rq, session, JOB_UPDATE);
 		if (!job)
 			goto out_nomem;
 		job->staging = staging;
@@ -906,24 +595,24 @@ static bool handle_update(struct connection *connection, const wire_request *req
 		job->keys = (const uint16_t *)(staging->base + update->keys_offset);
 		job->values = (const uint16_t *)(staging->base + update->values_offset);
 	} else {
-		if (request->keys.len + request->values.len > server->options.max_inline_bytes) {
-			reply_error(connection, &connection->current, id, ZC_EEXHAUSTED,
+		if (update->keys.len + update->values.len > server->options.max_inline_bytes) {
+			reply_error(rq, ZC_EEXHAUSTED,
 				    "inline K/V of %zu bytes exceed the limit of %u: send large blocks "
 				    "through the staging buffer; nothing was stored",
-				    request->keys.len + request->values.len,
+				    update->keys.len + update->values.len,
 				    server->options.max_inline_bytes);
 			return false;
 		}
-		if (request->keys.len != key_bytes || request->values.len != value_bytes) {
-			reply_error(connection, &connection->current, id, ZC_EINVALID,
+		if (update->keys.len != key_bytes || update->values.len != value_bytes) {
+			reply_error(rq, ZC_EINVALID,
 				    "byte lengths do not match the shape: keys %zu and values %zu bytes, "
 				    "but [batch %u, kv_heads %u, tokens %u] with head dims %u/%u needs %llu and %llu",
-				    request->keys.len, request->values.len, h->batch, h->kv_heads,
+				    update->keys.len, update->values.len, h->batch, h->kv_heads,
 				    update->tokens, h->head_dim_k, h->head_dim_v,
 				    (unsigned long long)key_bytes, (unsigned long long)value_bytes);
 			return false;
 		}
-		job = job_new(connection, session, id, JOB_UPDATE);
+		job = job_new(rq, session, JOB_UPDATE);
 		if (!job)
 			goto out_nomem;
 		/* The frame is consumed when we return; the job keeps a copy,
@@ -931,8 +620,8 @@ static bool handle_update(struct connection *connection, const wire_request *req
 		job->inline_copy = malloc(key_bytes + value_bytes);
 		if (!job->inline_copy)
 			goto out_nomem;
-		memcpy(job->inline_copy, request->keys.data, key_bytes);
-		memcpy(job->inline_copy + key_bytes, request->values.data, value_bytes);
+		memcpy(job->inline_copy, update->keys.data, key_bytes);
+		memcpy(job->inline_copy + key_bytes, update->values.data, value_bytes);
 		job->keys = (const uint16_t *)job->inline_copy;
 		job->values = (const uint16_t *)(job->inline_copy + key_bytes);
 	}
@@ -942,18 +631,19 @@ static bool handle_update(struct connection *connection, const wire_request *req
 	job->job.done = update_done;
 	/* The block, the residual it fills (a decode step that compresses
 	 * residual_tokens rows), and the layer's views if they were dropped. */
-	job->job.cost = heads * (h->head_dim_k + h->head_dim_v) *
-		(h->policy == STORE_POLICY_STREAMING &&
-		 store_update_compresses(session->store, update->layer, update->tokens) ?
-		 (uint64_t)h->residual_tokens + update->tokens : update->tokens) +
-		store_rebuild_elements(session->store, update->layer);
+	uint64_t rows = h->policy == STORE_POLICY_STREAMING &&
+				store_update_compresses(session->store, update->layer, update->tokens) ?
+			(uint64_t)h->residual_tokens + update->tokens : update->tokens;
+	job->job.cost = kv_block_elements(h->batch, h->kv_heads, rows, h->head_dim_k) +
+			kv_block_elements(h->batch, h->kv_heads, rows, h->head_dim_v) +
+			store_rebuild_elements(session->store, update->layer);
 	session_submit(&server->sessions, &job->job);
 	return true;
 
 out_nomem:
 	if (job)
 		job_free(job);
-	reply_error(connection, &connection->current, id, -ENOMEM, "out of memory");
+	reply_error(rq, -ENOMEM, "out of memory");
 	return false;
 }
 
@@ -976,7 +666,7 @@ static void stats_account(struct request_job *job)
 	if (!job->layer_stats)
 		return;
 	for (uint32_t i = 0; i < store_header(session->store)->layers; i++)
-		session_account_layer(&job->connection->server->sessions, session, &job->layer_stats[i]);
+		session_account_layer(&job->rq.server->sessions, session, &job->layer_stats[i]);
 }
 
 static void trim_run(struct job *base)
@@ -1011,17 +701,15 @@ static void trim_done(struct job *base)
 	struct request_job *job = (struct request_job *)base;
 	stats_account(job);
 	if (job->rc < 0) {
-		reply_error(job->connection, &job->meta, job->request_id, job->rc, "%s", job->message);
+		reply_error(&job->rq, job->rc, "%s", job->message);
 	} else {
 		wire_response response;
-		response_init(&response, job->request_id);
-		response.msg.which_op = zipcache_v1_Response_trim_tag;
-		response.msg.op.trim.trimmed = job->trimmed;
-		response.msg.op.trim.tokens = job->stats.tokens;
-		reply_send(job->connection, &job->meta, &response, NULL, 0);
+		wire_response_init(&response, job->rq.id, WIRE_OP_TRIM);
+		response.trim.trimmed = job->trimmed;
+		response.trim.tokens = job->stats.tokens;
+		reply_send(&job->rq, &response, NULL, 0);
 	}
-	connection_request_done(job->connection);
-	job_free(job);
+	job_end(job);
 }
 
 static void stats_run(struct job *base)
@@ -1050,58 +738,18 @@ static void stats_run(struct job *base)
 static void stats_done(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
-	struct connection *connection = job->connection;
-	const struct store_header *h = store_header(base->session->store);
-	struct server *server = connection->server;
-	zipcache_v1_LayerStats *layers = NULL;
 
-	if (job->rc == STORE_EBUDGET) {
-		if (job_retry_after_relief(job, store_rebuild_bytes(base->session->store)))
-			return;
-		char why[200];
-		job_fail(job, ZC_EEXHAUSTED, "%s; cannot rebuild the views",
-			 server_budget_refusal(server, base->session->owner_uid, why, sizeof(why)));
-	}
+	if (job->rc == STORE_EBUDGET &&
+	    job_relieve_or_fail(job, store_rebuild_bytes(base->session->store),
+				"cannot rebuild the views"))
+		return;
 	if (job->rc < 0) {
-		reply_error(connection, &job->meta, job->request_id, job->rc, "%s", job->message);
-		goto out;
+		reply_error(&job->rq, job->rc, "%s", job->message);
+	} else {
+		stats_account(job);
+		reply_session_stats(&job->rq, base->session, job->layer_stats);
 	}
-	stats_account(job);
-	layers = calloc(h->layers, sizeof(*layers));
-	if (!layers) {
-		reply_error(connection, &job->meta, job->request_id, -ENOMEM, "out of memory");
-		goto out;
-	}
-	struct store_layer_stats total = { .layer = h->layers };
-	for (uint32_t i = 0; i < h->layers; i++) {
-		const struct store_layer_stats *s = &job->layer_stats[i];
-		layer_stats_fill(s, &layers[i]);
-		total.tokens += s->tokens;
-		total.residual_tokens += s->residual_tokens;
-		total.blocks += s->blocks;
-		total.key.compressed += s->key.compressed;
-		total.key.baseline += s->key.baseline;
-		total.key.fp16 += s->key.fp16;
-		total.value.compressed += s->value.compressed;
-		total.value.baseline += s->value.baseline;
-		total.value.fp16 += s->value.fp16;
-	}
-	wire_response response;
-	response_init(&response, job->request_id);
-	response.msg.which_op = zipcache_v1_Response_stats_tag;
-	zipcache_v1_StatsResponse *stats = &response.msg.op.stats;
-	stats->has_session = true;
-	session_info_fill(base->session, &stats->session);
-	stats->has_total = true;
-	layer_stats_fill(&total, &stats->total);
-	stats_daemon_fill(connection, stats);
-	response.layers = layers;
-	response.n_layers = h->layers;
-	reply_send(connection, &job->meta, &response, NULL, 0);
-out:
-	free(layers);
-	connection_request_done(connection);
-	job_free(job);
+	job_end(job);
 }
 
 static void close_run(struct job *base)
@@ -1112,23 +760,21 @@ static void close_run(struct job *base)
 static void close_done(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
-	struct server *server = job->connection->server;
+	struct server *server = job->rq.server;
 	struct session *session = base->session;
 
 	if (session->closed) {
-		reply_error(job->connection, &job->meta, job->request_id, ZC_ENOTFOUND, "session %llu was closed",
+		reply_error(&job->rq, ZC_ENOTFOUND, "session %llu was closed",
 			    (unsigned long long)session->id);
 	} else {
 		session_retire(&server->sessions, session, true);
 		log_info("session", "closed", "session=%llu name=%s", (unsigned long long)session->id,
 			 session->name);
 		wire_response response;
-		response_init(&response, job->request_id);
-		response.msg.which_op = zipcache_v1_Response_close_session_tag;
-		reply_send(job->connection, &job->meta, &response, NULL, 0);
+		wire_response_init(&response, job->rq.id, WIRE_OP_CLOSE_SESSION);
+		reply_send(&job->rq, &response, NULL, 0);
 	}
-	connection_request_done(job->connection);
-	job_free(job);
+	job_end(job);
 }
 
 static void attach_run(struct job *base)
@@ -1154,23 +800,18 @@ static void attach_run(struct job *base)
 static void attach_done(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
-	struct connection *connection = job->connection;
-	struct server *server = connection->server;
 
 	if (job->rc == STORE_EBUDGET) {
-		if (job_retry_after_relief(job, store_rebuild_bytes(base->session->store)))
+		char what[120];
+		snprintf(what, sizeof(what), "cannot rebuild the views of '%s'", base->session->name);
+		if (job_relieve_or_fail(job, store_rebuild_bytes(base->session->store), what))
 			return;
-		char why[200];
-		job_fail(job, ZC_EEXHAUSTED, "%s; cannot rebuild the views of '%s'",
-			 server_budget_refusal(server, base->session->owner_uid, why, sizeof(why)),
-			 base->session->name);
 	}
 	if (job->rc < 0)
-		reply_error(connection, &job->meta, job->request_id, job->rc, "%s", job->message);
+		reply_error(&job->rq, job->rc, "%s", job->message);
 	else
-		reply_open(connection, &job->meta, job->request_id, base->session, true);
-	connection_request_done(connection);
-	job_free(job);
+		reply_open(&job->rq, base->session, true);
+	job_end(job);
 }
 
 /*
@@ -1179,53 +820,49 @@ static void attach_done(struct job *base)
  * include that work), costing the views it must rebuild, so a session
  * whose views memory relief dropped is rebuilt on the thread pool.
  */
-static void attach_submit(struct connection *connection, uint64_t request_id,
-			  struct session *session)
+static void attach_submit(const struct request *rq, struct session *session)
 {
-	struct server *server = connection->server;
-	struct request_job *job = job_new(connection, session, request_id, JOB_ATTACH);
+	struct request_job *job = job_new(rq, session, JOB_ATTACH);
 	if (!job) {
-		reply_error(connection, &connection->current, request_id, -ENOMEM, "out of memory");
+		reply_error(rq, -ENOMEM, "out of memory");
 		return;
 	}
 	job->job.run = attach_run;
 	job->job.done = attach_done;
 	job->job.cost = store_rebuild_elements(session->store, STORE_ALL_LAYERS);
-	/* handle_open's request is done when it returns; this one stays in
-	 * flight until attach_done has replied. */
-	connection->in_flight++;
-	session_submit(&server->sessions, &job->job);
+	/* handle_open's request ends when it returns; this one stays begun
+	 * until attach_done has replied. */
+	rq->responder->ops->begin(rq->responder);
+	session_submit(&rq->server->sessions, &job->job);
 }
 
-static bool handle_session_job(struct connection *connection, const wire_request *request,
+static bool handle_session_job(const struct request *rq, const wire_request *request,
 			       enum job_kind kind, uint64_t session_id)
 {
-	struct server *server = connection->server;
-	uint64_t id = request->msg.request_id;
-	struct session *session = session_find(&server->sessions, session_id, connection->uid);
+	struct server *server = rq->server;
+	struct session *session = session_find(&server->sessions, session_id, rq->peer->uid);
 
 	if (!session) {
-		reply_error(connection, &connection->current, id, ZC_ENOTFOUND, "no session %llu",
-			    (unsigned long long)session_id);
+		reply_error(rq, ZC_ENOTFOUND, "no session %llu", (unsigned long long)session_id);
 		return false;
 	}
-	struct request_job *job = job_new(connection, session, id, kind);
+	struct request_job *job = job_new(rq, session, kind);
 	if (!job) {
-		reply_error(connection, &connection->current, id, -ENOMEM, "out of memory");
+		reply_error(rq, -ENOMEM, "out of memory");
 		return false;
 	}
 	switch (kind) {
 	case JOB_TRIM:
-		job->trim_tokens = request->msg.op.trim.tokens;
-		job->trim_one_layer = request->msg.op.trim.has_layer;
-		job->layer = request->msg.op.trim.layer;
+		job->trim_tokens = request->trim.tokens;
+		job->trim_one_layer = request->trim.has_layer;
+		job->layer = request->trim.layer;
 		job->job.run = trim_run;
 		job->job.done = trim_done;
 		break;
 	case JOB_STATS:
 		job->job.run = stats_run;
 		job->job.done = stats_done;
-		job->job.observe_only = !request->msg.op.stats.use;
+		job->job.observe_only = !request->stats.use;
 		/* Looking rebuilds nothing; using rebuilds every dropped view. */
 		if (!job->job.observe_only)
 			job->job.cost = store_rebuild_elements(session->store, STORE_ALL_LAYERS);
@@ -1243,50 +880,18 @@ static bool handle_session_job(struct connection *connection, const wire_request
 	return true;
 }
 
-/* ---- stats without a session, list, staging ---- */
+/* ---- staging ---- */
 
-static void handle_server_stats(struct connection *connection, const wire_request *request)
+static void handle_staging(const struct request *rq, const wire_request *request)
 {
-	wire_response response;
-	response_init(&response, request->msg.request_id);
-	response.msg.which_op = zipcache_v1_Response_stats_tag;
-	stats_daemon_fill(connection, &response.msg.op.stats);
-	reply_send(connection, &connection->current, &response, NULL, 0);
-}
-
-static void handle_list(struct connection *connection, const wire_request *request)
-{
-	struct server *server = connection->server;
-	struct session_table *table = &server->sessions;
-	zipcache_v1_SessionInfo *infos = calloc(table->count + 1, sizeof(*infos));
-	size_t count = 0;
-
-	if (!infos) {
-		reply_error(connection, &connection->current, request->msg.request_id, -ENOMEM, "out of memory");
-		return;
-	}
-	for (size_t i = 0; i < table->count; i++) {
-		if (table->items[i]->owner_uid == connection->uid && !table->items[i]->closed)
-			session_info_fill(table->items[i], &infos[count++]);
-	}
-	wire_response response;
-	response_init(&response, request->msg.request_id);
-	response.msg.which_op = zipcache_v1_Response_list_sessions_tag;
-	response.sessions = infos;
-	response.n_sessions = count;
-	reply_send(connection, &connection->current, &response, NULL, 0);
-	free(infos);
-}
-
-static void handle_staging(struct connection *connection, const wire_request *request)
-{
-	struct server *server = connection->server;
-	uint64_t bytes = request->msg.op.staging.bytes;
-	uint64_t id = request->msg.request_id;
+	struct server *server = rq->server;
+	struct peer *peer = rq->peer;
+	uint64_t bytes = request->staging.bytes;
 	struct staging *staging;
+	char why[200];
 
 	if (bytes == 0 || bytes > server->options.max_staging_bytes) {
-		reply_error(connection, &connection->current, id, bytes ? ZC_EEXHAUSTED : ZC_EINVALID,
+		reply_error(rq, bytes ? ZC_EEXHAUSTED : ZC_EINVALID,
 			    "staging buffer of %llu bytes is outside 1..%llu",
 			    (unsigned long long)bytes, (unsigned long long)server->options.max_staging_bytes);
 		return;
@@ -1294,132 +899,116 @@ static void handle_staging(struct connection *connection, const wire_request *re
 	/* Charged to the uid's memory quota (and so the daemon's budget) and
 	 * to its staging quota; the old buffer's charge goes when its last
 	 * reader lets go of it. */
-	struct quota_usage *quota = connection->quota;
+	struct quota_usage *quota = peer->quota;
 	int rc = staging_create(bytes, &quota->memory, &quota->staging, &staging);
-	if (rc == STORE_EBUDGET &&
-	    server_relieve_memory_for(server, bytes, NULL, connection->uid) > 0)
+	for (bool tried = false; rc == STORE_EBUDGET; tried = true) {
+		if (relief_run(server, bytes, NULL, peer->uid, tried, why, sizeof(why)) < 0)
+			break;   /* why says so */
 		rc = staging_create(bytes, &quota->memory, &quota->staging, &staging);
+	}
 	if (rc < 0) {
-		char why[200];
-		if (rc == STORE_EBUDGET)
-			server_budget_refusal(server, connection->uid, why, sizeof(why));
-		else if (rc == ZC_EEXHAUSTED)
+		/* For STORE_EBUDGET, relief_run wrote why. */
+		if (rc == ZC_EEXHAUSTED)
 			snprintf(why, sizeof(why), "staging quota of %llu bytes for uid %u is exhausted "
 				 "(%llu held by its connections; --max-staging-bytes-per-uid)",
-				 (unsigned long long)quota->staging.limit, connection->uid,
+				 (unsigned long long)quota->staging.limit, peer->uid,
 				 (unsigned long long)__atomic_load_n(&quota->staging.used, __ATOMIC_RELAXED));
-		else
-			resource_text(server, rc, why, sizeof(why));
-		reply_error(connection, &connection->current, id, rc == STORE_EBUDGET ? ZC_EEXHAUSTED : rc,
+		else if (rc != STORE_EBUDGET)
+			reply_resource_text(server, rc, why, sizeof(why));
+		reply_error(rq, rc == STORE_EBUDGET ? ZC_EEXHAUSTED : rc,
 			    "cannot create a staging buffer of %llu bytes: %s", (unsigned long long)bytes, why);
 		return;
 	}
 	int fd = dup(staging->fd);
 	if (fd < 0) {
-		char why[200];
 		rc = -errno;
 		staging_unref(staging);
-		reply_error(connection, &connection->current, id, rc, "cannot share the staging buffer: %s",
-			    resource_text(server, rc, why, sizeof(why)));
+		reply_error(rq, rc, "cannot share the staging buffer: %s",
+			    reply_resource_text(server, rc, why, sizeof(why)));
 		return;
 	}
 	/* Jobs still reading the old buffer keep it alive. */
-	staging_unref(connection->staging);
-	connection->staging = staging;
+	staging_unref(peer->staging);
+	peer->staging = staging;
 	wire_response response;
-	response_init(&response, id);
-	response.msg.which_op = zipcache_v1_Response_staging_tag;
-	response.msg.op.staging.bytes = staging->bytes;
-	reply_send(connection, &connection->current, &response, &fd, 1);
+	wire_response_init(&response, rq->id, WIRE_OP_STAGING);
+	response.staging.bytes = staging->bytes;
+	reply_send(rq, &response, &fd, 1);
 }
 
-void dispatch_request(struct connection *connection, const uint8_t *frame, size_t len)
+void dispatch_request(struct server *server, struct peer *peer, struct responder *responder,
+		      const uint8_t *frame, size_t len)
 {
-	struct server *server = connection->server;
+	struct request rq = {
+		.server = server,
+		.peer = peer,
+		.responder = responder,
+		.meta = { .op = METRICS_OP_INVALID, .start_ns = uv_hrtime() },
+	};
 	wire_request request;
-	connection->current.start_ns = uv_hrtime();
-	connection->current.op = METRICS_OP_INVALID;
 	int rc = wire_request_decode(frame, len, &request);
 
 	server->counters.requests++;
-	connection->quota->requests++;
+	peer->quota->requests++;
+	/* The decoder recovers the request's id whenever it could be read (else 0). */
+	rq.id = request.request_id;
 	if (rc == 0)
-		connection->current.op = metrics_op_of(request.msg.which_op);
+		rq.meta.op = metrics_op_of(request.op);
 	if (rc < 0) {
-		/* Framing is intact, so the connection stays usable. The decoder
-		 * recovers the request's id whenever it could be read (else 0). */
-		reply_error(connection, &connection->current, request.msg.request_id, ZC_EPROTOCOL,
-			    "malformed request: %s",
+		/* Framing is intact, so the connection stays usable. */
+		reply_error(&rq, ZC_EPROTOCOL, "malformed request: %s",
 			    request.error ? request.error : zc_strerror(rc));
-		connection_request_done(connection);
+		responder->ops->end(responder);
 		return;
 	}
 	bool queued = false;
-	switch (request.msg.which_op) {
-	case zipcache_v1_Request_hello_tag:
-		handle_hello(connection, &request);
+	switch (request.op) {
+	case WIRE_OP_HELLO:
+		reply_hello(&rq);
 		break;
-	case zipcache_v1_Request_open_session_tag:
-		handle_open(connection, &request);
+	case WIRE_OP_OPEN_SESSION:
+		handle_open(&rq, &request);
 		break;
-	case zipcache_v1_Request_update_and_fetch_tag:
-		queued = handle_update(connection, &request);
+	case WIRE_OP_UPDATE_AND_FETCH:
+		queued = handle_update(&rq, &request);
 		break;
-	case zipcache_v1_Request_trim_tag:
-		queued = handle_session_job(connection, &request, JOB_TRIM,
-					    request.msg.op.trim.session_id);
+	case WIRE_OP_TRIM:
+		queued = handle_session_job(&rq, &request, JOB_TRIM, request.trim.session_id);
 		break;
-	case zipcache_v1_Request_close_session_tag:
-		queued = handle_session_job(connection, &request, JOB_CLOSE,
-					    request.msg.op.close_session.session_id);
+	case WIRE_OP_CLOSE_SESSION:
+		queued = handle_session_job(&rq, &request, JOB_CLOSE, request.close_session.session_id);
 		break;
-	case zipcache_v1_Request_stats_tag:
-		if (request.msg.op.stats.session_id == 0)
-			handle_server_stats(connection, &request);
+	case WIRE_OP_STATS:
+		if (request.stats.session_id == 0)
+			reply_server_stats(&rq);
 		else
-			queued = handle_session_job(connection, &request, JOB_STATS,
-						    request.msg.op.stats.session_id);
+			queued = handle_session_job(&rq, &request, JOB_STATS, request.stats.session_id);
 		break;
-	case zipcache_v1_Request_list_sessions_tag:
-		handle_list(connection, &request);
+	case WIRE_OP_LIST_SESSIONS:
+		reply_list(&rq);
 		break;
-	case zipcache_v1_Request_staging_tag:
-		handle_staging(connection, &request);
+	case WIRE_OP_STAGING:
+		handle_staging(&rq, &request);
 		break;
-	default:
-		reply_error(connection, &connection->current, request.msg.request_id, ZC_EINVALID,
-			    "request carries no known operation");
+	case WIRE_OP_NONE:
+		reply_error(&rq, ZC_EINVALID, "request carries no known operation");
 		break;
 	}
-	/* A queued job finishes the request when it replies. */
+	/* A queued job ends the request when it replies. */
 	if (!queued)
-		connection_request_done(connection);
+		responder->ops->end(responder);
 }
 
-void dispatch_reject_frame(struct connection *connection, int error)
+void dispatch_reject_frame(struct server *server, struct peer *peer, struct responder *responder,
+			   int error)
 {
-	connection->in_flight++;
-	connection->current.start_ns = uv_hrtime();
-	connection->current.op = METRICS_OP_INVALID;
-	reply_error(connection, &connection->current, 0, error, "frame exceeds the limit of %u bytes; closing the connection",
-		    connection->server->options.max_frame_bytes);
-	connection_request_done(connection);
-}
-
-void dispatch_refuse_connection(struct server *server, int fd, const char *message)
-{
-	wire_response response;
-	uint8_t frame[512];
-	size_t len;
-
-	(void)server;
-	response_init(&response, 0);
-	wire_response_set_status(&response, ZC_EEXHAUSTED, message);
-	if (wire_response_encode(&response, frame, sizeof(frame), &len) == 0)
-		(void)!send(fd, frame, len, MSG_NOSIGNAL | MSG_DONTWAIT);
-}
-
-void dispatch_connection_closed(struct server *server)
-{
-	server_stop_progress(server);
+	struct request rq = {
+		.server = server,
+		.peer = peer,
+		.responder = responder,
+		.meta = { .op = METRICS_OP_INVALID, .start_ns = uv_hrtime() },
+	};
+	reply_error(&rq, error, "frame exceeds the limit of %u bytes; closing the connection",
+		    server->options.max_frame_bytes);
+	responder->ops->end(responder);
 }

@@ -35,6 +35,10 @@ static const char *const reason_names[METRICS_REASON_COUNT] = {
 	"failed_precondition", "internal", "connection_refused",
 };
 
+static const char *const relief_step_names[METRICS_RELIEF_STEP_COUNT] = {
+	"drop_views", "refuse",
+};
+
 /* Upper bounds in seconds: a decode step is tens of microseconds, a
  * 4096-token prefill of one layer a few milliseconds. */
 static const double bucket_bounds[METRICS_BUCKETS] = {
@@ -42,37 +46,38 @@ static const double bucket_bounds[METRICS_BUCKETS] = {
 	0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 };
 
-enum metrics_op metrics_op_of(pb_size_t which_op)
+enum metrics_op metrics_op_of(enum wire_op op)
 {
-	switch (which_op) {
-	case zipcache_v1_Request_hello_tag:
+	switch (op) {
+	case WIRE_OP_HELLO:
 		return METRICS_OP_HELLO;
-	case zipcache_v1_Request_open_session_tag:
+	case WIRE_OP_OPEN_SESSION:
 		return METRICS_OP_OPEN_SESSION;
-	case zipcache_v1_Request_update_and_fetch_tag:
+	case WIRE_OP_UPDATE_AND_FETCH:
 		return METRICS_OP_UPDATE_AND_FETCH;
-	case zipcache_v1_Request_trim_tag:
+	case WIRE_OP_TRIM:
 		return METRICS_OP_TRIM;
-	case zipcache_v1_Request_close_session_tag:
+	case WIRE_OP_CLOSE_SESSION:
 		return METRICS_OP_CLOSE_SESSION;
-	case zipcache_v1_Request_stats_tag:
+	case WIRE_OP_STATS:
 		return METRICS_OP_STATS;
-	case zipcache_v1_Request_list_sessions_tag:
+	case WIRE_OP_LIST_SESSIONS:
 		return METRICS_OP_LIST_SESSIONS;
-	case zipcache_v1_Request_staging_tag:
+	case WIRE_OP_STAGING:
 		return METRICS_OP_STAGING;
+	case WIRE_OP_NONE:
+		break;
 	}
 	return METRICS_OP_INVALID;
 }
 
-void metrics_request_done(struct metrics *metrics, uint8_t op, zipcache_v1_Status status,
-			  uint64_t elapsed_ns)
+void metrics_request_done(struct metrics *metrics, uint8_t op, int status, uint64_t elapsed_ns)
 {
 	double seconds = (double)elapsed_ns * 1e-9;
 	if (op >= METRICS_OP_COUNT)
 		op = METRICS_OP_INVALID;
-	if ((unsigned)status >= METRICS_STATUS_COUNT)
-		status = zipcache_v1_Status_INTERNAL;
+	if (status < 0 || status >= METRICS_STATUS_COUNT)
+		status = WIRE_STATUS_INTERNAL;
 	metrics->requests[op][status]++;
 	metrics->latency_count[op]++;
 	metrics->latency_sum[op] += seconds;
@@ -104,22 +109,22 @@ void metrics_error(struct metrics *metrics, int error)
 		break;
 	default:
 		switch (wire_status_from_error(error)) {
-		case zipcache_v1_Status_INVALID_ARGUMENT:
+		case WIRE_STATUS_INVALID_ARGUMENT:
 			reason = METRICS_REASON_INVALID_ARGUMENT;
 			break;
-		case zipcache_v1_Status_NOT_FOUND:
+		case WIRE_STATUS_NOT_FOUND:
 			reason = METRICS_REASON_NOT_FOUND;
 			break;
-		case zipcache_v1_Status_ALREADY_EXISTS:
+		case WIRE_STATUS_ALREADY_EXISTS:
 			reason = METRICS_REASON_ALREADY_EXISTS;
 			break;
-		case zipcache_v1_Status_RESOURCE_EXHAUSTED:
+		case WIRE_STATUS_RESOURCE_EXHAUSTED:
 			reason = METRICS_REASON_RESOURCE_EXHAUSTED;
 			break;
-		case zipcache_v1_Status_PERMISSION_DENIED:
+		case WIRE_STATUS_PERMISSION_DENIED:
 			reason = METRICS_REASON_PERMISSION_DENIED;
 			break;
-		case zipcache_v1_Status_FAILED_PRECONDITION:
+		case WIRE_STATUS_FAILED_PRECONDITION:
 			reason = METRICS_REASON_FAILED_PRECONDITION;
 			break;
 		default:
@@ -258,11 +263,11 @@ int metrics_render(const struct server *server, char **out, size_t *out_len)
 	gauge(&text, "zipcache_memory_used_bytes",
 	      "Memory charged to the budget: session files, staging buffers, queued replies.",
 	      (double)server_memory_bytes(server));
-	struct store_memory kinds = { 0 };
-	for (size_t i = 0; i < server->sessions.count; i++)
-		store_memory_add(server->sessions.items[i]->store, &kinds);
+	struct store_memory kinds;
+	uint64_t file_bytes;
+	server_memory_by_kind(server, true, 0, &kinds, &file_bytes);
 	family(&text, "zipcache_memory_file_bytes", "gauge",
-	       "Memory the sessions' files really hold (allocated pages), by kind.");
+	       "Memory the sessions' files and the block pools really hold (allocated pages), by kind.");
 	const struct { const char *kind; uint64_t bytes; } by_kind[] = {
 		{ "views", kinds.views }, { "blocks", kinds.blocks }, { "residual", kinds.residual },
 		{ "index", kinds.index }, { "headers", kinds.headers },
@@ -286,6 +291,11 @@ int metrics_render(const struct server *server, char **out, size_t *out_len)
 	/* Named for what it counts: sessions are never evicted, their views are dropped. */
 	counter(&text, "zipcache_view_drops_total",
 		"Sessions whose idle fp16 views memory relief dropped.", m->view_drops);
+	family(&text, "zipcache_relief_steps_total", "counter",
+	       "Steps of memory relief run for refused charges: drop idle views, then refuse.");
+	for (int i = 0; i < METRICS_RELIEF_STEP_COUNT; i++)
+		text_printf(&text, "zipcache_relief_steps_total{step=\"%s\"} %llu\n", relief_step_names[i],
+			    (unsigned long long)m->relief_steps[i]);
 	gauge(&text, "zipcache_connections", "Open client connections.", (double)server->n_connections);
 	counter(&text, "zipcache_connections_total", "Client connections accepted.",
 		server->counters.connections_accepted);

@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "zipcache.pb.h"
+#include "wire.h"
 
 enum metrics_op {
 	METRICS_OP_HELLO,
@@ -23,7 +23,7 @@ enum metrics_op {
 	METRICS_OP_COUNT
 };
 
-#define METRICS_STATUS_COUNT 8
+#define METRICS_STATUS_COUNT WIRE_STATUS_COUNT
 #define METRICS_BUCKETS 14
 
 enum metrics_reason {
@@ -41,6 +41,13 @@ enum metrics_reason {
 	METRICS_REASON_COUNT
 };
 
+/* The steps of memory relief (server/relief.c), in the order they run. */
+enum metrics_relief_step {
+	METRICS_RELIEF_DROP_VIEWS,
+	METRICS_RELIEF_REFUSE,
+	METRICS_RELIEF_STEP_COUNT
+};
+
 /* Which request a reply answers and when it arrived, for the histogram. */
 struct request_meta {
 	uint8_t op;
@@ -54,11 +61,12 @@ struct metrics {
 	double latency_sum[METRICS_OP_COUNT];
 	uint64_t errors[METRICS_REASON_COUNT];
 	uint64_t view_drops;
+	uint64_t relief_steps[METRICS_RELIEF_STEP_COUNT];
 };
 
-enum metrics_op metrics_op_of(pb_size_t which_op);
-void metrics_request_done(struct metrics *metrics, uint8_t op, zipcache_v1_Status status,
-			  uint64_t elapsed_ns);
+enum metrics_op metrics_op_of(enum wire_op op);
+/* status: the reply's enum wire_status. */
+void metrics_request_done(struct metrics *metrics, uint8_t op, int status, uint64_t elapsed_ns);
 void metrics_error(struct metrics *metrics, int error);
 void metrics_error_reason(struct metrics *metrics, enum metrics_reason reason);
 

@@ -1,6 +1,8 @@
 /*
- * The daemon's lifecycle: the listening socket, adopting sessions left by
- * an earlier run, idle expiry, and a graceful stop on SIGTERM/SIGINT.
+ * The daemon's lifecycle: the listening socket, the connections it serves
+ * (their owner: accepting, the list, what their reply queues hold, the
+ * responder dispatch answers through), adopting sessions left by an
+ * earlier run, idle expiry, and a graceful stop on SIGTERM/SIGINT.
  */
 #include "server.h"
 
@@ -26,7 +28,10 @@
 #include "dispatch.h"
 #include "http.h"
 #include "log.h"
+#include "quota.h"
+#include "reply.h"
 #include "resources.h"
+#include "staging.h"
 #include "store.h"
 
 /* How long a stopping daemon waits for in-flight work and unread replies
@@ -40,6 +45,208 @@
 /* Connections taken per readiness event, so a flood of them cannot keep
  * the loop from serving the connections it has. */
 #define ACCEPTS_PER_EVENT 64
+
+/* Below this share of --max-reply-queue-total, connections paused for the
+ * total read again (hysteresis: no flapping at the line). */
+#define TOTAL_RESUME_NUM 3
+#define TOTAL_RESUME_DEN 4
+
+static void stop_progress(struct server *server);
+
+/* ---- the connections: what each reports, and the responder ---- */
+
+static struct client *client_of_responder(struct responder *responder)
+{
+	return (struct client *)((char *)responder - offsetof(struct client, responder));
+}
+
+static void client_frame(struct connection *connection, const uint8_t *frame, size_t len)
+{
+	struct client *client = connection->data;
+	dispatch_request(client->server, &client->peer, &client->responder, frame, len);
+}
+
+static void client_frame_error(struct connection *connection, int error)
+{
+	struct client *client = connection->data;
+	dispatch_reject_frame(client->server, &client->peer, &client->responder, error);
+}
+
+/*
+ * Whether the replies queued over all connections passed
+ * --max-reply-queue-total (and, once past, whether they are still above
+ * the resume mark). On a change every connection is told: those with
+ * replies waiting pause, or read again.
+ */
+static void replies_total_update(struct server *server)
+{
+	uint64_t total = server->options.max_reply_queue_total;
+	bool over = server->replies_over ?
+		server->reply_queue_bytes >= total / TOTAL_RESUME_DEN * TOTAL_RESUME_NUM :
+		server->reply_queue_bytes >= total;
+	if (over == server->replies_over)
+		return;
+	server->replies_over = over;
+	log_info("connection", over ? "reply queues full" : "reply queues drained",
+		 "queued_bytes=%llu limit=%llu", (unsigned long long)server->reply_queue_bytes,
+		 (unsigned long long)total);
+	for (struct client *c = server->clients, *next; c; c = next) {
+		next = c->next;
+		connection_set_total_over(&c->connection, over);
+	}
+}
+
+/*
+ * Reply bytes are heap, which the cgroup counts like the session files, so
+ * they are charged to the uid's memory budget and the daemon's. The charge
+ * is forced: a reply to work already done cannot be refused, and the
+ * queue bounds keep what passes the budget bounded; new sessions and
+ * blocks see the room taken until the client reads or goes.
+ */
+static void client_queued(struct connection *connection, int64_t delta)
+{
+	struct client *client = connection->data;
+	struct server *server = client->server;
+	struct quota_usage *quota = client->peer.quota;
+
+	if (delta > 0) {
+		store_budget_force(&quota->memory, (uint64_t)delta);
+		server->reply_queue_bytes += (uint64_t)delta;
+		quota->reply_queue_bytes += (uint64_t)delta;
+	} else {
+		store_budget_give(&quota->memory, (uint64_t)-delta);
+		server->reply_queue_bytes -= (uint64_t)-delta;
+		quota->reply_queue_bytes -= (uint64_t)-delta;
+	}
+	replies_total_update(server);
+}
+
+static void client_closing(struct connection *connection)
+{
+	struct client *client = connection->data;
+	struct server *server = client->server;
+
+	if (client->prev)
+		client->prev->next = client->next;
+	else
+		server->clients = client->next;
+	if (client->next)
+		client->next->prev = client->prev;
+	server->n_connections--;
+	client->peer.quota->connections--;
+	staging_unref(client->peer.staging);
+	client->peer.staging = NULL;
+	stop_progress(server);
+}
+
+static void client_freed(struct connection *connection)
+{
+	free(connection->data);
+}
+
+static const struct connection_callbacks client_callbacks = {
+	.frame = client_frame,
+	.frame_error = client_frame_error,
+	.queued = client_queued,
+	.closing = client_closing,
+	.freed = client_freed,
+};
+
+static int responder_send(struct responder *responder, uint8_t *frame, size_t len, const int *fds,
+			  int n_fds)
+{
+	return connection_send(&client_of_responder(responder)->connection, frame, len, fds, n_fds);
+}
+
+static void responder_abort(struct responder *responder)
+{
+	connection_close(&client_of_responder(responder)->connection);
+}
+
+static void responder_begin(struct responder *responder)
+{
+	connection_request_begin(&client_of_responder(responder)->connection);
+}
+
+static void responder_end(struct responder *responder)
+{
+	connection_request_end(&client_of_responder(responder)->connection);
+}
+
+static const struct responder_ops client_responder = {
+	.send = responder_send,
+	.abort = responder_abort,
+	.begin = responder_begin,
+	.end = responder_end,
+};
+
+/* Counts, logs and tells a connection we will not serve why (one
+ * RESOURCE_EXHAUSTED frame saying `message`), then closes it. */
+static void socket_refuse(struct server *server, int fd, const char *reason, const char *message)
+{
+	uint8_t frame[512];
+	size_t len = 0;
+
+	metrics_error_reason(&server->metrics, METRICS_REASON_CONNECTION_REFUSED);
+	log_warn("connection", "refused", "reason=\"%s\" message=\"%s\"", reason, message);
+	int rc = reply_refusal_frame(message, frame, sizeof(frame), &len);
+	connection_refuse_socket(fd, rc == 0 ? frame : NULL, len);
+}
+
+void server_accept(struct server *server, int fd)
+{
+	struct ucred credentials;
+	socklen_t length = sizeof(credentials);
+	struct client *client;
+	char message[160];
+
+	if (server->n_connections >= server->options.max_connections || server->stopping) {
+		snprintf(message, sizeof(message), server->stopping ? "the daemon is stopping" :
+			 "connection limit of %u reached", server->options.max_connections);
+		socket_refuse(server, fd, server->stopping ? "stopping" : "connection limit", message);
+		return;
+	}
+	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) < 0) {
+		log_warn("connection", "refused: no peer credentials", "error=%s", strerror(errno));
+		close(fd);
+		return;
+	}
+	struct quota_usage *quota = quota_usage_of(&server->quotas, credentials.uid);
+	if (!quota) {
+		socket_refuse(server, fd, "out of memory", "out of memory for this uid's quota entry");
+		return;
+	}
+	uint64_t uid_limit = quota_limits_of(&server->quotas, quota)->connections;
+	if (uid_limit && quota->connections >= uid_limit) {
+		snprintf(message, sizeof(message),
+			 "connection limit of %llu per uid reached (uid %u has %u; --max-connections-per-uid)",
+			 (unsigned long long)uid_limit, (unsigned)credentials.uid, quota->connections);
+		socket_refuse(server, fd, "uid connection limit", message);
+		return;
+	}
+	client = calloc(1, sizeof(*client));
+	if (!client || connection_init(&client->connection, server->loop, fd, credentials.uid,
+				       credentials.pid, &client_callbacks, &server->connection_limits,
+				       client) < 0) {
+		free(client);
+		close(fd);
+		return;
+	}
+	client->server = server;
+	client->responder.ops = &client_responder;
+	/* A connection that arrives while the total is over its bound is
+	 * held to it like the others. */
+	connection_set_total_over(&client->connection, server->replies_over);
+	client->peer = (struct peer){ .id = client->connection.id, .uid = credentials.uid,
+				      .quota = quota };
+	quota->connections++;
+	client->next = server->clients;
+	if (server->clients)
+		server->clients->prev = client;
+	server->clients = client;
+	server->n_connections++;
+	server->counters.connections_accepted++;
+}
 
 static void on_accept(uv_poll_t *handle, int status, int events);
 
@@ -89,11 +296,7 @@ static int refuse_with_spare(struct server *server)
 		snprintf(message, sizeof(message),
 			 "out of file descriptors (the daemon's limit is %llu): connection refused, "
 			 "try again later", (unsigned long long)server->descriptor_limit);
-		metrics_error_reason(&server->metrics, METRICS_REASON_CONNECTION_REFUSED);
-		log_warn("connection", "refused", "reason=\"descriptor limit\" limit=%llu",
-			 (unsigned long long)server->descriptor_limit);
-		dispatch_refuse_connection(server, fd, message);
-		close(fd);
+		socket_refuse(server, fd, "descriptor limit", message);
 	}
 	server->spare_fd = spare_open();
 	return rc;
@@ -110,7 +313,7 @@ static void on_accept(uv_poll_t *handle, int status, int events)
 	for (int taken = 0; taken < ACCEPTS_PER_EVENT; taken++) {
 		int fd = accept4(server->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
 		if (fd >= 0) {
-			connection_accept(server, fd);
+			server_accept(server, fd);
 			continue;
 		}
 		int error = errno;
@@ -290,10 +493,12 @@ static void on_signal(uv_signal_t *handle, int signum)
 
 static void on_stop_tick(uv_timer_t *timer)
 {
-	server_stop_progress(timer->data);
+	stop_progress(timer->data);
 }
 
-void server_stop_progress(struct server *server)
+/* While stopping: ends the loop once no connection or job is left, and
+ * past the grace period closes what is still open. */
+static void stop_progress(struct server *server)
 {
 	if (!server->stopping)
 		return;
@@ -301,8 +506,8 @@ void server_stop_progress(struct server *server)
 	if (server->sessions.jobs_in_flight > 0 && !late)
 		return;
 	if (late) {
-		while (server->connections)
-			connection_close(server->connections);
+		while (server->clients)
+			connection_close(&server->clients->connection);
 	}
 	if (server->n_connections == 0 && server->sessions.jobs_in_flight == 0)
 		uv_stop(server->loop);
@@ -327,12 +532,12 @@ void server_stop(struct server *server)
 		uv_close((uv_handle_t *)&server->listener, on_listener_closed);
 		unlink(server->options.socket_path);
 	}
-	for (struct connection *c = server->connections, *next; c; c = next) {
+	for (struct client *c = server->clients, *next; c; c = next) {
 		next = c->next;
-		connection_drain(c);
+		connection_drain(&c->connection);
 	}
 	uv_timer_start(&server->stop_timer, on_stop_tick, 20, 20);
-	server_stop_progress(server);
+	stop_progress(server);
 }
 
 /* Sparse session files cost address space, not memory: half the
@@ -415,6 +620,27 @@ static void limits_resolve(struct server *server)
 		 (unsigned)geteuid());
 }
 
+void server_memory_by_kind(const struct server *server, bool all, uint32_t uid,
+			   struct store_memory *kinds, uint64_t *file_bytes)
+{
+	*kinds = (struct store_memory){ 0 };
+	*file_bytes = 0;
+	for (size_t i = 0; i < server->sessions.count; i++) {
+		const struct session *s = server->sessions.items[i];
+		if (all || s->owner_uid == uid) {
+			*file_bytes += store_memory_bytes(s->store);
+			store_memory_add(s->store, kinds);
+		}
+	}
+	for (size_t i = 0; i < server->pools.n; i++) {
+		const struct pool *pool = server->pools.items[i];
+		if (all || pool_uid(pool) == uid) {
+			kinds->blocks += pool_memory_bytes(pool);
+			*file_bytes += pool_memory_bytes(pool);
+		}
+	}
+}
+
 int server_start(struct server *server, uv_loop_t *loop, const struct options *options)
 {
 	int rc;
@@ -428,6 +654,10 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	server->spare_fd = -1;
 	loop->data = server;
 	server->started_ms = uv_now(loop);
+	server->connection_limits = (struct connection_limits){
+		.max_frame_bytes = options->max_frame_bytes,
+		.max_reply_queue_bytes = options->max_reply_queue_bytes,
+	};
 	session_table_init(&server->sessions, loop, options->offload_elements);
 	store_set_map_limit(options->max_mapped_bytes ? options->max_mapped_bytes : map_limit_default());
 	rc = boot_epoch_make(&server->boot_epoch);
@@ -499,8 +729,8 @@ void server_free(struct server *server)
 		uv_close((uv_handle_t *)&server->listener, on_listener_closed);
 		unlink(server->options.socket_path);
 	}
-	while (server->connections)
-		connection_close(server->connections);
+	while (server->clients)
+		connection_close(&server->clients->connection);
 	http_stop(server->http);
 	server->http = NULL;
 	/* Let the close callbacks run, then release what they released. */
@@ -519,88 +749,4 @@ void server_free(struct server *server)
 	if (server->spare_fd >= 0)
 		close(server->spare_fd);
 	server->spare_fd = -1;
-}
-
-uint64_t server_memory_bytes(const struct server *server)
-{
-	return __atomic_load_n(&server->budget.used, __ATOMIC_RELAXED);
-}
-
-static int by_last_use(const void *a, const void *b)
-{
-	const struct session *x = *(struct session *const *)a, *y = *(struct session *const *)b;
-	return x->last_used_ms < y->last_used_ms ? -1 : x->last_used_ms > y->last_used_ms;
-}
-
-/* Room left in a budget alone (UINT64_MAX without a limit). */
-static uint64_t budget_room(const struct store_budget *budget)
-{
-	uint64_t used = __atomic_load_n(&budget->used, __ATOMIC_RELAXED);
-	if (!budget->limit)
-		return UINT64_MAX;
-	return used < budget->limit ? budget->limit - used : 0;
-}
-
-/* Whether uid's own quota, rather than the daemon's budget, is what is
- * short: the one with less room left. */
-static bool uid_quota_binding(struct server *server, uint32_t uid, const struct quota_usage **out)
-{
-	const struct quota_usage *usage = quota_usage_of(&server->quotas, uid);
-	*out = usage;
-	return usage && usage->memory.limit && budget_room(&usage->memory) < budget_room(&server->budget);
-}
-
-const char *server_budget_refusal(struct server *server, uint32_t uid, char *text, size_t size)
-{
-	const struct quota_usage *usage;
-	if (uid_quota_binding(server, uid, &usage))
-		snprintf(text, size, "memory quota of %llu bytes for uid %u is exhausted (%llu in use; "
-			 "--memory-budget-per-uid)", (unsigned long long)usage->memory.limit, (unsigned)uid,
-			 (unsigned long long)__atomic_load_n(&usage->memory.used, __ATOMIC_RELAXED));
-	else
-		snprintf(text, size, "memory budget of %llu bytes is exhausted (%llu in use)",
-			 (unsigned long long)server->budget.limit,
-			 (unsigned long long)server_memory_bytes(server));
-	return text;
-}
-
-uint64_t server_relieve_memory(struct server *server, uint64_t wanted, const struct session *keep)
-{
-	return keep ? server_relieve_memory_for(server, wanted, keep, keep->owner_uid) :
-		      server_relieve_memory_for(server, wanted, NULL, 0);
-}
-
-uint64_t server_relieve_memory_for(struct server *server, uint64_t wanted,
-				   const struct session *keep, uint32_t uid)
-{
-	struct session_table *table = &server->sessions;
-	struct session **candidates = calloc(table->count + 1, sizeof(*candidates));
-	const struct quota_usage *usage;
-	bool own_only = uid_quota_binding(server, uid, &usage);
-	size_t count = 0;
-	uint64_t freed = 0;
-
-	if (!candidates)
-		return 0;
-	for (size_t i = 0; i < table->count; i++) {
-		struct session *s = table->items[i];
-		if (s != keep && session_idle(s) && (!own_only || s->owner_uid == uid))
-			candidates[count++] = s;
-	}
-	qsort(candidates, count, sizeof(*candidates), by_last_use);
-	for (size_t i = 0; i < count && freed < wanted; i++) {
-		uint64_t bytes = 0;
-		int rc = store_drop_views(candidates[i]->store, &bytes);
-		if (rc < 0)
-			log_warn("server", "cannot drop views", "session=%llu error=%s",
-				 (unsigned long long)candidates[i]->id, zc_strerror(rc));
-		if (bytes == 0)
-			continue;
-		freed += bytes;
-		server->metrics.view_drops++;
-		log_info("server", "dropped idle views", "session=%llu bytes=%llu",
-			 (unsigned long long)candidates[i]->id, (unsigned long long)bytes);
-	}
-	free(candidates);
-	return freed;
 }

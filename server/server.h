@@ -1,7 +1,12 @@
 /*
  * The daemon's state: its loop, listener, connections and sessions, and
- * the counters stats (and later metrics) report. One per process; every
- * field is touched on the loop thread only.
+ * the counters stats and metrics report. One per process; every field is
+ * touched on the loop thread only.
+ *
+ * server.c owns the connections: it accepts them (limits, quotas), keeps
+ * the list, is the owner their callbacks report to (a frame goes to
+ * dispatch, queued reply bytes are charged to the uid's budget), and
+ * drains and closes them to stop.
  */
 #ifndef ZIPCACHE_SERVER_H
 #define ZIPCACHE_SERVER_H
@@ -11,13 +16,25 @@
 #include <uv.h>
 
 #include "adopt.h"
+#include "connection.h"
+#include "dispatch.h"
 #include "metrics.h"
 #include "options.h"
 #include "quota.h"
 #include "session.h"
 #include "pool.h"
 
-struct connection;
+struct server;
+
+/* One connection this daemon serves: the transport, who is on the other
+ * end as dispatch sees it, and the responder its replies go through. */
+struct client {
+	struct connection connection;
+	struct peer peer;
+	struct responder responder;
+	struct server *server;
+	struct client *prev, *next;
+};
 
 struct server_counters {
 	uint64_t connections_accepted;
@@ -51,8 +68,9 @@ struct server {
 	struct quota_table quotas;
 	struct pool_set pools;         /* one block pool per uid */
 	uint64_t reply_queue_bytes;    /* unsent reply bytes of all connections */
-	bool replies_over;             /* past --max-reply-queue-total (connection.c) */
-	struct connection *connections;
+	bool replies_over;             /* past --max-reply-queue-total */
+	struct connection_limits connection_limits;
+	struct client *clients;
 	uint32_t n_connections;
 	bool stopping;
 	uint64_t stop_deadline_ms;
@@ -61,6 +79,16 @@ struct server {
 	struct http_endpoint *http;
 };
 
+/* Takes over an accepted socket: serves it, or tells it why not (a limit,
+ * a stop) and closes it. */
+void server_accept(struct server *server, int fd);
+
+/* What the sessions' files and maps and the block pools hold, by kind
+ * (every uid's with all, else uid's); *file_bytes their sum. A shared
+ * block counts once. */
+void server_memory_by_kind(const struct server *server, bool all, uint32_t uid,
+			   struct store_memory *kinds, uint64_t *file_bytes);
+
 /* Binds the socket, adopts (or clears) old sessions, starts serving on loop. */
 int server_start(struct server *server, uv_loop_t *loop, const struct options *options);
 
@@ -68,30 +96,14 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
  * replies are flushed, then the loop ends. Idempotent. */
 void server_stop(struct server *server);
 
-/* While stopping: ends the loop once no connection or job is left. */
-void server_stop_progress(struct server *server);
-
 /* Frees what server_start made; call after the loop has returned. */
 void server_free(struct server *server);
 
-/* Shared memory in use by all sessions, bytes. */
-uint64_t server_memory_bytes(const struct server *server);
-
-/* Under memory pressure: drops the fp16 views of idle sessions, least
- * recently used first (never `keep`'s), until `wanted` bytes came back
- * or no candidate is left. Returns the bytes freed. When `keep`'s owner's
- * own quota is what is short, only that uid's sessions are candidates:
- * other users' views would not make room for it. */
-uint64_t server_relieve_memory(struct server *server, uint64_t wanted, const struct session *keep);
-
-/* The same for a charge of `uid`'s with no session to keep (an open, a
- * staging buffer). */
-uint64_t server_relieve_memory_for(struct server *server, uint64_t wanted,
-				   const struct session *keep, uint32_t uid);
-
-/* Why a memory charge of `uid`'s was refused, as a sentence into text:
- * the uid's quota or the daemon's budget, whichever has less room, with
- * its size and use (the word "budget" or "quota" and the flag). */
-const char *server_budget_refusal(struct server *server, uint32_t uid, char *text, size_t size);
+/* Memory charged to the budget by all sessions, staging buffers and
+ * queued replies, bytes. */
+static inline uint64_t server_memory_bytes(const struct server *server)
+{
+	return __atomic_load_n(&server->budget.used, __ATOMIC_RELAXED);
+}
 
 #endif

@@ -44,11 +44,13 @@ static void session_free(struct session *session, bool remove_file)
 	free(session);
 }
 
-static void totals_add(struct session_totals *totals, const struct store_layer_stats *s, int sign)
+void session_totals_add(struct session_totals *totals, const struct store_layer_stats *s, int sign)
 {
 	/* Unsigned wrap-around makes subtraction by adding the negation exact. */
 	uint64_t k = (uint64_t)(int64_t)sign;
 	totals->tokens += k * s->tokens;
+	totals->residual_tokens += k * s->residual_tokens;
+	totals->blocks += k * s->blocks;
 	totals->key.compressed += k * s->key.compressed;
 	totals->key.baseline += k * s->key.baseline;
 	totals->key.fp16 += k * s->key.fp16;
@@ -57,14 +59,22 @@ static void totals_add(struct session_totals *totals, const struct store_layer_s
 	totals->value.fp16 += k * s->value.fp16;
 }
 
+uint32_t session_count_of_uid(const struct session_table *table, uint32_t uid)
+{
+	uint32_t count = 0;
+	for (size_t i = 0; i < table->count; i++)
+		count += table->items[i]->owner_uid == uid && !table->items[i]->closed;
+	return count;
+}
+
 void session_account_layer(struct session_table *table, struct session *session,
 			   const struct store_layer_stats *now)
 {
 	if (!session->accounted || session->closed)
 		return;
 	struct store_layer_stats *before = &session->accounted[now->layer];
-	totals_add(&table->totals, before, -1);
-	totals_add(&table->totals, now, 1);
+	session_totals_add(&table->totals, before, -1);
+	session_totals_add(&table->totals, now, 1);
 	*before = *now;
 }
 
@@ -149,7 +159,7 @@ void session_retire(struct session_table *table, struct session *session, bool r
 {
 	uint32_t layers = store_header(session->store)->layers;
 	for (uint32_t i = 0; i < layers; i++)
-		totals_add(&table->totals, &session->accounted[i], -1);
+		session_totals_add(&table->totals, &session->accounted[i], -1);
 	session->closed = true;
 	for (size_t i = 0; i < table->count; i++) {
 		if (table->items[i] == session) {

@@ -32,12 +32,19 @@ struct job {
 	void (*done)(struct job *job);
 };
 
-/* Bytes and tokens summed over every session's layers, for metrics. */
+/* Layer accounting summed: over every session's layers for metrics, or
+ * over one session's layers for its stats. */
 struct session_totals {
 	uint64_t tokens;
+	uint64_t residual_tokens;
+	uint64_t blocks;
 	zc_byte_count key;
 	zc_byte_count value;
 };
+
+/* The one place layer accounting is summed: adds s to *totals (sign 1)
+ * or takes it back out (sign -1). */
+void session_totals_add(struct session_totals *totals, const struct store_layer_stats *s, int sign);
 
 struct session {
 	uint64_t id;
@@ -90,6 +97,9 @@ void session_submit(struct session_table *table, struct job *job);
 void session_submit_front(struct session_table *table, struct job *job);
 
 bool session_idle(const struct session *session);
+
+/* Open sessions `uid` holds. */
+uint32_t session_count_of_uid(const struct session_table *table, uint32_t uid);
 
 /* Moves the table's totals from what a layer was last counted as to `now`
  * (a snapshot a job took). Loop thread only. */

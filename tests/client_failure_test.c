@@ -39,7 +39,7 @@
 #include "process_run.h"
 #include "store_format.h"
 #include "version.h"
-#include "wire.h"
+#include "wire_pb.h"
 #include "zipcache/client.h"
 #include "zipcache/error.h"
 #include "suite_main.h"
@@ -122,10 +122,10 @@ static int fake_buffer(uint64_t bytes, char marker)
 }
 
 /* Answers one request as the script says; false when the connection ends. */
-static bool fake_answer(struct fake *f, int conn, const wire_request *request, enum fake_step step,
+static bool fake_answer(struct fake *f, int conn, const wire_pb_request *request, enum fake_step step,
 			unsigned serial, FILE *log)
 {
-	wire_response response;
+	wire_pb_response response;
 	uint8_t frame[4096];
 	size_t len;
 	int fd = -1;
@@ -154,7 +154,7 @@ static bool fake_answer(struct fake *f, int conn, const wire_request *request, e
 		response.msg.fds = 1;
 		break;
 	default:
-		wire_response_set_status(&response, ZC_EINTERNAL, "the fake serves hello, stats, staging");
+		wire_pb_response_set_status(&response, ZC_EINTERNAL, "the fake serves hello, stats, staging");
 		break;
 	}
 	switch (step) {
@@ -188,7 +188,7 @@ static bool fake_answer(struct fake *f, int conn, const wire_request *request, e
 	default:
 		break;
 	}
-	if (wire_response_encode(&response, frame, sizeof(frame), &len) < 0)
+	if (wire_pb_response_encode(&response, frame, sizeof(frame), &len) < 0)
 		return false;
 	bool sent = fake_send(conn, frame, len, fd);
 	if (fd >= 0)
@@ -212,14 +212,14 @@ static int fake_main(void *arg)
 			return 1;
 		for (;;) {
 			uint8_t header[FRAME_HEADER_BYTES], body[4096];
-			wire_request request;
+			wire_pb_request request;
 
 			if (!read_all(conn, header, sizeof(header)))
 				break;  /* the client hung up: on to its next connection */
 			uint32_t len = frame_header_read(header);
 			if (len > sizeof(body) || !read_all(conn, body, len))
 				return 1;
-			if (wire_request_decode(body, len, &request) < 0)
+			if (wire_pb_request_decode(body, len, &request) < 0)
 				return 1;
 			enum fake_step step = f->script[serial];
 			fprintf(log, "request %u op %u\n", serial, (unsigned)request.msg.which_op);

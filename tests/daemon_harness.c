@@ -555,7 +555,7 @@ static int read_exact(int fd, uint8_t *buffer, size_t len, int64_t deadline)
 	return 0;
 }
 
-int raw_read_reply(int fd, int timeout_ms, wire_response *reply, size_t *frame_bytes)
+int raw_read_reply(int fd, int timeout_ms, wire_pb_response *reply, size_t *frame_bytes)
 {
 	int64_t deadline = now_ms() + timeout_ms;
 	uint8_t header[FRAME_HEADER_BYTES];
@@ -575,18 +575,18 @@ int raw_read_reply(int fd, int timeout_ms, wire_response *reply, size_t *frame_b
 		return -ENOMEM;
 	rc = read_exact(fd, body, len, deadline);
 	if (rc == 0)
-		rc = wire_response_decode(body, len, reply);
+		rc = wire_pb_response_decode(body, len, reply);
 	free(body);
 	if (rc == 0 && frame_bytes)
 		*frame_bytes = FRAME_HEADER_BYTES + len;
 	return rc;
 }
 
-int raw_call(int fd, const wire_request *request, wire_response *reply, size_t *frame_bytes)
+int raw_call(int fd, const wire_pb_request *request, wire_pb_response *reply, size_t *frame_bytes)
 {
 	size_t size, len;
 	uint8_t *frame;
-	int rc = wire_request_frame_size(request, &size);
+	int rc = wire_pb_request_frame_size(request, &size);
 
 	memset(reply, 0, sizeof(*reply));
 	if (rc < 0)
@@ -594,7 +594,7 @@ int raw_call(int fd, const wire_request *request, wire_response *reply, size_t *
 	frame = malloc(size);
 	if (!frame)
 		return -ENOMEM;
-	rc = wire_request_encode(request, frame, size, &len);
+	rc = wire_pb_request_encode(request, frame, size, &len);
 	if (rc == 0)
 		rc = raw_send(fd, frame, len);
 	free(frame);
@@ -611,7 +611,7 @@ bool raw_wait_closed(int fd, int timeout_ms)
 
 int raw_view_descriptor(const char *socket_path, const char *name)
 {
-	wire_request request = { 0 };
+	wire_pb_request request = { 0 };
 	size_t size, len;
 	uint8_t *frame;
 	int sock = raw_connect(socket_path);
@@ -622,8 +622,8 @@ int raw_view_descriptor(const char *socket_path, const char *name)
 	snprintf(request.msg.op.open_session.name, sizeof(request.msg.op.open_session.name), "%s",
 		 name);
 	request.msg.op.open_session.attach = true;
-	if (wire_request_frame_size(&request, &size) < 0 || !(frame = malloc(size)) ||
-	    wire_request_encode(&request, frame, size, &len) < 0 || raw_send(sock, frame, len) < 0) {
+	if (wire_pb_request_frame_size(&request, &size) < 0 || !(frame = malloc(size)) ||
+	    wire_pb_request_encode(&request, frame, size, &len) < 0 || raw_send(sock, frame, len) < 0) {
 		close(sock);
 		return -1;
 	}

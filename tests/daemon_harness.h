@@ -34,7 +34,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "wire.h"
+#include "wire_pb.h"
 
 #define DAEMON_MAX_EXTRA_ARGS 16
 
@@ -112,17 +112,17 @@ int raw_send(int fd, const void *bytes, size_t len);
 
 /*
  * Reads one reply frame (header and body) within timeout_ms, decodes it
- * with wire_response_decode() into *reply (free it with
- * wire_response_free()) and sets *frame_bytes to the whole frame's size
+ * with wire_pb_response_decode() into *reply (free it with
+ * wire_pb_response_free()) and sets *frame_bytes to the whole frame's size
  * (header included; may be NULL). Descriptors that come with it are
  * closed. Returns 0, -ECONNRESET when the daemon closed the connection
  * (before a whole frame), -ETIMEDOUT, or ZC_EPROTOCOL for bytes that do
  * not decode.
  */
-int raw_read_reply(int fd, int timeout_ms, wire_response *reply, size_t *frame_bytes);
+int raw_read_reply(int fd, int timeout_ms, wire_pb_response *reply, size_t *frame_bytes);
 
-/* Encodes request (wire_request_encode), sends it and reads the reply. */
-int raw_call(int fd, const wire_request *request, wire_response *reply, size_t *frame_bytes);
+/* Encodes request (wire_pb_request_encode), sends it and reads the reply. */
+int raw_call(int fd, const wire_pb_request *request, wire_pb_response *reply, size_t *frame_bytes);
 
 /* The read-only view descriptor the daemon passes with an attach of the
  * caller's session `name`, taken off a raw connection of its own (the

@@ -39,7 +39,7 @@
 #include "daemon_harness.h"
 #include "process_run.h"
 #include "suite_main.h"
-#include "wire.h"
+#include "wire_pb.h"
 #include "zipcache/client.h"
 #include "zipcache/error.h"
 
@@ -62,30 +62,30 @@
  * daemon that refused the connection has closed it after its one frame,
  * which is still there to read. Returns raw_read_reply's code.
  */
-static int call_raw(int fd, const wire_request *request, wire_response *reply)
+static int call_raw(int fd, const wire_pb_request *request, wire_pb_response *reply)
 {
 	uint8_t frame[1024];
 	size_t len;
 
 	memset(reply, 0, sizeof(*reply));
-	if (wire_request_encode(request, frame, sizeof(frame), &len) < 0)
+	if (wire_pb_request_encode(request, frame, sizeof(frame), &len) < 0)
 		return ZC_EINVALID;
 	(void)raw_send(fd, frame, len);
 	return raw_read_reply(fd, 10000, reply, NULL);
 }
 
-static int stats_raw(int fd, uint64_t session_id, wire_response *reply)
+static int stats_raw(int fd, uint64_t session_id, wire_pb_response *reply)
 {
-	wire_request request = { 0 };
+	wire_pb_request request = { 0 };
 	request.msg.request_id = 11;
 	request.msg.which_op = zipcache_v1_Request_stats_tag;
 	request.msg.op.stats.session_id = session_id;
 	return call_raw(fd, &request, reply);
 }
 
-static int open_raw(int fd, const char *name, uint32_t layers, wire_response *reply)
+static int open_raw(int fd, const char *name, uint32_t layers, wire_pb_response *reply)
 {
-	wire_request request = { 0 };
+	wire_pb_request request = { 0 };
 	zipcache_v1_OpenSessionRequest *open = &request.msg.op.open_session;
 	request.msg.request_id = 12;
 	request.msg.which_op = zipcache_v1_Request_open_session_tag;
@@ -96,18 +96,18 @@ static int open_raw(int fd, const char *name, uint32_t layers, wire_response *re
 	return call_raw(fd, &request, reply);
 }
 
-static int staging_raw(int fd, uint64_t bytes, wire_response *reply)
+static int staging_raw(int fd, uint64_t bytes, wire_pb_response *reply)
 {
-	wire_request request = { 0 };
+	wire_pb_request request = { 0 };
 	request.msg.request_id = 13;
 	request.msg.which_op = zipcache_v1_Request_staging_tag;
 	request.msg.op.staging.bytes = bytes;
 	return call_raw(fd, &request, reply);
 }
 
-static int list_raw(int fd, wire_response *reply)
+static int list_raw(int fd, wire_pb_response *reply)
 {
-	wire_request request = { 0 };
+	wire_pb_request request = { 0 };
 	request.msg.request_id = 14;
 	request.msg.which_op = zipcache_v1_Request_list_sessions_tag;
 	return call_raw(fd, &request, reply);
@@ -116,24 +116,24 @@ static int list_raw(int fd, wire_response *reply)
 /* The daemon-level figures of a stats reply (asserts it came). */
 static zipcache_v1_StatsResponse daemon_stats(int fd)
 {
-	wire_response reply;
+	wire_pb_response reply;
 	int rc = stats_raw(fd, 0, &reply);
 	ck_assert_msg(rc == 0 && reply.msg.status == zipcache_v1_Status_OK, "stats: rc %d status %s '%s'",
 		      rc, response_status_name(reply.msg.status), reply.msg.message);
 	zipcache_v1_StatsResponse stats = reply.msg.op.stats;
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	return stats;
 }
 
 /* Asserts a reply is a refusal with `status` whose sentence contains `words`. */
-static void assert_refusal(int rc, wire_response *reply, zipcache_v1_Status status,
+static void assert_refusal(int rc, wire_pb_response *reply, zipcache_v1_Status status,
 			   const char *words, const char *what)
 {
 	ck_assert_msg(rc == 0, "%s: no reply (%s)", what, zc_strerror(rc));
 	ck_assert_msg(reply->msg.status == status && strstr(reply->msg.message, words),
 		      "%s: %s '%s', expected %s naming '%s'", what, response_status_name(reply->msg.status),
 		      reply->msg.message, response_status_name(status), words);
-	wire_response_free(reply);
+	wire_pb_response_free(reply);
 }
 
 /* Session files (not set-aside ones) in the daemon's directory. */
@@ -233,13 +233,13 @@ static int connect_until_refused(const struct daemon_harness *daemon, int *kept,
 {
 	int n = 0;
 	for (;;) {
-		wire_response reply;
+		wire_pb_response reply;
 		int fd = raw_connect(daemon->socket_path);
 		ck_assert_msg(fd >= 0, "connect: %s", strerror(-fd));
 		int rc = stats_raw(fd, 0, &reply);
 		ck_assert_msg(rc == 0, "connection %d: no reply at all (%s)", n, zc_strerror(rc));
 		if (reply.msg.status == zipcache_v1_Status_OK) {
-			wire_response_free(&reply);
+			wire_pb_response_free(&reply);
 			ck_assert_msg(n < capacity, "%d connections and no refusal", n);
 			kept[n++] = fd;
 			continue;
@@ -256,7 +256,7 @@ START_TEST(accept_at_the_descriptor_limit_neither_spins_nor_floods)
 	enum { LIMIT = 64, LATE = 60, WINDOW_MS = 1500 };
 	struct daemon_harness daemon;
 	int kept[LIMIT], late[LATE], n_late = 0;
-	wire_response reply;
+	wire_pb_response reply;
 	struct stat st;
 
 	daemon_start_with_nofile(&daemon, NULL, LIMIT, LIMIT);
@@ -307,7 +307,7 @@ START_TEST(accept_at_the_descriptor_limit_neither_spins_nor_floods)
 		int rc = stats_raw(fd, 0, &reply);
 		bool ok = rc == 0 && reply.msg.status == zipcache_v1_Status_OK;
 		if (rc == 0)
-			wire_response_free(&reply);
+			wire_pb_response_free(&reply);
 		close(fd);
 		if (ok)
 			break;
@@ -326,11 +326,11 @@ END_TEST
 /* Whether the daemon has no session "x" (list) and no file. */
 static void assert_nothing_left(const struct daemon_harness *daemon, int fd, const char *when)
 {
-	wire_response reply;
+	wire_pb_response reply;
 	int rc = list_raw(fd, &reply);
 	ck_assert_msg(rc == 0 && reply.msg.status == zipcache_v1_Status_OK, "list %s", when);
 	ck_assert_msg(reply.n_sessions == 0, "%s: %zu sessions listed", when, reply.n_sessions);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	ck_assert_msg(session_files(daemon) == 0, "%s: a session file was left", when);
 }
 
@@ -339,7 +339,7 @@ START_TEST(open_at_the_descriptor_limit_leaves_nothing_behind)
 	enum { LIMIT = 48 };
 	struct daemon_harness daemon;
 	int kept[LIMIT];
-	wire_response reply;
+	wire_pb_response reply;
 	bool undone = false;
 	int rc;
 
@@ -378,7 +378,7 @@ START_TEST(open_at_the_descriptor_limit_leaves_nothing_behind)
 	ck_assert_msg(!reply.msg.op.open_session.attached && reply.msg.fds == 2,
 		      "the open after the refusals: attached %d, %u descriptors",
 		      reply.msg.op.open_session.attached, reply.msg.fds);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	/* The daemon holds one descriptor per store: with exactly one free,
 	 * the store was made and the view for the client was not. */
 	ck_assert_msg(undone, "no open was taken back after creating its store (log: no 'open undone')");
@@ -386,7 +386,7 @@ START_TEST(open_at_the_descriptor_limit_leaves_nothing_behind)
 	rc = list_raw(control, &reply);
 	ck_assert_msg(rc == 0 && reply.n_sessions == 1 && strcmp(reply.sessions[0].name, "x") == 0,
 		      "the list after the open");
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	for (int i = 0; i < n; i++)
 		close(kept[i]);
 	daemon_stop(&daemon);
@@ -466,7 +466,7 @@ START_TEST(staging_buffers_are_charged_to_the_budget)
 {
 	static const char *const args[] = { "--memory-budget", "8M", "--max-staging-bytes", "16M", NULL };
 	struct daemon_harness daemon;
-	wire_response reply;
+	wire_pb_response reply;
 	int rc;
 
 	daemon_start(&daemon, args);
@@ -476,7 +476,7 @@ START_TEST(staging_buffers_are_charged_to_the_budget)
 
 	rc = staging_raw(a, 4 * MIB, &reply);
 	ck_assert_msg(rc == 0 && reply.msg.status == zipcache_v1_Status_OK, "4M: %s", reply.msg.message);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	zipcache_v1_StatsResponse s = daemon_stats(control);
 	ck_assert_uint_eq(s.staging_bytes, 4 * MIB);
 	ck_assert_uint_eq(s.memory_used_bytes, 4 * MIB);
@@ -493,11 +493,11 @@ START_TEST(staging_buffers_are_charged_to_the_budget)
 	/* A replaced buffer gives its charge back. */
 	rc = staging_raw(a, 2 * MIB, &reply);
 	ck_assert_msg(rc == 0 && reply.msg.status == zipcache_v1_Status_OK, "2M: %s", reply.msg.message);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	ck_assert_uint_eq(daemon_stats(control).staging_bytes, 2 * MIB);
 	rc = staging_raw(b, 6 * MIB, &reply);
 	ck_assert_msg(rc == 0 && reply.msg.status == zipcache_v1_Status_OK, "6M: %s", reply.msg.message);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	s = daemon_stats(control);
 	ck_assert_uint_eq(s.staging_bytes, 8 * MIB);
 	ck_assert_uint_eq(s.memory_used_bytes, 8 * MIB);
@@ -517,7 +517,7 @@ START_TEST(staging_buffers_are_charged_to_the_budget)
 	}
 	rc = open_raw(control, "s", 1, &reply);
 	ck_assert_msg(rc == 0 && reply.msg.status == zipcache_v1_Status_OK, "open: %s", reply.msg.message);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	close(b);
 	wait_connections(control, 1);
 	s = daemon_stats(control);
@@ -538,12 +538,12 @@ static void flood_stats(int fd, uint64_t session_id, int count)
 	uint8_t *bytes = malloc(capacity);
 	ck_assert_ptr_nonnull(bytes);
 	for (int i = 0; i < count; i++) {
-		wire_request request = { 0 };
+		wire_pb_request request = { 0 };
 		size_t len;
 		request.msg.request_id = 1000 + (uint64_t)i;
 		request.msg.which_op = zipcache_v1_Request_stats_tag;
 		request.msg.op.stats.session_id = session_id;
-		ck_assert_int_eq(wire_request_encode(&request, bytes + used, capacity - used, &len), 0);
+		ck_assert_int_eq(wire_pb_request_encode(&request, bytes + used, capacity - used, &len), 0);
 		used += len;
 	}
 	ck_assert_int_eq(fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK), 0);
@@ -586,7 +586,7 @@ START_TEST(unread_replies_are_bounded_charged_and_freed)
 	zc_session_config config;
 	zc_session *session;
 	zc_client *client;
-	wire_response reply;
+	wire_pb_response reply;
 	uint16_t kv[8];
 	zc_view view;
 	int flooders[FLOODERS];
@@ -609,8 +609,8 @@ START_TEST(unread_replies_are_bounded_charged_and_freed)
 	ck_assert_int_ge(control, 0);
 	ck_assert_int_eq(stats_raw(control, id, &reply), 0);
 	size_t reply_bytes = 0;
-	ck_assert_int_eq(wire_response_frame_size(&reply, &reply_bytes), 0);
-	wire_response_free(&reply);
+	ck_assert_int_eq(wire_pb_response_frame_size(&reply, &reply_bytes), 0);
+	wire_pb_response_free(&reply);
 	/* A reply may still land on a queue at its bound, and a paused
 	 * connection's requests in flight may add theirs (at most 8). */
 	const uint64_t slack = 9 * (uint64_t)reply_bytes + 64 * 1024;
@@ -740,7 +740,7 @@ static int quota_body_a(void *arg)
 	char why[256];
 	zc_client *client;
 	zc_session *sessions[4];
-	wire_response reply;
+	wire_pb_response reply;
 	int raw[3], rc;
 
 	CHILD_EXPECT(user_become(user->uid, USER_GID, why, sizeof(why)), "%s", why);
@@ -750,7 +750,7 @@ static int quota_body_a(void *arg)
 		CHILD_EXPECT(raw[i] >= 0 && stats_raw(raw[i], 0, &reply) == 0 &&
 				     reply.msg.status == zipcache_v1_Status_OK,
 			     "connection %d of 4", i + 2);
-		wire_response_free(&reply);
+		wire_pb_response_free(&reply);
 	}
 	/* The fifth connection of this uid. */
 	int fifth = raw_connect(user->socket_path);
@@ -758,7 +758,7 @@ static int quota_body_a(void *arg)
 	CHILD_EXPECT(rc == 0 && reply.msg.status == zipcache_v1_Status_RESOURCE_EXHAUSTED &&
 			     strstr(reply.msg.message, "per uid"),
 		     "fifth connection: %s '%s'", response_status_name(reply.msg.status), reply.msg.message);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	close(fifth);
 
 	/* Three sessions of six. */
@@ -775,12 +775,12 @@ static int quota_body_a(void *arg)
 	/* Staging: 4M of a 5M staging quota, then 2M more is refused by it. */
 	rc = staging_raw(raw[0], 4 * MIB, &reply);
 	CHILD_EXPECT(rc == 0 && reply.msg.status == zipcache_v1_Status_OK, "4M staging: %s", reply.msg.message);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	rc = staging_raw(raw[1], 2 * MIB, &reply);
 	CHILD_EXPECT(rc == 0 && reply.msg.status == zipcache_v1_Status_RESOURCE_EXHAUSTED &&
 			     strstr(reply.msg.message, "staging quota"),
 		     "2M more staging: %s '%s'", response_status_name(reply.msg.status), reply.msg.message);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 
 	/* Memory: the 6M quota, of which staging holds 4M, ends a session's growth. */
 	/* 256 tokens of 8 heads: 512 KiB of views a block. */
@@ -906,7 +906,7 @@ static int visibility_body(void *arg)
 	char why[256], ctl[PATH_MAX], out[8192], err[1024];
 	zc_client *client;
 	zc_session *session;
-	wire_response reply;
+	wire_pb_response reply;
 	zc_view view;
 	uint16_t kv[7 * 64];
 	int status;
@@ -941,7 +941,7 @@ static int visibility_body(void *arg)
 		     "session stats show %u sessions, %" PRIu64 " tokens, %u connections",
 		     reply.msg.op.stats.sessions, (uint64_t)reply.msg.op.stats.tokens_appended,
 		     reply.msg.op.stats.connections);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	close(raw);
 
 	snprintf(ctl, sizeof(ctl), "%s/bin/zipcachectl", build_dir());

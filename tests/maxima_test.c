@@ -25,10 +25,10 @@
 
 #define TEST_TIMEOUT_SECONDS 300
 
-/* What the store allows (server/store.h) and the largest --max-tokens. */
-#define MAX_LAYERS 1024u
-#define MAX_HEADS 65536u
-#define MAX_RESIDUAL 65536u
+/* What a session may be (zipcache/client.h) and the largest --max-tokens. */
+#define MAX_LAYERS ZC_MAX_LAYERS
+#define MAX_HEADS ZC_MAX_HEADS
+#define MAX_RESIDUAL ZC_MAX_RESIDUAL_TOKENS
 #define MAX_TOKENS_FLAG ZC_MAX_BLOCK_TOKENS
 
 static void daemon_alive(zc_client *client, const char *after)

@@ -40,7 +40,7 @@
 #include "daemon_harness.h"
 #include "process_run.h"
 #include "frame.h"
-#include "wire.h"
+#include "wire_pb.h"
 #include "zipcache/client.h"
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
@@ -733,8 +733,8 @@ static void workload_run(const struct daemon_harness *daemon, struct workload *w
 	int fd = raw_connect(daemon->socket_path);
 	ck_assert_msg(fd >= 0, "raw connect: %s", strerror(-fd));
 	uint16_t one_token[KV_HEADS * HEAD_DIM] = { 0 };
-	wire_request request = { 0 };
-	wire_response reply;
+	wire_pb_request request = { 0 };
+	wire_pb_response reply;
 	request.msg.request_id = 77;
 	request.msg.which_op = zipcache_v1_Request_update_and_fetch_tag;
 	request.msg.op.update_and_fetch.session_id = 987654321;
@@ -745,7 +745,7 @@ static void workload_run(const struct daemon_harness *daemon, struct workload *w
 	rc = raw_call(fd, &request, &reply, NULL);
 	ck_assert_msg(rc == 0, "raw update of an unknown session: no reply: %s", zc_strerror(rc));
 	ck_assert_int_eq(reply.msg.status, zipcache_v1_Status_NOT_FOUND);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	close(fd);
 	w->updates_not_found++;
 
@@ -949,7 +949,7 @@ START_TEST(test_metrics_error_reasons)
 {
 	struct metrics_daemon m;
 	struct http_reply reply;
-	wire_response response;
+	wire_pb_response response;
 	const char *args[] = { "--max-connections", "2", "--max-frame-bytes", "4096", NULL };
 
 	metrics_daemon_start(&m, args);
@@ -963,14 +963,14 @@ START_TEST(test_metrics_error_reasons)
 	ck_assert_int_eq(raw_send(fd, junk, sizeof(junk)), 0);
 	ck_assert_int_eq(raw_read_reply(fd, CLIENT_TIMEOUT_MS, &response, NULL), 0);
 	ck_assert_int_eq(response.msg.status, zipcache_v1_Status_INVALID_ARGUMENT);
-	wire_response_free(&response);
+	wire_pb_response_free(&response);
 
 	/* A well-formed Request with no operation in it. */
-	wire_request empty = { 0 };
+	wire_pb_request empty = { 0 };
 	empty.msg.request_id = 5;
 	ck_assert_int_eq(raw_call(fd, &empty, &response, NULL), 0);
 	ck_assert_int_eq(response.msg.status, zipcache_v1_Status_INVALID_ARGUMENT);
-	wire_response_free(&response);
+	wire_pb_response_free(&response);
 
 	/* A header announcing more than --max-frame-bytes: refused, closed. */
 	uint8_t header[FRAME_HEADER_BYTES];
@@ -978,7 +978,7 @@ START_TEST(test_metrics_error_reasons)
 	ck_assert_int_eq(raw_send(fd, header, sizeof(header)), 0);
 	ck_assert_int_eq(raw_read_reply(fd, CLIENT_TIMEOUT_MS, &response, NULL), 0);
 	ck_assert_int_eq(response.msg.status, zipcache_v1_Status_RESOURCE_EXHAUSTED);
-	wire_response_free(&response);
+	wire_pb_response_free(&response);
 	ck_assert_msg(raw_wait_closed(fd, 5000), "the connection stays open after an oversized frame");
 	close(fd);
 
@@ -990,7 +990,7 @@ START_TEST(test_metrics_error_reasons)
 	ck_assert(fd >= 0);
 	ck_assert_int_eq(raw_read_reply(fd, CLIENT_TIMEOUT_MS, &response, NULL), 0);
 	ck_assert_int_eq(response.msg.status, zipcache_v1_Status_RESOURCE_EXHAUSTED);
-	wire_response_free(&response);
+	wire_pb_response_free(&response);
 	close(fd);
 
 	scrape(m.port, &reply);
@@ -1055,6 +1055,61 @@ START_TEST(test_metrics_after_idle_expiry)
 	assert_sample_eq(body, "zipcache_tokens_appended_total", 80);
 	assert_promtool_accepts(body, reply.body_len);
 	http_reply_free(&reply);
+	metrics_daemon_stop(&m);
+}
+END_TEST
+
+/*
+ * Memory relief's steps are counted as they run: sessions grow under a
+ * small budget until a charge is refused. Every refusal went through
+ * drop_views first, so that count is at least the refusals'; the daemon
+ * still answers afterwards.
+ */
+START_TEST(test_metrics_relief_steps)
+{
+	struct metrics_daemon m;
+	struct http_reply reply;
+	const char *args[] = { "--memory-budget", "4M", NULL };
+	zc_session *sessions[64] = { 0 };
+	int refused = 0, n = 0;
+
+	metrics_daemon_start(&m, args);
+	zc_client *client = client_connect(&m.daemon);
+	scrape(m.port, &reply);
+	assert_sample_eq(reply.body, "zipcache_relief_steps_total{step=\"drop_views\"}", 0);
+	assert_sample_eq(reply.body, "zipcache_relief_steps_total{step=\"refuse\"}", 0);
+	http_reply_free(&reply);
+	for (; n < 64 && !refused; n++) {
+		char name[32];
+		zc_session_config config;
+		snprintf(name, sizeof(name), "grow-%d", n);
+		zc_session_config_default(&config);
+		config.name = name;
+		config.layers = 2;
+		config.kv_heads = KV_HEADS;
+		config.head_dim_k = config.head_dim_v = HEAD_DIM;
+		config.max_tokens = 512;
+		config.policy = ZC_POLICY_PER_CALL;
+		int rc = zc_session_open(client, &config, &sessions[n]);
+		for (uint32_t layer = 0; rc == 0 && layer < 2; layer++)
+			rc = update(sessions[n], layer, 512, (uint32_t)n, false);
+		ck_assert_msg(rc == 0 || rc == ZC_EEXHAUSTED, "session %d: %s (%s)", n, zc_strerror(rc),
+			      zc_client_last_error(client));
+		refused = rc == ZC_EEXHAUSTED;
+	}
+	ck_assert_msg(refused, "64 sessions fit a 4 MiB budget");
+	scrape(m.port, &reply);
+	double drops = sample(reply.body, "zipcache_relief_steps_total{step=\"drop_views\"}");
+	double refusals = sample(reply.body, "zipcache_relief_steps_total{step=\"refuse\"}");
+	ck_assert_msg(refusals >= 1 && drops >= refusals, "relief steps: drop_views %g, refuse %g",
+		      drops, refusals);
+	assert_promtool_accepts(reply.body, reply.body_len);
+	http_reply_free(&reply);
+	zc_server_stats stats;
+	ck_assert_int_eq(zc_client_stats(client, &stats), 0);
+	for (int i = 0; i < n; i++)
+		zc_session_release(sessions[i]);
+	zc_client_close(client);
 	metrics_daemon_stop(&m);
 }
 END_TEST
@@ -1825,6 +1880,7 @@ static Suite *metrics_suite(void)
 	tcase_add_test(scrapes, test_scrapes_under_load);
 	tcase_add_test(scrapes, test_metrics_error_reasons);
 	tcase_add_test(scrapes, test_metrics_after_idle_expiry);
+	tcase_add_test(scrapes, test_metrics_relief_steps);
 	tcase_add_test(scrapes, test_metrics_after_restart);
 	suite_add_tcase(suite, scrapes);
 

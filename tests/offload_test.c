@@ -344,18 +344,18 @@ END_TEST
 /* ---- an attach waits its turn ---------------------------------------------- */
 
 static size_t frame_append(uint8_t *buffer, size_t capacity, size_t used,
-			   const wire_request *request)
+			   const wire_pb_request *request)
 {
 	size_t size, len;
-	ck_assert_int_eq(wire_request_frame_size(request, &size), 0);
+	ck_assert_int_eq(wire_pb_request_frame_size(request, &size), 0);
 	ck_assert_uint_le(used + size, capacity);
-	ck_assert_int_eq(wire_request_encode(request, buffer + used, capacity - used, &len), 0);
+	ck_assert_int_eq(wire_pb_request_encode(request, buffer + used, capacity - used, &len), 0);
 	return used + len;
 }
 
-static wire_request attach_request(uint64_t request_id, const char *name)
+static wire_pb_request attach_request(uint64_t request_id, const char *name)
 {
-	wire_request request;
+	wire_pb_request request;
 	memset(&request, 0, sizeof(request));
 	request.msg.request_id = request_id;
 	request.msg.which_op = zipcache_v1_Request_open_session_tag;
@@ -399,7 +399,7 @@ START_TEST(attach_waits_its_turn_in_the_session_line)
 	zc_session *session = open_session(client, &config);
 	uint64_t session_id = zc_session_get_info(session)->id;
 
-	wire_request update;
+	wire_pb_request update;
 	memset(&update, 0, sizeof(update));
 	update.msg.request_id = 1;
 	update.msg.which_op = zipcache_v1_Request_update_and_fetch_tag;
@@ -407,12 +407,12 @@ START_TEST(attach_waits_its_turn_in_the_session_line)
 	update.msg.op.update_and_fetch.tokens = TOKENS;
 	update.keys = (wire_span){ (const uint8_t *)keys, sizeof(keys) };
 	update.values = (wire_span){ (const uint8_t *)values, sizeof(values) };
-	wire_request close_request;
+	wire_pb_request close_request;
 	memset(&close_request, 0, sizeof(close_request));
 	close_request.msg.request_id = 3;
 	close_request.msg.which_op = zipcache_v1_Request_close_session_tag;
 	close_request.msg.op.close_session.session_id = session_id;
-	wire_request first = attach_request(2, "line"), second = attach_request(4, "line");
+	wire_pb_request first = attach_request(2, "line"), second = attach_request(4, "line");
 	used = frame_append(frames, sizeof(frames), used, &update);
 	used = frame_append(frames, sizeof(frames), used, &first);
 	used = frame_append(frames, sizeof(frames), used, &close_request);
@@ -426,7 +426,7 @@ START_TEST(attach_waits_its_turn_in_the_session_line)
 		zipcache_v1_Status_NOT_FOUND
 	};
 	for (uint64_t n = 1; n <= 4; n++) {
-		wire_response reply;
+		wire_pb_response reply;
 		ck_assert_int_eq(raw_read_reply(fd, CLIENT_TIMEOUT_MS, &reply, NULL), 0);
 		ck_assert_msg(reply.msg.request_id == n,
 			      "reply %" PRIu64 " came for request %" PRIu64 " (status %s '%s')", n,
@@ -446,7 +446,7 @@ START_TEST(attach_waits_its_turn_in_the_session_line)
 			ck_assert_msg(strstr(reply.msg.message, "closed") != NULL,
 				      "the refusal '%s' does not say the session was closed",
 				      reply.msg.message);
-		wire_response_free(&reply);
+		wire_pb_response_free(&reply);
 	}
 	close(fd);
 	zc_session_release(session);

@@ -24,7 +24,7 @@
 #include "frame.h"
 #include "layer_model.h"
 #include "pb_bytes.h"
-#include "wire.h"
+#include "wire_pb.h"
 #include "zipcache/client.h"
 #include "zipcache/error.h"
 #include "suite_main.h"
@@ -61,7 +61,7 @@ static void open_bytes(struct pb_bytes *request, uint64_t id, const char *name, 
 }
 
 /* Sends one hand-made frame and reads its reply (asserts there is one). */
-static void bytes_call(int fd, const struct pb_bytes *body, wire_response *reply, const char *what)
+static void bytes_call(int fd, const struct pb_bytes *body, wire_pb_response *reply, const char *what)
 {
 	uint8_t header[FRAME_HEADER_BYTES];
 	int rc;
@@ -76,7 +76,7 @@ static void bytes_call(int fd, const struct pb_bytes *body, wire_response *reply
 }
 
 /* The reply is a refusal with this status, for this request, saying needle. */
-static void assert_refusal(wire_response *reply, zipcache_v1_Status status, uint64_t id,
+static void assert_refusal(wire_pb_response *reply, zipcache_v1_Status status, uint64_t id,
 			   const char *needle, const char *what)
 {
 	ck_assert_msg(reply->msg.status == status, "%s: status %s, expected %s (message '%s')", what,
@@ -89,7 +89,7 @@ static void assert_refusal(wire_response *reply, zipcache_v1_Status status, uint
 		      "%s: message '%s' does not say '%s'", what, reply->msg.message, needle);
 	ck_assert_msg(reply->msg.fds == 0, "%s: a refusal carried %u descriptors", what,
 		      reply->msg.fds);
-	wire_response_free(reply);
+	wire_pb_response_free(reply);
 }
 
 /* The smallest session a test needs: one layer, one head of 16. */
@@ -110,7 +110,7 @@ static size_t session_count(zc_client *client)
 START_TEST(nul_in_a_name_is_refused_not_cut_short)
 {
 	struct daemon_harness daemon;
-	wire_response reply;
+	wire_pb_response reply;
 	struct pb_bytes request;
 
 	daemon_start(&daemon, NULL);
@@ -143,7 +143,7 @@ START_TEST(nul_in_a_name_is_refused_not_cut_short)
 	ck_assert_uint_eq(reply.msg.request_id, 14);
 	ck_assert(reply.msg.op.open_session.attached);
 	ck_assert_uint_eq(reply.msg.op.open_session.session.session_id, zc_session_get_info(a)->id);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 
 	close(fd);
 	zc_session_release(a);
@@ -156,7 +156,7 @@ END_TEST
 START_TEST(limits_broken_in_decoding_echo_the_id_and_name_the_limit)
 {
 	struct daemon_harness daemon;
-	wire_response reply;
+	wire_pb_response reply;
 	struct pb_bytes request, open, shape;
 	char name[81];
 
@@ -210,7 +210,7 @@ START_TEST(limits_broken_in_decoding_echo_the_id_and_name_the_limit)
 	bytes_call(fd, &request, &reply, "hello afterwards");
 	ck_assert_int_eq(reply.msg.status, zipcache_v1_Status_OK);
 	ck_assert_uint_eq(reply.msg.request_id, 24);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 
 	/* The C client says the same before it sends anything. */
 	zc_session_config config = tiny_config(name);
@@ -311,8 +311,8 @@ START_TEST(attach_with_other_settings_is_refused)
 	/* A raw attach gives only what it sets. */
 	int fd = raw_connect(daemon.socket_path);
 	ck_assert_int_ge(fd, 0);
-	wire_request request;
-	wire_response reply;
+	wire_pb_request request;
+	wire_pb_response reply;
 
 	memset(&request, 0, sizeof(request));
 	request.msg.request_id = 31;
@@ -324,7 +324,7 @@ START_TEST(attach_with_other_settings_is_refused)
 	ck_assert_msg(reply.msg.status == zipcache_v1_Status_OK, "attach by name: %s '%s'",
 		      response_status_name(reply.msg.status), reply.msg.message);
 	ck_assert(reply.msg.op.open_session.attached);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	/* A codec with one field present, equal: fine. */
 	request.msg.request_id = 32;
 	request.msg.op.open_session.has_codec = true;
@@ -332,7 +332,7 @@ START_TEST(attach_with_other_settings_is_refused)
 	request.msg.op.open_session.codec.group_size = 32;
 	ck_assert_int_eq(raw_call(fd, &request, &reply, NULL), 0);
 	ck_assert_int_eq(reply.msg.status, zipcache_v1_Status_OK);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	/* ...and different: refused with this request's id. */
 	request.msg.request_id = 33;
 	request.msg.op.open_session.codec.group_size = 64;

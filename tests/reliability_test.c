@@ -59,7 +59,7 @@
 #include "process_run.h"
 #include "frame.h"
 #include "store_format.h"
-#include "wire.h"
+#include "wire_pb.h"
 #include "zipcache/client.h"
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
@@ -202,9 +202,9 @@ static void *shared_region(size_t bytes)
 
 /* ---- raw requests ------------------------------------------------------------- */
 
-static wire_request raw_request(uint64_t request_id, pb_size_t op)
+static wire_pb_request raw_request(uint64_t request_id, pb_size_t op)
 {
-	wire_request request;
+	wire_pb_request request;
 
 	memset(&request, 0, sizeof(request));
 	request.msg.request_id = request_id;
@@ -212,10 +212,10 @@ static wire_request raw_request(uint64_t request_id, pb_size_t op)
 	return request;
 }
 
-static wire_request raw_update_request(uint64_t request_id, uint64_t session_id, uint32_t layer,
+static wire_pb_request raw_update_request(uint64_t request_id, uint64_t session_id, uint32_t layer,
 				       const struct block *block)
 {
-	wire_request request = raw_request(request_id, zipcache_v1_Request_update_and_fetch_tag);
+	wire_pb_request request = raw_request(request_id, zipcache_v1_Request_update_and_fetch_tag);
 
 	request.msg.op.update_and_fetch.session_id = session_id;
 	request.msg.op.update_and_fetch.layer = layer;
@@ -226,14 +226,14 @@ static wire_request raw_update_request(uint64_t request_id, uint64_t session_id,
 }
 
 /* An encoded frame (header included) of a request; free() it. */
-static uint8_t *raw_encode(const wire_request *request, size_t *len)
+static uint8_t *raw_encode(const wire_pb_request *request, size_t *len)
 {
 	size_t size;
 	uint8_t *frame;
 
-	if (wire_request_frame_size(request, &size) < 0 || !(frame = malloc(size)))
+	if (wire_pb_request_frame_size(request, &size) < 0 || !(frame = malloc(size)))
 		return NULL;
-	if (wire_request_encode(request, frame, size, len) < 0) {
+	if (wire_pb_request_encode(request, frame, size, len) < 0) {
 		free(frame);
 		return NULL;
 	}
@@ -245,10 +245,10 @@ static uint8_t *raw_encode(const wire_request *request, size_t *len)
  * expected status and request id and (when refused) a message naming
  * `needle`. For helpers: explains into why, never asserts.
  */
-static bool raw_status_is(int fd, const wire_request *request, zipcache_v1_Status expected,
+static bool raw_status_is(int fd, const wire_pb_request *request, zipcache_v1_Status expected,
 			  const char *needle, const char *what, char *why, size_t size)
 {
-	wire_response reply;
+	wire_pb_response reply;
 	int rc = raw_call(fd, request, &reply, NULL);
 	bool ok = true;
 
@@ -264,7 +264,7 @@ static bool raw_status_is(int fd, const wire_request *request, zipcache_v1_Statu
 		 (reply.msg.message[0] == '\0' || strcasestr(reply.msg.message, needle) == NULL))
 		ok = fail_with(why, size, "%s: message '%s' does not mention '%s'", what,
 			       reply.msg.message, needle);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	return ok;
 }
 
@@ -383,7 +383,7 @@ static int isolation_body(void *arg)
 	block_make_shape(&block, config.batch * config.kv_heads, config.head_dim_k,
 			 config.head_dim_v, 3, &rng);
 	{
-		wire_request staging = raw_request(1, zipcache_v1_Request_staging_tag);
+		wire_pb_request staging = raw_request(1, zipcache_v1_Request_staging_tag);
 		staging.msg.op.staging.bytes = 1 << 16;
 		CHILD_EXPECT(raw_status_is(fd, &staging, zipcache_v1_Status_OK, "", "staging buffer",
 					   why, sizeof(why)), "%s", why);
@@ -393,17 +393,17 @@ static int isolation_body(void *arg)
 		char id_text[32];
 		snprintf(id_text, sizeof(id_text), "%" PRIu64, id);
 
-		wire_request update = raw_update_request(rid, id, 0, &block);
+		wire_pb_request update = raw_update_request(rid, id, 0, &block);
 		CHILD_EXPECT(raw_status_is(fd, &update, zipcache_v1_Status_NOT_FOUND, id_text,
 					   "inline update of root's session", why, sizeof(why)), "%s", why);
-		wire_request staged = raw_request(rid + 1, zipcache_v1_Request_update_and_fetch_tag);
+		wire_pb_request staged = raw_request(rid + 1, zipcache_v1_Request_update_and_fetch_tag);
 		staged.msg.op.update_and_fetch.session_id = id;
 		staged.msg.op.update_and_fetch.tokens = 3;
 		staged.msg.op.update_and_fetch.staged = true;
 		staged.msg.op.update_and_fetch.values_offset = block.key_elements * 2;
 		CHILD_EXPECT(raw_status_is(fd, &staged, zipcache_v1_Status_NOT_FOUND, id_text,
 					   "staged update of root's session", why, sizeof(why)), "%s", why);
-		wire_request trim = raw_request(rid + 2, zipcache_v1_Request_trim_tag);
+		wire_pb_request trim = raw_request(rid + 2, zipcache_v1_Request_trim_tag);
 		trim.msg.op.trim.session_id = id;
 		trim.msg.op.trim.tokens = 1000000;
 		CHILD_EXPECT(raw_status_is(fd, &trim, zipcache_v1_Status_NOT_FOUND, id_text,
@@ -414,7 +414,7 @@ static int isolation_body(void *arg)
 		CHILD_EXPECT(raw_status_is(fd, &trim, zipcache_v1_Status_NOT_FOUND, id_text,
 					   "trim of one layer of root's session", why, sizeof(why)),
 			     "%s", why);
-		wire_request stats = raw_request(rid + 4, zipcache_v1_Request_stats_tag);
+		wire_pb_request stats = raw_request(rid + 4, zipcache_v1_Request_stats_tag);
 		stats.msg.op.stats.session_id = id;
 		stats.msg.op.stats.use = true;
 		CHILD_EXPECT(raw_status_is(fd, &stats, zipcache_v1_Status_NOT_FOUND, id_text,
@@ -423,7 +423,7 @@ static int isolation_body(void *arg)
 		stats.msg.op.stats.use = false;
 		CHILD_EXPECT(raw_status_is(fd, &stats, zipcache_v1_Status_NOT_FOUND, id_text,
 					   "stats of root's session", why, sizeof(why)), "%s", why);
-		wire_request close_request = raw_request(rid + 6, zipcache_v1_Request_close_session_tag);
+		wire_pb_request close_request = raw_request(rid + 6, zipcache_v1_Request_close_session_tag);
 		close_request.msg.op.close_session.session_id = id;
 		CHILD_EXPECT(raw_status_is(fd, &close_request, zipcache_v1_Status_NOT_FOUND, id_text,
 					   "close of root's session", why, sizeof(why)), "%s", why);
@@ -1066,7 +1066,7 @@ static int half_frame_body(void *arg)
 	CHILD_EXPECT(fd >= 0, "raw connect: %s", strerror(-fd));
 	rng_seed(&rng, 31);
 	block_make_shape(&block, 2, 64, 64, 8, &rng);
-	wire_request request = raw_update_request(1, d->session_id, 0, &block);
+	wire_pb_request request = raw_update_request(1, d->session_id, 0, &block);
 	uint8_t *frame = raw_encode(&request, &len);
 	CHILD_EXPECT(frame != NULL, "cannot encode the update");
 	CHILD_EXPECT(frame_header_read(frame) >= 4096 && frame_header_read(frame) < 4400,
@@ -1116,7 +1116,7 @@ static int unread_replies_body(void *arg)
 
 	CHILD_EXPECT(fd >= 0, "raw connect: %s", strerror(-fd));
 	for (uint64_t i = 0; i < REQUESTS; i++) {
-		wire_request request = raw_request(i + 1, zipcache_v1_Request_stats_tag);
+		wire_pb_request request = raw_request(i + 1, zipcache_v1_Request_stats_tag);
 		size_t len;
 		request.msg.op.stats.session_id = d->session_id;
 		uint8_t *frame = raw_encode(&request, &len);
@@ -1151,7 +1151,7 @@ static int updates_in_flight_body(void *arg)
 		size_t len;
 		rng_seed(&rng, 500 + i);
 		block_make_shape(&block, 2, 64, 64, DOOMED_TOKENS, &rng);
-		wire_request request = raw_update_request(i + 1, d->session_id, 0, &block);
+		wire_pb_request request = raw_update_request(i + 1, d->session_id, 0, &block);
 		uint8_t *frame = raw_encode(&request, &len);
 		CHILD_EXPECT(frame != NULL, "encode");
 		frames = realloc(frames, used + len);
@@ -1342,7 +1342,7 @@ START_TEST(connection_limit)
 	struct model model;
 	struct rng rng;
 	zc_client *third = NULL;
-	wire_response reply;
+	wire_pb_response reply;
 	int rc;
 
 	daemon_start(&daemon, args);
@@ -1367,7 +1367,7 @@ START_TEST(connection_limit)
 			      reply.msg.request_id == 0 && strstr(reply.msg.message, "connection limit"),
 		      "refusal: status %s, request %" PRIu64 ", message '%s'",
 		      response_status_name(reply.msg.status), reply.msg.request_id, reply.msg.message);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	ck_assert_msg(raw_wait_closed(fd, 10000), "the daemon kept a refused connection open");
 	close(fd);
 

@@ -47,7 +47,7 @@
 #include "layer_model.h"
 #include "process_run.h"
 #include "frame.h"
-#include "wire.h"
+#include "wire_pb.h"
 #include "zipcache/client.h"
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
@@ -258,11 +258,11 @@ static int raw_connect_checked(const struct daemon_harness *daemon)
 	return fd;
 }
 
-static wire_request raw_update_request(uint64_t request_id, uint64_t session_id, uint32_t layer,
+static wire_pb_request raw_update_request(uint64_t request_id, uint64_t session_id, uint32_t layer,
 				       uint32_t tokens, const void *keys, size_t key_bytes,
 				       const void *values, size_t value_bytes)
 {
-	wire_request request;
+	wire_pb_request request;
 
 	memset(&request, 0, sizeof(request));
 	request.msg.request_id = request_id;
@@ -275,7 +275,7 @@ static wire_request raw_update_request(uint64_t request_id, uint64_t session_id,
 	return request;
 }
 
-static void assert_raw_status(const wire_response *reply, zipcache_v1_Status expected,
+static void assert_raw_status(const wire_pb_response *reply, zipcache_v1_Status expected,
 			      uint64_t request_id, const char *needle, const char *what)
 {
 	ck_assert_msg(reply->msg.status == expected, "%s: status %s, expected %s (message '%s')",
@@ -291,22 +291,22 @@ static void assert_raw_status(const wire_response *reply, zipcache_v1_Status exp
 }
 
 /* Sends a request on a raw connection and checks the reply's status. */
-static void raw_expect(int fd, const wire_request *request, zipcache_v1_Status expected,
+static void raw_expect(int fd, const wire_pb_request *request, zipcache_v1_Status expected,
 		       const char *needle, const char *what)
 {
-	wire_response reply;
+	wire_pb_response reply;
 	int rc = raw_call(fd, request, &reply, NULL);
 
 	ck_assert_msg(rc == 0, "%s: no reply: %s (%d)", what, zc_strerror(rc), rc);
 	assert_raw_status(&reply, expected, request->msg.request_id, needle, what);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 }
 
 /* A hello answered on this raw connection: it is still in business. */
 static void raw_hello_works(int fd, uint64_t request_id, const char *what)
 {
-	wire_request request;
-	wire_response reply;
+	wire_pb_request request;
+	wire_pb_response reply;
 	int rc;
 
 	memset(&request, 0, sizeof(request));
@@ -318,11 +318,11 @@ static void raw_hello_works(int fd, uint64_t request_id, const char *what)
 	assert_raw_status(&reply, zipcache_v1_Status_OK, request_id, "", what);
 	ck_assert_msg(reply.msg.which_op == zipcache_v1_Response_hello_tag,
 		      "%s: hello answered with op %u", what, (unsigned)reply.msg.which_op);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 }
 
 /* Sends an arbitrary frame body (header added here) and returns the reply. */
-static void raw_frame_call(int fd, const void *body, size_t len, wire_response *reply,
+static void raw_frame_call(int fd, const void *body, size_t len, wire_pb_response *reply,
 			   const char *what)
 {
 	uint8_t header[FRAME_HEADER_BYTES];
@@ -361,8 +361,8 @@ static size_t raw_update_checked(int fd, uint64_t request_id, uint64_t session_i
 				 uint32_t tokens)
 {
 	struct block block;
-	wire_request request;
-	wire_response reply;
+	wire_pb_request request;
+	wire_pb_response reply;
 	zc_layer_stats got, want;
 	size_t frame_bytes = 0;
 	char why[WHY_BYTES] = "";
@@ -382,7 +382,7 @@ static size_t raw_update_checked(int fd, uint64_t request_id, uint64_t session_i
 	model_layer_stats(model, layer, &want);
 	ck_assert_msg(stats_match("raw update reply stats", &got, &want, true, why, sizeof(why)),
 		      "%s", why);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	return frame_bytes;
 }
 
@@ -1358,7 +1358,7 @@ START_TEST(pipelined_requests_apply_in_order)
 
 	/* Build every frame, applying each to the model as the daemon must. */
 	for (uint32_t i = 0; i < REQUESTS; i++) {
-		wire_request request;
+		wire_pb_request request;
 		size_t size, len;
 
 		memset(&request, 0, sizeof(request));
@@ -1381,18 +1381,18 @@ START_TEST(pipelined_requests_apply_in_order)
 						     block.value_elements * 2);
 			plan[i].expect_tokens = model.layer[plan[i].layer].tokens;
 			model_layer_stats(&model, plan[i].layer, &plan[i].expect_stats);
-			ck_assert_int_eq(wire_request_frame_size(&request, &size), 0);
+			ck_assert_int_eq(wire_pb_request_frame_size(&request, &size), 0);
 			frames = realloc(frames, frames_len + size);
 			ck_assert_ptr_nonnull(frames);
-			ck_assert_int_eq(wire_request_encode(&request, frames + frames_len, size, &len), 0);
+			ck_assert_int_eq(wire_pb_request_encode(&request, frames + frames_len, size, &len), 0);
 			frames_len += len;
 			block_free(&block);
 			continue;
 		}
-		ck_assert_int_eq(wire_request_frame_size(&request, &size), 0);
+		ck_assert_int_eq(wire_pb_request_frame_size(&request, &size), 0);
 		frames = realloc(frames, frames_len + size);
 		ck_assert_ptr_nonnull(frames);
-		ck_assert_int_eq(wire_request_encode(&request, frames + frames_len, size, &len), 0);
+		ck_assert_int_eq(wire_pb_request_encode(&request, frames + frames_len, size, &len), 0);
 		frames_len += len;
 	}
 
@@ -1400,7 +1400,7 @@ START_TEST(pipelined_requests_apply_in_order)
 	ck_assert_int_eq(raw_send(fd, frames, frames_len), 0);
 	free(frames);
 	for (uint32_t n = 0; n < REQUESTS; n++) {
-		wire_response reply;
+		wire_pb_response reply;
 		char why[WHY_BYTES];
 		zc_layer_stats got;
 		int rc = raw_read_reply(fd, 20000, &reply, NULL);
@@ -1429,32 +1429,32 @@ START_TEST(pipelined_requests_apply_in_order)
 			ck_assert_msg(stats_match("pipelined update stats", &got, &plan[i].expect_stats, true,
 						  why, sizeof(why)), "request %u: %s", i, why);
 		}
-		wire_response_free(&reply);
+		wire_pb_response_free(&reply);
 	}
 	CHECK(session_matches, session, &model);
 
 	/* Work queued behind a close is answered, not lost: NOT_FOUND. */
 	{
 		uint16_t keys[2 * 96] = { 0 }, values[2 * 32] = { 0 };
-		wire_request update = raw_update_request(2001, id, 0, 1, keys, sizeof(keys), values,
+		wire_pb_request update = raw_update_request(2001, id, 0, 1, keys, sizeof(keys), values,
 							  sizeof(values));
-		wire_request close_request;
-		wire_request late = raw_update_request(2003, id, 1, 1, keys, sizeof(keys), values,
+		wire_pb_request close_request;
+		wire_pb_request late = raw_update_request(2003, id, 1, 1, keys, sizeof(keys), values,
 						       sizeof(values));
 		uint8_t buffer[4096];
 		size_t used = 0, len;
-		wire_response reply;
+		wire_pb_response reply;
 
 		memset(&close_request, 0, sizeof(close_request));
 		close_request.msg.request_id = 2002;
 		close_request.msg.which_op = zipcache_v1_Request_close_session_tag;
 		close_request.msg.op.close_session.session_id = id;
-		ck_assert_int_eq(wire_request_encode(&update, buffer, sizeof(buffer), &len), 0);
+		ck_assert_int_eq(wire_pb_request_encode(&update, buffer, sizeof(buffer), &len), 0);
 		used += len;
-		ck_assert_int_eq(wire_request_encode(&close_request, buffer + used, sizeof(buffer) - used,
+		ck_assert_int_eq(wire_pb_request_encode(&close_request, buffer + used, sizeof(buffer) - used,
 						     &len), 0);
 		used += len;
-		ck_assert_int_eq(wire_request_encode(&late, buffer + used, sizeof(buffer) - used, &len), 0);
+		ck_assert_int_eq(wire_pb_request_encode(&late, buffer + used, sizeof(buffer) - used, &len), 0);
 		used += len;
 		ck_assert_int_eq(raw_send(fd, buffer, used), 0);
 		const zipcache_v1_Status expected[3] = { zipcache_v1_Status_OK, zipcache_v1_Status_OK,
@@ -1464,7 +1464,7 @@ START_TEST(pipelined_requests_apply_in_order)
 			ck_assert_uint_eq(reply.msg.request_id, 2001 + (uint64_t)n);
 			assert_raw_status(&reply, expected[n], 2001 + (uint64_t)n, "session",
 					  "update, close, update");
-			wire_response_free(&reply);
+			wire_pb_response_free(&reply);
 		}
 	}
 	close(fd);
@@ -1615,7 +1615,7 @@ START_TEST(unknown_session_is_not_found)
 	/* An id nobody ever had. */
 	int fd = raw_connect_checked(&m.service.daemon);
 	uint16_t keys[2 * 64] = { 0 }, values[2 * 32] = { 0 };
-	wire_request request = raw_update_request(7, 987654321, 0, 1, keys, sizeof(keys), values,
+	wire_pb_request request = raw_update_request(7, 987654321, 0, 1, keys, sizeof(keys), values,
 						  sizeof(values));
 	raw_expect(fd, &request, zipcache_v1_Status_NOT_FOUND, "987654321", "raw update, unknown id");
 	raw_hello_works(fd, 8, "after an unknown id");
@@ -1643,7 +1643,7 @@ START_TEST(layer_out_of_range_is_invalid)
 	assert_nothing_stored_and_usable(&m);
 
 	int fd = raw_connect_checked(&m.service.daemon);
-	wire_request request = raw_update_request(21, m.session_id, 1000, 3, block.keys,
+	wire_pb_request request = raw_update_request(21, m.session_id, 1000, 3, block.keys,
 						  block.key_elements * 2, block.values,
 						  block.value_elements * 2);
 	raw_expect(fd, &request, zipcache_v1_Status_INVALID_ARGUMENT, "layer", "raw layer 1000");
@@ -1681,7 +1681,7 @@ START_TEST(byte_lengths_not_matching_the_shape)
 	};
 	int fd = raw_connect_checked(&m.service.daemon);
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-		wire_request request = raw_update_request(++request_id, m.session_id, 0, 3, block.keys,
+		wire_pb_request request = raw_update_request(++request_id, m.session_id, 0, 3, block.keys,
 							  cases[i].keys, block.values, cases[i].values);
 		raw_expect(fd, &request, zipcache_v1_Status_INVALID_ARGUMENT, "do not match",
 			   cases[i].what);
@@ -1710,7 +1710,7 @@ START_TEST(zero_tokens_is_invalid)
 
 	/* Zero tokens with bytes attached is no better. */
 	int fd = raw_connect_checked(&m.service.daemon);
-	wire_request request = raw_update_request(41, m.session_id, 0, 0, keys, sizeof(keys), values,
+	wire_pb_request request = raw_update_request(41, m.session_id, 0, 0, keys, sizeof(keys), values,
 						  sizeof(values));
 	raw_expect(fd, &request, zipcache_v1_Status_INVALID_ARGUMENT, "token", "raw zero tokens");
 	raw_hello_works(fd, 42, "after zero tokens");
@@ -1833,13 +1833,13 @@ START_TEST(staged_update_without_a_buffer)
 	CHECK(update_checked, other, session, &m.model, &m.rng, 0, 2);
 
 	int fd = raw_connect_checked(&m.service.daemon);
-	wire_request request = raw_update_request(51, m.session_id, 0, 5, NULL, 0, NULL, 0);
+	wire_pb_request request = raw_update_request(51, m.session_id, 0, 5, NULL, 0, NULL, 0);
 	request.msg.op.update_and_fetch.staged = true;
 	request.msg.op.update_and_fetch.values_offset = 4096;
 	raw_expect(fd, &request, zipcache_v1_Status_FAILED_PRECONDITION, "staging",
 		   "raw staged without a buffer");
 	/* With a buffer, a staged request must not carry inline bytes too. */
-	wire_request staging;
+	wire_pb_request staging;
 	memset(&staging, 0, sizeof(staging));
 	staging.msg.request_id = 52;
 	staging.msg.which_op = zipcache_v1_Request_staging_tag;
@@ -1863,7 +1863,7 @@ END_TEST
 START_TEST(malformed_protobuf_keeps_the_connection)
 {
 	struct misbehaving m;
-	wire_response reply;
+	wire_pb_response reply;
 	uint64_t request_id = 60;
 
 	misbehaving_start(&m, NULL);
@@ -1899,7 +1899,7 @@ START_TEST(malformed_protobuf_keeps_the_connection)
 		raw_frame_call(fd, cases[i].bytes, cases[i].len, &reply, cases[i].what);
 		assert_raw_status(&reply, zipcache_v1_Status_INVALID_ARGUMENT, cases[i].request_id,
 				  cases[i].needle, cases[i].what);
-		wire_response_free(&reply);
+		wire_pb_response_free(&reply);
 		raw_hello_works(fd, ++request_id, cases[i].what);
 		assert_nothing_stored_and_usable(&m);
 	}
@@ -1915,7 +1915,7 @@ START_TEST(oversized_frame_closes_only_that_connection)
 	static const char *const args[] = { "--max-frame-bytes", "65536", "--max-inline-bytes",
 					    "32768", NULL };
 	struct misbehaving m;
-	wire_response reply;
+	wire_pb_response reply;
 	uint8_t header[FRAME_HEADER_BYTES];
 	uint8_t *body;
 	int fd, rc;
@@ -1940,7 +1940,7 @@ START_TEST(oversized_frame_closes_only_that_connection)
 			      zc_strerror(rc), rc);
 		assert_raw_status(&reply, zipcache_v1_Status_RESOURCE_EXHAUSTED, 0, "limit",
 				  "oversized frame");
-		wire_response_free(&reply);
+		wire_pb_response_free(&reply);
 		ck_assert_msg(raw_wait_closed(fd, 10000),
 			      "the daemon kept a connection open after an oversized frame");
 		close(fd);
@@ -1954,7 +1954,7 @@ START_TEST(oversized_frame_closes_only_that_connection)
 	raw_frame_call(fd, body, 65536, &reply, "frame of exactly the limit");
 	assert_raw_status(&reply, zipcache_v1_Status_INVALID_ARGUMENT, 0, "malformed",
 			  "frame of exactly the limit");
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	free(body);
 	raw_hello_works(fd, 71, "after a frame at the limit");
 	close(fd);
@@ -1979,14 +1979,14 @@ START_TEST(inline_payload_over_the_limit_is_refused)
 	static const char *const args[] = { "--max-inline-bytes", "8192", NULL };
 	struct misbehaving m;
 	struct block block;
-	wire_response reply;
+	wire_pb_response reply;
 
 	misbehaving_start(&m, args);
 	ck_assert_uint_eq(zc_client_server_info(m.service.client)->max_inline_bytes, 8192);
 	/* 30 tokens: 7680 + 3840 = 11520 bytes inline. */
 	block_make(&block, &m.model, 30, &m.rng);
 	int fd = raw_connect_checked(&m.service.daemon);
-	wire_request request = raw_update_request(81, m.session_id, 0, 30, block.keys,
+	wire_pb_request request = raw_update_request(81, m.session_id, 0, 30, block.keys,
 						  block.key_elements * 2, block.values,
 						  block.value_elements * 2);
 	ck_assert_int_eq(raw_call(fd, &request, &reply, NULL), 0);
@@ -1997,7 +1997,7 @@ START_TEST(inline_payload_over_the_limit_is_refused)
 		      response_status_name(reply.msg.status), reply.msg.message);
 	ck_assert_msg(strcasestr(reply.msg.message, "inline") != NULL,
 		      "message '%s' does not mention the inline limit", reply.msg.message);
-	wire_response_free(&reply);
+	wire_pb_response_free(&reply);
 	raw_hello_works(fd, 82, "after an oversized inline payload");
 	close(fd);
 	block_free(&block);

@@ -12,7 +12,7 @@
 
 #include "frame.h"
 #include "pb_bytes.h"
-#include "wire.h"
+#include "wire_pb.h"
 #include "zipcache/error.h"
 #include "suite_main.h"
 
@@ -34,30 +34,30 @@ static uint64_t rng(void)
  * Encodes through the sizing and encoding entry points and checks they
  * agree with each other and with the header. Returns the frame (malloc).
  */
-static uint8_t *encode_request(const wire_request *req, size_t *frame_len)
+static uint8_t *encode_request(const wire_pb_request *req, size_t *frame_len)
 {
 	size_t size = 0, len = 0;
 	uint8_t *frame;
 
-	ck_assert_int_eq(wire_request_frame_size(req, &size), 0);
+	ck_assert_int_eq(wire_pb_request_frame_size(req, &size), 0);
 	frame = malloc(size);
 	ck_assert_ptr_nonnull(frame);
-	ck_assert_int_eq(wire_request_encode(req, frame, size, &len), 0);
+	ck_assert_int_eq(wire_pb_request_encode(req, frame, size, &len), 0);
 	ck_assert_uint_eq(len, size);
 	ck_assert_uint_eq(frame_header_read(frame), size - FRAME_HEADER_BYTES);
 	*frame_len = len;
 	return frame;
 }
 
-static uint8_t *encode_response(const wire_response *resp, size_t *frame_len)
+static uint8_t *encode_response(const wire_pb_response *resp, size_t *frame_len)
 {
 	size_t size = 0, len = 0;
 	uint8_t *frame;
 
-	ck_assert_int_eq(wire_response_frame_size(resp, &size), 0);
+	ck_assert_int_eq(wire_pb_response_frame_size(resp, &size), 0);
 	frame = malloc(size);
 	ck_assert_ptr_nonnull(frame);
-	ck_assert_int_eq(wire_response_encode(resp, frame, size, &len), 0);
+	ck_assert_int_eq(wire_pb_response_encode(resp, frame, size, &len), 0);
 	ck_assert_uint_eq(len, size);
 	ck_assert_uint_eq(frame_header_read(frame), size - FRAME_HEADER_BYTES);
 	*frame_len = len;
@@ -65,13 +65,13 @@ static uint8_t *encode_response(const wire_response *resp, size_t *frame_len)
 }
 
 /* Round trip of a request without inline bytes: decoded == sent. */
-static void check_request_round_trip(const wire_request *req)
+static void check_request_round_trip(const wire_pb_request *req)
 {
 	size_t len;
 	uint8_t *frame = encode_request(req, &len);
-	wire_request out;
+	wire_pb_request out;
 
-	ck_assert_int_eq(wire_request_decode(frame + 4, len - 4, &out), 0);
+	ck_assert_int_eq(wire_pb_request_decode(frame + 4, len - 4, &out), 0);
 	ck_assert_ptr_null(out.error);
 	ck_assert_uint_eq(out.msg.which_op, req->msg.which_op);
 	ck_assert_mem_eq(&out.msg, &req->msg, sizeof(out.msg));
@@ -135,7 +135,7 @@ static void fill_layer_stats(zipcache_v1_LayerStats *l, uint32_t seed)
 
 START_TEST(request_hello)
 {
-	wire_request req;
+	wire_pb_request req;
 
 	ZERO(req);
 	req.msg.request_id = 1;
@@ -153,7 +153,7 @@ END_TEST
 
 START_TEST(request_open_session_all_fields)
 {
-	wire_request req;
+	wire_pb_request req;
 
 	ZERO(req);
 	req.msg.request_id = UINT64_MAX;
@@ -178,7 +178,7 @@ END_TEST
  */
 START_TEST(request_open_session_optional_presence)
 {
-	wire_request req;
+	wire_pb_request req;
 	zipcache_v1_CodecConfig *c = &req.msg.op.open_session.codec;
 
 	ZERO(req);
@@ -213,7 +213,7 @@ END_TEST
 
 START_TEST(request_small_ops)
 {
-	wire_request req;
+	wire_pb_request req;
 
 	ZERO(req);
 	req.msg.request_id = 5;
@@ -262,9 +262,9 @@ START_TEST(request_small_ops)
 	req.msg.request_id = 11;
 	check_request_round_trip(&req);
 	{
-		wire_request out;
+		wire_pb_request out;
 
-		ck_assert_int_eq(wire_request_decode(NULL, 0, &out), 0);
+		ck_assert_int_eq(wire_pb_request_decode(NULL, 0, &out), 0);
 		ck_assert_uint_eq(out.msg.which_op, 0);
 		ck_assert_uint_eq(out.msg.request_id, 0);
 	}
@@ -272,7 +272,7 @@ START_TEST(request_small_ops)
 END_TEST
 
 /* Builds a request with inline keys and values of the given sizes. */
-static void make_inline_request(wire_request *req, uint8_t *keys, size_t n_keys,
+static void make_inline_request(wire_pb_request *req, uint8_t *keys, size_t n_keys,
 				uint8_t *values, size_t n_values)
 {
 	for (size_t i = 0; i < n_keys; i++)
@@ -301,7 +301,7 @@ START_TEST(request_inline_spans_point_into_frame)
 
 	for (size_t t = 0; t < sizeof(sizes) / sizeof(sizes[0]); t++) {
 		uint8_t *keys = malloc(sizes[t][0] + 1), *values = malloc(sizes[t][1] + 1);
-		wire_request req, out;
+		wire_pb_request req, out;
 		uint8_t *frame, *body;
 		size_t len, body_len;
 
@@ -309,7 +309,7 @@ START_TEST(request_inline_spans_point_into_frame)
 		frame = encode_request(&req, &len);
 		body = frame + 4;
 		body_len = len - 4;
-		ck_assert_int_eq(wire_request_decode(body, body_len, &out), 0);
+		ck_assert_int_eq(wire_pb_request_decode(body, body_len, &out), 0);
 		ck_assert_uint_eq(out.msg.which_op, zipcache_v1_Request_update_and_fetch_tag);
 		ck_assert_uint_eq(out.msg.request_id, 99);
 		ck_assert_uint_eq(out.msg.op.update_and_fetch.session_id, 1234);
@@ -353,7 +353,7 @@ END_TEST
 START_TEST(request_through_frame_reader)
 {
 	uint8_t keys[300], values[500];
-	wire_request req, out;
+	wire_pb_request req, out;
 	frame_reader r;
 	uint8_t *frame;
 	const uint8_t *body;
@@ -365,7 +365,7 @@ START_TEST(request_through_frame_reader)
 	for (size_t i = 0; i < len; i += 7)
 		ck_assert_int_eq(frame_reader_feed(&r, frame + i, len - i < 7 ? len - i : 7), 0);
 	ck_assert_int_eq(frame_reader_next(&r, &body, &body_len), 1);
-	ck_assert_int_eq(wire_request_decode(body, body_len, &out), 0);
+	ck_assert_int_eq(wire_pb_request_decode(body, body_len, &out), 0);
 	ck_assert(out.keys.data >= r.buf && out.keys.data + out.keys.len <= r.buf + r.end);
 	ck_assert(out.values.data >= r.buf && out.values.data + out.values.len <= r.buf + r.end);
 	ck_assert_mem_eq(out.keys.data, keys, sizeof(keys));
@@ -377,13 +377,13 @@ START_TEST(request_through_frame_reader)
 END_TEST
 
 /* Round trip of a response; lists are compared entry by entry. */
-static void check_response_round_trip(const wire_response *resp)
+static void check_response_round_trip(const wire_pb_response *resp)
 {
 	size_t len;
 	uint8_t *frame = encode_response(resp, &len);
-	wire_response out;
+	wire_pb_response out;
 
-	ck_assert_int_eq(wire_response_decode(frame + 4, len - 4, &out), 0);
+	ck_assert_int_eq(wire_pb_response_decode(frame + 4, len - 4, &out), 0);
 	ck_assert_ptr_null(out.error);
 	ck_assert_uint_eq(out.msg.which_op, resp->msg.which_op);
 	ck_assert_mem_eq(&out.msg, &resp->msg, sizeof(out.msg));
@@ -409,14 +409,14 @@ static void check_response_round_trip(const wire_response *resp)
 		ck_assert_uint_eq(out.n_sessions, 0);
 		ck_assert_ptr_null(out.sessions);
 	}
-	wire_response_free(&out);
+	wire_pb_response_free(&out);
 	ck_assert_ptr_null(out.layers);
-	wire_response_free(&out); /* twice is harmless */
+	wire_pb_response_free(&out); /* twice is harmless */
 	free(frame);
 }
 
 /* Zeroed response with the header fields every response carries. */
-static void response_init(wire_response *resp, pb_size_t op)
+static void response_init(wire_pb_response *resp, pb_size_t op)
 {
 	ZERO(*resp);
 	resp->msg.request_id = 0x123456789abcull;
@@ -426,7 +426,7 @@ static void response_init(wire_response *resp, pb_size_t op)
 
 START_TEST(response_hello)
 {
-	wire_response resp;
+	wire_pb_response resp;
 	zipcache_v1_HelloResponse *h = &resp.msg.op.hello;
 
 	response_init(&resp, zipcache_v1_Response_hello_tag);
@@ -444,7 +444,7 @@ END_TEST
 
 START_TEST(response_open_session)
 {
-	wire_response *resp = calloc(1, sizeof(*resp));
+	wire_pb_response *resp = calloc(1, sizeof(*resp));
 	zipcache_v1_OpenSessionResponse *o = &resp->msg.op.open_session;
 
 	ck_assert_ptr_nonnull(resp);
@@ -478,7 +478,7 @@ END_TEST
 
 START_TEST(response_small_ops)
 {
-	wire_response resp;
+	wire_pb_response resp;
 
 	response_init(&resp, zipcache_v1_Response_update_and_fetch_tag);
 	resp.msg.op.update_and_fetch.tokens = 4097;
@@ -502,7 +502,7 @@ START_TEST(response_small_ops)
 
 	/* An error response: status and message, no op. */
 	response_init(&resp, 0);
-	wire_response_set_status(&resp, ZC_ENOTFOUND, "no session 42 for uid 1000");
+	wire_pb_response_set_status(&resp, ZC_ENOTFOUND, "no session 42 for uid 1000");
 	check_response_round_trip(&resp);
 }
 END_TEST
@@ -514,7 +514,7 @@ START_TEST(response_stats_layers)
 	for (size_t t = 0; t < sizeof(counts) / sizeof(counts[0]); t++) {
 		size_t n = counts[t];
 		zipcache_v1_LayerStats *layers = calloc(n + 1, sizeof(*layers));
-		wire_response resp;
+		wire_pb_response resp;
 
 		ck_assert_ptr_nonnull(layers);
 		for (size_t i = 0; i < n; i++)
@@ -537,7 +537,7 @@ START_TEST(response_stats_layers)
 	/* An all-default layer is two bytes on the wire and still counts. */
 	{
 		zipcache_v1_LayerStats empty[4];
-		wire_response resp;
+		wire_pb_response resp;
 
 		memset(empty, 0, sizeof(empty));
 		response_init(&resp, zipcache_v1_Response_stats_tag);
@@ -555,7 +555,7 @@ START_TEST(response_list_sessions)
 	for (size_t t = 0; t < sizeof(counts) / sizeof(counts[0]); t++) {
 		size_t n = counts[t];
 		zipcache_v1_SessionInfo *sessions = calloc(n + 1, sizeof(*sessions));
-		wire_response resp;
+		wire_pb_response resp;
 
 		ck_assert_ptr_nonnull(sessions);
 		for (size_t i = 0; i < n; i++)
@@ -580,7 +580,7 @@ START_TEST(list_limit)
 {
 	size_t n = WIRE_MAX_LIST_ITEMS;
 	zipcache_v1_LayerStats *layers = calloc(n + 1, sizeof(*layers));
-	wire_response resp, out;
+	wire_pb_response resp, out;
 	uint8_t *frame;
 	size_t len, size;
 
@@ -589,15 +589,15 @@ START_TEST(list_limit)
 	resp.layers = layers;
 	resp.n_layers = n;
 	frame = encode_response(&resp, &len);
-	ck_assert_int_eq(wire_response_decode(frame + 4, len - 4, &out), 0);
+	ck_assert_int_eq(wire_pb_response_decode(frame + 4, len - 4, &out), 0);
 	ck_assert_uint_eq(out.n_layers, n);
-	wire_response_free(&out);
+	wire_pb_response_free(&out);
 	free(frame);
 
 	/* One more is refused by the encoder... */
 	resp.n_layers = n + 1;
-	ck_assert_int_eq(wire_response_frame_size(&resp, &size), ZC_EINVALID);
-	ck_assert_int_eq(wire_response_encode(&resp, (uint8_t *)layers, 0, &len), ZC_EINVALID);
+	ck_assert_int_eq(wire_pb_response_frame_size(&resp, &size), ZC_EINVALID);
+	ck_assert_int_eq(wire_pb_response_encode(&resp, (uint8_t *)layers, 0, &len), ZC_EINVALID);
 	/* ...and by the decoder, from hand-made bytes. */
 	{
 		size_t inner = 2 * (n + 1), pos = 0;
@@ -614,7 +614,7 @@ START_TEST(list_limit)
 			bytes[pos++] = (2 << 3) | 2; /* StatsResponse.layers, empty */
 			bytes[pos++] = 0;
 		}
-		ck_assert_int_eq(wire_response_decode(bytes, pos, &out), ZC_EPROTOCOL);
+		ck_assert_int_eq(wire_pb_response_decode(bytes, pos, &out), ZC_EPROTOCOL);
 		ck_assert_ptr_nonnull(out.error);
 		ck_assert_ptr_null(out.layers);
 		free(bytes);
@@ -626,8 +626,8 @@ END_TEST
 START_TEST(encode_buffer_too_small)
 {
 	uint8_t keys[100], values[100];
-	wire_request req;
-	wire_response resp;
+	wire_pb_request req;
+	wire_pb_response resp;
 	zipcache_v1_SessionInfo sessions[3];
 	uint8_t *frame, buf[4096];
 	size_t len, out_len;
@@ -635,8 +635,8 @@ START_TEST(encode_buffer_too_small)
 	make_inline_request(&req, keys, sizeof(keys), values, sizeof(values));
 	frame = encode_request(&req, &len);
 	for (size_t cap = 0; cap < len; cap++)
-		ck_assert_int_eq(wire_request_encode(&req, buf, cap, &out_len), ZC_EBUFFER);
-	ck_assert_int_eq(wire_request_encode(&req, buf, len, &out_len), 0);
+		ck_assert_int_eq(wire_pb_request_encode(&req, buf, cap, &out_len), ZC_EBUFFER);
+	ck_assert_int_eq(wire_pb_request_encode(&req, buf, len, &out_len), 0);
 	ck_assert_uint_eq(out_len, len);
 	ck_assert_mem_eq(buf, frame, len);
 	free(frame);
@@ -649,8 +649,8 @@ START_TEST(encode_buffer_too_small)
 	resp.n_sessions = 3;
 	frame = encode_response(&resp, &len);
 	for (size_t cap = 0; cap < len; cap++)
-		ck_assert_int_eq(wire_response_encode(&resp, buf, cap, &out_len), ZC_EBUFFER);
-	ck_assert_int_eq(wire_response_encode(&resp, buf, sizeof(buf), &out_len), 0);
+		ck_assert_int_eq(wire_pb_response_encode(&resp, buf, cap, &out_len), ZC_EBUFFER);
+	ck_assert_int_eq(wire_pb_response_encode(&resp, buf, sizeof(buf), &out_len), 0);
 	ck_assert_uint_eq(out_len, len);
 	ck_assert_mem_eq(buf, frame, len);
 	free(frame);
@@ -659,8 +659,8 @@ END_TEST
 
 START_TEST(encode_invalid_struct)
 {
-	wire_request req;
-	wire_response resp;
+	wire_pb_request req;
+	wire_pb_response resp;
 	uint8_t buf[512];
 	size_t len;
 
@@ -668,23 +668,23 @@ START_TEST(encode_invalid_struct)
 	ZERO(req);
 	req.msg.which_op = zipcache_v1_Request_hello_tag;
 	memset(req.msg.op.hello.client_name, 'x', sizeof(req.msg.op.hello.client_name));
-	ck_assert_int_eq(wire_request_frame_size(&req, &len), ZC_EINVALID);
-	ck_assert_int_eq(wire_request_encode(&req, buf, sizeof(buf), &len), ZC_EINVALID);
-	ck_assert_int_eq(wire_request_encode(&req, buf, 2, &len), ZC_EINVALID);
+	ck_assert_int_eq(wire_pb_request_frame_size(&req, &len), ZC_EINVALID);
+	ck_assert_int_eq(wire_pb_request_encode(&req, buf, sizeof(buf), &len), ZC_EINVALID);
+	ck_assert_int_eq(wire_pb_request_encode(&req, buf, 2, &len), ZC_EINVALID);
 
 	/* A list said to have entries but no array. */
 	response_init(&resp, zipcache_v1_Response_stats_tag);
 	resp.n_layers = 2;
-	ck_assert_int_eq(wire_response_frame_size(&resp, &len), ZC_EINVALID);
-	ck_assert_int_eq(wire_response_encode(&resp, buf, sizeof(buf), &len), ZC_EINVALID);
+	ck_assert_int_eq(wire_pb_response_frame_size(&resp, &len), ZC_EINVALID);
+	ck_assert_int_eq(wire_pb_response_encode(&resp, buf, sizeof(buf), &len), ZC_EINVALID);
 }
 END_TEST
 
 /* Decoding must answer 0 or ZC_EPROTOCOL, and a span never leaves the input. */
 static void decode_any_request(const uint8_t *bytes, size_t len)
 {
-	wire_request out;
-	int rc = wire_request_decode(bytes, len, &out);
+	wire_pb_request out;
+	int rc = wire_pb_request_decode(bytes, len, &out);
 
 	ck_assert_msg(rc == 0 || rc == ZC_EPROTOCOL, "rc %d", rc);
 	if (rc == 0) {
@@ -701,15 +701,15 @@ static void decode_any_request(const uint8_t *bytes, size_t len)
 
 static void decode_any_response(const uint8_t *bytes, size_t len)
 {
-	wire_response out;
-	int rc = wire_response_decode(bytes, len, &out);
+	wire_pb_response out;
+	int rc = wire_pb_response_decode(bytes, len, &out);
 
 	ck_assert_msg(rc == 0 || rc == ZC_EPROTOCOL, "rc %d", rc);
 	if (rc == 0)
 		ck_assert_ptr_null(out.error);
 	else
 		ck_assert_ptr_nonnull(out.error);
-	wire_response_free(&out);
+	wire_pb_response_free(&out);
 }
 
 START_TEST(malformed_random_garbage)
@@ -741,8 +741,8 @@ START_TEST(malformed_truncated_and_corrupted)
 	uint8_t keys[40], values[24];
 	zipcache_v1_LayerStats layers[3];
 	zipcache_v1_SessionInfo sessions[2];
-	wire_request req;
-	wire_response resp[3];
+	wire_pb_request req;
+	wire_pb_response resp[3];
 	uint8_t *frames[4];
 	size_t lens[4];
 
@@ -799,7 +799,7 @@ END_TEST
 START_TEST(malformed_truncated_inline)
 {
 	uint8_t keys[200], values[200];
-	wire_request req, out;
+	wire_pb_request req, out;
 	uint8_t *frame;
 	size_t len;
 
@@ -807,7 +807,7 @@ START_TEST(malformed_truncated_inline)
 	req.msg.request_id = 0; /* so the op submessage is the whole message */
 	frame = encode_request(&req, &len);
 	for (size_t cut = 1; cut < len - 4; cut++) {
-		int rc = wire_request_decode(frame + 4, cut, &out);
+		int rc = wire_pb_request_decode(frame + 4, cut, &out);
 
 		/* Everything lives inside one submessage: any cut breaks it. */
 		ck_assert_int_eq(rc, ZC_EPROTOCOL);
@@ -820,8 +820,8 @@ END_TEST
 /* Hand-made messages with a field sent under the wrong wire type. */
 START_TEST(malformed_wrong_wire_types)
 {
-	wire_request rq;
-	wire_response rs;
+	wire_pb_request rq;
+	wire_pb_response rs;
 	/* Request.request_id (varint) sent length-delimited. */
 	static const uint8_t id_as_bytes[] = { 0x0a, 0x01, 0x00 };
 	/* Request.update_and_fetch { keys: varint 5 } */
@@ -854,39 +854,39 @@ START_TEST(malformed_wrong_wire_types)
 	static const uint8_t overlong_varint[] = { 0x08, 0xff, 0xff, 0xff, 0xff, 0xff,
 						   0xff, 0xff, 0xff, 0xff, 0xff, 0x01 };
 
-	ck_assert_int_eq(wire_request_decode(id_as_bytes, sizeof(id_as_bytes), &rq), ZC_EPROTOCOL);
-	ck_assert_int_eq(wire_request_decode(keys_as_varint, sizeof(keys_as_varint), &rq),
+	ck_assert_int_eq(wire_pb_request_decode(id_as_bytes, sizeof(id_as_bytes), &rq), ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_pb_request_decode(keys_as_varint, sizeof(keys_as_varint), &rq),
 			 ZC_EPROTOCOL);
 	ck_assert_str_eq(rq.error, "inline keys/values must be length-delimited bytes");
-	ck_assert_int_eq(wire_request_decode(values_as_fixed32, sizeof(values_as_fixed32), &rq),
+	ck_assert_int_eq(wire_pb_request_decode(values_as_fixed32, sizeof(values_as_fixed32), &rq),
 			 ZC_EPROTOCOL);
-	ck_assert_int_eq(wire_request_decode(keys_as_fixed64, sizeof(keys_as_fixed64), &rq),
+	ck_assert_int_eq(wire_pb_request_decode(keys_as_fixed64, sizeof(keys_as_fixed64), &rq),
 			 ZC_EPROTOCOL);
-	ck_assert_int_eq(wire_request_decode(op_as_varint, sizeof(op_as_varint), &rq), ZC_EPROTOCOL);
-	ck_assert_int_eq(wire_request_decode(wire_type_6, sizeof(wire_type_6), &rq), ZC_EPROTOCOL);
-	ck_assert_int_eq(wire_request_decode(wire_type_7, sizeof(wire_type_7), &rq), ZC_EPROTOCOL);
-	ck_assert_int_eq(wire_request_decode(length_past_end, sizeof(length_past_end), &rq),
+	ck_assert_int_eq(wire_pb_request_decode(op_as_varint, sizeof(op_as_varint), &rq), ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_pb_request_decode(wire_type_6, sizeof(wire_type_6), &rq), ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_pb_request_decode(wire_type_7, sizeof(wire_type_7), &rq), ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_pb_request_decode(length_past_end, sizeof(length_past_end), &rq),
 			 ZC_EPROTOCOL);
-	ck_assert_int_eq(wire_request_decode(keys_past_sub, sizeof(keys_past_sub), &rq),
+	ck_assert_int_eq(wire_pb_request_decode(keys_past_sub, sizeof(keys_past_sub), &rq),
 			 ZC_EPROTOCOL);
-	ck_assert_int_eq(wire_request_decode(endless_varint, sizeof(endless_varint), &rq),
+	ck_assert_int_eq(wire_pb_request_decode(endless_varint, sizeof(endless_varint), &rq),
 			 ZC_EPROTOCOL);
-	ck_assert_int_eq(wire_request_decode(overlong_varint, sizeof(overlong_varint), &rq),
+	ck_assert_int_eq(wire_pb_request_decode(overlong_varint, sizeof(overlong_varint), &rq),
 			 ZC_EPROTOCOL);
 	ck_assert_ptr_nonnull(rq.error);
 
-	ck_assert_int_eq(wire_response_decode(layers_as_varint, sizeof(layers_as_varint), &rs),
+	ck_assert_int_eq(wire_pb_response_decode(layers_as_varint, sizeof(layers_as_varint), &rs),
 			 ZC_EPROTOCOL);
 	ck_assert_str_eq(rs.error, "repeated message field is not length-delimited");
-	ck_assert_int_eq(wire_response_decode(sessions_as_fixed64, sizeof(sessions_as_fixed64),
+	ck_assert_int_eq(wire_pb_response_decode(sessions_as_fixed64, sizeof(sessions_as_fixed64),
 					      &rs), ZC_EPROTOCOL);
-	ck_assert_int_eq(wire_response_decode(status_as_fixed32, sizeof(status_as_fixed32), &rs),
+	ck_assert_int_eq(wire_pb_response_decode(status_as_fixed32, sizeof(status_as_fixed32), &rs),
 			 ZC_EPROTOCOL);
 	long_message[0] = 0x1a;
 	long_message[1] = 0xac; /* 300 = 0xac 0x02 */
 	long_message[2] = 0x02;
 	memset(long_message + 3, 'm', 300);
-	ck_assert_int_eq(wire_response_decode(long_message, sizeof(long_message), &rs),
+	ck_assert_int_eq(wire_pb_response_decode(long_message, sizeof(long_message), &rs),
 			 ZC_EPROTOCOL);
 	ck_assert_ptr_nonnull(rs.error);
 }
@@ -899,8 +899,8 @@ END_TEST
  */
 START_TEST(oneof_repeated_and_switched)
 {
-	wire_request out;
-	wire_response rs;
+	wire_pb_request out;
+	wire_pb_response rs;
 	/* update_and_fetch { keys "AB" } update_and_fetch { layer 3, keys "CDE" } */
 	static const uint8_t merged[] = { 0x22, 0x04, 0x22, 0x02, 'A', 'B',
 					  0x22, 0x07, 0x10, 0x03, 0x22, 0x03, 'C', 'D', 'E' };
@@ -915,28 +915,28 @@ START_TEST(oneof_repeated_and_switched)
 	/* Response: hello { } stats { layers {} } */
 	static const uint8_t stats_switched_in[] = { 0x52, 0x00, 0x7a, 0x02, 0x12, 0x00 };
 
-	ck_assert_int_eq(wire_request_decode(merged, sizeof(merged), &out), 0);
+	ck_assert_int_eq(wire_pb_request_decode(merged, sizeof(merged), &out), 0);
 	ck_assert_uint_eq(out.msg.which_op, zipcache_v1_Request_update_and_fetch_tag);
 	ck_assert_uint_eq(out.msg.op.update_and_fetch.layer, 3);
 	ck_assert_uint_eq(out.keys.len, 3);
 	ck_assert_ptr_eq(out.keys.data, merged + 12);
 	ck_assert_ptr_null(out.values.data);
 
-	ck_assert_int_eq(wire_request_decode(switched_in, sizeof(switched_in), &out), ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_pb_request_decode(switched_in, sizeof(switched_in), &out), ZC_EPROTOCOL);
 	ck_assert_str_eq(out.error, "another op precedes update_and_fetch in the request");
 
-	ck_assert_int_eq(wire_request_decode(switched_out, sizeof(switched_out), &out), 0);
+	ck_assert_int_eq(wire_pb_request_decode(switched_out, sizeof(switched_out), &out), 0);
 	ck_assert_uint_eq(out.msg.which_op, zipcache_v1_Request_hello_tag);
 	ck_assert_uint_eq(out.msg.op.hello.protocol_version, 1);
 	ck_assert_ptr_null(out.keys.data);
 
-	ck_assert_int_eq(wire_response_decode(stats_merged, sizeof(stats_merged), &rs), 0);
+	ck_assert_int_eq(wire_pb_response_decode(stats_merged, sizeof(stats_merged), &rs), 0);
 	ck_assert_uint_eq(rs.n_layers, 2);
 	ck_assert_uint_eq(rs.layers[0].layer, 0);
 	ck_assert_uint_eq(rs.layers[1].layer, 2);
-	wire_response_free(&rs);
+	wire_pb_response_free(&rs);
 
-	ck_assert_int_eq(wire_response_decode(stats_switched_in, sizeof(stats_switched_in), &rs),
+	ck_assert_int_eq(wire_pb_response_decode(stats_switched_in, sizeof(stats_switched_in), &rs),
 			 ZC_EPROTOCOL);
 	ck_assert_ptr_null(rs.layers);
 }
@@ -946,7 +946,7 @@ END_TEST
 START_TEST(responses_through_frame_reader)
 {
 	zipcache_v1_LayerStats layers[5];
-	wire_response resp, out;
+	wire_pb_response resp, out;
 	frame_reader r;
 	uint8_t *stream = NULL;
 	size_t stream_len = 0;
@@ -975,12 +975,12 @@ START_TEST(responses_through_frame_reader)
 		size_t len;
 
 		ck_assert_int_eq(frame_reader_next(&r, &body, &len), 1);
-		ck_assert_int_eq(wire_response_decode(body, len, &out), 0);
+		ck_assert_int_eq(wire_pb_response_decode(body, len, &out), 0);
 		ck_assert_uint_eq(out.msg.request_id, (uint64_t)i);
 		ck_assert_uint_eq(out.n_layers, (size_t)i % 6);
 		if (out.n_layers)
 			ck_assert_mem_eq(out.layers, layers, out.n_layers * sizeof(layers[0]));
-		wire_response_free(&out);
+		wire_pb_response_free(&out);
 		frame_reader_consume(&r);
 	}
 	frame_reader_free(&r);
@@ -1042,13 +1042,13 @@ START_TEST(status_mapping)
 	};
 
 	for (size_t i = 0; i < sizeof(to_status) / sizeof(to_status[0]); i++)
-		ck_assert_msg(wire_status_from_error(to_status[i].error) == to_status[i].status,
+		ck_assert_msg(wire_pb_status_from_error(to_status[i].error) == to_status[i].status,
 			      "error %d", to_status[i].error);
 	for (size_t i = 0; i < sizeof(to_error) / sizeof(to_error[0]); i++)
-		ck_assert_int_eq(wire_error_from_status(to_error[i].status), to_error[i].error);
+		ck_assert_int_eq(wire_pb_error_from_status(to_error[i].status), to_error[i].error);
 	/* Every status survives the round trip through its error code. */
 	for (int s = _zipcache_v1_Status_MIN; s <= _zipcache_v1_Status_MAX; s++)
-		ck_assert_int_eq(wire_status_from_error(wire_error_from_status((zipcache_v1_Status)s)),
+		ck_assert_int_eq(wire_pb_status_from_error(wire_pb_error_from_status((zipcache_v1_Status)s)),
 				 s);
 }
 END_TEST
@@ -1057,51 +1057,51 @@ END_TEST
 START_TEST(unknown_status_value)
 {
 	static const uint8_t bytes[] = { 0x10, 0x2a }; /* status: 42 */
-	wire_response out;
+	wire_pb_response out;
 
-	ck_assert_int_eq(wire_response_decode(bytes, sizeof(bytes), &out), 0);
+	ck_assert_int_eq(wire_pb_response_decode(bytes, sizeof(bytes), &out), 0);
 	ck_assert_int_eq(out.msg.status, 42);
-	ck_assert_int_eq(wire_error_from_status(out.msg.status), ZC_EINTERNAL);
+	ck_assert_int_eq(wire_pb_error_from_status(out.msg.status), ZC_EINTERNAL);
 }
 END_TEST
 
 START_TEST(set_status_message)
 {
-	wire_response resp;
+	wire_pb_response resp;
 	char msg[300];
 
 	response_init(&resp, 0);
-	wire_response_set_status(&resp, ZC_EBITS, "hi_bits must be 1..8");
+	wire_pb_response_set_status(&resp, ZC_EBITS, "hi_bits must be 1..8");
 	ck_assert_int_eq(resp.msg.status, zipcache_v1_Status_INVALID_ARGUMENT);
 	ck_assert_str_eq(resp.msg.message, "hi_bits must be 1..8");
 
-	wire_response_set_status(&resp, 0, NULL);
+	wire_pb_response_set_status(&resp, 0, NULL);
 	ck_assert_int_eq(resp.msg.status, zipcache_v1_Status_OK);
 	ck_assert_str_eq(resp.msg.message, "");
 
 	/* 256 bytes fit exactly. */
 	memset(msg, 'a', 256);
 	msg[256] = '\0';
-	wire_response_set_status(&resp, ZC_EINTERNAL, msg);
+	wire_pb_response_set_status(&resp, ZC_EINTERNAL, msg);
 	ck_assert_uint_eq(strlen(resp.msg.message), 256);
 
 	/* A 2-byte character straddling the limit is dropped whole. */
 	memset(msg, 'a', 255);
 	memcpy(msg + 255, "\xc3\xa9tail", 7);
-	wire_response_set_status(&resp, ZC_EINTERNAL, msg);
+	wire_pb_response_set_status(&resp, ZC_EINTERNAL, msg);
 	ck_assert_uint_eq(strlen(resp.msg.message), 255);
 
 	/* A 3-byte character ending exactly at the limit is kept. */
 	memset(msg, 'a', 253);
 	memcpy(msg + 253, "\xe2\x82\xac" "more", 8);
-	wire_response_set_status(&resp, ZC_EINTERNAL, msg);
+	wire_pb_response_set_status(&resp, ZC_EINTERNAL, msg);
 	ck_assert_uint_eq(strlen(resp.msg.message), 256);
 	ck_assert_mem_eq(resp.msg.message + 253, "\xe2\x82\xac", 3);
 
 	/* And one cut after its first byte goes away whole. */
 	memset(msg, 'a', 255);
 	memcpy(msg + 255, "\xe2\x82\xac", 4);
-	wire_response_set_status(&resp, ZC_EINTERNAL, msg);
+	wire_pb_response_set_status(&resp, ZC_EINTERNAL, msg);
 	ck_assert_uint_eq(strlen(resp.msg.message), 255);
 }
 END_TEST
@@ -1119,9 +1119,9 @@ static void open_request(struct pb_bytes *out, uint64_t id, const struct pb_byte
 /* Decodes and expects a refusal that kept the id and says exactly why. */
 static void expect_refused(const struct pb_bytes *b, uint64_t id, const char *why)
 {
-	wire_request out;
+	wire_pb_request out;
 
-	ck_assert_int_eq(wire_request_decode(b->data, b->len, &out), ZC_EPROTOCOL);
+	ck_assert_int_eq(wire_pb_request_decode(b->data, b->len, &out), ZC_EPROTOCOL);
 	ck_assert_ptr_nonnull(out.error);
 	ck_assert_str_eq(out.error, why);
 	ck_assert_uint_eq(out.msg.request_id, id);
@@ -1153,11 +1153,11 @@ START_TEST(refusals_keep_the_id_and_name_the_limit)
 	open_request(&req, 78, &open);
 	expect_refused(&req, 78, "open_session.name is 65 bytes; the limit is 64");
 	{
-		wire_request out;
+		wire_pb_request out;
 		memset(&open, 0, sizeof(open));
 		pb_field_bytes(&open, zipcache_v1_OpenSessionRequest_name_tag, name, 64);
 		open_request(&req, 79, &open);
-		ck_assert_int_eq(wire_request_decode(req.data, req.len, &out), 0);
+		ck_assert_int_eq(wire_pb_request_decode(req.data, req.len, &out), 0);
 		ck_assert_uint_eq(strlen(out.msg.op.open_session.name), 64);
 		ck_assert_uint_eq(out.msg.request_id, 79);
 	}
@@ -1227,8 +1227,8 @@ START_TEST(refusals_keep_the_id_and_name_the_limit)
 	pb_varint(&req, 0x0e);  /* wire type 6 */
 	pb_field_varint(&req, zipcache_v1_Request_request_id_tag, 88);
 	{
-		wire_request out;
-		ck_assert_int_eq(wire_request_decode(req.data, req.len, &out), ZC_EPROTOCOL);
+		wire_pb_request out;
+		ck_assert_int_eq(wire_pb_request_decode(req.data, req.len, &out), ZC_EPROTOCOL);
 		ck_assert_uint_eq(out.msg.request_id, 0);
 		ck_assert_ptr_nonnull(out.error);
 	}
@@ -1237,14 +1237,14 @@ START_TEST(refusals_keep_the_id_and_name_the_limit)
 	pb_field_varint(&req, zipcache_v1_Request_request_id_tag, 89);
 	pb_varint(&req, 0x0e);
 	{
-		wire_request out;
-		ck_assert_int_eq(wire_request_decode(req.data, req.len, &out), ZC_EPROTOCOL);
+		wire_pb_request out;
+		ck_assert_int_eq(wire_pb_request_decode(req.data, req.len, &out), ZC_EPROTOCOL);
 		ck_assert_uint_eq(out.msg.request_id, 89);
 	}
 
 	/* Valid open requests with every string and enum still decode. */
 	{
-		wire_request in, out;
+		wire_pb_request in, out;
 		uint8_t frame[512];
 		size_t len;
 
@@ -1253,12 +1253,135 @@ START_TEST(refusals_keep_the_id_and_name_the_limit)
 		in.msg.which_op = zipcache_v1_Request_open_session_tag;
 		strcpy(in.msg.op.open_session.name, "worker/λ");
 		in.msg.op.open_session.policy = zipcache_v1_BlockPolicy_PER_CALL;
-		ck_assert_int_eq(wire_request_encode(&in, frame, sizeof(frame), &len), 0);
-		ck_assert_int_eq(wire_request_decode(frame + 4, len - 4, &out), 0);
+		ck_assert_int_eq(wire_pb_request_encode(&in, frame, sizeof(frame), &len), 0);
+		ck_assert_int_eq(wire_pb_request_decode(frame + 4, len - 4, &out), 0);
 		ck_assert_ptr_null(out.error);
 		ck_assert_str_eq(out.msg.op.open_session.name, "worker/λ");
 		ck_assert_int_eq(out.msg.op.open_session.policy, zipcache_v1_BlockPolicy_PER_CALL);
 	}
+}
+END_TEST
+
+/* ---- the plain structs of wire.h: the same bytes as the generated ones ---- */
+
+/* A plain open request and the generated one a client used to fill by
+ * hand encode to the same frame, and the plain decode gives it back. */
+START_TEST(plain_request_same_bytes)
+{
+	uint8_t a[1024], b[1024];
+	size_t la, lb;
+	wire_request plain = { .request_id = 77, .op = WIRE_OP_OPEN_SESSION };
+	zc_codec_config config = { .hi_bits = 5, .lo_bits = 3, .hi_fraction = 0.25, .group_size = 16,
+				   .quantize_values = false };
+	wire_pb_request pb = { 0 };
+
+	snprintf(plain.open_session.name, sizeof(plain.open_session.name), "plain");
+	plain.open_session.has_shape = true;
+	plain.open_session.shape = (struct wire_shape){ 3, 1, 2, 64, 32 };
+	plain.open_session.max_tokens = 4096;
+	plain.open_session.has_codec = true;
+	wire_codec_from_config(&config, &plain.open_session.codec);
+	plain.open_session.policy = ZC_POLICY_PER_CALL;
+	plain.open_session.has_residual_tokens = true;
+	plain.open_session.residual_tokens = 64;
+	plain.open_session.attach = true;
+
+	pb.msg.request_id = 77;
+	pb.msg.which_op = zipcache_v1_Request_open_session_tag;
+	zipcache_v1_OpenSessionRequest *o = &pb.msg.op.open_session;
+	snprintf(o->name, sizeof(o->name), "plain");
+	o->has_shape = true;
+	o->shape = (zipcache_v1_SessionShape){ 3, 1, 2, 64, 32 };
+	o->max_tokens = 4096;
+	o->has_codec = true;
+	o->codec = (zipcache_v1_CodecConfig){ true, 5, true, 3, true, 0.25, true, 16, true, false };
+	o->policy = zipcache_v1_BlockPolicy_PER_CALL;
+	o->has_residual_tokens = true;
+	o->residual_tokens = 64;
+	o->attach = true;
+
+	ck_assert_int_eq(wire_request_encode(&plain, a, sizeof(a), &la), 0);
+	ck_assert_int_eq(wire_pb_request_encode(&pb, b, sizeof(b), &lb), 0);
+	ck_assert_uint_eq(la, lb);
+	ck_assert(memcmp(a, b, la) == 0);
+
+	wire_request back;
+	ck_assert_int_eq(wire_request_decode(a + FRAME_HEADER_BYTES, la - FRAME_HEADER_BYTES, &back), 0);
+	ck_assert_int_eq(back.op, WIRE_OP_OPEN_SESSION);
+	ck_assert_uint_eq(back.request_id, 77);
+	ck_assert_str_eq(back.open_session.name, "plain");
+	ck_assert_uint_eq(back.open_session.shape.head_dim_k, 64);
+	zc_codec_config again;
+	zc_codec_config_default(&again);
+	wire_codec_to_config(&back.open_session.codec, &again);
+	/* Field by field: the struct has padding memcmp would compare. */
+	ck_assert(again.hi_bits == config.hi_bits && again.lo_bits == config.lo_bits &&
+		  again.hi_fraction == config.hi_fraction && again.group_size == config.group_size &&
+		  again.quantize_values == config.quantize_values);
+	ck_assert_int_eq(back.open_session.policy, ZC_POLICY_PER_CALL);
+	ck_assert(back.open_session.attach);
+}
+END_TEST
+
+/* A stats reply with its layer list: the plain encode is the generated
+ * one's bytes, and decoding it gives the plain structs back. */
+START_TEST(plain_response_same_bytes)
+{
+	static wire_response plain;
+	static wire_pb_response pb;
+	zc_layer_stats layers[2] = {
+		{ .layer = 0, .tokens = 10, .compressed_key_bytes = 100, .fp16_key_bytes = 400,
+		  .compression_ratio = 4.0, .effective_avg_bits = 4.0, .blocks = 1 },
+		{ .layer = 1, .tokens = 12, .residual_tokens = 2, .fp16_value_bytes = 48 },
+	};
+	zipcache_v1_LayerStats pb_layers[2] = {
+		{ .layer = 0, .tokens = 10, .compressed_key_bytes = 100, .fp16_key_bytes = 400,
+		  .compression_ratio = 4.0, .effective_avg_bits = 4.0, .blocks = 1 },
+		{ .layer = 1, .tokens = 12, .residual_tokens = 2, .fp16_value_bytes = 48 },
+	};
+	uint8_t a[4096], b[4096];
+	size_t la, lb;
+
+	wire_response_init(&plain, 9, WIRE_OP_STATS);
+	plain.stats.has_caller = true;
+	plain.stats.caller.uid = 1000;
+	plain.stats.sessions = 3;
+	plain.stats.set_aside_count = 1;
+	snprintf(plain.stats.set_aside[0].file, sizeof(plain.stats.set_aside[0].file), "x.zcs");
+	plain.stats.set_aside_total = 1;
+	plain.stats.has_memory = true;
+	plain.stats.memory.views = 4096;
+	plain.layers = layers;
+	plain.n_layers = 2;
+
+	memset(&pb, 0, sizeof(pb));
+	pb.msg.request_id = 9;
+	pb.msg.which_op = zipcache_v1_Response_stats_tag;
+	pb.msg.op.stats.has_caller = true;
+	pb.msg.op.stats.caller.uid = 1000;
+	pb.msg.op.stats.sessions = 3;
+	pb.msg.op.stats.set_aside_count = 1;
+	snprintf(pb.msg.op.stats.set_aside[0].file, sizeof(pb.msg.op.stats.set_aside[0].file), "x.zcs");
+	pb.msg.op.stats.set_aside_total = 1;
+	pb.msg.op.stats.has_memory = true;
+	pb.msg.op.stats.memory.views = 4096;
+	pb.layers = pb_layers;
+	pb.n_layers = 2;
+
+	ck_assert_int_eq(wire_response_encode(&plain, a, sizeof(a), &la), 0);
+	ck_assert_int_eq(wire_pb_response_encode(&pb, b, sizeof(b), &lb), 0);
+	ck_assert_uint_eq(la, lb);
+	ck_assert(memcmp(a, b, la) == 0);
+
+	static wire_response back;
+	ck_assert_int_eq(wire_response_decode(a + FRAME_HEADER_BYTES, la - FRAME_HEADER_BYTES, &back), 0);
+	ck_assert_int_eq(back.op, WIRE_OP_STATS);
+	ck_assert_uint_eq(back.n_layers, 2);
+	ck_assert(memcmp(&back.layers[1], &layers[1], sizeof(layers[1])) == 0);
+	ck_assert_uint_eq(back.stats.caller.uid, 1000);
+	ck_assert_str_eq(back.stats.set_aside[0].file, "x.zcs");
+	ck_assert_uint_eq(back.stats.memory.views, 4096);
+	wire_response_free(&back);
 }
 END_TEST
 
@@ -1285,6 +1408,8 @@ static Suite *wire_suite(void)
 	tcase_add_test(rt, encode_buffer_too_small);
 	tcase_add_test(rt, encode_invalid_struct);
 	tcase_add_test(rt, responses_through_frame_reader);
+	tcase_add_test(rt, plain_request_same_bytes);
+	tcase_add_test(rt, plain_response_same_bytes);
 	suite_add_tcase(s, rt);
 
 	/* ASan slows the fuzz loops several-fold. */

@@ -364,7 +364,7 @@ static int parse_args(struct load_config *config, int argc, char **argv)
 			rc = parse_uint(flag, value, 1, 1024, &number);
 			config->kv_heads = (uint32_t)number;
 		} else if (strcmp(flag, "--head-dim") == 0) {
-			rc = parse_uint(flag, value, 1, 4096, &number);
+			rc = parse_uint(flag, value, 1, ZC_MAX_HEAD_DIM, &number);
 			config->head_dim = (uint32_t)number;
 		} else if (strcmp(flag, "--prefill") == 0) {
 			rc = parse_uint(flag, value, 1, ZC_MAX_BLOCK_TOKENS, &number);

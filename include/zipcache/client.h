@@ -100,6 +100,17 @@
 #include "zipcache/map.h"
 #include "zipcache/error.h"
 
+/*
+ * What one session may be, as the daemon enforces it (an open past one is
+ * ZC_EINVALID naming it). Head dims are bounded by ZC_MAX_HEAD_DIM
+ * (zipcache/codec.h).
+ */
+#define ZC_MAX_LAYERS 1024u
+#define ZC_MAX_HEADS 65536u            /* batch x kv_heads */
+#define ZC_MAX_RESIDUAL_TOKENS 65536u
+#define ZC_SESSION_NAME_MAX 64u        /* bytes of UTF-8, without the NUL */
+#define ZC_DEFAULT_RESIDUAL_TOKENS 128u
+
 typedef struct zc_client zc_client;
 typedef struct zc_session zc_session;
 
@@ -156,7 +167,7 @@ typedef struct zc_layer_stats {
 
 typedef struct zc_session_info {
 	uint64_t id;
-	char name[65];
+	char name[ZC_SESSION_NAME_MAX + 1];
 	uint32_t layers, batch, kv_heads, head_dim_k, head_dim_v;
 	uint32_t max_tokens;
 	zc_codec_config codec;

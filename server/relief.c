@@ -1,0 +1,99 @@
+/* The memory relief policy (relief.h): drop idle views, then refuse. */
+#include "relief.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "log.h"
+#include "metrics.h"
+#include "quota.h"
+#include "server.h"
+#include "session.h"
+#include "store.h"
+
+/* Room left in a budget alone (UINT64_MAX without a limit). */
+static uint64_t budget_room(const struct store_budget *budget)
+{
+	uint64_t used = __atomic_load_n(&budget->used, __ATOMIC_RELAXED);
+	if (!budget->limit)
+		return UINT64_MAX;
+	return used < budget->limit ? budget->limit - used : 0;
+}
+
+/* Whether uid's own quota, rather than the daemon's budget, is what is
+ * short: the one with less room left. */
+static bool uid_quota_binding(struct server *server, uint32_t uid, const struct quota_usage **out)
+{
+	const struct quota_usage *usage = quota_usage_of(&server->quotas, uid);
+	*out = usage;
+	return usage && usage->memory.limit && budget_room(&usage->memory) < budget_room(&server->budget);
+}
+
+static int by_last_use(const void *a, const void *b)
+{
+	const struct session *x = *(struct session *const *)a, *y = *(struct session *const *)b;
+	return x->last_used_ms < y->last_used_ms ? -1 : x->last_used_ms > y->last_used_ms;
+}
+
+/* Step 1. Returns the bytes freed. */
+static uint64_t drop_views(struct server *server, uint64_t wanted, const struct session *keep,
+			   uint32_t uid)
+{
+	struct session_table *table = &server->sessions;
+	struct session **candidates = calloc(table->count + 1, sizeof(*candidates));
+	const struct quota_usage *usage;
+	bool own_only = uid_quota_binding(server, uid, &usage);
+	size_t count = 0;
+	uint64_t freed = 0;
+
+	server->metrics.relief_steps[METRICS_RELIEF_DROP_VIEWS]++;
+	if (!candidates)
+		return 0;
+	for (size_t i = 0; i < table->count; i++) {
+		struct session *s = table->items[i];
+		if (s != keep && session_idle(s) && (!own_only || s->owner_uid == uid))
+			candidates[count++] = s;
+	}
+	qsort(candidates, count, sizeof(*candidates), by_last_use);
+	for (size_t i = 0; i < count && freed < wanted; i++) {
+		uint64_t bytes = 0;
+		int rc = store_drop_views(candidates[i]->store, &bytes);
+		if (rc < 0)
+			log_warn("server", "cannot drop views", "session=%llu error=%s",
+				 (unsigned long long)candidates[i]->id, zc_strerror(rc));
+		if (bytes == 0)
+			continue;
+		freed += bytes;
+		server->metrics.view_drops++;
+		log_info("server", "dropped idle views", "session=%llu bytes=%llu",
+			 (unsigned long long)candidates[i]->id, (unsigned long long)bytes);
+	}
+	free(candidates);
+	return freed;
+}
+
+/* Step 2: the sentence names the uid's quota or the daemon's budget,
+ * whichever has less room, with its size and use. */
+static int refuse(struct server *server, uint32_t uid, char *text, size_t size)
+{
+	const struct quota_usage *usage;
+
+	server->metrics.relief_steps[METRICS_RELIEF_REFUSE]++;
+	if (uid_quota_binding(server, uid, &usage))
+		snprintf(text, size, "memory quota of %llu bytes for uid %u is exhausted (%llu in use; "
+			 "--memory-budget-per-uid)", (unsigned long long)usage->memory.limit, (unsigned)uid,
+			 (unsigned long long)__atomic_load_n(&usage->memory.used, __ATOMIC_RELAXED));
+	else
+		snprintf(text, size, "memory budget of %llu bytes is exhausted (%llu in use)",
+			 (unsigned long long)server->budget.limit,
+			 (unsigned long long)server_memory_bytes(server));
+	return ZC_EEXHAUSTED;
+}
+
+int relief_run(struct server *server, uint64_t wanted, const struct session *keep, uint32_t uid,
+	       bool tried, char *text, size_t size)
+{
+	if (!tried && drop_views(server, wanted, keep, uid) > 0)
+		return 0;
+	return refuse(server, uid, text, size);
+}

@@ -1,0 +1,43 @@
+/*
+ * Memory relief: what the daemon does when the memory budget, or a uid's
+ * quota, refuses a charge (STORE_EBUDGET from a store, a staging buffer,
+ * an open). One policy, its steps in this order:
+ *
+ *   1. drop_views  Drop the fp16 views of idle sessions, least recently
+ *                  used first, until about what was wanted came back. Never
+ *                  the views of the session the charge is for; and when the
+ *                  uid's own quota (not the daemon's budget) is what is
+ *                  short, only that uid's sessions: other users' views would
+ *                  not make room for it. A dropped view is rebuilt from the
+ *                  compressed store when its session is used again.
+ *   2. refuse      The request is answered RESOURCE_EXHAUSTED, with a
+ *                  sentence naming the budget or the quota, its size and
+ *                  use (and nothing it would have changed is changed).
+ *
+ * A charge goes through step 1 at most once: the caller tries it again
+ * when step 1 freed anything, and a second refusal goes straight to step
+ * 2. Each step that runs is counted in zipcache_relief_steps_total{step};
+ * every session whose views were dropped in zipcache_view_drops_total.
+ * Sessions are never evicted. Loop thread only.
+ */
+#ifndef ZIPCACHE_RELIEF_H
+#define ZIPCACHE_RELIEF_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct server;
+struct session;
+
+/*
+ * Runs the policy for a refused charge of about `wanted` bytes of `uid`'s,
+ * made for `keep` (NULL: no session yet). `tried`: this charge already went
+ * through step 1. Returns 0 when memory came back and the charge may be
+ * tried once more; else ZC_EEXHAUSTED, with the refusal's sentence in
+ * text[0..size).
+ */
+int relief_run(struct server *server, uint64_t wanted, const struct session *keep, uint32_t uid,
+	       bool tried, char *text, size_t size);
+
+#endif
