@@ -287,9 +287,9 @@ static void request_begin(struct connection *connection)
 
 void connection_request_begin(struct connection *connection)
 {
+	/* Runs inside a request, which ends after this one began: the flow
+	 * is looked at then. */
 	request_begin(connection);
-	if (connection->state != CONNECTION_CLOSING)
-		flow_update(connection);
 }
 
 void connection_request_end(struct connection *connection)

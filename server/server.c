@@ -234,6 +234,9 @@ void server_accept(struct server *server, int fd)
 	}
 	client->server = server;
 	client->responder.ops = &client_responder;
+	/* A connection that arrives while the total is over its bound is
+	 * held to it like the others. */
+	connection_set_total_over(&client->connection, server->replies_over);
 	client->peer = (struct peer){ .id = client->connection.id, .uid = credentials.uid,
 				      .quota = quota };
 	quota->connections++;
