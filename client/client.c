@@ -46,6 +46,7 @@ struct zc_session {
 	uint64_t *key_offsets;
 	uint64_t *value_offsets;
 	zc_session *prev, *next;
+	int64_t lease_until_ms;        /* this client's lease on the views, as the daemon counts it */
 };
 
 struct zc_client {
@@ -384,12 +385,119 @@ static void session_free(zc_session *session)
 	free(session);
 }
 
-int zc_session_open(zc_client *client, const zc_session_config *config, zc_session **out)
+/* A call on the session renews this client's lease on its views: from
+ * before the request was sent (`sent`), so the client's deadline is never
+ * later than the daemon's. */
+static void lease_renewed(zc_session *session, int64_t sent)
+{
+	session->lease_until_ms = sent + session->client->server.lease_ms;
+}
+
+int zc_session_lease_check(const zc_session *session)
+{
+	return now_ms() < session->lease_until_ms ? 0 : ZC_ESTALE;
+}
+
+int zc_session_release_views(zc_session *session)
 {
 	wire_request request = { 0 };
 	wire_response response;
+	request.op = WIRE_OP_RELEASE;
+	request.release.session_id = session->info.id;
+	int rc = call(session->client, &request, &response, NULL, 0);
+	if (rc < 0)
+		return rc;
+	wire_response_free(&response);
+	if (response.op != WIRE_OP_RELEASE)
+		return client_break(session->client, ZC_EPROTOCOL, "bad release reply");
+	session->lease_until_ms = 0;
+	return 0;
+}
+
+static int session_from_call(zc_client *client, wire_request *request, enum wire_op op,
+			     zc_session **out);
+
+int zc_session_fork(zc_session *source, uint32_t tokens, const char *name, int views,
+		    zc_session **out)
+{
+	zc_client *client = source->client;
+	wire_request request = { 0 };
+	struct wire_fork_request *fork = &request.fork_session;
+
+	if (client->broken)
+		return client_refuse_broken(client);
+	if (name && strlen(name) >= sizeof(fork->name))
+		return error_set(client, ZC_EINVALID, "session name too long");
+	if (views != ZC_VIEWS_SOURCE && views != ZC_VIEWS_FULL && views != ZC_VIEWS_NONE)
+		return error_set(client, ZC_EINVALID, "views must be ZC_VIEWS_FULL, ZC_VIEWS_NONE or "
+					  "ZC_VIEWS_SOURCE");
+	request.op = WIRE_OP_FORK_SESSION;
+	fork->source_id = source->info.id;
+	fork->tokens = tokens;
+	if (name)
+		snprintf(fork->name, sizeof(fork->name), "%s", name);
+	fork->has_views = views != ZC_VIEWS_SOURCE;
+	fork->views = views == ZC_VIEWS_NONE ? ZC_VIEWS_NONE : ZC_VIEWS_FULL;
+	int64_t sent = now_ms();
+	int rc = session_from_call(client, &request, WIRE_OP_FORK_SESSION, out);
+	if (rc == 0)
+		lease_renewed(source, sent);
+	return rc;
+}
+
+/* Sends an open (or fork) and maps the session its reply names: the
+ * session map and the pool, two descriptors. */
+static int session_from_call(zc_client *client, wire_request *request, enum wire_op op,
+			     zc_session **out)
+{
+	wire_response response;
+	int fds[2] = { -1, -1 };
+	int64_t before = now_ms();
+	int rc = call(client, request, &response, fds, 2);
+	if (rc < 0)
+		return rc;
+	if (rc != 2 || response.op != op || !response.open_session.has_view) {
+		for (int i = 0; i < rc; i++)
+			close(fds[i]);
+		wire_response_free(&response);
+		return client_break(client, ZC_EPROTOCOL, "open reply without a view");
+	}
+	zc_session *session = calloc(1, sizeof(*session));
+	if (!session) {
+		rc = -ENOMEM;
+		goto out_close;
+	}
+	session->client = client;
+	session->info = response.open_session.session;
+	rc = session_map(session, fds, &response.open_session.view);
+	if (rc < 0) {
+		session_free(session);
+		/* A layout that does not fit its mapping is the daemon's mistake;
+		 * a failed mmap is ours, and the session exists on the daemon. */
+		if (rc == ZC_EPROTOCOL)
+			client_break(client, rc, "the open reply's view layout does not fit its mapping");
+		else
+			error_set(client, rc, "cannot map the session's views");
+		goto out_close;
+	}
+	lease_renewed(session, before);
+	session->next = client->sessions;
+	if (client->sessions)
+		client->sessions->prev = session;
+	client->sessions = session;
+	*out = session;
+	rc = 0;
+out_close:
+	close(fds[0]);
+	close(fds[1]);
+	wire_response_free(&response);
+	return rc;
+}
+
+int zc_session_open(zc_client *client, const zc_session_config *config, zc_session **out)
+{
+	wire_request request = { 0 };
 	struct wire_open_request *open = &request.open_session;
-	int fds[2] = { -1, -1 }, rc;
 
 	if (client->broken)
 		return client_refuse_broken(client);
@@ -415,44 +523,8 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 	}
 	open->attach = config->attach;
 
-	rc = call(client, &request, &response, fds, 2);
-	if (rc < 0)
-		return rc;
-	if (rc != 2 || response.op != WIRE_OP_OPEN_SESSION || !response.open_session.has_view) {
-		for (int i = 0; i < rc; i++)
-			close(fds[i]);
-		wire_response_free(&response);
-		return client_break(client, ZC_EPROTOCOL, "open reply without a view");
-	}
-	zc_session *session = calloc(1, sizeof(*session));
-	if (!session) {
-		rc = -ENOMEM;
-		goto out_close;
-	}
-	session->client = client;
-	session->info = response.open_session.session;
-	rc = session_map(session, fds, &response.open_session.view);
-	if (rc < 0) {
-		session_free(session);
-		/* A layout that does not fit its mapping is the daemon's mistake;
-		 * a failed mmap is ours, and the session exists on the daemon. */
-		if (rc == ZC_EPROTOCOL)
-			client_break(client, rc, "the open reply's view layout does not fit its mapping");
-		else
-			error_set(client, rc, "cannot map the session's views");
-		goto out_close;
-	}
-	session->next = client->sessions;
-	if (client->sessions)
-		client->sessions->prev = session;
-	client->sessions = session;
-	*out = session;
-	rc = 0;
-out_close:
-	close(fds[0]);
-	close(fds[1]);
-	wire_response_free(&response);
-	return rc;
+	open->views = config->views == ZC_VIEWS_NONE ? ZC_VIEWS_NONE : ZC_VIEWS_FULL;
+	return session_from_call(client, &request, WIRE_OP_OPEN_SESSION, out);
 }
 
 void zc_session_release(zc_session *session)
@@ -515,9 +587,11 @@ static int update_call(zc_session *session, wire_request *request, uint32_t laye
 		       zc_view *view, zc_layer_stats *stats)
 {
 	wire_response response;
+	int64_t sent = now_ms();
 	int rc = call(session->client, request, &response, NULL, 0);
 	if (rc < 0)
 		return rc;
+	lease_renewed(session, sent);
 	const struct wire_update_response *reply = &response.update_and_fetch;
 	if (response.op != WIRE_OP_UPDATE_AND_FETCH || reply->tokens > session->info.max_tokens) {
 		wire_response_free(&response);
@@ -715,9 +789,11 @@ static int trim_call(zc_session *session, bool one_layer, uint32_t layer, uint32
 	request.trim.tokens = tokens;
 	request.trim.has_layer = one_layer;
 	request.trim.layer = layer;
+	int64_t sent = now_ms();
 	int rc = call(session->client, &request, &response, NULL, 0);
 	if (rc < 0)
 		return rc;
+	lease_renewed(session, sent);
 	if (trimmed)
 		*trimmed = response.trim.trimmed;
 	wire_response_free(&response);
@@ -760,8 +836,12 @@ static int stats_call(zc_client *client, uint64_t session_id, bool use, zc_layer
 int zc_session_stats(zc_session *session, zc_layer_stats *layers, size_t capacity,
 		     zc_layer_stats *total)
 {
-	return stats_call(session->client, session->info.id, true, layers, capacity, total,
-			  &session->info);
+	int64_t sent = now_ms();
+	int rc = stats_call(session->client, session->info.id, true, layers, capacity, total,
+			    &session->info);
+	if (rc == 0)
+		lease_renewed(session, sent);
+	return rc;
 }
 
 int zc_client_session_stats(zc_client *client, uint64_t session_id, zc_layer_stats *layers,

@@ -71,6 +71,8 @@ METRICS = {
     "zipcache_memory_budget_bytes",
     "zipcache_view_rebuilds_total",
     "zipcache_view_drops_total",
+    "zipcache_idle_view_drops_total",
+    "zipcache_shared_block_bytes",
     "zipcache_relief_steps_total",
     "zipcache_connections",
     "zipcache_connections_total",

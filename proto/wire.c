@@ -167,7 +167,7 @@ static bool decode_session(pb_istream_t *stream, const pb_field_t *field, void *
  * then reads cut short (so "a\0x" would name the session "a"), and an
  * enum value the enum does not define. And a failed pb_decode() leaves us
  * no request id to answer with. So a refused request, and every request
- * that carries strings or enums (hello, open_session, both rare), is
+ * that carries strings or enums (hello, open_session, fork_session, all rare), is
  * walked field by field once more against the descriptors, to recover
  * the id and to name the first field that broke its type's limit.
  */
@@ -194,6 +194,8 @@ WIRE_NAMES(TrimRequest);
 WIRE_NAMES(CloseSessionRequest);
 WIRE_NAMES(StatsRequest);
 WIRE_NAMES(StagingRequest);
+WIRE_NAMES(ForkSessionRequest);
+WIRE_NAMES(ReleaseRequest);
 
 #define WIRE_NAMES_ENTRY(message)                                                  \
 	{ &zipcache_v1_##message##_msg, names_##message,                             \
@@ -209,6 +211,7 @@ static const struct message_names {
 	WIRE_NAMES_ENTRY(CodecConfig), WIRE_NAMES_ENTRY(UpdateAndFetchRequest),
 	WIRE_NAMES_ENTRY(TrimRequest), WIRE_NAMES_ENTRY(CloseSessionRequest),
 	WIRE_NAMES_ENTRY(StatsRequest), WIRE_NAMES_ENTRY(StagingRequest),
+	WIRE_NAMES_ENTRY(ForkSessionRequest), WIRE_NAMES_ENTRY(ReleaseRequest),
 };
 
 /* The enums of requests; nanopb's descriptors store them as plain uint32. */
@@ -221,6 +224,10 @@ static const struct enum_field {
 	{ &zipcache_v1_OpenSessionRequest_msg, zipcache_v1_OpenSessionRequest_policy_tag,
 	  _zipcache_v1_BlockPolicy_MIN, _zipcache_v1_BlockPolicy_MAX,
 	  "0 (STREAMING) or 1 (PER_CALL)" },
+	{ &zipcache_v1_OpenSessionRequest_msg, zipcache_v1_OpenSessionRequest_views_tag,
+	  _zipcache_v1_Views_MIN, _zipcache_v1_Views_MAX, "0 (VIEWS_FULL) or 1 (VIEWS_NONE)" },
+	{ &zipcache_v1_ForkSessionRequest_msg, zipcache_v1_ForkSessionRequest_views_tag,
+	  _zipcache_v1_Views_MIN, _zipcache_v1_Views_MAX, "0 (VIEWS_FULL) or 1 (VIEWS_NONE)" },
 };
 
 struct request_check {
@@ -389,7 +396,8 @@ int wire_pb_request_decode(const uint8_t *frame, size_t len, wire_pb_request *ou
 	if (!pb_decode(&s, &zipcache_v1_Request_msg, &out->msg))
 		goto out_malformed;
 	if (out->msg.which_op == zipcache_v1_Request_hello_tag ||
-	    out->msg.which_op == zipcache_v1_Request_open_session_tag) {
+	    out->msg.which_op == zipcache_v1_Request_open_session_tag ||
+	    out->msg.which_op == zipcache_v1_Request_fork_session_tag) {
 		/* The ops with strings and enums: see request_check(). */
 		request_check(frame, len, out);
 		if (out->reason[0])
@@ -849,6 +857,10 @@ static void session_to_pb(const zc_session_info *info, zipcache_v1_SessionInfo *
 	out->min_tokens = info->min_tokens;
 	out->max_layer_tokens = info->max_layer_tokens;
 	out->idle_ms = info->idle_ms;
+	out->views = info->views == ZC_VIEWS_NONE ? zipcache_v1_Views_VIEWS_NONE :
+						    zipcache_v1_Views_VIEWS_FULL;
+	out->shared_bytes = info->shared_bytes;
+	out->leased = info->leased;
 }
 
 static void session_from_pb(const zipcache_v1_SessionInfo *w, zc_session_info *info)
@@ -872,6 +884,9 @@ static void session_from_pb(const zipcache_v1_SessionInfo *w, zc_session_info *i
 	info->min_tokens = w->min_tokens;
 	info->max_layer_tokens = w->max_layer_tokens;
 	info->idle_ms = w->idle_ms;
+	info->views = w->views == zipcache_v1_Views_VIEWS_NONE ? ZC_VIEWS_NONE : ZC_VIEWS_FULL;
+	info->shared_bytes = w->shared_bytes;
+	info->leased = w->leased;
 }
 
 static void layer_to_pb(const zc_layer_stats *s, zipcache_v1_LayerStats *out)
@@ -948,8 +963,25 @@ static void request_to_pb(const wire_request *req, wire_pb_request *out)
 		p->has_residual_tokens = o->has_residual_tokens;
 		p->residual_tokens = o->residual_tokens;
 		p->attach = o->attach;
+		p->views = (zipcache_v1_Views)o->views;
 		break;
 	}
+	case WIRE_OP_FORK_SESSION: {
+		const struct wire_fork_request *f = &req->fork_session;
+		zipcache_v1_ForkSessionRequest *p = &msg->op.fork_session;
+
+		msg->which_op = zipcache_v1_Request_fork_session_tag;
+		p->source_id = f->source_id;
+		p->tokens = f->tokens;
+		memcpy(p->name, f->name, sizeof(p->name));
+		p->has_views = f->has_views;
+		p->views = (zipcache_v1_Views)f->views;
+		break;
+	}
+	case WIRE_OP_RELEASE:
+		msg->which_op = zipcache_v1_Request_release_tag;
+		msg->op.release.session_id = req->release.session_id;
+		break;
 	case WIRE_OP_UPDATE_AND_FETCH: {
 		const struct wire_update_request *u = &req->update_and_fetch;
 		zipcache_v1_UpdateAndFetchRequest *p = &msg->op.update_and_fetch;
@@ -1018,8 +1050,25 @@ static void request_from_pb(const wire_pb_request *in, wire_request *out)
 		o->has_residual_tokens = p->has_residual_tokens;
 		o->residual_tokens = p->residual_tokens;
 		o->attach = p->attach;
+		o->views = (int)p->views;
 		break;
 	}
+	case zipcache_v1_Request_fork_session_tag: {
+		const zipcache_v1_ForkSessionRequest *p = &msg->op.fork_session;
+		struct wire_fork_request *f = &out->fork_session;
+
+		out->op = WIRE_OP_FORK_SESSION;
+		f->source_id = p->source_id;
+		f->tokens = p->tokens;
+		memcpy(f->name, p->name, sizeof(f->name));
+		f->has_views = p->has_views;
+		f->views = (int)p->views;
+		break;
+	}
+	case zipcache_v1_Request_release_tag:
+		out->op = WIRE_OP_RELEASE;
+		out->release.session_id = msg->op.release.session_id;
+		break;
 	case zipcache_v1_Request_update_and_fetch_tag: {
 		const zipcache_v1_UpdateAndFetchRequest *p = &msg->op.update_and_fetch;
 		struct wire_update_request *u = &out->update_and_fetch;
@@ -1222,16 +1271,20 @@ static const zipcache_v1_Response *plain_response_prepare(const wire_response *r
 			.max_sessions = h->max_sessions,
 			.max_tokens_per_session = h->max_tokens_per_session,
 			.memory_budget_bytes = h->memory_budget_bytes,
+			.lease_ms = h->lease_ms,
 		};
 		memcpy(msg->op.hello.server_version, h->server_version,
 		       sizeof(msg->op.hello.server_version));
 		break;
 	}
-	case WIRE_OP_OPEN_SESSION: {
+	case WIRE_OP_OPEN_SESSION:
+	case WIRE_OP_FORK_SESSION: {
 		const struct wire_open_response *o = &resp->open_session;
-		zipcache_v1_OpenSessionResponse *p = &msg->op.open_session;
+		bool fork = resp->op == WIRE_OP_FORK_SESSION;
+		zipcache_v1_OpenSessionResponse *p = fork ? &msg->op.fork_session : &msg->op.open_session;
 
-		msg->which_op = zipcache_v1_Response_open_session_tag;
+		msg->which_op = fork ? zipcache_v1_Response_fork_session_tag :
+				       zipcache_v1_Response_open_session_tag;
 		memset(p, 0, sizeof(*p));
 		p->has_session = o->has_session;
 		if (o->has_session)
@@ -1278,6 +1331,10 @@ static const zipcache_v1_Response *plain_response_prepare(const wire_response *r
 	case WIRE_OP_STAGING:
 		msg->which_op = zipcache_v1_Response_staging_tag;
 		msg->op.staging.bytes = resp->staging.bytes;
+		break;
+	case WIRE_OP_RELEASE:
+		msg->which_op = zipcache_v1_Response_release_tag;
+		memset(&msg->op.release, 0, sizeof(msg->op.release));
 		break;
 	case WIRE_OP_NONE:
 		msg->which_op = 0;
@@ -1366,14 +1423,18 @@ int wire_response_decode(const uint8_t *frame, size_t len, wire_response *out)
 			.max_sessions = h->max_sessions,
 			.max_tokens_per_session = h->max_tokens_per_session,
 			.memory_budget_bytes = h->memory_budget_bytes,
+			.lease_ms = h->lease_ms,
 		};
 		memcpy(out->hello.server_version, h->server_version, sizeof(out->hello.server_version));
 		break;
 	}
-	case zipcache_v1_Response_open_session_tag: {
-		const zipcache_v1_OpenSessionResponse *p = &msg->op.open_session;
+	case zipcache_v1_Response_open_session_tag:
+	case zipcache_v1_Response_fork_session_tag: {
+		bool fork = msg->which_op == zipcache_v1_Response_fork_session_tag;
+		const zipcache_v1_OpenSessionResponse *p = fork ? &msg->op.fork_session :
+								  &msg->op.open_session;
 
-		out->op = WIRE_OP_OPEN_SESSION;
+		out->op = fork ? WIRE_OP_FORK_SESSION : WIRE_OP_OPEN_SESSION;
 		out->open_session.has_session = p->has_session;
 		session_from_pb(&p->session, &out->open_session.session);
 		out->open_session.has_view = p->has_view;
@@ -1406,6 +1467,9 @@ int wire_response_decode(const uint8_t *frame, size_t len, wire_response *out)
 	case zipcache_v1_Response_staging_tag:
 		out->op = WIRE_OP_STAGING;
 		out->staging.bytes = msg->op.staging.bytes;
+		break;
+	case zipcache_v1_Response_release_tag:
+		out->op = WIRE_OP_RELEASE;
 		break;
 	default:
 		out->op = WIRE_OP_NONE;

@@ -54,7 +54,9 @@ enum wire_op {
 	WIRE_OP_CLOSE_SESSION,
 	WIRE_OP_STATS,
 	WIRE_OP_LIST_SESSIONS,
-	WIRE_OP_STAGING
+	WIRE_OP_STAGING,
+	WIRE_OP_FORK_SESSION,
+	WIRE_OP_RELEASE
 };
 
 /* zipcache.v1.Status, value for value. */
@@ -106,6 +108,15 @@ struct wire_open_request {
 	bool has_residual_tokens;
 	uint32_t residual_tokens;
 	bool attach;
+	int views;                    /* a zc_views */
+};
+
+struct wire_fork_request {
+	uint64_t source_id;
+	uint32_t tokens;
+	char name[ZC_SESSION_NAME_MAX + 1];
+	bool has_views;
+	int views;                    /* a zc_views */
 };
 
 struct wire_update_request {
@@ -155,6 +166,8 @@ typedef struct wire_request {
 		struct wire_session_request close_session;
 		struct wire_stats_request stats;
 		struct wire_staging staging;
+		struct wire_fork_request fork_session;
+		struct wire_session_request release;
 	};
 	/* After a failed decode: why, a static string or `reason` below (so
 	 * valid as long as this struct). NULL otherwise. */
@@ -240,7 +253,7 @@ typedef struct wire_response {
 	enum wire_op op;
 	union {
 		zc_server_info hello;
-		struct wire_open_response open_session;
+		struct wire_open_response open_session;   /* also fork_session's */
 		struct wire_update_response update_and_fetch;
 		struct wire_trim_response trim;
 		struct wire_stats_response stats;

@@ -43,7 +43,8 @@ enum job_kind {
 	JOB_TRIM,
 	JOB_STATS,
 	JOB_CLOSE,
-	JOB_ATTACH
+	JOB_ATTACH,
+	JOB_FORK
 };
 
 struct request_job {
@@ -59,6 +60,10 @@ struct request_job {
 	/* trim */
 	uint32_t trim_tokens, trimmed;
 	bool trim_one_layer;
+	/* fork */
+	struct store_params fork_params;
+	char fork_name[STORE_NAME_BYTES];
+	struct store *fork_store;     /* made by fork_run, owned by the job until added */
 	/* results */
 	int rc;
 	char message[200];
@@ -309,6 +314,7 @@ static void handle_open(const struct request *rq, const wire_request *request)
 							       STORE_POLICY_STREAMING,
 		.residual_tokens = open->has_residual_tokens ? open->residual_tokens :
 							       ZC_DEFAULT_RESIDUAL_TOKENS,
+		.views = open->views == ZC_VIEWS_NONE ? ZC_VIEWS_NONE : ZC_VIEWS_FULL,
 	};
 	if (!open->name[0])
 		snprintf(name, sizeof(name), "session-%llu", (unsigned long long)params.session_id);
@@ -380,6 +386,7 @@ static void handle_open(const struct request *rq, const wire_request *request)
 			    reply_resource_text(server, rc, why, sizeof(why)));
 		return;
 	}
+	session_lease(session, rq->peer->id, session_now_ms() + server->options.lease_seconds * 1000);
 	if (reply_open(rq, session, false) < 0) {
 		/* The client was told why, or is gone: take back what was made,
 		 * so a retry starts from nothing (not ALREADY_EXISTS). */
@@ -529,6 +536,9 @@ static struct request_job *job_new(const struct request *rq, struct session *ses
 	job->kind = kind;
 	job->rq = *rq;
 	job->job.session = session;
+	/* Every call on a session renews the caller's lease on its views. */
+	session_lease(session, rq->peer->id,
+		      session_now_ms() + rq->server->options.lease_seconds * 1000);
 	return job;
 }
 
@@ -873,9 +883,149 @@ static bool handle_session_job(const struct request *rq, const wire_request *req
 		break;
 	case JOB_UPDATE:
 	case JOB_ATTACH:
+	case JOB_FORK:
 		break;
 	}
 	/* Trim and close cost nothing: they move counters, not elements. */
+	session_submit(&server->sessions, &job->job);
+	return true;
+}
+
+/* ---- fork ---- */
+
+static void fork_run(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct server *server = job->rq.server;
+	struct session *source = base->session;
+
+	if (source->closed) {
+		job_fail(job, ZC_ENOTFOUND, "session %llu was closed", (unsigned long long)source->id);
+		return;
+	}
+	job->fork_params.name = job->fork_name;
+	int rc = store_fork(source->store, job->tokens, server->shm_dir_fd, server->options.shm_dir,
+			    &job->fork_params, &job->rq.peer->quota->memory, &job->fork_store);
+	if (rc == STORE_EBUDGET) {
+		job->rc = rc;   /* fork_done may free memory and run the job again */
+		return;
+	}
+	if (rc < 0) {
+		char why[160];
+		job_fail(job, rc == ZC_EEXISTS ? ZC_EEXISTS : rc, "cannot fork session %llu: %s",
+			 (unsigned long long)source->id,
+			 rc == ZC_EEXISTS ? "a file holds the new session's id" :
+					    reply_resource_text(server, rc, why, sizeof(why)));
+	}
+}
+
+static void fork_done(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct server *server = job->rq.server;
+	struct session *session;
+	char why[200];
+
+	if (job->rc == STORE_EBUDGET &&
+	    job_relieve_or_fail(job, 4u << 20, "the session was not forked"))
+		return;
+	if (job->rc == 0 && session_find_name(&server->sessions, job->fork_name, job->rq.peer->uid)) {
+		/* Another open took the name while the fork ran. */
+		store_close(job->fork_store, true);
+		job_fail(job, ZC_EEXISTS, "session '%s' already exists", job->fork_name);
+	}
+	if (job->rc < 0) {
+		reply_error(&job->rq, job->rc, "%s", job->message);
+		job_end(job);
+		return;
+	}
+	int rc = session_table_add(&server->sessions, job->fork_store, &session);
+	if (rc < 0) {
+		store_close(job->fork_store, true);
+		reply_error(&job->rq, rc, "cannot fork: %s; nothing was made",
+			    reply_resource_text(server, rc, why, sizeof(why)));
+		job_end(job);
+		return;
+	}
+	session_lease(session, job->rq.peer->id,
+		      session_now_ms() + server->options.lease_seconds * 1000);
+	if (reply_fork(&job->rq, session) < 0) {
+		session_retire(&server->sessions, session, true);
+		session_release_if_unused(session);
+	} else {
+		log_info("session", "forked", "session=%llu name=%s from=%llu tokens=%u uid=%u",
+			 (unsigned long long)session->id, session->name,
+			 (unsigned long long)base->session->id, job->tokens, session->owner_uid);
+	}
+	job_end(job);
+}
+
+/* Returns true when a job was queued. */
+static bool handle_fork(const struct request *rq, const wire_request *request)
+{
+	struct server *server = rq->server;
+	const struct wire_fork_request *fork = &request->fork_session;
+	struct session *source = session_find(&server->sessions, fork->source_id, rq->peer->uid);
+	char name[STORE_NAME_BYTES];
+
+	if (!source) {
+		reply_error(rq, ZC_ENOTFOUND, "no session %llu", (unsigned long long)fork->source_id);
+		return false;
+	}
+	if (!name_acceptable(fork->name)) {
+		reply_error(rq, ZC_EINVALID, "session names must be UTF-8 without control characters");
+		return false;
+	}
+	if (server->sessions.count >= server->options.max_sessions) {
+		reply_error(rq, ZC_EEXHAUSTED, "session limit of %u reached", server->options.max_sessions);
+		return false;
+	}
+	uint64_t uid_limit = quota_limits_of(&server->quotas, rq->peer->quota)->sessions;
+	if (uid_limit && session_count_of_uid(&server->sessions, rq->peer->uid) >= uid_limit) {
+		reply_error(rq, ZC_EEXHAUSTED,
+			    "session limit of %llu per uid reached (uid %u; --max-sessions-per-uid)",
+			    (unsigned long long)uid_limit, rq->peer->uid);
+		return false;
+	}
+	uint64_t id = server->sessions.next_id++;
+	if (fork->name[0])
+		snprintf(name, sizeof(name), "%s", fork->name);
+	else
+		snprintf(name, sizeof(name), "session-%llu", (unsigned long long)id);
+	if (session_find_name(&server->sessions, name, rq->peer->uid)) {
+		reply_error(rq, ZC_EEXISTS, "session '%s' already exists", name);
+		return false;
+	}
+	if (adopt_blocks_open(server, rq->peer->uid, name)) {
+		reply_error(rq, ZC_EEXHAUSTED,
+			    "%zu session files could not be adopted yet and may hold session '%s' "
+			    "(the daemon's log says why); try again", server->adoption.n_pending, name);
+		return false;
+	}
+	struct request_job *job = job_new(rq, source, JOB_FORK);
+	if (!job) {
+		reply_error(rq, -ENOMEM, "out of memory");
+		return false;
+	}
+	snprintf(job->fork_name, sizeof(job->fork_name), "%s", name);
+	job->tokens = fork->tokens;
+	job->fork_params = (struct store_params){
+		.session_id = id,
+		.boot_epoch = server->boot_epoch,
+		.views = fork->has_views ? (fork->views == ZC_VIEWS_NONE ? ZC_VIEWS_NONE : ZC_VIEWS_FULL) :
+		       store_views_full(source->store) ? ZC_VIEWS_FULL : ZC_VIEWS_NONE,
+	};
+	job->job.run = fork_run;
+	job->job.done = fork_done;
+	/* Copying the source's view rows into the fork's views. */
+	if (job->fork_params.views == ZC_VIEWS_FULL) {
+		const struct store_header *h = store_header(source->store);
+		uint32_t low, high;
+		store_token_range(source->store, &low, &high);
+		uint64_t tokens = fork->tokens < high ? fork->tokens : high;
+		job->job.cost = tokens * h->layers * kv_block_elements(h->batch, h->kv_heads, 1,
+									h->head_dim_k + h->head_dim_v);
+	}
 	session_submit(&server->sessions, &job->job);
 	return true;
 }
@@ -990,6 +1140,23 @@ void dispatch_request(struct server *server, struct peer *peer, struct responder
 	case WIRE_OP_STAGING:
 		handle_staging(&rq, &request);
 		break;
+	case WIRE_OP_FORK_SESSION:
+		queued = handle_fork(&rq, &request);
+		break;
+	case WIRE_OP_RELEASE: {
+		struct session *session = session_find(&server->sessions, request.release.session_id,
+						       peer->uid);
+		if (!session) {
+			reply_error(&rq, ZC_ENOTFOUND, "no session %llu",
+				    (unsigned long long)request.release.session_id);
+			break;
+		}
+		session_lease_release(session, peer->id);
+		wire_response response;
+		wire_response_init(&response, rq.id, WIRE_OP_RELEASE);
+		reply_send(&rq, &response, NULL, 0);
+		break;
+	}
 	case WIRE_OP_NONE:
 		reply_error(&rq, ZC_EINVALID, "request carries no known operation");
 		break;

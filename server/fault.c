@@ -33,6 +33,7 @@ const char *const fault_steps[] = {
 	"rebuild.done",      /* a layer's view valid again */
 	"close.unlink",      /* about to remove the file: the close's commit point */
 	"close.done",        /* file removed */
+	"fork.layers",       /* a fork's records, index and residual written, before the rename */
 	"pool.create",       /* a uid's pool file made, not yet renamed into place */
 	"pool.write",        /* a new block's bytes in the pool, not yet named by a session */
 	NULL

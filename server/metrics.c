@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pool.h"
 #include "server.h"
 #include "store.h"
 #include "version.h"
@@ -21,7 +22,7 @@
 
 static const char *const op_names[METRICS_OP_COUNT] = {
 	"hello", "open_session", "update_and_fetch", "trim", "close_session",
-	"stats", "list_sessions", "staging", "invalid",
+	"stats", "list_sessions", "staging", "fork_session", "release", "invalid",
 };
 
 static const char *const status_names[METRICS_STATUS_COUNT] = {
@@ -65,6 +66,10 @@ enum metrics_op metrics_op_of(enum wire_op op)
 		return METRICS_OP_LIST_SESSIONS;
 	case WIRE_OP_STAGING:
 		return METRICS_OP_STAGING;
+	case WIRE_OP_FORK_SESSION:
+		return METRICS_OP_FORK_SESSION;
+	case WIRE_OP_RELEASE:
+		return METRICS_OP_RELEASE;
 	case WIRE_OP_NONE:
 		break;
 	}
@@ -275,6 +280,9 @@ int metrics_render(const struct server *server, char **out, size_t *out_len)
 	for (size_t i = 0; i < sizeof(by_kind) / sizeof(by_kind[0]); i++)
 		text_printf(&text, "zipcache_memory_file_bytes{kind=\"%s\"} %llu\n", by_kind[i].kind,
 			    (unsigned long long)by_kind[i].bytes);
+	gauge(&text, "zipcache_shared_block_bytes",
+	      "Block pool bytes that more than one session refers to (forks sharing a prefix).",
+	      (double)pool_set_shared_bytes(&server->pools));
 	gauge(&text, "zipcache_session_files_set_aside",
 	      "Session files in the shm-dir not adopted (corrupt, or another uid's).",
 	      (double)server->adoption.n_set_aside);
@@ -290,7 +298,11 @@ int metrics_render(const struct server *server, char **out, size_t *out_len)
 		store_view_rebuilds_total());
 	/* Named for what it counts: sessions are never evicted, their views are dropped. */
 	counter(&text, "zipcache_view_drops_total",
-		"Sessions whose idle fp16 views memory relief dropped.", m->view_drops);
+		"Sessions whose idle, unleased fp16 views were dropped (memory relief or --view-idle-seconds).",
+		m->view_drops);
+	counter(&text, "zipcache_idle_view_drops_total",
+		"Of those, drops without memory pressure: the session was idle --view-idle-seconds.",
+		m->idle_view_drops);
 	family(&text, "zipcache_relief_steps_total", "counter",
 	       "Steps of memory relief run for refused charges: drop idle views, then refuse.");
 	for (int i = 0; i < METRICS_RELIEF_STEP_COUNT; i++)

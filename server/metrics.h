@@ -19,6 +19,8 @@ enum metrics_op {
 	METRICS_OP_STATS,
 	METRICS_OP_LIST_SESSIONS,
 	METRICS_OP_STAGING,
+	METRICS_OP_FORK_SESSION,
+	METRICS_OP_RELEASE,
 	METRICS_OP_INVALID,
 	METRICS_OP_COUNT
 };
@@ -61,6 +63,7 @@ struct metrics {
 	double latency_sum[METRICS_OP_COUNT];
 	uint64_t errors[METRICS_REASON_COUNT];
 	uint64_t view_drops;
+	uint64_t idle_view_drops;     /* part of view_drops: no memory pressure, --view-idle-seconds */
 	uint64_t relief_steps[METRICS_RELIEF_STEP_COUNT];
 };
 

@@ -44,6 +44,8 @@ void options_default(struct options *options)
 	options->max_reply_queue_bytes = 4u << 20;
 	options->max_reply_queue_total = 64u << 20;
 	options->idle_ttl_seconds = 3600;
+	options->lease_seconds = 30;
+	options->view_idle_seconds = 60;
 	/* ~64K elements is ~30 us of codec work: below it the hop to a
 	 * worker thread costs more than it saves. */
 	options->offload_elements = 1u << 16;
@@ -107,6 +109,10 @@ void options_print_help(const char *program, const struct options *configured)
 	       "                           the address-space limit (ulimit -v), at most 64T (default 0;\n"
 	       "                           each session is one mapping, so vm.max_map_count is not the limit)\n"
 	       "  --idle-ttl SECONDS       close sessions idle this long, 0 = never (default %llu)\n"
+	       "  --lease-seconds SECONDS  a view returned to a client stays valid this long without\n"
+	       "                           another call on its session, or until released (default %llu)\n"
+	       "  --view-idle-seconds S    drop the fp16 views of sessions idle (and unleased) this long,\n"
+	       "                           even without memory pressure; 0 = never (default %llu)\n"
 	       "  --offload-elements N     jobs writing more elements (new tokens plus dropped views rebuilt) run on worker threads (default %u)\n"
 	       "  --no-adopt               delete session files left by an earlier run instead of adopting them\n"
 	       "  --metrics-listen ADDR    HTTP /metrics and /healthz on HOST:PORT, or off (default %s)\n"
@@ -127,6 +133,7 @@ void options_print_help(const char *program, const struct options *configured)
 	       (unsigned long long)d.max_staging_bytes, rule[0], rule[1], rule[2], rule[3],
 	       (unsigned long long)d.max_reply_queue_bytes,
 	       (unsigned long long)d.max_reply_queue_total, (unsigned long long)d.idle_ttl_seconds,
+	       (unsigned long long)d.lease_seconds, (unsigned long long)d.view_idle_seconds,
 	       d.offload_elements, d.metrics_listen,
 	       (unsigned long long)resources_descriptors_needed(configured), formula,
 	       configured_text(configured->memory_budget, "derived at start", text[0], sizeof(text[0])),
@@ -164,7 +171,7 @@ static int parse_size(const char *text, uint64_t max, uint64_t *out)
 enum option_id {
 	OPT_SOCKET = 1000, OPT_SOCKET_MODE, OPT_SHM_DIR, OPT_MAX_FRAME, OPT_MAX_INLINE,
 	OPT_MAX_CONNECTIONS, OPT_MAX_SESSIONS, OPT_MAX_TOKENS, OPT_MAX_STAGING, OPT_BUDGET,
-	OPT_TTL, OPT_OFFLOAD, OPT_NO_ADOPT, OPT_LOG_LEVEL, OPT_METRICS, OPT_CONFIG, OPT_HELP,
+	OPT_TTL, OPT_LEASE, OPT_VIEW_IDLE, OPT_OFFLOAD, OPT_NO_ADOPT, OPT_LOG_LEVEL, OPT_METRICS, OPT_CONFIG, OPT_HELP,
 	OPT_VERSION, OPT_SESSIONS_PER_UID, OPT_CONNECTIONS_PER_UID, OPT_BUDGET_PER_UID,
 	OPT_STAGING_PER_UID, OPT_REPLY_QUEUE, OPT_REPLY_QUEUE_TOTAL, OPT_MAX_MAPPED
 };
@@ -187,6 +194,8 @@ static const struct option long_options[] = {
 	{ "max-reply-queue-bytes", required_argument, NULL, OPT_REPLY_QUEUE },
 	{ "max-reply-queue-total", required_argument, NULL, OPT_REPLY_QUEUE_TOTAL },
 	{ "idle-ttl", required_argument, NULL, OPT_TTL },
+	{ "lease-seconds", required_argument, NULL, OPT_LEASE },
+	{ "view-idle-seconds", required_argument, NULL, OPT_VIEW_IDLE },
 	{ "offload-elements", required_argument, NULL, OPT_OFFLOAD },
 	{ "no-adopt", no_argument, NULL, OPT_NO_ADOPT },
 	{ "log-level", required_argument, NULL, OPT_LOG_LEVEL },
@@ -310,6 +319,16 @@ static int option_apply(struct options *o, int id, const char *arg)
 		if (value > UINT64_MAX / 1000)
 			return -ERANGE;
 		o->idle_ttl_seconds = value;
+		return 0;
+	case OPT_LEASE:
+	case OPT_VIEW_IDLE:
+		/* Counted in milliseconds (and a lease in 32 bits of them on the wire). */
+		if (value > UINT32_MAX / 1000 || (id == OPT_LEASE && value == 0))
+			return -ERANGE;
+		if (id == OPT_LEASE)
+			o->lease_seconds = value;
+		else
+			o->view_idle_seconds = value;
 		return 0;
 	case OPT_OFFLOAD:
 		if (value > UINT32_MAX)

@@ -31,6 +31,8 @@ struct options {
 	uint64_t max_reply_queue_bytes;   /* per connection */
 	uint64_t max_reply_queue_total;   /* all connections */
 	uint64_t idle_ttl_seconds; /* 0: sessions never expire */
+	uint64_t lease_seconds;    /* a view's lease without another call on its session */
+	uint64_t view_idle_seconds;/* views of sessions idle this long are dropped; 0: never */
 	uint32_t offload_elements; /* jobs costing more go to the thread pool */
 	uint64_t max_mapped_bytes; /* address space of all session mappings; 0: derived */
 	enum log_level log_level;

@@ -1,4 +1,4 @@
-/* The memory relief policy (relief.h): drop idle views, then refuse. */
+/* The memory relief policy (relief.h): drop idle, unleased views, then refuse. */
 #include "relief.h"
 
 #include <stdio.h>
@@ -49,9 +49,12 @@ static uint64_t drop_views(struct server *server, uint64_t wanted, const struct 
 	server->metrics.relief_steps[METRICS_RELIEF_DROP_VIEWS]++;
 	if (!candidates)
 		return 0;
+	uint64_t now = session_now_ms();
 	for (size_t i = 0; i < table->count; i++) {
 		struct session *s = table->items[i];
-		if (s != keep && session_idle(s) && (!own_only || s->owner_uid == uid))
+		/* A leased view is one a client may be reading right now. */
+		if (s != keep && session_idle(s) && !session_leased(s, now) &&
+		    (!own_only || s->owner_uid == uid))
 			candidates[count++] = s;
 	}
 	qsort(candidates, count, sizeof(*candidates), by_last_use);

@@ -107,19 +107,15 @@ void reply_session_info(const struct session *session, zc_session_info *info)
 	info->head_dim_k = h->head_dim_k;
 	info->head_dim_v = h->head_dim_v;
 	info->max_tokens = h->max_tokens;
-	/* The header's codec fields, as store.c wrote them from the config. */
-	info->codec = (zc_codec_config){
-		.hi_bits = h->hi_bits,
-		.lo_bits = h->lo_bits,
-		.hi_fraction = h->hi_fraction,
-		.group_size = h->group_size,
-		.quantize_values = h->quantize_values != 0,
-	};
+	info->codec = store_codec(session->store);
 	info->policy = h->policy == STORE_POLICY_PER_CALL ? ZC_POLICY_PER_CALL : ZC_POLICY_STREAMING;
 	info->residual_tokens = h->residual_tokens;
 	info->min_tokens = low;
 	info->max_layer_tokens = high;
 	info->idle_ms = session_now_ms() - session->last_used_ms;
+	info->views = store_views_full(session->store) ? ZC_VIEWS_FULL : ZC_VIEWS_NONE;
+	info->shared_bytes = store_shared_bytes(session->store);
+	info->leased = session_leased(session, session_now_ms());
 }
 
 void reply_layer_stats(const struct store_layer_stats *s, zc_layer_stats *out)
@@ -229,10 +225,25 @@ void reply_hello(const struct request *rq)
 	hello->max_sessions = server->options.max_sessions;
 	hello->max_tokens_per_session = server->options.max_tokens;
 	hello->memory_budget_bytes = server->options.memory_budget;
+	hello->lease_ms = (uint32_t)(server->options.lease_seconds * 1000);
 	reply_send(rq, &response, NULL, 0);
 }
 
+static int open_reply(const struct request *rq, struct session *session, bool attached,
+		      enum wire_op op);
+
 int reply_open(const struct request *rq, struct session *session, bool attached)
+{
+	return open_reply(rq, session, attached, WIRE_OP_OPEN_SESSION);
+}
+
+int reply_fork(const struct request *rq, struct session *session)
+{
+	return open_reply(rq, session, false, WIRE_OP_FORK_SESSION);
+}
+
+static int open_reply(const struct request *rq, struct session *session, bool attached,
+		      enum wire_op op)
 {
 	wire_response response;
 	struct wire_open_response *open = &response.open_session;
@@ -257,7 +268,7 @@ int reply_open(const struct request *rq, struct session *session, bool attached)
 			    attached ? "" : "; the session was not created");
 		return fd;
 	}
-	wire_response_init(&response, rq->id, WIRE_OP_OPEN_SESSION);
+	wire_response_init(&response, rq->id, op);
 	open->has_session = true;
 	reply_session_info(session, &open->session);
 	open->has_view = true;

@@ -55,6 +55,8 @@ void reply_hello(const struct request *rq);
  * queued; a negative code when it could not be (the client was told why,
  * or is gone), so that a session made for the request can be taken back. */
 int reply_open(const struct request *rq, struct session *session, bool attached);
+/* The same for a fork's new session (the reply of fork_session). */
+int reply_fork(const struct request *rq, struct session *session);
 
 /* A session's stats: per layer, their sum, and the daemon's figures. */
 void reply_session_stats(const struct request *rq, const struct session *session,

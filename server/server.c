@@ -134,6 +134,7 @@ static void client_closing(struct connection *connection)
 		client->next->prev = client->prev;
 	server->n_connections--;
 	client->peer.quota->connections--;
+	session_table_release_peer(&server->sessions, client->peer.id);
 	staging_unref(client->peer.staging);
 	client->peer.staging = NULL;
 	stop_progress(server);
@@ -453,6 +454,38 @@ static int shm_dir_claim(struct server *server)
 	return 0;
 }
 
+/* Views of sessions nobody used (or leased) for --view-idle-seconds are
+ * dropped without memory pressure: an idle session costs its compressed
+ * bytes; its next use rebuilds them off the loop thread. */
+static void views_drop_idle(struct server *server, uint64_t now)
+{
+	uint64_t idle_ms = server->options.view_idle_seconds * 1000;
+	if (idle_ms == 0)
+		return;
+	for (size_t i = 0; i < server->sessions.count; i++) {
+		struct session *s = server->sessions.items[i];
+		struct store_memory held = { 0 };
+		if (!session_idle(s) || now - s->last_used_ms < idle_ms || session_leased(s, now) ||
+		    !store_views_full(s->store))
+			continue;
+		store_memory_add(s->store, &held);
+		if (held.views == 0)
+			continue;
+		uint64_t freed = 0;
+		int rc = store_drop_views(s->store, &freed);
+		if (rc < 0)
+			log_warn("server", "cannot drop idle views", "session=%llu error=%s",
+				 (unsigned long long)s->id, zc_strerror(rc));
+		if (freed > 0) {
+			server->metrics.view_drops++;
+			server->metrics.idle_view_drops++;
+			log_info("server", "dropped the views of an idle session", "session=%llu bytes=%llu idle_ms=%llu",
+				 (unsigned long long)s->id, (unsigned long long)freed,
+				 (unsigned long long)(now - s->last_used_ms));
+		}
+	}
+}
+
 static void on_ttl(uv_timer_t *timer)
 {
 	struct server *server = timer->data;
@@ -466,6 +499,7 @@ static void on_ttl(uv_timer_t *timer)
 		if (session_idle(server->sessions.items[i]))
 			store_sync_charge(server->sessions.items[i]->store);
 	pool_set_sync_charge(&server->pools);
+	views_drop_idle(server, now);
 	if (ttl_ms == 0)
 		return;
 

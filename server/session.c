@@ -29,6 +29,58 @@ uint64_t session_now_ms(void)
 	return (uint64_t)now.tv_sec * 1000 + (uint64_t)now.tv_nsec / 1000000;
 }
 
+void session_lease(struct session *session, uint64_t peer_id, uint64_t until_ms)
+{
+	uint64_t now = session_now_ms();
+	for (uint32_t i = 0; i < session->n_leases;) {
+		/* Expired leases are forgotten here, the one place that adds. */
+		if (session->leases[i].until_ms <= now && session->leases[i].peer_id != peer_id) {
+			session->leases[i] = session->leases[--session->n_leases];
+			continue;
+		}
+		i++;
+	}
+	for (uint32_t i = 0; i < session->n_leases; i++) {
+		if (session->leases[i].peer_id == peer_id) {
+			session->leases[i].until_ms = until_ms;
+			return;
+		}
+	}
+	if (session->n_leases == session->lease_capacity) {
+		uint32_t capacity = session->lease_capacity ? session->lease_capacity * 2 : 4;
+		struct session_lease *grown = realloc(session->leases, capacity * sizeof(*grown));
+		if (!grown)
+			return;
+		session->leases = grown;
+		session->lease_capacity = capacity;
+	}
+	session->leases[session->n_leases++] = (struct session_lease){ peer_id, until_ms };
+}
+
+void session_lease_release(struct session *session, uint64_t peer_id)
+{
+	for (uint32_t i = 0; i < session->n_leases; i++) {
+		if (session->leases[i].peer_id == peer_id) {
+			session->leases[i] = session->leases[--session->n_leases];
+			return;
+		}
+	}
+}
+
+void session_table_release_peer(struct session_table *table, uint64_t peer_id)
+{
+	for (size_t i = 0; i < table->count; i++)
+		session_lease_release(table->items[i], peer_id);
+}
+
+bool session_leased(const struct session *session, uint64_t now_ms)
+{
+	for (uint32_t i = 0; i < session->n_leases; i++)
+		if (session->leases[i].until_ms > now_ms)
+			return true;
+	return false;
+}
+
 void session_table_init(struct session_table *table, uv_loop_t *loop, uint64_t offload_elements)
 {
 	memset(table, 0, sizeof(*table));
@@ -40,6 +92,7 @@ void session_table_init(struct session_table *table, uv_loop_t *loop, uint64_t o
 static void session_free(struct session *session, bool remove_file)
 {
 	store_close(session->store, remove_file);
+	free(session->leases);
 	free(session->accounted);
 	free(session);
 }

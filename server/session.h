@@ -58,6 +58,15 @@ struct session {
 	unsigned refs;                /* jobs and lookups holding it */
 	/* Each layer's accounting as last added to the table's totals. */
 	struct store_layer_stats *accounted;
+	/* Clients whose views of this session memory relief must not drop
+	 * (docs/MAP.md): one per connection, until its deadline. */
+	struct session_lease *leases;
+	uint32_t n_leases, lease_capacity;
+};
+
+struct session_lease {
+	uint64_t peer_id;
+	uint64_t until_ms;
 };
 
 struct session_table {
@@ -71,6 +80,16 @@ struct session_table {
 };
 
 void session_table_init(struct session_table *table, uv_loop_t *loop, uint64_t offload_elements);
+
+/* A connection's lease on a session's views: each call on the session
+ * renews it to until_ms (a call that cannot be recorded leaves the views
+ * unprotected, never the daemon stuck); release or the connection's end
+ * takes it back. */
+void session_lease(struct session *session, uint64_t peer_id, uint64_t until_ms);
+void session_lease_release(struct session *session, uint64_t peer_id);
+void session_table_release_peer(struct session_table *table, uint64_t peer_id);
+/* Whether any lease runs past now. */
+bool session_leased(const struct session *session, uint64_t now_ms);
 /* Closes every store (keeping the files) and frees the table. */
 void session_table_free(struct session_table *table);
 

@@ -18,6 +18,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -94,6 +95,9 @@ struct store {
 	struct layer_state *layer;
 	struct layer_room *room;
 	struct layer_index *index;
+	/* Held while an index grows (realloc) and while the loop thread walks
+	 * the indexes (store_shared_bytes) as a job appends. */
+	pthread_mutex_t index_lock;
 	zc_codec_config codec;
 	char name[64];
 	char path[4096];          /* for logs */
@@ -447,12 +451,14 @@ static int index_grow(struct store *store, uint32_t layer, uint32_t entry)
 		capacity = store->header->max_blocks;
 	if (capacity <= entry)
 		return ZC_EEXHAUSTED;
+	pthread_mutex_lock(&store->index_lock);
 	store_block *entries = realloc(index->entries, capacity * sizeof(*entries));
-	if (!entries)
-		return -ENOMEM;
-	index->entries = entries;
-	index->capacity = (uint32_t)capacity;
-	return 0;
+	if (entries) {
+		index->entries = entries;
+		index->capacity = (uint32_t)capacity;
+	}
+	pthread_mutex_unlock(&store->index_lock);
+	return entries ? 0 : -ENOMEM;
 }
 
 /* ---- readers' copy ------------------------------------------------------- */
@@ -526,7 +532,7 @@ static void generation_publish(struct store *store, uint64_t generation)
 static void layer_state_set(struct store *store, uint32_t layer, const struct layer_state *next)
 {
 	struct layer_state *l = &store->layer[layer];
-	l->blocks = next->blocks;
+	__atomic_store_n(&l->blocks, next->blocks, __ATOMIC_RELEASE);
 	l->active = next->active;
 	l->key_compressed = next->key_compressed;
 	l->key_baseline = next->key_baseline;
@@ -728,6 +734,7 @@ static void store_free_memory(struct store *store)
 	free(store->layer);
 	free(store->room);
 	free(store->header);
+	pthread_mutex_destroy(&store->index_lock);
 	free(store);
 }
 
@@ -739,8 +746,10 @@ static int store_alloc(const struct store_header *h, struct store **out)
 		return -ENOMEM;
 	store->fd = -1;
 	store->map_fd = -1;
+	pthread_mutex_init(&store->index_lock, NULL);
 	store->header = malloc(sizeof(*h));
 	if (!store->header) {
+		pthread_mutex_destroy(&store->index_lock);
 		free(store);
 		return -ENOMEM;
 	}
@@ -1636,17 +1645,27 @@ uint64_t store_layer_sequence(const struct store *store, uint32_t layer)
 	return __atomic_load_n(&store->room[layer].sequence, __ATOMIC_ACQUIRE);
 }
 
-/* Bytes of this store's blocks that another session refers to too. */
-uint64_t store_shared_bytes(const struct store *store)
+/* Bytes of this store's blocks that another session refers to too. Safe
+ * from the loop thread while a job runs: committed entries never change,
+ * and the index lock keeps an index from moving under the walk. */
+uint64_t store_shared_bytes(struct store *store)
 {
 	uint64_t shared = 0;
+	pthread_mutex_lock(&store->index_lock);
 	for (uint32_t i = 0; i < store->header->layers; i++) {
 		const store_block *index = store->index[i].entries;
-		for (uint32_t b = 0; b < store->layer[i].blocks; b++)
+		uint32_t blocks = __atomic_load_n(&store->layer[i].blocks, __ATOMIC_ACQUIRE);
+		for (uint32_t b = 0; b < blocks; b++)
 			if (pool_refs(store->pool, index[b].key_offset) > 1)
 				shared += pool_extent_bytes(index[b].key_bytes, index[b].value_bytes);
 	}
+	pthread_mutex_unlock(&store->index_lock);
 	return shared;
+}
+
+zc_codec_config store_codec(const struct store *store)
+{
+	return store->codec;
 }
 
 /* ---- mutations ---------------------------------------------------------------- */

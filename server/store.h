@@ -131,8 +131,10 @@ struct pool *store_pool(const struct store *store);
 bool store_views_full(const struct store *store);
 /* Changes whenever a layer's view is dropped or rebuilt. */
 uint64_t store_view_generation(const struct store *store, uint32_t layer);
-/* Bytes of this store's blocks another session refers to as well. */
-uint64_t store_shared_bytes(const struct store *store);
+/* Bytes of this store's blocks another session refers to as well (safe
+ * from the loop thread while a job runs). */
+uint64_t store_shared_bytes(struct store *store);
+zc_codec_config store_codec(const struct store *store);
 const char *store_path(const struct store *store);
 
 /* A fresh read-only descriptor of the session map for a client (caller

@@ -67,11 +67,13 @@ static void daemon_alive_check(zc_client *client, const char *after,
 
 /* ---- the script ------------------------------------------------------------ */
 
-enum op_kind { OP_OPEN, OP_UPDATE, OP_TRIM, OP_TRIM_LAYER, OP_ATTACH, OP_CLOSE };
+enum op_kind { OP_OPEN, OP_UPDATE, OP_TRIM, OP_TRIM_LAYER, OP_ATTACH, OP_CLOSE, OP_RELEASE, OP_FORK };
 
-#define SESSIONS 4
+#define SESSIONS 5
 
-enum { S_STREAM, S_PER_CALL, S_IDLE, S_GROWER };
+enum { S_STREAM, S_PER_CALL, S_IDLE, S_GROWER, S_FORK };
+
+/* OP_FORK: session is the fork, layer the source, tokens where it forks. */
 
 struct op {
 	enum op_kind kind;
@@ -81,17 +83,18 @@ struct op {
 
 /* The budget under which the grower's blocks make relief drop the idle
  * sessions' views (and the idle session's rebuild drop the grower's). */
-#define SCRIPT_BUDGET "10M"
+#define SCRIPT_BUDGET "12M"
 
 static zc_session_config script_config(int session)
 {
-	static const char *const names[SESSIONS] = { "stream", "per-call", "idle", "grower" };
+	static const char *const names[SESSIONS] = { "stream", "per-call", "idle", "grower", "fork" };
 	zc_session_config c;
 	zc_session_config_default(&c);
 	c.name = names[session];
 	c.batch = 1;
 	switch (session) {
 	case S_STREAM:
+	case S_FORK:
 		c.layers = 2, c.kv_heads = 2, c.head_dim_k = c.head_dim_v = 32, c.max_tokens = 1024;
 		c.residual_tokens = 8;
 		break;
@@ -128,6 +131,10 @@ static size_t script_make(struct op *ops, size_t capacity)
 	OP(OP_UPDATE, S_STREAM, 0, 3);
 	OP(OP_UPDATE, S_STREAM, 1, 3);
 	OP(OP_UPDATE, S_STREAM, 0, 12);
+	OP(OP_FORK, S_FORK, S_STREAM, 30);  /* shares blocks, cuts one, copies residual rows */
+	OP(OP_UPDATE, S_FORK, 0, 3);
+	OP(OP_UPDATE, S_FORK, 1, 9);
+	OP(OP_TRIM, S_FORK, 0, 5);
 	for (int i = 0; i < 3; i++) {
 		OP(OP_UPDATE, S_PER_CALL, 0, 1);
 		OP(OP_UPDATE, S_PER_CALL, 1, 1 + (uint32_t)i);
@@ -137,13 +144,17 @@ static size_t script_make(struct op *ops, size_t capacity)
 	OP(OP_OPEN, S_IDLE, 0, 0);
 	OP(OP_UPDATE, S_IDLE, 0, 512);
 	OP(OP_UPDATE, S_IDLE, 0, 512);
+	OP(OP_RELEASE, S_IDLE, 0, 0);      /* unleased: relief may drop its views */
 	OP(OP_OPEN, S_GROWER, 0, 0);
 	for (int i = 0; i < 8; i++)
 		OP(OP_UPDATE, S_GROWER, 0, 256);
+	OP(OP_RELEASE, S_GROWER, 0, 0);    /* so that the rebuild below may drop its views */
 	OP(OP_ATTACH, S_IDLE, 0, 0);       /* its views come back */
-	OP(OP_UPDATE, S_STREAM, 1, 2);     /* into a dropped view */
+	OP(OP_UPDATE, S_GROWER, 0, 2);     /* into a dropped view */
 	OP(OP_CLOSE, S_PER_CALL, 0, 0);
 	OP(OP_UPDATE, S_STREAM, 0, 3);
+	OP(OP_CLOSE, S_STREAM, 0, 0);      /* the fork keeps the shared blocks */
+	OP(OP_UPDATE, S_FORK, 0, 3);
 #undef OP
 	return n;
 }
@@ -213,6 +224,20 @@ static size_t script_run(const struct daemon_harness *daemon, const struct op *o
 		case OP_CLOSE:
 			rc = zc_session_close(sessions[op->session]);
 			sessions[op->session] = NULL;
+			break;
+		case OP_RELEASE:
+			rc = zc_session_release_views(sessions[op->session]);
+			break;
+		case OP_FORK:
+			if (sessions[op->session])
+				zc_session_release(sessions[op->session]);
+			sessions[op->session] = NULL;
+			rc = zc_session_fork(sessions[op->layer], op->tokens, config.name, ZC_VIEWS_SOURCE,
+					     &sessions[op->session]);
+			if (rc == 0 && !open[op->session]) {
+				model_init(&models[op->session], &config);
+				open[op->session] = true;
+			}
 			break;
 		}
 		if (rc < 0 && daemon_lost(rc)) {
@@ -289,6 +314,14 @@ static void op_apply(struct expected *e, const struct op *ops, size_t i, enum va
 		model_free(m);
 		e->exists[op->session] = false;
 		break;
+	case OP_RELEASE:
+		break;
+	case OP_FORK:
+		if (e->exists[op->session])
+			model_free(m);
+		model_fork(m, &e->models[op->layer], op->tokens);
+		e->exists[op->session] = true;
+		break;
 	}
 }
 
@@ -330,7 +363,8 @@ static bool daemon_matches(zc_client *client, const struct expected *e, char *wh
 
 static const char *op_name(enum op_kind kind)
 {
-	static const char *const names[] = { "open", "update", "trim", "trim_layer", "attach", "close" };
+	static const char *const names[] = { "open", "update", "trim", "trim_layer", "attach", "close",
+					     "release", "fork" };
 	return names[kind];
 }
 
@@ -908,6 +942,7 @@ START_TEST(full_tmpfs_is_an_error_not_a_sigbus)
 	model_init(&model, &config);
 	rng_seed(&rng, 11);
 	CHECK(update_checked, client, dropped, &model, &rng, 0, 256);
+	ck_assert_int_eq(zc_session_release_views(dropped), 0);
 	config.name = "pressing";
 	zc_session *pressing = open_session(client, &config);
 	struct block block;
@@ -989,7 +1024,9 @@ START_TEST(client_read_faults_are_charged)
 	CHECK(update_checked, client, reader, &model, &rng, 0, 256);
 	zc_view view;
 	ck_assert_int_eq(zc_session_view(reader, 0, &view), 0);
-	/* Another session's growth makes relief drop the reader's views. */
+	/* Its lease given up: another session's growth makes relief drop the
+	 * reader's views (which it goes on reading, against the rules). */
+	ck_assert_int_eq(zc_session_release_views(reader), 0);
 	config.name = "grower";
 	zc_session *grower = open_session(client, &config);
 	struct model grower_model;
@@ -1135,6 +1172,8 @@ START_TEST(adopted_views_can_be_relieved)
 	/* Its blocks fit only once the adopted session's old views are gone. */
 	for (int i = 0; i < 4; i++)
 		CHECK(update_checked, client, fresh, &other, &rng, 0, 256);
+	/* Unleased, its views may go for the old session's rebuild. */
+	ck_assert_int_eq(zc_session_release_views(fresh), 0);
 	config.name = "old";
 	config.attach = true;
 	old = open_session(client, &config);

@@ -111,6 +111,33 @@ void model_init(struct model *model, const zc_session_config *config)
 	}
 }
 
+void model_fork(struct model *fork, const struct model *source, uint32_t tokens)
+{
+	*fork = *source;
+	fork->layer = allocate(source->layers * sizeof(*fork->layer));
+	size_t rows = (size_t)source->batch * source->kv_heads * source->max_tokens;
+	for (uint32_t i = 0; i < source->layers; i++) {
+		const struct model_layer *from = &source->layer[i];
+		struct model_layer *to = &fork->layer[i];
+		*to = *from;
+		to->exact_keys = allocate(rows * source->head_dim_k * 2);
+		to->exact_values = allocate(rows * source->head_dim_v * 2);
+		to->keys = allocate(rows * source->head_dim_k * 2);
+		to->values = allocate(rows * source->head_dim_v * 2);
+		memcpy(to->exact_keys, from->exact_keys, rows * source->head_dim_k * 2);
+		memcpy(to->exact_values, from->exact_values, rows * source->head_dim_v * 2);
+		memcpy(to->keys, from->keys, rows * source->head_dim_k * 2);
+		memcpy(to->values, from->values, rows * source->head_dim_v * 2);
+		to->capacity = from->n_blocks ? from->n_blocks : 1;
+		to->blocks = allocate(to->capacity * sizeof(*to->blocks));
+		memcpy(to->blocks, from->blocks, from->n_blocks * sizeof(*to->blocks));
+		/* The fork's first `tokens` tokens are the source's, exactly as a
+		 * trim to that length leaves them. */
+		if (to->tokens > tokens)
+			model_trim_layer(fork, i, to->tokens - tokens);
+	}
+}
+
 void model_free(struct model *model)
 {
 	for (uint32_t i = 0; model->layer && i < model->layers; i++) {

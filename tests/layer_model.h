@@ -95,6 +95,8 @@ struct model {
 
 void model_init(struct model *model, const zc_session_config *config);
 void model_free(struct model *model);
+/* A fork of source at `tokens` (its own copy, freed with model_free). */
+void model_fork(struct model *fork, const struct model *source, uint32_t tokens);
 
 /* The view layout's strides for a head dimension. */
 zc_strides model_strides(const struct model *model, uint32_t dim);

@@ -1552,6 +1552,7 @@ START_TEST(memory_budget_refuses_cleanly_and_recovers)
 	rng_seed(&rng, 50);
 	for (uint32_t layer = 0; layer < b_config.layers; layer++)
 		CHECK(update_checked, client, b, &b_model, &rng, layer, 40);
+	ck_assert_int_eq(zc_session_release_views(b), 0);   /* idle now: its lease ends */
 	zc_session *a = open_session(client, &a_config);
 	model_init(&a_model, &a_config);
 
@@ -1575,9 +1576,12 @@ START_TEST(memory_budget_refuses_cleanly_and_recovers)
 	ck_assert_msg(dropped, "the idle session's views were never (all) dropped in %d steps", steps);
 	fprintf(stderr, "memory budget: the idle views were dropped after %d steps%s\n", steps,
 		lowest_drop != UINT64_MAX ? ", and memory in use went down" : "");
-	/* Read back, the idle session's views are rebuilt bit for bit. */
+	/* Read back, the idle session's views are rebuilt bit for bit (the
+	 * active one's lease given up, so that its views may make room). */
+	ck_assert_int_eq(zc_session_release_views(a), 0);
 	CHECK(session_matches, b, &b_model);
 	ck_assert_uint_eq(views_dropped(b_header), 0);
+	ck_assert_int_eq(zc_session_release_views(b), 0);
 
 	/* Phase 2: grow until nothing idle is left to take from. */
 	for (steps = 0; steps < 200 && !refused; steps++) {
@@ -1612,6 +1616,7 @@ START_TEST(memory_budget_refuses_cleanly_and_recovers)
 			block_free(&block);
 	}
 	ck_assert_msg(refused, "the budget never refused the active session a second time");
+	ck_assert_int_eq(zc_session_release_views(a), 0);
 	CHECK(session_matches, b, &b_model);   /* rebuilt once more on demand */
 	ck_assert_int_eq(zc_session_close(b), 0);
 	ck_assert_msg(budget_update(client, a, &a_model, &block, "after closing the other session"),

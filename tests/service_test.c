@@ -1507,6 +1507,8 @@ START_TEST(dropped_views_rebuild_bit_identical)
 	CHECK(update_checked, service.client, cold, &cold_model, &rng, 0, 7);
 	CHECK(update_checked, service.client, cold, &cold_model, &rng, 1, 3);
 	CHECK(session_matches, cold, &cold_model);
+	/* Its client is done with its views for now: its lease ends. */
+	ck_assert_int_eq(zc_session_release_views(cold), 0);
 
 	/* Another session grows until the budget makes the daemon take
 	 * memory back from the idle one. */
@@ -1524,9 +1526,13 @@ START_TEST(dropped_views_rebuild_bit_identical)
 	}
 	ck_assert_msg(dropped, "the daemon never took memory back from the idle session");
 
-	/* Reading the cold session brings its views back as they were. */
+	/* Reading the cold session brings its views back as they were (with
+	 * the hot one's lease given up, its views may make room). */
+	ck_assert_int_eq(zc_session_release_views(hot), 0);
 	CHECK(session_matches, cold, &cold_model);
 	CHECK(update_checked, service.client, cold, &cold_model, &rng, 0, 20);
+	/* And the hot one's, once the cold one's lease is given up in turn. */
+	ck_assert_int_eq(zc_session_release_views(cold), 0);
 	CHECK(session_matches, hot, &hot_model);
 	ck_assert_int_eq(zc_session_close(hot), 0);
 	ck_assert_int_eq(zc_session_close(cold), 0);

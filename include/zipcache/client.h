@@ -134,6 +134,9 @@ typedef struct zc_session_config {
 				    * with this shape, max_tokens, codec, policy
 				    * and (unless 0, or per_call) residual_tokens;
 				    * any difference is ZC_EINVALID naming it */
+	zc_views views;            /* ZC_VIEWS_FULL (default) or ZC_VIEWS_NONE:
+				    * no fp16 is materialized, the session costs
+				    * its compressed bytes and its residual */
 } zc_session_config;
 
 /* A layer's fp16 K and V as the daemon holds them, read-only. Element
@@ -176,6 +179,9 @@ typedef struct zc_session_info {
 	uint32_t min_tokens;       /* shortest layer */
 	uint32_t max_layer_tokens; /* longest layer */
 	uint64_t idle_ms;
+	zc_views views;
+	uint64_t shared_bytes;     /* of its blocks, bytes another session refers to too */
+	bool leased;               /* a client holds a lease on its views */
 } zc_session_info;
 
 typedef struct zc_server_info {
@@ -187,6 +193,7 @@ typedef struct zc_server_info {
 	uint32_t max_sessions;
 	uint64_t max_tokens_per_session;
 	uint64_t memory_budget_bytes;
+	uint32_t lease_ms;         /* a view's lease without another call on its session */
 } zc_server_info;
 
 typedef struct zc_server_stats {
@@ -303,6 +310,31 @@ int zc_session_close(zc_session *session);
 void zc_session_release(zc_session *session);
 
 const zc_session_info *zc_session_get_info(const zc_session *session);
+
+/*
+ * Fork: a new session (named `name`, or NULL for the daemon's choice)
+ * whose first `tokens` tokens of every layer are the source's (fewer
+ * where a layer is shorter): whole compressed blocks shared by reference,
+ * the rest copied; both then go on independently. views: ZC_VIEWS_FULL,
+ * ZC_VIEWS_NONE, or ZC_VIEWS_SOURCE for the source's. Uses: parallel
+ * sampling and beam search from one prompt, branching a conversation.
+ */
+#define ZC_VIEWS_SOURCE (-1)
+int zc_session_fork(zc_session *source, uint32_t tokens, const char *name, int views,
+		    zc_session **out);
+
+/*
+ * Leases. A view returned by zc_update_and_fetch, zc_session_view or an
+ * open stays valid (memory relief does not drop it) until this client's
+ * lease on the session ends: --lease-seconds (zc_server_info.lease_ms)
+ * after its last call on the session, or at zc_session_release_views, or
+ * when the connection closes. Each call on the session renews it.
+ * zc_session_lease_check says 0 while the lease runs, ZC_ESTALE after:
+ * data read from a view after its lease may be zeros (the views were
+ * dropped) and must be fetched again (zc_session_view rebuilds them).
+ */
+int zc_session_lease_check(const zc_session *session);
+int zc_session_release_views(zc_session *session);
 
 /* The session map as this client maps it (read-only; layout in
  * zipcache/map.h), and the uid's block pool. */

@@ -34,10 +34,10 @@
 #define ZC_POOL_MAGIC "ZCPOOL01"
 #define ZC_POOL_VERSION 1u
 
-enum zc_views {
+typedef enum zc_views {
 	ZC_VIEWS_FULL = 0,   /* fp16 views materialized (the seed's surface) */
 	ZC_VIEWS_NONE = 1    /* compressed blocks + exact residual only */
-};
+} zc_views;
 
 /* One compressed block of a layer. Tokens [first_token, first_token +
  * valid_tokens) of the layer are the first valid_tokens rows of its
