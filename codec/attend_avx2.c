@@ -17,6 +17,8 @@
 
 #define ROUND_NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define ALWAYS_INLINE inline __attribute__((always_inline))
+/* How far ahead rows are prefetched: one chunk (attend_avx512.c says why). */
+#define PREFETCH_ROWS ATTEND_CHUNK
 
 static ALWAYS_INLINE __m256 widen8(const void *at, size_t count)
 {
@@ -49,6 +51,10 @@ static ALWAYS_INLINE struct params8 params_load(const struct rows_src *src, size
 	const __m256 largest = _mm256_set1_ps(65504.0f);
 	const __m256 zero = _mm256_setzero_ps();
 	struct params8 p;
+	if (c % 32 == 0) {
+		_mm_prefetch((const char *)src->scales + 2 * c + 8 * src->dim, _MM_HINT_T0);
+		_mm_prefetch((const char *)src->mins + 2 * c + 8 * src->dim, _MM_HINT_T0);
+	}
 	p.scale = widen8(src->scales + 2 * c, count);
 	p.min = widen8(src->mins + 2 * c, count);
 	__m256 top = _mm256_fmadd_ps(_mm256_set1_ps((float)((1 << src->bits) - 1)), p.scale,
@@ -76,9 +82,18 @@ static ALWAYS_INLINE uint64_t load_codes64(const uint8_t *at, const uint8_t *rea
 static ALWAYS_INLINE __m256 row_load8(const struct rows_src *src, bool codes, size_t i, size_t c,
 				      size_t count, const struct params8 *p)
 {
-	if (!codes)
-		return widen8(src->rows + i * src->row_stride + c, count);
+	if (!codes) {
+		const uint16_t *at = src->rows + i * src->row_stride + c;
+		/* As in attend_avx512.c: the next chunk's line, one hint each. */
+		if (c % 32 == 0)
+			_mm_prefetch((const char *)(at + PREFETCH_ROWS * src->row_stride), _MM_HINT_T0);
+		return widen8(at, count);
+	}
 	size_t bit = src->bit_offset + (i * src->dim + c) * (size_t)src->bits;
+	if (c == 0)
+		_mm_prefetch((const char *)src->stream + (bit >> 3) +
+				     PREFETCH_ROWS * src->dim * (size_t)src->bits / 8,
+			     _MM_HINT_T0);
 	uint64_t window = load_codes64(src->stream + (bit >> 3), src->read_end) >> (bit & 7u);
 	__m128i bytes = _mm_cvtsi64_si128((long long)_pdep_u64(window, src->lanes));
 	__m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), p->scale,

@@ -17,6 +17,11 @@
 
 #define ROUND_NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define ALWAYS_INLINE inline __attribute__((always_inline))
+/* How far ahead rows are prefetched: one chunk. A head's rows are read
+ * in 64-row bursts (K, then V, then the next chunk's K), too short and
+ * too interleaved for the hardware prefetchers to run ahead: without the
+ * hints the fp16 path ran at a fifth of the memory bandwidth. */
+#define PREFETCH_ROWS ATTEND_CHUNK
 
 static __mmask16 tail_mask16(size_t remaining)
 {
@@ -50,6 +55,11 @@ static ALWAYS_INLINE struct params16 params_load(const struct rows_src *src, siz
 	const __m512 largest = _mm512_set1_ps(65504.0f);
 	const __m512 zero = _mm512_setzero_ps();
 	struct params16 p;
+	/* The params two groups on (about one chunk for groups of 32). */
+	if (c % 32 == 0) {
+		_mm_prefetch((const char *)src->scales + 2 * c + 8 * src->dim, _MM_HINT_T0);
+		_mm_prefetch((const char *)src->mins + 2 * c + 8 * src->dim, _MM_HINT_T0);
+	}
 	p.scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, src->scales + 2 * c));
 	p.min = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, src->mins + 2 * c));
 	__m512 top = _mm512_fmadd_ps(_mm512_set1_ps((float)((1 << src->bits) - 1)), p.scale,
@@ -76,11 +86,21 @@ static ALWAYS_INLINE uint64_t load_codes64(const uint8_t *at, const uint8_t *rea
 static ALWAYS_INLINE __m512 row_load16(const struct rows_src *src, bool codes, size_t i, size_t c,
 				       __mmask16 mask, const struct params16 *p)
 {
-	if (!codes)
-		return _mm512_cvtph_ps(
-			_mm256_maskz_loadu_epi16(mask, src->rows + i * src->row_stride + c));
+	if (!codes) {
+		const uint16_t *at = src->rows + i * src->row_stride + c;
+		/* fp16 rows are 4x the bytes: ask for the next chunk's line now,
+		 * one hint per line, spread over the work (prefetches never
+		 * fault, so past the segment's end they cost only the hint). */
+		if (c % 32 == 0)
+			_mm_prefetch((const char *)(at + PREFETCH_ROWS * src->row_stride), _MM_HINT_T0);
+		return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, at));
+	}
 	size_t bit = src->bit_offset + (i * src->dim + c) * (size_t)src->bits;
 	size_t next = bit + 8 * (size_t)src->bits;
+	if (c == 0)
+		_mm_prefetch((const char *)src->stream + (bit >> 3) +
+				     PREFETCH_ROWS * src->dim * (size_t)src->bits / 8,
+			     _MM_HINT_T0);
 	uint64_t first = load_codes64(src->stream + (bit >> 3), src->read_end, src->safe) >>
 			 (bit & 7u);
 	uint64_t second = load_codes64(src->stream + (next >> 3), src->read_end, src->safe) >>
