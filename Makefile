@@ -151,8 +151,8 @@ $(BUILD)/obj/%.o: %.c | $(PROTO_GEN_H)
 	@mkdir -p $(dir $@)
 	$(CC) $(ZC_CFLAGS) $(EXTRA_CFLAGS) -c $< -o $@
 
-$(BUILD)/obj/codec/kernels_avx2.o: EXTRA_CFLAGS = $(AVX2_FLAGS)
-$(BUILD)/obj/codec/kernels_avx512.o: EXTRA_CFLAGS = $(AVX512_FLAGS)
+$(BUILD)/obj/codec/kernels_avx2.o $(BUILD)/obj/codec/attend_avx2.o: EXTRA_CFLAGS = $(AVX2_FLAGS)
+$(BUILD)/obj/codec/kernels_avx512.o $(BUILD)/obj/codec/attend_avx512.o: EXTRA_CFLAGS = $(AVX512_FLAGS)
 $(BUILD)/obj/tests/%.o: EXTRA_CFLAGS = $(CHECK_CFLAGS) -DZC_BUILD_DIR='"$(abspath $(BUILD))"'
 $(BUILD)/obj/bench/%.o: EXTRA_CFLAGS = -DZC_BUILD_DIR='"$(abspath $(BUILD))"'
 
@@ -292,12 +292,12 @@ $(FUZZ_DIR)/obj/%.o: %.c | $(PROTO_GEN_H)
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $(EXTRA_CFLAGS) -c $< -o $@
 
-$(FUZZ_DIR)/obj/codec/kernels_avx2.o: EXTRA_CFLAGS = $(AVX2_FLAGS)
-$(FUZZ_DIR)/obj/codec/kernels_avx512.o: EXTRA_CFLAGS = $(AVX512_FLAGS)
+$(FUZZ_DIR)/obj/codec/kernels_avx2.o $(FUZZ_DIR)/obj/codec/attend_avx2.o: EXTRA_CFLAGS = $(AVX2_FLAGS)
+$(FUZZ_DIR)/obj/codec/kernels_avx512.o $(FUZZ_DIR)/obj/codec/attend_avx512.o: EXTRA_CFLAGS = $(AVX512_FLAGS)
 # The SIMD kernels are not what the fuzzer explores (tests/codec_test.c
 # checks them against the reference), and clang spends many minutes on
 # them under ASan: build them plainly.
-$(FUZZ_DIR)/obj/codec/kernels_%.o: FUZZ_CFLAGS = $(filter-out $(OPT) $(SANITIZE),$(ZC_CFLAGS)) -g -O2
+$(FUZZ_DIR)/obj/codec/kernels_%.o $(FUZZ_DIR)/obj/codec/attend_avx%.o: FUZZ_CFLAGS = $(filter-out $(OPT) $(SANITIZE),$(ZC_CFLAGS)) -g -O2
 
 $(FUZZ_TARGET): $(FUZZ_OBJ)
 	$(FUZZ_CC) -fsanitize=fuzzer $(FUZZ_SAN) -o $@ $^ $(NANOPB_LIBS) $(SERVER_LIBS) $(UV_LIBS) -lm -lpthread

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "block.h"
 #include "kernels.h"
 #include "saliency.h"
 
@@ -292,7 +293,7 @@ static void head_reconstruct(const struct codec_kernels *kernels, const zc_block
 /* A mask whose population is not n_hi would index past the params. Set
  * bits past the last token are refused as well: the walk over the mask
  * ignores them, so counting them would let a short mask through. */
-static bool mask_matches(const zc_block_layout *layout, const uint8_t *mask)
+bool codec_mask_matches(const zc_block_layout *layout, const uint8_t *mask)
 {
 	size_t count = 0, i = 0;
 	for (; i + 8 <= layout->mask_bytes; i += 8) {
@@ -331,7 +332,7 @@ int zc_block_reconstruct(const zc_codec_config *config, zc_tensor tensor,
 
 	if (!layout.exact) {
 		for (size_t h = 0; h < layout.heads; h++) {
-			if (!mask_matches(&layout, bytes + h * layout.head_bytes + layout.mask_offset))
+			if (!codec_mask_matches(&layout, bytes + h * layout.head_bytes + layout.mask_offset))
 				return ZC_ECORRUPT;
 		}
 	}

@@ -13,6 +13,7 @@
  * a group's scales and mins are widened once for all of its rows.
  */
 #include "kernels.h"
+#include "fold_avx512.h"
 
 #include <immintrin.h>
 #include <math.h>
@@ -55,42 +56,6 @@ static int avx512_check_finite(const uint16_t *values, size_t n)
  * sixteen folded together share their shuffles and one VSQRTPS. */
 #define NORM_ROWS 16
 
-/*
- * The fold of docs/CODEC.md for sixteen rows at once: every add pairs
- * the same lanes as codec_fold_lanes (j+8, j+4, j+2, j+1), only several
- * rows share one instruction. Returns the sixteen sums in row order.
- */
-static inline __attribute__((always_inline)) __m512 fold16x16(const __m512 lanes[NORM_ROWS])
-{
-	__m512 eight[8], four[4], two[2];
-	/* eight[k] = [row 2k lanes 0..7 | row 2k+1 lanes 0..7], j += j+8 */
-	_Pragma("GCC unroll 8")
-	for (int k = 0; k < 8; k++) {
-		__m512 a = lanes[2 * k], b = lanes[2 * k + 1];
-		eight[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-					 _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
-	}
-	/* four[m] = rows 4m..4m+3, lanes 0..3 each, j += j+4 */
-	_Pragma("GCC unroll 4")
-	for (int m = 0; m < 4; m++) {
-		__m512 a = eight[2 * m], b = eight[2 * m + 1];
-		four[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
-					_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-	}
-	/* two[n], 128-bit block k: rows 8n+k and 8n+4+k, lanes 0..1, j += j+2 */
-	_Pragma("GCC unroll 2")
-	for (int n = 0; n < 2; n++) {
-		__m512 a = four[2 * n], b = four[2 * n + 1];
-		two[n] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-				       _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
-	}
-	/* Element 4k + i: row 4i + k, j += j+1. */
-	__m512 one = _mm512_add_ps(_mm512_shuffle_ps(two[0], two[1], _MM_SHUFFLE(2, 0, 2, 0)),
-				   _mm512_shuffle_ps(two[0], two[1], _MM_SHUFFLE(3, 1, 3, 1)));
-	const __m512i rows = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4,
-					      0);
-	return _mm512_permutexvar_ps(rows, one);
-}
 
 /*
  * x*x is exact in fp32 for an fp16 x, so x*x + lane rounds once either
@@ -118,7 +83,7 @@ static int avx512_row_norms(const uint16_t *rows, size_t n_rows, size_t dim, flo
 				lanes[k] = _mm512_fmadd_ps(x, x, lanes[k]);
 			}
 		}
-		__m512 norm = _mm512_sqrt_ps(fold16x16(lanes));
+		__m512 norm = _mm512_sqrt_ps(codec_fold16x16(lanes));
 		bad |= _mm512_cmp_ps_mask(norm, largest, _CMP_NLE_UQ);
 		_mm512_storeu_ps(norms + r0, norm);
 	}
@@ -135,7 +100,7 @@ static int avx512_row_norms(const uint16_t *rows, size_t n_rows, size_t dim, flo
 			lanes[k] = lane;
 		}
 		__mmask16 mask = tail_mask16(count);
-		__m512 norm = _mm512_sqrt_ps(fold16x16(lanes));
+		__m512 norm = _mm512_sqrt_ps(codec_fold16x16(lanes));
 		bad |= _mm512_mask_cmp_ps_mask(mask, norm, largest, _CMP_NLE_UQ);
 		_mm512_mask_storeu_ps(norms + r0, mask, norm);
 	}

@@ -30,7 +30,7 @@ enum zc_error {
 	ZC_EDENIED = ZC_ERROR_BASE - 14,       /* permission denied by the daemon */
 	ZC_EPRECONDITION = ZC_ERROR_BASE - 15, /* request not valid in this state */
 	ZC_EINTERNAL = ZC_ERROR_BASE - 16,     /* daemon-side failure */
-	ZC_EINVALID = ZC_ERROR_BASE - 17,      /* invalid argument (daemon said so) */
+	ZC_EINVALID = ZC_ERROR_BASE - 17,      /* invalid argument (from the daemon, or a local call) */
 	ZC_ERESTARTED = ZC_ERROR_BASE - 18,    /* the daemon restarted; remap */
 	ZC_EBROKEN = ZC_ERROR_BASE - 19,       /* connection unusable since an earlier failure */
 	ZC_ESTALE = ZC_ERROR_BASE - 20,        /* a view read after its lease (or after a drop) */

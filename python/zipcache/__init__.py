@@ -15,6 +15,7 @@ through $ZIPCACHE_LIBRARY, else the build tree next to this package
 """
 
 from ._lib import library_path
+from .attend import AttendBlock, attend_arrays
 from .cache import ZipCacheKVCache, make_prompt_cache
 from .client import (
     Client,
@@ -49,6 +50,8 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "attend_arrays",
+    "AttendBlock",
     "Client",
     "Session",
     "ZipCacheKVCache",

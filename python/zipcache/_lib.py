@@ -1,6 +1,6 @@
 """ctypes bindings of libzipcache: structs, prototypes and loading.
 
-Everything here mirrors include/zipcache/{client,codec,error}.h one to
+Everything here mirrors include/zipcache/{attend,client,codec,error}.h one to
 one; the friendly API lives in client.py and cache.py. Keep the field
 order exactly as in the headers: ctypes lays structs out with the C ABI,
 so a missing or reordered field silently shifts every later one.
@@ -21,10 +21,12 @@ from ctypes import (
     c_int,
     c_int64,
     c_size_t,
+    c_uint,
     c_uint16,
     c_uint32,
     c_uint64,
     c_void_p,
+    Union,
 )
 from pathlib import Path
 
@@ -111,6 +113,68 @@ class zc_block_layout(Structure):
 
 class zc_byte_count(Structure):
     _fields_ = [("compressed", c_uint64), ("baseline", c_uint64), ("fp16", c_uint64)]
+
+
+# --- attend.h ----------------------------------------------------------------
+
+ZC_ATTEND_MAX_ROWS = 4096
+ZC_ATTEND_BLOCK = 0
+ZC_ATTEND_ROWS = 1
+ZC_ATTEND_FP32 = 0
+ZC_ATTEND_FP16 = 1
+
+
+class zc_attend_block(Structure):
+    _fields_ = [
+        ("config", zc_codec_config),
+        ("shape", zc_block_shape),
+        ("head_dim_v", c_uint32),
+        ("valid_tokens", c_uint32),
+        ("keys", c_void_p),
+        ("key_bytes", c_size_t),
+        ("values", c_void_p),
+        ("value_bytes", c_size_t),
+    ]
+
+
+class zc_attend_rows(Structure):
+    _fields_ = [
+        ("batch", c_uint32),
+        ("heads", c_uint32),
+        ("tokens", c_uint32),
+        ("head_dim_k", c_uint32),
+        ("head_dim_v", c_uint32),
+        ("keys", c_void_p),
+        ("key_strides", zc_strides),
+        ("values", c_void_p),
+        ("value_strides", zc_strides),
+    ]
+
+
+class _zc_attend_segment_u(Union):
+    _fields_ = [("block", zc_attend_block), ("rows", zc_attend_rows)]
+
+
+class zc_attend_segment(Structure):
+    _anonymous_ = ("u",)
+    _fields_ = [("kind", c_int), ("u", _zc_attend_segment_u)]
+
+
+class zc_attend_query(Structure):
+    _fields_ = [
+        ("batch", c_uint32),
+        ("q_heads", c_uint32),
+        ("n_q", c_uint32),
+        ("head_dim", c_uint32),
+        ("dtype", c_int),
+        ("data", c_void_p),
+        ("scale", c_double),
+        ("causal", c_bool),
+    ]
+
+
+class zc_attend_output(Structure):
+    _fields_ = [("dtype", c_int), ("data", c_void_p), ("capacity", c_size_t)]
 
 
 # --- client.h ----------------------------------------------------------------
@@ -263,6 +327,17 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
             c_size_t,
             _u16p,
             POINTER(zc_strides),
+        ],
+    ),
+    # attend.h
+    "zc_attend_segments": (
+        c_int,
+        [
+            POINTER(zc_attend_segment),
+            c_size_t,
+            POINTER(zc_attend_query),
+            POINTER(zc_attend_output),
+            c_uint,
         ],
     ),
     # client.h

@@ -1,0 +1,114 @@
+/*
+ * zipcache attention: softmax(q K^T * scale) V for one layer, computed
+ * straight from the codec's compressed blocks (and exact fp16 rows), with
+ * the dequantization fused into the dot products: no block is ever
+ * reconstructed to memory. Pure numerics, no I/O, thread-safe.
+ *
+ * A layer is given as a list of segments in token order: compressed
+ * blocks exactly as zc_block_compress() wrote them (the first valid_tokens
+ * tokens of each count, so a trim cut needs no rewrite), and fp16 rows
+ * (the exact streaming residual, or a whole fp16 view). Attention over a
+ * compressed block equals attention over zc_block_reconstruct()'s output
+ * for that block, up to fp32 rounding: the kernels decode every element
+ * to the very fp16 value the reconstruction would store.
+ *
+ * Results are bit-identical on every ISA (scalar, AVX2, AVX-512, chosen
+ * by zc_codec_set_isa() / ZC_CODEC_ISA like the codec's) and for every
+ * thread count: docs/ATTEND.md fixes the order of every floating-point
+ * operation.
+ */
+#ifndef ZIPCACHE_ATTEND_H
+#define ZIPCACHE_ATTEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "zipcache/codec.h"
+#include "zipcache/error.h"
+
+/* Query rows one attention call takes at most per KV head
+ * ((q_heads / kv_heads) * n_q): bounds the per-thread scratch. */
+#define ZC_ATTEND_MAX_ROWS 4096u
+
+typedef enum zc_attend_kind {
+	ZC_ATTEND_BLOCK = 0, /* a compressed block: K and V payloads */
+	ZC_ATTEND_ROWS = 1   /* fp16 rows: the residual, or a whole fp16 view */
+} zc_attend_kind;
+
+typedef enum zc_attend_dtype {
+	ZC_ATTEND_FP32 = 0,
+	ZC_ATTEND_FP16 = 1   /* IEEE binary16 bits in uint16_t */
+} zc_attend_dtype;
+
+/* A compressed block of one layer, as a session's block table lists it. */
+typedef struct zc_attend_block {
+	zc_codec_config config;  /* the session's codec config */
+	zc_block_shape shape;    /* batch, heads = kv_heads, tokens, head_dim = D_k */
+	uint32_t head_dim_v;     /* D_v of the value payload */
+	uint32_t valid_tokens;   /* the first valid_tokens tokens count (<= tokens) */
+	const void *keys;        /* key payload (ZC_TENSOR_KEYS) */
+	size_t key_bytes;        /* must equal its layout's total_bytes */
+	const void *values;      /* value payload (ZC_TENSOR_VALUES) */
+	size_t value_bytes;
+} zc_attend_block;
+
+/* fp16 rows [batch][heads][tokens][head_dim] at any strides; each row
+ * (token) must be contiguous. */
+typedef struct zc_attend_rows {
+	uint32_t batch, heads, tokens;
+	uint32_t head_dim_k, head_dim_v;
+	const uint16_t *keys;
+	zc_strides key_strides;    /* in elements */
+	const uint16_t *values;
+	zc_strides value_strides;
+} zc_attend_rows;
+
+typedef struct zc_attend_segment {
+	zc_attend_kind kind;
+	union {
+		zc_attend_block block;  /* kind == ZC_ATTEND_BLOCK */
+		zc_attend_rows rows;    /* kind == ZC_ATTEND_ROWS */
+	};
+} zc_attend_segment;
+
+/* Queries [batch][q_heads][n_q][head_dim], C order. Query head qh reads
+ * KV head qh / (q_heads / kv_heads) (grouped-query attention). */
+typedef struct zc_attend_query {
+	uint32_t batch, q_heads, n_q, head_dim;
+	zc_attend_dtype dtype;
+	const void *data;
+	double scale;   /* softmax scale; 0 means 1 / sqrt(head_dim) */
+	bool causal;    /* query i is token T - n_q + i of the T tokens and sees only tokens <= it */
+} zc_attend_query;
+
+/* Output [batch][q_heads][n_q][head_dim_v], C order. */
+typedef struct zc_attend_output {
+	zc_attend_dtype dtype;
+	void *data;
+	size_t capacity;  /* bytes at data */
+} zc_attend_output;
+
+/* A query of the given shape over fp32 data, default scale, not causal. */
+void zc_attend_query_init(zc_attend_query *query, uint32_t batch, uint32_t q_heads,
+			  uint32_t n_q, uint32_t head_dim, const float *data);
+
+/*
+ * Attention of query over the segments, in order (the tokens of segment
+ * i precede those of i + 1), into output. threads > 1 splits the
+ * (batch, KV head) pairs over that many threads (the caller's among
+ * them); the output does not depend on it. Returns 0, or: ZC_ESHAPE
+ * (q_heads not a multiple of kv_heads, segments that disagree with each
+ * other or the query, no tokens, causal with fewer tokens than n_q, too
+ * many rows per KV head), ZC_EINVALID (a NULL pointer, an unknown kind or
+ * dtype, valid_tokens > tokens, a non-finite or zero scale), ZC_ENONFINITE
+ * (NaN or Inf in the query), ZC_ECORRUPT (a payload whose size or mask
+ * disagrees with its layout), ZC_EBUFFER (output too small), a codec
+ * config error (ZC_EBITS, ...), -ENOMEM, or a pthread error. On error the
+ * output is untouched, and nothing past any buffer is ever read.
+ */
+int zc_attend_segments(const zc_attend_segment *segments, size_t n_segments,
+		       const zc_attend_query *query, const zc_attend_output *output,
+		       unsigned threads);
+
+#endif
