@@ -29,6 +29,7 @@ static const struct error_text error_texts[] = {
 	{ ZC_EINVALID, "ZC_EINVALID", "invalid argument" },
 	{ ZC_ERESTARTED, "ZC_ERESTARTED", "the daemon restarted; reopen sessions to remap them" },
 	{ ZC_EBROKEN, "ZC_EBROKEN", "the connection broke in an earlier call; call zc_client_reconnect" },
+	{ ZC_EDEVICE, "ZC_EDEVICE", "the GPU or its driver failed (zc_cuda_last_error says how)" },
 };
 
 static const struct error_text *error_find(int code)

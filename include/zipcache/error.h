@@ -33,7 +33,8 @@ enum zc_error {
 	ZC_EINVALID = ZC_ERROR_BASE - 17,      /* invalid argument (daemon said so) */
 	ZC_ERESTARTED = ZC_ERROR_BASE - 18,    /* the daemon restarted; remap */
 	ZC_EBROKEN = ZC_ERROR_BASE - 19,       /* connection unusable since an earlier failure */
-	ZC_ERROR_LAST = ZC_ERROR_BASE - 20
+	ZC_EDEVICE = ZC_ERROR_BASE - 20,       /* the GPU or its driver failed (libzipcache_cuda) */
+	ZC_ERROR_LAST = ZC_ERROR_BASE - 21
 };
 
 /* A static sentence describing code; never NULL. */

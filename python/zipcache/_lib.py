@@ -52,6 +52,7 @@ ZC_EINTERNAL = ZC_ERROR_BASE - 16
 ZC_EINVALID = ZC_ERROR_BASE - 17
 ZC_ERESTARTED = ZC_ERROR_BASE - 18
 ZC_EBROKEN = ZC_ERROR_BASE - 19
+ZC_EDEVICE = ZC_ERROR_BASE - 20
 
 # --- codec.h -----------------------------------------------------------------
 

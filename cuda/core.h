@@ -1,0 +1,164 @@
+/*
+ * What one thread computes: the reconstruction of one item (up to eight
+ * channels of one token of one head), in the order docs/CODEC.md fixes.
+ * Compiled twice: into the kernels by nvcc, and into the CPU emulation in
+ * tests/cuda_plan_test.c by cc, which checks the indexing here against
+ * zc_block_reconstruct on machines without a GPU. The two builds differ
+ * only in CORE_FN and the fp16 conversions, which are exact (half to float)
+ * or round-to-nearest-even with subnormals (float to half) on both sides.
+ *
+ * Reads: a payload may sit at any byte address, so multi-byte fields are
+ * assembled from aligned 32-bit words, and a word that reaches outside the
+ * head payload is assembled byte by byte from the bytes inside it (bytes
+ * outside read as 0). Every read is therefore inside the payload, whatever
+ * the mask says.
+ */
+#ifndef ZIPCACHE_CUDA_CORE_H
+#define ZIPCACHE_CUDA_CORE_H
+
+#include <stdint.h>
+
+#include "job.h"
+
+#ifdef __CUDACC__
+#include <cuda_fp16.h>
+#define CORE_FN __device__ static __forceinline__
+#define CORE_HALF_TO_FLOAT(bits) __half2float(__ushort_as_half((unsigned short)(bits)))
+#define CORE_FLOAT_TO_HALF(value) ((uint16_t)__half_as_ushort(__float2half_rn(value)))
+#define CORE_POPCOUNT64(word) ((uint32_t)__popcll(word))
+/* Separate, correctly rounded operations: the product is exact in any case
+ * (code < 256 times an fp16 scale), and the sum must round once, as on the CPU. */
+#define CORE_MUL(a, b) __fmul_rn(a, b)
+#define CORE_ADD(a, b) __fadd_rn(a, b)
+#else
+#include "zipcache/codec.h"
+#define CORE_FN static inline
+#define CORE_HALF_TO_FLOAT(bits) zc_fp16_to_float((uint16_t)(bits))
+#define CORE_FLOAT_TO_HALF(value) zc_float_to_fp16(value)
+#define CORE_POPCOUNT64(word) ((uint32_t)__builtin_popcountll(word))
+#define CORE_MUL(a, b) ((a) * (b))
+#define CORE_ADD(a, b) ((a) + (b))
+#endif
+
+/* The little-endian 32-bit word at address `at` (4-aligned, may lie partly
+ * outside [base, base + size)): one load when it lies inside, else its
+ * bytes inside, the others 0. */
+CORE_FN uint32_t core_word(const uint8_t *base, uint64_t size, uintptr_t at)
+{
+	uintptr_t begin = (uintptr_t)base, end = begin + size;
+	if (at >= begin && at + 4 <= end)
+		return *(const uint32_t *)at;
+	uint32_t word = 0;
+	for (uint32_t i = 0; i < 4; i++) {
+		uintptr_t byte = at + i;
+		if (byte >= begin && byte < end)
+			word |= (uint32_t)base[byte - begin] << (8 * i);
+	}
+	return word;
+}
+
+/* 64 bits of the byte stream base[0 .. size) from bit `bit` on (LSB first). */
+CORE_FN uint64_t core_bits64(const uint8_t *base, uint64_t size, uint64_t bit)
+{
+	uintptr_t address = (uintptr_t)base + (uintptr_t)(bit >> 3);
+	uintptr_t aligned = address & ~(uintptr_t)3;
+	uint32_t shift = (uint32_t)(address - aligned) * 8u + (uint32_t)(bit & 7u);
+	uint64_t low = (uint64_t)core_word(base, size, aligned) |
+		       (uint64_t)core_word(base, size, aligned + 4) << 32;
+	if (shift == 0)
+		return low;
+	uint64_t high = core_word(base, size, aligned + 8);
+	return (low >> shift) | (high << (64u - shift));
+}
+
+/* The mask word of tokens 64*w .. 64*w + 63 (bits past the mask's tokens
+ * cleared). */
+CORE_FN uint64_t core_mask_word(const struct cuda_job *job, const uint8_t *head, uint32_t w)
+{
+	uint64_t word = core_bits64(head, job->head_bytes, job->mask_offset * 8u + (uint64_t)w * 64u);
+	uint32_t left = job->tokens - w * 64u;
+	if (left < 64u)
+		word &= (UINT64_C(1) << left) - 1u;
+	return word;
+}
+
+/* 0 if the mask word's stray bits (past the last token, inside the mask's
+ * bytes) are clear, as zc_block_reconstruct demands. */
+CORE_FN int core_mask_stray(const struct cuda_job *job, const uint8_t *head, uint32_t w)
+{
+	uint32_t left = job->tokens - w * 64u;
+	if (left >= 64u || (job->tokens & 7u) == 0)
+		return 0;
+	uint64_t raw = core_bits64(head, job->head_bytes, job->mask_offset * 8u + (uint64_t)w * 64u);
+	uint32_t mask_bits = ((job->tokens + 7u) & ~7u) - w * 64u;
+	uint64_t in_mask = mask_bits >= 64u ? ~UINT64_C(0) : (UINT64_C(1) << mask_bits) - 1u;
+	uint64_t stray = raw & ~((UINT64_C(1) << left) - 1u) & in_mask;
+	return stray != 0;
+}
+
+/*
+ * Channels c0 .. c0 + n - 1 (n <= 8) of token t of a quantized head into
+ * out[0 .. n). prefix_word: the number of salient tokens before token
+ * 64 * (t / 64). Returns 0, or -1 (out untouched) when the mask puts the
+ * token past its subset's rows (a corrupt payload).
+ */
+CORE_FN int core_quantized_item(const struct cuda_job *job, const uint8_t *head,
+				uint32_t prefix_word, uint32_t t, uint32_t c0, uint32_t n,
+				uint16_t out[CHUNK_CHANNELS])
+{
+	uint64_t word = core_mask_word(job, head, t >> 6);
+	uint32_t below = t & 63u;
+	uint32_t rank = prefix_word + CORE_POPCOUNT64(word & ((UINT64_C(1) << below) - 1u));
+	uint32_t salient = (uint32_t)(word >> below) & 1u;
+	uint32_t row = salient ? rank : t - rank;
+	uint32_t rows = salient ? job->n_hi : job->n_lo;
+	uint32_t bits = salient ? job->hi_bits : job->lo_bits;
+	uint64_t params = salient ? job->hi_params_offset : job->lo_params_offset;
+	uint64_t codes = salient ? job->hi_codes_offset : job->lo_codes_offset;
+	uint64_t dim = job->dim;
+
+	if (row >= rows)
+		return -1;
+	uint64_t scales = params + (uint64_t)(row / job->group_size) * 4u * dim + 2u * c0;
+	uint64_t mins = scales + 2u * dim;
+	uint64_t window = core_bits64(head, job->head_bytes,
+				      codes * 8u + ((uint64_t)row * dim + c0) * bits);
+	uint64_t scale_bits[2], min_bits[2];
+	scale_bits[0] = core_bits64(head, job->head_bytes, scales * 8u);
+	scale_bits[1] = core_bits64(head, job->head_bytes, scales * 8u + 64u);
+	min_bits[0] = core_bits64(head, job->head_bytes, mins * 8u);
+	min_bits[1] = core_bits64(head, job->head_bytes, mins * 8u + 64u);
+	uint32_t code_mask = (1u << bits) - 1u;
+	for (uint32_t i = 0; i < CHUNK_CHANNELS; i++) {
+		if (i >= n)
+			break;
+		uint32_t code = (uint32_t)(window >> (i * bits)) & code_mask;
+		float scale = CORE_HALF_TO_FLOAT((scale_bits[i >> 2] >> (16u * (i & 3u))) & 0xffffu);
+		float min = CORE_HALF_TO_FLOAT((min_bits[i >> 2] >> (16u * (i & 3u))) & 0xffffu);
+		float y = CORE_ADD(CORE_MUL((float)code, scale), min);
+		/* As the CPU's max_keep/min_keep: the incumbent wins ties. */
+		y = y > -65504.0f ? y : -65504.0f;
+		y = y < 65504.0f ? y : 65504.0f;
+		out[i] = CORE_FLOAT_TO_HALF(y);
+	}
+	return 0;
+}
+
+/* Where flat head h of a job lands and, quantized, where its payload is. */
+CORE_FN uint64_t core_dst_head(const struct cuda_job *job, uint32_t h)
+{
+	uint32_t flat = job->head0 + h;
+	return job->dst + 2u * ((uint64_t)(flat / job->heads_per_batch) * job->dst_batch +
+				(uint64_t)(flat % job->heads_per_batch) * job->dst_head);
+}
+
+CORE_FN uint64_t core_src_head(const struct cuda_job *job, uint32_t h)
+{
+	if (job->kind == JOB_QUANTIZED)
+		return job->src + (uint64_t)h * job->head_bytes;
+	uint32_t flat = job->head0 + h;
+	return job->src + 2u * ((uint64_t)(flat / job->heads_per_batch) * job->src_batch +
+				(uint64_t)(flat % job->heads_per_batch) * job->src_head);
+}
+
+#endif
