@@ -30,6 +30,9 @@
  * (code < 256 times an fp16 scale), and the sum must round once, as on the CPU. */
 #define CORE_MUL(a, b) __fmul_rn(a, b)
 #define CORE_ADD(a, b) __fadd_rn(a, b)
+/* Through the read-only data cache: nothing a kernel reads is written
+ * during it, and saying so lets loads of later items start early. */
+#define CORE_LOAD32(address) __ldg((const unsigned int *)(address))
 #else
 #include "zipcache/codec.h"
 #define CORE_FN static inline
@@ -38,6 +41,7 @@
 #define CORE_POPCOUNT64(word) ((uint32_t)__builtin_popcountll(word))
 #define CORE_MUL(a, b) ((a) * (b))
 #define CORE_ADD(a, b) ((a) + (b))
+#define CORE_LOAD32(address) (*(const uint32_t *)(address))
 #endif
 
 /* The little-endian 32-bit word at address `at` (4-aligned, may lie partly
@@ -47,7 +51,7 @@ CORE_FN uint32_t core_word(const uint8_t *base, uint64_t size, uintptr_t at)
 {
 	uintptr_t begin = (uintptr_t)base, end = begin + size;
 	if (at >= begin && at + 4 <= end)
-		return *(const uint32_t *)at;
+		return CORE_LOAD32(at);
 	uint32_t word = 0;
 	for (uint32_t i = 0; i < 4; i++) {
 		uintptr_t byte = at + i;
@@ -159,6 +163,124 @@ CORE_FN uint64_t core_src_head(const struct cuda_job *job, uint32_t h)
 	uint32_t flat = job->head0 + h;
 	return job->src + 2u * ((uint64_t)(flat / job->heads_per_batch) * job->src_batch +
 				(uint64_t)(flat % job->heads_per_batch) * job->src_head);
+}
+
+/* The job of a launch whose range (of tiles, or of scan blocks) holds
+ * index: jobs start where the previous one ended, an empty one where its
+ * successor starts, so the last job starting at or below index is it. */
+CORE_FN uint64_t core_job_find(const struct cuda_job *jobs, uint64_t n, uint64_t index, int scan)
+{
+	uint64_t lo = 0, hi = n;
+	while (hi - lo > 1) {
+		uint64_t mid = (lo + hi) / 2;
+		uint64_t start = scan ? jobs[mid].scan0 : jobs[mid].tile0;
+		if (start <= index)
+			lo = mid;
+		else
+			hi = mid;
+	}
+	return lo;
+}
+
+/* What a tile's threads share: its head, its first token, its addresses. */
+struct core_tile {
+	uint64_t dst, src;
+	const uint32_t *words;   /* quantized: the head's prefix counts */
+	uint32_t first_token;
+	int skip;                /* the scan found the head's mask corrupt: write nothing */
+};
+
+CORE_FN void core_tile_begin(const struct cuda_job *job, const uint32_t *prefix, uint64_t local,
+			     struct core_tile *tile)
+{
+	uint32_t h = (uint32_t)(local / job->tiles_per_head);
+	tile->first_token = (uint32_t)(local % job->tiles_per_head) * job->tile_tokens;
+	tile->dst = core_dst_head(job, h);
+	tile->src = core_src_head(job, h);
+	tile->words = 0;
+	tile->skip = 0;
+	if (job->kind == JOB_QUANTIZED) {
+		tile->words = prefix + job->prefix + (uint64_t)h * (job->words + 1u);
+		tile->skip = tile->words[job->words] != 0;
+	}
+}
+
+#ifdef __CUDACC__
+CORE_FN void core_load_row(uint64_t address, uint16_t value[CHUNK_CHANNELS], uint32_t n, int vector)
+{
+	if (vector && n == CHUNK_CHANNELS) {
+		uint4 packed = __ldg((const uint4 *)(uintptr_t)address);
+		value[0] = (uint16_t)packed.x;
+		value[1] = (uint16_t)(packed.x >> 16);
+		value[2] = (uint16_t)packed.y;
+		value[3] = (uint16_t)(packed.y >> 16);
+		value[4] = (uint16_t)packed.z;
+		value[5] = (uint16_t)(packed.z >> 16);
+		value[6] = (uint16_t)packed.w;
+		value[7] = (uint16_t)(packed.w >> 16);
+		return;
+	}
+	const uint16_t *row = (const uint16_t *)(uintptr_t)address;
+	for (uint32_t i = 0; i < n; i++)
+		value[i] = row[i];
+}
+
+CORE_FN void core_store_row(uint64_t address, const uint16_t value[CHUNK_CHANNELS], uint32_t n,
+			    int vector)
+{
+	if (vector && n == CHUNK_CHANNELS) {
+		uint4 packed;
+		packed.x = (uint32_t)value[0] | (uint32_t)value[1] << 16;
+		packed.y = (uint32_t)value[2] | (uint32_t)value[3] << 16;
+		packed.z = (uint32_t)value[4] | (uint32_t)value[5] << 16;
+		packed.w = (uint32_t)value[6] | (uint32_t)value[7] << 16;
+		*(uint4 *)(uintptr_t)address = packed;
+		return;
+	}
+	uint16_t *out = (uint16_t *)(uintptr_t)address;
+	for (uint32_t i = 0; i < n; i++)
+		out[i] = value[i];
+}
+#else
+#include <string.h>
+
+CORE_FN void core_load_row(uint64_t address, uint16_t value[CHUNK_CHANNELS], uint32_t n, int vector)
+{
+	(void)vector;
+	memcpy(value, (const void *)(uintptr_t)address, 2u * n);
+}
+
+CORE_FN void core_store_row(uint64_t address, const uint16_t value[CHUNK_CHANNELS], uint32_t n,
+			    int vector)
+{
+	(void)vector;
+	memcpy((void *)(uintptr_t)address, value, 2u * n);
+}
+#endif
+
+/* Item i (0 .. TILE_ITEMS - 1) of a tile: token first_token + i / chunks,
+ * channels from 8 * (i % chunks). Returns 0 (done, or nothing to do past
+ * the tile's tokens), or -1 when the mask sends the token past its
+ * subset (nothing written). */
+CORE_FN int core_tile_item(const struct cuda_job *job, const struct core_tile *tile, uint32_t i)
+{
+	uint32_t t = tile->first_token + i / job->chunks;
+	if (i >= job->tile_tokens * job->chunks || t >= job->valid)
+		return 0;
+	uint32_t c0 = (i % job->chunks) * CHUNK_CHANNELS;
+	uint32_t n = job->dim - c0 < CHUNK_CHANNELS ? job->dim - c0 : CHUNK_CHANNELS;
+	uint16_t value[CHUNK_CHANNELS];
+	if (job->kind == JOB_QUANTIZED) {
+		if (core_quantized_item(job, (const uint8_t *)(uintptr_t)tile->src, tile->words[t >> 6],
+					t, c0, n, value) < 0)
+			return -1;
+	} else {
+		core_load_row(tile->src + 2u * ((uint64_t)t * job->src_token + c0), value, n,
+			      (int)job->vector);
+	}
+	core_store_row(tile->dst + 2u * ((uint64_t)t * job->dst_token + c0), value, n,
+		       (int)job->vector);
+	return 0;
 }
 
 #endif

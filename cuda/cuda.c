@@ -38,15 +38,23 @@
  * to move by DMA calls of their own. */
 #define DIRECT_MIN_BYTES (64u << 10)
 #define SLOT_ALIGN 256u
+/* A chunk this small (a decode step's rows and its job table) is read by
+ * the kernels straight from the pinned buffer over PCIe: cheaper than a
+ * DMA call, an event and a wait, which cost more than moving it. */
+#define IN_PLACE_MAX_BYTES (32u << 10)
+/* ... and has few thread blocks: each reads its job over PCIe too. */
+#define IN_PLACE_MAX_BLOCKS 256u
 
 struct slot {
 	uint8_t *pinned;
+	uint8_t *pinned_device;  /* the pinned buffer as the GPU addresses it */
 	uint8_t *device;
 	uint32_t *prefix;
 	uint64_t prefix_words;
 	cudaEvent_t copied;     /* its DMA has read the pinned buffer */
 	cudaEvent_t finished;   /* its kernels are done with the device buffer */
 	bool used;
+	bool read_in_place;     /* its last kernels read the pinned buffer itself */
 };
 
 struct registered {
@@ -146,7 +154,8 @@ static int slots_allocate(zc_cuda *cuda, size_t data_capacity)
 			cudaFree(slot->device);
 		slot->pinned = NULL;
 		slot->device = NULL;
-		CUDA_TRY(cuda, cudaHostAlloc((void **)&slot->pinned, bytes, cudaHostAllocDefault));
+		CUDA_TRY(cuda, cudaHostAlloc((void **)&slot->pinned, bytes, cudaHostAllocMapped));
+		CUDA_TRY(cuda, cudaHostGetDevicePointer((void **)&slot->pinned_device, slot->pinned, 0));
 		CUDA_TRY(cuda, cudaMalloc((void **)&slot->device, bytes));
 		slot->used = false;
 	}
@@ -315,7 +324,7 @@ static int chunk_transfer(zc_cuda *cuda, struct slot *slot, bool host)
 	struct cuda_job *jobs = (struct cuda_job *)(launch + 1);
 
 	if (slot->used)
-		CUDA_TRY(cuda, cudaEventSynchronize(slot->copied));
+		CUDA_TRY(cuda, cudaEventSynchronize(slot->read_in_place ? slot->finished : slot->copied));
 	/* Pinned runs: [run_begin, run_end) of staged bytes to move in one DMA. */
 	uint64_t run_begin = 0, run_end = 0;
 	bool run_open = false;
@@ -386,6 +395,36 @@ static int chunk_transfer(zc_cuda *cuda, struct slot *slot, bool host)
 	return 0;
 }
 
+/* A small chunk: staged into the pinned buffer, where its kernels read it. */
+static int chunk_in_place(zc_cuda *cuda, struct slot *slot, bool host)
+{
+	struct plan_chunk *chunk = &cuda->chunk;
+	size_t table_offset = align_to(chunk->data_bytes, SLOT_ALIGN);
+	struct cuda_launch *launch = (struct cuda_launch *)(slot->pinned + table_offset);
+	struct cuda_job *jobs = (struct cuda_job *)(launch + 1);
+
+	/* Its last kernels (which read it in place, or read what its DMA
+	 * brought) are done: then so is that DMA. */
+	if (slot->used)
+		CUDA_TRY(cuda, cudaEventSynchronize(slot->finished));
+	for (size_t i = 0; i < chunk->n_jobs; i++) {
+		jobs[i] = chunk->jobs[i];
+		if (!host)
+			continue;
+		jobs[i].src += (uint64_t)(uintptr_t)slot->pinned_device;
+		if (chunk->placements[i].bytes) {
+			plan_stage(&chunk->placements[i], slot->pinned);
+			cuda->stats.bytes_staged += chunk->placements[i].bytes;
+			cuda->stats.bytes_to_device += chunk->placements[i].bytes;
+		}
+	}
+	launch->n_jobs = chunk->n_jobs;
+	launch->tiles = chunk->tiles;
+	launch->scan_heads = chunk->scan_heads;
+	launch->pad = 0;
+	return 0;
+}
+
 static int layer_load(zc_cuda *cuda, const zc_cuda_layer *layer, cudaStream_t stream)
 {
 	struct plan *plan = &cuda->plan;
@@ -404,17 +443,30 @@ static int layer_load(zc_cuda *cuda, const zc_cuda_layer *layer, cudaStream_t st
 			return ZC_EBUFFER;
 		if ((rc = slot_prefix(cuda, slot, chunk->prefix_words)) < 0)
 			return rc;
-		if ((rc = chunk_transfer(cuda, slot, host)) < 0)
-			return rc;
-		CUDA_TRY(cuda, cudaStreamWaitEvent(stream, slot->copied, 0));
 		size_t table_offset = align_to(chunk->data_bytes, SLOT_ALIGN);
+		bool in_place = table_offset + sizeof(struct cuda_launch) +
+					chunk->n_jobs * sizeof(struct cuda_job) <= IN_PLACE_MAX_BYTES &&
+				chunk->tiles + chunk->scan_heads <= IN_PLACE_MAX_BLOCKS;
+		const uint8_t *base;
+		if (in_place) {
+			rc = chunk_in_place(cuda, slot, host);
+			base = slot->pinned_device;
+		} else {
+			rc = chunk_transfer(cuda, slot, host);
+			base = slot->device;
+			if (rc == 0)
+				CUDA_TRY(cuda, cudaStreamWaitEvent(stream, slot->copied, 0));
+		}
+		if (rc < 0)
+			return rc;
 		int launched = cuda_kernels_launch(
-			(const struct cuda_launch *)(slot->device + table_offset), chunk->n_jobs,
+			(const struct cuda_launch *)(base + table_offset), chunk->n_jobs,
 			chunk->tiles, chunk->scan_heads, slot->prefix, cuda->error, stream);
 		if (launched != cudaSuccess)
 			return device_error(cuda, (cudaError_t)launched, "kernel launch");
 		CUDA_TRY(cuda, cudaEventRecord(slot->finished, stream));
 		slot->used = true;
+		slot->read_in_place = in_place;
 		cuda->stats.chunks++;
 	}
 	return 0;

@@ -4,9 +4,10 @@
  * bytes on both sides.
  *
  * A job is some heads of one block tensor (or of the residual). Its work is
- * cut into tiles of TILE_ITEMS items; an item is up to CHUNK_CHANNELS
- * consecutive channels of one token (one 16-byte store). One thread block
- * does one tile; a grid covers the tiles of every job of a launch.
+ * cut into tiles of whole tokens of one head, at most TILE_ITEMS items; an
+ * item is up to CHUNK_CHANNELS consecutive channels of one token (one
+ * 16-byte store). One thread block does one tile; a grid covers the tiles
+ * of every job of a launch.
  */
 #ifndef ZIPCACHE_CUDA_JOB_H
 #define ZIPCACHE_CUDA_JOB_H
@@ -43,6 +44,7 @@ struct cuda_job {
 	uint32_t valid;            /* tokens written: 0 .. valid-1 */
 	uint32_t dim;
 	uint32_t chunks;           /* ceil(dim / CHUNK_CHANNELS) items per token */
+	uint32_t tile_tokens;      /* tokens per tile: TILE_ITEMS / chunks, at least 1 */
 	uint32_t tiles_per_head;
 	uint32_t n_hi, n_lo;
 	uint32_t group_size;

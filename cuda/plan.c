@@ -53,7 +53,18 @@ static uint64_t divide_up(uint64_t n, uint64_t d)
 static bool mask_matches(const zc_block_layout *layout, const uint8_t *mask)
 {
 	uint64_t count = 0;
-	for (size_t i = 0; i < layout->mask_bytes; i++)
+	size_t i = 0;
+	for (; i + 8 <= layout->mask_bytes; i += 8) {
+		uint64_t word;
+		memcpy(&word, mask + i, 8);
+		/* SWAR popcount: the portable build has no POPCNT instruction. */
+		word -= (word >> 1) & UINT64_C(0x5555555555555555);
+		word = (word & UINT64_C(0x3333333333333333)) +
+		       ((word >> 2) & UINT64_C(0x3333333333333333));
+		word = (word + (word >> 4)) & UINT64_C(0x0f0f0f0f0f0f0f0f);
+		count += (word * UINT64_C(0x0101010101010101)) >> 56;
+	}
+	for (; i < layout->mask_bytes; i++)
 		count += (uint64_t)__builtin_popcount(mask[i]);
 	unsigned used = layout->tokens & 7u;
 	if (used && (mask[layout->mask_bytes - 1] >> used) != 0)
@@ -108,7 +119,8 @@ static void job_shape(struct cuda_job *job, const zc_cuda_layer *layer, uint32_t
 	job->valid = valid;
 	job->dim = dim;
 	job->chunks = (uint32_t)divide_up(dim, CHUNK_CHANNELS);
-	job->tiles_per_head = (uint32_t)divide_up((uint64_t)valid * job->chunks, TILE_ITEMS);
+	job->tile_tokens = job->chunks >= TILE_ITEMS ? 1 : TILE_ITEMS / job->chunks;
+	job->tiles_per_head = (uint32_t)divide_up(valid, job->tile_tokens);
 }
 
 /* One tensor of one block: a quantized unit, or exact rows (values kept as fp16). */
@@ -230,8 +242,20 @@ int plan_layer(struct plan *plan, const zc_cuda_layer *layer, const zc_cuda_targ
 		return -EINVAL;
 	plan->memory = layer->memory;
 
-	/* Checks first, for every block, so a refusal queues nothing. */
-	for (size_t i = 0; i < layer->n_blocks; i++) {
+	/* What a mirror says the target holds already: those blocks were
+	 * checked when they were loaded and are immutable, so only the others
+	 * are checked (a decode step pays for its new rows, not the layer). */
+	size_t skip = 0;
+	bool known = mirror && mirror->known && same_target(&mirror->target, target) &&
+		     same_layer_shape(mirror, layer);
+	if (known) {
+		while (skip < layer->n_blocks && skip < mirror->n_blocks &&
+		       same_block(&mirror->blocks[skip], &layer->blocks[skip]))
+			skip++;
+	}
+
+	/* Checks first, so a refusal queues nothing. */
+	for (size_t i = skip; i < layer->n_blocks; i++) {
 		const zc_cuda_block *block = &layer->blocks[i];
 		zc_block_layout k, v;
 		zc_block_shape shape = { layer->batch, layer->heads, block->tokens, layer->head_dim_k };
@@ -282,31 +306,26 @@ int plan_layer(struct plan *plan, const zc_cuda_layer *layer, const zc_cuda_targ
 			return rc;
 	}
 
-	size_t skip = 0;
-	bool known = mirror && mirror->known && same_target(&mirror->target, target) &&
-		     same_layer_shape(mirror, layer);
-	if (known) {
-		while (skip < layer->n_blocks && skip < mirror->n_blocks &&
-		       same_block(&mirror->blocks[skip], &layer->blocks[skip]))
-			skip++;
-	}
 	plan->blocks_skipped = skip;
-	for (size_t i = skip; i < layer->n_blocks; i++) {
-		const zc_cuda_block *block = &layer->blocks[i];
-		zc_block_layout k, v;
-		zc_block_shape shape = { layer->batch, layer->heads, block->tokens, layer->head_dim_k };
-		if (block->valid_tokens == 0)
-			continue;
-		zc_block_layout_compute(&layer->config, ZC_TENSOR_KEYS, &shape, &k);
-		shape.head_dim = layer->head_dim_v;
-		zc_block_layout_compute(&layer->config, ZC_TENSOR_VALUES, &shape, &v);
-		if ((rc = plan_block_tensor(plan, layer, target, &k, ZC_TENSOR_KEYS, block->keys,
-					    block->first_token, block->valid_tokens)) < 0 ||
-		    (rc = plan_block_tensor(plan, layer, target, &v, ZC_TENSOR_VALUES,
-					    block->values, block->first_token,
-					    block->valid_tokens)) < 0)
-			goto out_free;
-		plan->blocks++;
+	/* All keys, then all values: a layer's K payloads lie back to back in
+	 * its K arena, so in this order neighbouring units are neighbours in
+	 * host memory too and move in one DMA. */
+	for (int tensor = ZC_TENSOR_KEYS; tensor <= ZC_TENSOR_VALUES; tensor++) {
+		for (size_t i = skip; i < layer->n_blocks; i++) {
+			const zc_cuda_block *block = &layer->blocks[i];
+			bool keys = tensor == ZC_TENSOR_KEYS;
+			zc_block_layout layout;
+			zc_block_shape shape = { layer->batch, layer->heads, block->tokens,
+						 keys ? layer->head_dim_k : layer->head_dim_v };
+			if (block->valid_tokens == 0)
+				continue;
+			zc_block_layout_compute(&layer->config, (zc_tensor)tensor, &shape, &layout);
+			if ((rc = plan_block_tensor(plan, layer, target, &layout, (zc_tensor)tensor,
+						    keys ? block->keys : block->values,
+						    block->first_token, block->valid_tokens)) < 0)
+				goto out_free;
+			plan->blocks += keys;
+		}
 	}
 	uint32_t done = known ? residual_done(mirror, layer) : 0;
 	if (layer->residual_tokens > done) {
@@ -343,7 +362,10 @@ bool plan_next_chunk(const struct plan *plan, struct plan_cursor *cursor,
 		const struct plan_unit *unit = &plan->units[cursor->unit];
 		uint32_t left = unit->job.n_heads - cursor->head;
 		uint32_t take = left;
-		uint64_t offset = align_up(chunk->data_bytes);
+		/* Exact rows are read 16 bytes at a time, so they start aligned;
+		 * payloads are read at any byte, so they pack back to back (and
+		 * neighbours in host memory stay neighbours: one DMA). */
+		uint64_t offset = unit->strided ? align_up(chunk->data_bytes) : chunk->data_bytes;
 		if (host && unit->per_head) {
 			uint64_t room = offset < data_capacity ? data_capacity - offset : 0;
 			uint64_t fit = room / unit->per_head;
@@ -365,9 +387,12 @@ bool plan_next_chunk(const struct plan *plan, struct plan_cursor *cursor,
 		/* Each head's dst is 16-byte aligned if the first is and every stride is. */
 		bool vector = job->dst % 16u == 0 && multiple_of_vector(job->dst_batch) &&
 			      multiple_of_vector(job->dst_head) && multiple_of_vector(job->dst_token);
+		/* Every job gets the running scan and prefix counts, those with
+		 * nothing to scan too: the kernels find a block's job by the
+		 * last start at or below its index, so starts must not go back. */
+		job->scan0 = chunk->scan_heads;
+		job->prefix = chunk->prefix_words;
 		if (job->kind == JOB_QUANTIZED) {
-			job->scan0 = chunk->scan_heads;
-			job->prefix = chunk->prefix_words;
 			chunk->scan_heads += take;
 			chunk->prefix_words += (uint64_t)take * (job->words + 1u);
 			const uint8_t *first = unit->source + (uint64_t)cursor->head * unit->head_stride_bytes;

@@ -38,47 +38,49 @@ static void emulate_scan(const struct cuda_job *job, const uint8_t *head, uint32
 	out[job->words] = bad || running != job->n_hi;
 }
 
-/* The kernels over one chunk whose job src are host addresses. Returns the
- * error flag the kernels would set. */
+/* The kernels over one chunk whose job src are host addresses, block by
+ * block as the GPU runs them: each scan block and each tile finds its job
+ * with core_job_find (checked against the job's range), then the tile's
+ * items go through core_tile_item. Returns the error flag the kernels
+ * would set. */
 static int emulate_chunk(const struct plan_chunk *chunk, uint64_t base)
 {
 	int error = 0;
+	struct cuda_job *jobs = malloc((chunk->n_jobs + 1) * sizeof *jobs);
+	uint32_t *prefix = malloc((chunk->prefix_words + 1) * sizeof(uint32_t));
+	ck_assert(jobs && prefix);
 	for (size_t j = 0; j < chunk->n_jobs; j++) {
-		struct cuda_job job = chunk->jobs[j];
-		job.src += base;
-		uint32_t *prefix = malloc(((size_t)job.words + 1) * sizeof(uint32_t));
-		ck_assert_ptr_nonnull(prefix);
-		for (uint32_t h = 0; h < job.n_heads; h++) {
-			uint64_t dst = core_dst_head(&job, h);
-			uint64_t src = core_src_head(&job, h);
-			if (job.kind == JOB_QUANTIZED) {
-				emulate_scan(&job, (const uint8_t *)(uintptr_t)src, prefix);
-				if (prefix[job.words]) {
-					error = 1;
-					continue;
-				}
-			}
-			for (uint64_t item = 0; item < (uint64_t)job.valid * job.chunks; item++) {
-				uint32_t t = (uint32_t)(item / job.chunks);
-				uint32_t c0 = (uint32_t)(item % job.chunks) * CHUNK_CHANNELS;
-				uint32_t n = job.dim - c0 < CHUNK_CHANNELS ? job.dim - c0 : CHUNK_CHANNELS;
-				uint16_t value[CHUNK_CHANNELS];
-				if (job.kind == JOB_QUANTIZED) {
-					if (core_quantized_item(&job, (const uint8_t *)(uintptr_t)src,
-								prefix[t >> 6], t, c0, n, value) < 0) {
-						error = 1;
-						continue;
-					}
-				} else {
-					memcpy(value, (const void *)(uintptr_t)(src + 2u * ((uint64_t)t * job.src_token + c0)),
-					       n * 2u);
-				}
-				memcpy((void *)(uintptr_t)(dst + 2u * ((uint64_t)t * job.dst_token + c0)),
-				       value, n * 2u);
-			}
-		}
-		free(prefix);
+		jobs[j] = chunk->jobs[j];
+		jobs[j].src += base;
 	}
+	for (uint64_t idx = 0; idx < chunk->scan_heads; idx++) {
+		uint64_t j = core_job_find(jobs, chunk->n_jobs, idx, 1);
+		const struct cuda_job *job = &jobs[j];
+		REQUIRE(job->kind == JOB_QUANTIZED && idx >= job->scan0 &&
+			idx < job->scan0 + job->n_heads, "scan block %llu went to job %llu",
+			(unsigned long long)idx, (unsigned long long)j);
+		uint32_t h = (uint32_t)(idx - job->scan0);
+		emulate_scan(job, (const uint8_t *)(uintptr_t)(job->src + (uint64_t)h * job->head_bytes),
+			     prefix + job->prefix + (uint64_t)h * (job->words + 1u));
+		error |= prefix[job->prefix + (uint64_t)h * (job->words + 1u) + job->words] != 0;
+	}
+	for (uint64_t tile_index = 0; tile_index < chunk->tiles; tile_index++) {
+		uint64_t j = core_job_find(jobs, chunk->n_jobs, tile_index, 0);
+		const struct cuda_job *job = &jobs[j];
+		REQUIRE(tile_index >= job->tile0 &&
+			tile_index < job->tile0 + (uint64_t)job->n_heads * job->tiles_per_head,
+			"tile %llu went to job %llu", (unsigned long long)tile_index,
+			(unsigned long long)j);
+		struct core_tile tile;
+		core_tile_begin(job, prefix, tile_index - job->tile0, &tile);
+		if (tile.skip)
+			continue;
+		for (uint32_t i = 0; i < TILE_ITEMS; i++)
+			if (core_tile_item(job, &tile, i) < 0)
+				error = 1;
+	}
+	free(prefix);
+	free(jobs);
 	return error;
 }
 

@@ -118,7 +118,7 @@ typedef struct zc_cuda_stats {
 /* Default bounce-buffer chunk: large enough that a chunk's DMA (~0.3 ms at
  * 50 GB/s) dwarfs the per-chunk launches, small enough that a layer of
  * 32768 tokens still takes several chunks to overlap. */
-#define ZC_CUDA_DEFAULT_CHUNK_BYTES (8u << 20)
+#define ZC_CUDA_DEFAULT_CHUNK_BYTES (16u << 20)
 
 /* Number of CUDA devices (>= 0), or ZC_EDEVICE when there is no usable
  * driver; never fails for lack of a GPU in another way. */
