@@ -75,6 +75,26 @@ CORE_FN uint64_t core_bits64(const uint8_t *base, uint64_t size, uint64_t bit)
 	return (low >> shift) | (high << (64u - shift));
 }
 
+/* 16 bytes of the stream from byte `offset` on, as two little-endian
+ * 64-bit halves: five aligned words at most. */
+CORE_FN void core_bytes16(const uint8_t *base, uint64_t size, uint64_t offset, uint64_t out[2])
+{
+	uintptr_t address = (uintptr_t)base + (uintptr_t)offset;
+	uintptr_t aligned = address & ~(uintptr_t)3;
+	uint32_t shift = (uint32_t)(address - aligned) * 8u;
+	uint64_t w0 = core_word(base, size, aligned), w1 = core_word(base, size, aligned + 4);
+	uint64_t w2 = core_word(base, size, aligned + 8), w3 = core_word(base, size, aligned + 12);
+	uint64_t low = w0 | w1 << 32, high = w2 | w3 << 32;
+	if (shift == 0) {
+		out[0] = low;
+		out[1] = high;
+		return;
+	}
+	uint64_t w4 = core_word(base, size, aligned + 16);
+	out[0] = (low >> shift) | (high << (64u - shift));
+	out[1] = (high >> shift) | (w4 << (64u - shift));
+}
+
 /* The mask word of tokens 64*w .. 64*w + 63 (bits past the mask's tokens
  * cleared). */
 CORE_FN uint64_t core_mask_word(const struct cuda_job *job, const uint8_t *head, uint32_t w)
@@ -102,15 +122,15 @@ CORE_FN int core_mask_stray(const struct cuda_job *job, const uint8_t *head, uin
 
 /*
  * Channels c0 .. c0 + n - 1 (n <= 8) of token t of a quantized head into
- * out[0 .. n). prefix_word: the number of salient tokens before token
- * 64 * (t / 64). Returns 0, or -1 (out untouched) when the mask puts the
- * token past its subset's rows (a corrupt payload).
+ * out[0 .. n). word: the mask word of token t (core_mask_word of t / 64);
+ * prefix_word: the number of salient tokens before that word. Returns 0,
+ * or -1 (out untouched) when the mask puts the token past its subset's
+ * rows (a corrupt payload).
  */
-CORE_FN int core_quantized_item(const struct cuda_job *job, const uint8_t *head,
+CORE_FN int core_quantized_item(const struct cuda_job *job, const uint8_t *head, uint64_t word,
 				uint32_t prefix_word, uint32_t t, uint32_t c0, uint32_t n,
 				uint16_t out[CHUNK_CHANNELS])
 {
-	uint64_t word = core_mask_word(job, head, t >> 6);
 	uint32_t below = t & 63u;
 	uint32_t rank = prefix_word + CORE_POPCOUNT64(word & ((UINT64_C(1) << below) - 1u));
 	uint32_t salient = (uint32_t)(word >> below) & 1u;
@@ -124,14 +144,11 @@ CORE_FN int core_quantized_item(const struct cuda_job *job, const uint8_t *head,
 	if (row >= rows)
 		return -1;
 	uint64_t scales = params + (uint64_t)(row / job->group_size) * 4u * dim + 2u * c0;
-	uint64_t mins = scales + 2u * dim;
 	uint64_t window = core_bits64(head, job->head_bytes,
 				      codes * 8u + ((uint64_t)row * dim + c0) * bits);
 	uint64_t scale_bits[2], min_bits[2];
-	scale_bits[0] = core_bits64(head, job->head_bytes, scales * 8u);
-	scale_bits[1] = core_bits64(head, job->head_bytes, scales * 8u + 64u);
-	min_bits[0] = core_bits64(head, job->head_bytes, mins * 8u);
-	min_bits[1] = core_bits64(head, job->head_bytes, mins * 8u + 64u);
+	core_bytes16(head, job->head_bytes, scales, scale_bits);
+	core_bytes16(head, job->head_bytes, scales + 2u * dim, min_bits);
 	uint32_t code_mask = (1u << bits) - 1u;
 	for (uint32_t i = 0; i < CHUNK_CHANNELS; i++) {
 		if (i >= n)
@@ -182,12 +199,16 @@ CORE_FN uint64_t core_job_find(const struct cuda_job *jobs, uint64_t n, uint64_t
 	return lo;
 }
 
-/* What a tile's threads share: its head, its first token, its addresses. */
+/* What a tile's threads share: its head, its first token, its addresses,
+ * and (quantized) the mask words of its tokens with their prefix counts. */
 struct core_tile {
 	uint64_t dst, src;
-	const uint32_t *words;   /* quantized: the head's prefix counts */
 	uint32_t first_token;
+	uint32_t first_word, n_words;
 	int skip;                /* the scan found the head's mask corrupt: write nothing */
+	const uint32_t *words;   /* quantized: the head's prefix counts */
+	uint64_t mask[TILE_MASK_WORDS];
+	uint32_t before[TILE_MASK_WORDS];
 };
 
 CORE_FN void core_tile_begin(const struct cuda_job *job, const uint32_t *prefix, uint64_t local,
@@ -199,10 +220,24 @@ CORE_FN void core_tile_begin(const struct cuda_job *job, const uint32_t *prefix,
 	tile->src = core_src_head(job, h);
 	tile->words = 0;
 	tile->skip = 0;
+	tile->first_word = tile->first_token >> 6;
+	tile->n_words = 0;
 	if (job->kind == JOB_QUANTIZED) {
+		uint32_t last = tile->first_token + job->tile_tokens;
+		last = (last < job->valid ? last : job->valid) - 1u;
+		tile->n_words = (last >> 6) - tile->first_word + 1u;
 		tile->words = prefix + job->prefix + (uint64_t)h * (job->words + 1u);
 		tile->skip = tile->words[job->words] != 0;
 	}
+}
+
+/* Mask word j (< n_words) of the tile and its prefix count; the threads of
+ * a block load them side by side. */
+CORE_FN void core_tile_word(const struct cuda_job *job, struct core_tile *tile, uint32_t j)
+{
+	uint32_t w = tile->first_word + j;
+	tile->mask[j] = core_mask_word(job, (const uint8_t *)(uintptr_t)tile->src, w);
+	tile->before[j] = tile->words[w];
 }
 
 #ifdef __CUDACC__
@@ -271,8 +306,9 @@ CORE_FN int core_tile_item(const struct cuda_job *job, const struct core_tile *t
 	uint32_t n = job->dim - c0 < CHUNK_CHANNELS ? job->dim - c0 : CHUNK_CHANNELS;
 	uint16_t value[CHUNK_CHANNELS];
 	if (job->kind == JOB_QUANTIZED) {
-		if (core_quantized_item(job, (const uint8_t *)(uintptr_t)tile->src, tile->words[t >> 6],
-					t, c0, n, value) < 0)
+		uint32_t j = (t >> 6) - tile->first_word;
+		if (core_quantized_item(job, (const uint8_t *)(uintptr_t)tile->src, tile->mask[j],
+					tile->before[j], t, c0, n, value) < 0)
 			return -1;
 	} else {
 		core_load_row(tile->src + 2u * ((uint64_t)t * job->src_token + c0), value, n,

@@ -17,9 +17,12 @@
 #define CHUNK_CHANNELS 8u
 #define TILE_THREADS 256u
 /* Items per thread: enough work per block that its start-up (finding the
- * job, loading the head's fields) is amortised; 64 tokens at D = 128. */
-#define TILE_ITEMS_PER_THREAD 4u
+ * job, loading the head's fields and mask words) is amortised; 128 tokens
+ * at D = 128. */
+#define TILE_ITEMS_PER_THREAD 8u
 #define TILE_ITEMS (TILE_THREADS * TILE_ITEMS_PER_THREAD)
+/* Mask words a tile's tokens can span (tiles start on any token). */
+#define TILE_MASK_WORDS (TILE_ITEMS / 64u + 2u)
 
 enum job_kind {
 	JOB_QUANTIZED = 0,  /* saliency-routed codes: mask, params, hi/lo codes */

@@ -93,8 +93,11 @@ reconstruct_kernel(const struct cuda_launch *launch, const uint32_t *prefix, int
 	__syncthreads();
 	if (tile.skip)
 		return; /* the scan flagged this head; the error is set */
+	if (threadIdx.x < tile.n_words)
+		core_tile_word(&job, &tile, threadIdx.x);
+	__syncthreads();
 	int bad = 0;
-#pragma unroll
+#pragma unroll 2
 	for (uint32_t k = 0; k < TILE_ITEMS_PER_THREAD; k++)
 		bad |= core_tile_item(&job, &tile, k * TILE_THREADS + threadIdx.x);
 	if (bad)

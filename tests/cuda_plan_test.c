@@ -75,6 +75,9 @@ static int emulate_chunk(const struct plan_chunk *chunk, uint64_t base)
 		core_tile_begin(job, prefix, tile_index - job->tile0, &tile);
 		if (tile.skip)
 			continue;
+		REQUIRE(tile.n_words <= TILE_MASK_WORDS, "tile spans %u mask words", tile.n_words);
+		for (uint32_t w = 0; w < tile.n_words; w++)
+			core_tile_word(job, &tile, w);
 		for (uint32_t i = 0; i < TILE_ITEMS; i++)
 			if (core_tile_item(job, &tile, i) < 0)
 				error = 1;

@@ -115,10 +115,11 @@ typedef struct zc_cuda_stats {
 	uint64_t chunks;            /* bounce-buffer chunks */
 } zc_cuda_stats;
 
-/* Default bounce-buffer chunk: large enough that a chunk's DMA (~0.3 ms at
- * 50 GB/s) dwarfs the per-chunk launches, small enough that a layer of
- * 32768 tokens still takes several chunks to overlap. */
-#define ZC_CUDA_DEFAULT_CHUNK_BYTES (16u << 20)
+/* Default bounce-buffer chunk. On an H200 a session of 32 layers x 32768
+ * tokens from registered memory loaded in 23.5 ms with 16 MiB chunks and
+ * 22.3 ms with 64 MiB (docs/BENCHMARKS.md): fewer chunks, fewer gaps
+ * between DMAs. A context holds two of them pinned and two on the device. */
+#define ZC_CUDA_DEFAULT_CHUNK_BYTES (64u << 20)
 
 /* Number of CUDA devices (>= 0), or ZC_EDEVICE when there is no usable
  * driver; never fails for lack of a GPU in another way. */
