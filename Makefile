@@ -5,6 +5,7 @@
 #   make bench    build and run the benchmarks
 #   make asan     build into build/asan with ASan+UBSan and run the tests
 #   make fuzz     libFuzzer over framing, decoding and dispatch (FUZZ_SECONDS=60)
+#   make check-gpu / bench-gpu   the CUDA library's tests / benchmark, on a GPU machine
 # `check` and `run` install their Debian packages first (see `deps`).
 
 BUILD ?= build
@@ -310,6 +311,9 @@ install: all
 	install -m 755 $(SHARED_LIB) $(DESTDIR)$(LIBDIR)/libzipcache.so.$(VERSION)
 	ln -sfn libzipcache.so.$(VERSION) $(DESTDIR)$(LIBDIR)/$(SONAME)
 	ln -sfn $(SONAME) $(DESTDIR)$(LIBDIR)/libzipcache.so
+	$(if $(NVCC),install -m 755 $(CUDA_LIB) $(DESTDIR)$(LIBDIR)/libzipcache_cuda.so.$(VERSION))
+	$(if $(NVCC),ln -sfn libzipcache_cuda.so.$(VERSION) $(DESTDIR)$(LIBDIR)/$(CUDA_SONAME))
+	$(if $(NVCC),ln -sfn $(CUDA_SONAME) $(DESTDIR)$(LIBDIR)/libzipcache_cuda.so)
 	printf '%s\n' 'prefix=$(PREFIX)' 'libdir=$(LIBDIR)' 'includedir=$(INCLUDEDIR)' '' \
 		'Name: zipcache' 'Description: zipcached client library and codec' 'Version: $(VERSION)' \
 		'Libs: -L$${libdir} -lzipcache' 'Libs.private: $(NANOPB_LIBS) -lm' 'Cflags: -I$${includedir}' \
