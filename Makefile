@@ -5,6 +5,7 @@
 #   make bench    build and run the benchmarks
 #   make asan     build into build/asan with ASan+UBSan and run the tests
 #   make fuzz     libFuzzer over framing, decoding and dispatch (FUZZ_SECONDS=60)
+#   make check-gpu / bench-gpu   the CUDA library's tests / benchmark, on a GPU machine
 # `check` and `run` install their Debian packages first (see `deps`).
 
 BUILD ?= build
@@ -77,7 +78,7 @@ SERVER_LIBS = $(shell pkg-config --libs libmicrohttpd libsystemd)
 # build stage) the first.
 BUILD_PACKAGES = gcc libc6-dev make $(foreach need,$(BUILD_NEEDS),$(lastword $(subst :, ,$(need))))
 DEPS_PACKAGES = $(BUILD_PACKAGES) python3-protobuf check python3-numpy python3-pytest prometheus \
-	python3-yaml
+	python3-yaml python3-torch
 
 AVX2_FLAGS = -mavx2 -mfma -mf16c -mbmi -mbmi2
 AVX512_FLAGS = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mbmi -mbmi2
@@ -93,7 +94,8 @@ TOOL_NAMES = $(patsubst tools/%.c,%,$(TOOL_MAINS))
 TOOL_LIB_SRC = $(filter-out $(TOOL_MAINS),$(wildcard tools/*.c))
 TEST_NAMES = $(patsubst tests/%_test.c,%,$(wildcard tests/*_test.c))
 TEST_LIB_SRC = $(filter-out %_test.c,$(wildcard tests/*.c))
-BENCH_NAMES = $(patsubst bench/%_bench.c,%,$(wildcard bench/*_bench.c))
+# cuda_bench needs CUDA: built with the CUDA library, run by `make bench-gpu`.
+BENCH_NAMES = $(filter-out cuda,$(patsubst bench/%_bench.c,%,$(wildcard bench/*_bench.c)))
 BENCH_LIB_SRC = $(filter-out %_bench.c,$(wildcard bench/*.c))
 EXAMPLE_NAMES = $(patsubst examples/%.c,%,$(wildcard examples/*.c))
 
@@ -116,12 +118,32 @@ TESTS = $(addprefix $(BUILD)/tests/,$(TEST_NAMES))
 BENCHES = $(addprefix $(BUILD)/bench/,$(BENCH_NAMES))
 EXAMPLES = $(addprefix $(BUILD)/bin/,$(EXAMPLE_NAMES))
 
-.PHONY: all deps deps-build check check-run check-no-rebuild bench bench-run asan run install clean
+# ---- CUDA: libzipcache_cuda.so, only where nvcc is (never required) ----
+# nvcc from PATH, else CUDA's default prefix; none: nothing of this is
+# built and `make check` says so in one line. Machine code for Ampere and
+# Hopper plus PTX for later chips.
+NVCC ?= $(firstword $(shell command -v nvcc 2>/dev/null) $(wildcard /usr/local/cuda/bin/nvcc))
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+CUDA_ARCH ?= -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=[sm_90,compute_90]
+CUDA_LIB = $(BUILD)/lib/libzipcache_cuda.so
+CUDA_SONAME = libzipcache_cuda.so.$(firstword $(subst ., ,$(VERSION)))
+CUDA_OBJ = $(BUILD)/obj/cuda/cuda.o $(BUILD)/obj/cuda/plan.o $(BUILD)/obj/cuda/kernels.o
+# The runtime linked in statically: the library needs only the driver.
+CUDA_LIBS = -L$(CUDA_HOME)/lib64 -lcudart_static -lstdc++ -ldl -lrt -lpthread
+# Against the shared client library by its soname, found beside the
+# library (and from build/tests/gpu, build/bench), wherever the tree is.
+SHARED_LINK = -L$(BUILD)/lib -l:libzipcache.so -Wl,-rpath,'$$ORIGIN' -Wl,-rpath,'$$ORIGIN/../lib' \
+	-Wl,-rpath,'$$ORIGIN/../../lib'
+GPU_TESTS = $(if $(NVCC),$(BUILD)/tests/gpu/cuda_test)
+CUDA_BENCH = $(if $(NVCC),$(BUILD)/bench/cuda_bench)
+CUDA_ALL = $(if $(NVCC),$(CUDA_LIB) $(BUILD)/lib/$(CUDA_SONAME) $(GPU_TESTS) $(CUDA_BENCH))
+
+.PHONY: all deps deps-build check check-run check-no-rebuild check-gpu bench-gpu bench bench-run asan run install clean
 .DEFAULT_GOAL := all
 # Keep objects make considers intermediate, so a second `make` relinks nothing.
 .SECONDARY:
 
-all: $(STATIC_LIB) $(SHARED_LIB) $(DAEMON) $(TOOLS) $(EXAMPLES)
+all: $(STATIC_LIB) $(SHARED_LIB) $(DAEMON) $(TOOLS) $(EXAMPLES) $(CUDA_ALL)
 
 # Only what is missing, without Recommends, and no service left enabled or
 # running by the install (build-aux/deps.sh says how).
@@ -195,6 +217,50 @@ $(BUILD)/bench/%: $(BUILD)/obj/bench/%_bench.o $(BENCH_LIB_OBJ) $(LINK_ALL)
 	@mkdir -p $(dir $@)
 	$(CC) -o $@ $^ $(LINK_LIBS) $(ZC_LDFLAGS)
 
+# CUDA (variables above): the library, its GPU suite and benchmark.
+$(BUILD)/lib/$(SONAME): $(SHARED_LIB)
+	ln -sfn libzipcache.so $@
+
+$(BUILD)/lib/$(CUDA_SONAME): $(CUDA_LIB)
+	ln -sfn libzipcache_cuda.so $@
+
+$(BUILD)/obj/cuda/cuda.o $(BUILD)/obj/tests/gpu/cuda_test.o $(BUILD)/obj/bench/cuda_bench.o: \
+	EXTRA_CFLAGS += -I$(CUDA_HOME)/include
+$(BUILD)/obj/tests/gpu/cuda_test.o: EXTRA_CFLAGS += $(CHECK_CFLAGS)
+
+$(BUILD)/obj/cuda/kernels.o: cuda/kernels.cu cuda/core.h cuda/job.h cuda/kernels.h
+	@mkdir -p $(dir $@)
+	$(NVCC) $(CUDA_ARCH) -O3 -std=c++17 -Iinclude -Xcompiler -fPIC -c $< -o $@
+
+$(CUDA_LIB): $(CUDA_OBJ) cuda/libzipcache_cuda.map $(SHARED_LIB) $(BUILD)/lib/$(SONAME)
+	$(CC) -shared -Wl,-soname,$(CUDA_SONAME) -Wl,--version-script=cuda/libzipcache_cuda.map \
+		-o $@ $(CUDA_OBJ) $(CUDA_LIBS) $(SHARED_LINK) $(ZC_LDFLAGS)
+
+$(BUILD)/tests/gpu/cuda_test: $(BUILD)/obj/tests/gpu/cuda_test.o $(BUILD)/obj/tests/cuda_layers.o \
+		$(BUILD)/obj/tests/suite_main.o $(CUDA_LIB) $(BUILD)/lib/$(CUDA_SONAME)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $(filter %.o,$^) -L$(BUILD)/lib -l:libzipcache_cuda.so $(SHARED_LINK) \
+		$(CUDA_LIBS) $(CHECK_LIBS) -lm $(ZC_LDFLAGS)
+
+$(BUILD)/bench/cuda_bench: $(BUILD)/obj/bench/cuda_bench.o $(BUILD)/obj/bench/synthetic_kv.o $(CUDA_LIB) \
+		$(BUILD)/lib/$(CUDA_SONAME)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $(filter %.o,$^) -L$(BUILD)/lib -l:libzipcache_cuda.so $(SHARED_LINK) \
+		$(CUDA_LIBS) -lm -lpthread $(ZC_LDFLAGS)
+
+# The CPU half of the CUDA code (planning, and core.h's arithmetic under
+# emulation) is tested everywhere, nvcc or not.
+$(BUILD)/tests/cuda_plan: $(BUILD)/obj/cuda/plan.o
+
+# On a machine with a GPU: bit identity, incremental loads, memcheck, and
+# the Python GPU tests (torch, transformers generate()).
+check-gpu: all
+	@ZC_BUILD_DIR=$(abspath $(BUILD)) sh cuda/check-gpu.sh
+
+# The GPU benchmark (docs/BENCHMARKS.md): JSON lines.
+bench-gpu: all
+	$(CUDA_BENCH) $(BENCH_GPU_ARGS)
+
 check: deps
 	@$(MAKE) --no-print-directory check-run check-no-rebuild
 
@@ -209,6 +275,7 @@ check-run: all $(TESTS)
 		if ZC_BUILD_DIR=$(abspath $(BUILD)) ZC_SOURCE_DIR=$(CURDIR) $$t; then pass=$$((pass+1)); \
 		else fail=$$((fail+1)); echo "FAILED: $$t"; fi; \
 	done; \
+	$(if $(NVCC),ZC_BUILD_DIR=$(abspath $(BUILD)) $(GPU_TESTS) --probe,echo "gpu: skipped: no nvcc here, so libzipcache_cuda.so and its tests were not built"); \
 	echo "suites: $$pass passed, $$fail failed"; [ $$fail -eq 0 ]
 
 # After a full build a second `make` must find nothing to do; -q asks
@@ -244,6 +311,9 @@ install: all
 	install -m 755 $(SHARED_LIB) $(DESTDIR)$(LIBDIR)/libzipcache.so.$(VERSION)
 	ln -sfn libzipcache.so.$(VERSION) $(DESTDIR)$(LIBDIR)/$(SONAME)
 	ln -sfn $(SONAME) $(DESTDIR)$(LIBDIR)/libzipcache.so
+	$(if $(NVCC),install -m 755 $(CUDA_LIB) $(DESTDIR)$(LIBDIR)/libzipcache_cuda.so.$(VERSION))
+	$(if $(NVCC),ln -sfn libzipcache_cuda.so.$(VERSION) $(DESTDIR)$(LIBDIR)/$(CUDA_SONAME))
+	$(if $(NVCC),ln -sfn $(CUDA_SONAME) $(DESTDIR)$(LIBDIR)/libzipcache_cuda.so)
 	printf '%s\n' 'prefix=$(PREFIX)' 'libdir=$(LIBDIR)' 'includedir=$(INCLUDEDIR)' '' \
 		'Name: zipcache' 'Description: zipcached client library and codec' 'Version: $(VERSION)' \
 		'Libs: -L$${libdir} -lzipcache' 'Libs.private: $(NANOPB_LIBS) -lm' 'Cflags: -I$${includedir}' \

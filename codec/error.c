@@ -32,6 +32,7 @@ static const struct error_text error_texts[] = {
 	{ ZC_ESTALE, "ZC_ESTALE", "the view was read after its lease ended or after it was dropped; "
 				  "fetch it again" },
 	{ ZC_EAGAIN, "ZC_EAGAIN", "the layer changed while it was read; read it again" },
+	{ ZC_EDEVICE, "ZC_EDEVICE", "the GPU or its driver failed (zc_cuda_last_error says how)" },
 };
 
 static const struct error_text *error_find(int code)

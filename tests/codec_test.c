@@ -2428,6 +2428,7 @@ START_TEST(test_error_strings)
 		{ ZC_EBROKEN, "ZC_EBROKEN" },
 		{ ZC_ESTALE, "ZC_ESTALE" },
 		{ ZC_EAGAIN, "ZC_EAGAIN" },
+		{ ZC_EDEVICE, "ZC_EDEVICE" },
 	};
 	size_t count = sizeof codes / sizeof codes[0];
 

@@ -35,7 +35,8 @@ enum zc_error {
 	ZC_EBROKEN = ZC_ERROR_BASE - 19,       /* connection unusable since an earlier failure */
 	ZC_ESTALE = ZC_ERROR_BASE - 20,        /* a view read after its lease (or after a drop) */
 	ZC_EAGAIN = ZC_ERROR_BASE - 21,        /* the layer changed during a read: read again */
-	ZC_ERROR_LAST = ZC_ERROR_BASE - 22
+	ZC_EDEVICE = ZC_ERROR_BASE - 22,       /* the GPU or its driver failed (libzipcache_cuda) */
+	ZC_ERROR_LAST = ZC_ERROR_BASE - 23
 };
 
 /* A static sentence describing code; never NULL. */

@@ -734,6 +734,24 @@ class Session:
         v = self._read_view(handle, layer)
         return self._arrays(handle, layer, v, v.tokens)
 
+    def last_residual_tokens(self, layer: int) -> int:
+        """Exact residual tokens of ``layer`` as of this handle's last update reply (0: none yet).
+
+        Those are the layer's last tokens and the only ones a later update
+        can rewrite (a flush replaces them by their reconstruction); every
+        token before them is final until a trim. The GPU mirror in
+        zipcache.torch copies only from there on.
+        """
+        layer = self._check_layer(layer, "last_residual_tokens")
+        cached = self._stats[layer]
+        return int(cached[1].residual_tokens) if cached is not None else 0
+
+    def to_device(self, layer: int, device: Any = "cuda") -> tuple[Any, Any]:
+        """The layer's K and V as torch tensors on ``device`` (zipcache.torch.to_device)."""
+        from .torch import to_device
+
+        return to_device(self, layer, device)
+
     def tokens(self, layer: int) -> int:
         """Tokens stored in ``layer``; read as view() reads."""
         handle = self._native()

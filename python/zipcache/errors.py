@@ -168,6 +168,7 @@ _BY_CODE: dict[int, type[ZipCacheError]] = {
     _lib.ZC_EPRECONDITION: FailedPrecondition,
     _lib.ZC_EINTERNAL: Internal,
     _lib.ZC_ECORRUPT: Internal,
+    _lib.ZC_EDEVICE: Internal,
     # A client-side ZC_EPROTOCOL means the reply made no sense: the
     # connection cannot be trusted any more, like a dropped one.
     _lib.ZC_EPROTOCOL: Unavailable,

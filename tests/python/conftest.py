@@ -123,3 +123,8 @@ def open_session(client: zipcache.Client):
                 s.close()
             except zipcache.NotFound:
                 pass  # a test closed it through another handle of the same session
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and torch with CUDA "
+                            "(run by `make check-gpu`; skipped elsewhere)")

@@ -1,0 +1,486 @@
+/*
+ * The CUDA reconstruction without a GPU: plan.c's validation, chunking and
+ * mirror logic, and the kernels' per-thread arithmetic (cuda/core.h)
+ * driven over every job the way the kernels drive it, against
+ * zc_block_reconstruct bit for bit. What this cannot check (the kernels'
+ * thread mapping, the CUDA calls, the pipeline's synchronisation) is
+ * tests/gpu/cuda_test.c's job on a GPU (`make check-gpu`).
+ */
+#include <check.h>
+
+#include <errno.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../cuda/core.h"
+#include "../cuda/plan.h"
+#include "cuda_layers.h"
+#include "suite_main.h"
+
+#define REQUIRE(condition, ...) \
+	do { \
+		if (!(condition)) \
+			ck_abort_msg(__VA_ARGS__); \
+	} while (0)
+
+/* What the scan kernel computes for one head: prefix counts and verdict. */
+static void emulate_scan(const struct cuda_job *job, const uint8_t *head, uint32_t *out)
+{
+	uint32_t running = 0;
+	int bad = 0;
+	for (uint32_t w = 0; w < job->words; w++) {
+		out[w] = running;
+		running += (uint32_t)__builtin_popcountll(core_mask_word(job, head, w));
+		bad |= core_mask_stray(job, head, w);
+	}
+	out[job->words] = bad || running != job->n_hi;
+}
+
+/* The kernels over one chunk whose job src are host addresses, block by
+ * block as the GPU runs them: each scan block and each tile finds its job
+ * with core_job_find (checked against the job's range), then the tile's
+ * items go through core_tile_item. Returns the error flag the kernels
+ * would set. */
+static int emulate_chunk(const struct plan_chunk *chunk, uint64_t base)
+{
+	int error = 0;
+	struct cuda_job *jobs = malloc((chunk->n_jobs + 1) * sizeof *jobs);
+	uint32_t *prefix = malloc((chunk->prefix_words + 1) * sizeof(uint32_t));
+	ck_assert(jobs && prefix);
+	for (size_t j = 0; j < chunk->n_jobs; j++) {
+		jobs[j] = chunk->jobs[j];
+		jobs[j].src += base;
+	}
+	for (uint64_t idx = 0; idx < chunk->scan_heads; idx++) {
+		uint64_t j = core_job_find(jobs, chunk->n_jobs, idx, 1);
+		const struct cuda_job *job = &jobs[j];
+		REQUIRE(job->kind == JOB_QUANTIZED && idx >= job->scan0 &&
+			idx < job->scan0 + job->n_heads, "scan block %llu went to job %llu",
+			(unsigned long long)idx, (unsigned long long)j);
+		uint32_t h = (uint32_t)(idx - job->scan0);
+		emulate_scan(job, (const uint8_t *)(uintptr_t)(job->src + (uint64_t)h * job->head_bytes),
+			     prefix + job->prefix + (uint64_t)h * (job->words + 1u));
+		error |= prefix[job->prefix + (uint64_t)h * (job->words + 1u) + job->words] != 0;
+	}
+	for (uint64_t tile_index = 0; tile_index < chunk->tiles; tile_index++) {
+		uint64_t j = core_job_find(jobs, chunk->n_jobs, tile_index, 0);
+		const struct cuda_job *job = &jobs[j];
+		REQUIRE(tile_index >= job->tile0 &&
+			tile_index < job->tile0 + (uint64_t)job->n_heads * job->tiles_per_head,
+			"tile %llu went to job %llu", (unsigned long long)tile_index,
+			(unsigned long long)j);
+		struct core_tile tile;
+		core_tile_begin(job, prefix, tile_index - job->tile0, &tile);
+		if (tile.skip)
+			continue;
+		REQUIRE(tile.n_words <= TILE_MASK_WORDS, "tile spans %u mask words", tile.n_words);
+		for (uint32_t w = 0; w < tile.n_words; w++)
+			core_tile_word(job, &tile, w);
+		for (uint32_t i = 0; i < TILE_ITEMS; i++)
+			if (core_tile_item(job, &tile, i) < 0)
+				error = 1;
+	}
+	free(prefix);
+	free(jobs);
+	return error;
+}
+
+struct emulator {
+	struct plan plan;
+	struct plan_chunk chunk;
+	uint8_t *data;
+	uint64_t capacity;
+	size_t chunks;
+};
+
+static void emulator_init(struct emulator *e, uint64_t capacity)
+{
+	memset(e, 0, sizeof *e);
+	plan_init(&e->plan);
+	e->chunk.max_jobs = 5; /* small, so tables fill and chunks split */
+	e->chunk.jobs = calloc(e->chunk.max_jobs, sizeof *e->chunk.jobs);
+	e->chunk.placements = calloc(e->chunk.max_jobs, sizeof *e->chunk.placements);
+	e->capacity = capacity;
+	ck_assert_ptr_nonnull(e->chunk.jobs);
+	ck_assert_ptr_nonnull(e->chunk.placements);
+}
+
+static void emulator_free(struct emulator *e)
+{
+	plan_free(&e->plan);
+	free(e->chunk.jobs);
+	free(e->chunk.placements);
+	free(e->data);
+}
+
+/* zc_cuda_load_layer's steps with memcpy for DMA and emulate_chunk for the kernels. */
+static int emulate_load(struct emulator *e, const zc_cuda_layer *layer,
+			const zc_cuda_target *target, zc_cuda_mirror *mirror, int *error)
+{
+	int rc = plan_layer(&e->plan, layer, target, mirror);
+	if (rc < 0)
+		return rc;
+	uint64_t capacity = e->capacity;
+	if (e->plan.max_per_head > capacity)
+		capacity = e->plan.max_per_head;
+	free(e->data);
+	e->data = malloc(capacity + PLAN_ALIGN);
+	ck_assert_ptr_nonnull(e->data);
+	struct plan_cursor cursor = { 0, 0 };
+	*error = 0;
+	while (plan_next_chunk(&e->plan, &cursor, capacity, &e->chunk)) {
+		REQUIRE(e->chunk.data_bytes <= capacity, "chunk of %llu bytes past %llu",
+			(unsigned long long)e->chunk.data_bytes, (unsigned long long)capacity);
+		uint64_t base = 0;
+		if (layer->memory == ZC_CUDA_HOST) {
+			for (size_t j = 0; j < e->chunk.n_jobs; j++)
+				if (e->chunk.placements[j].bytes)
+					plan_stage(&e->chunk.placements[j], e->data);
+			base = (uint64_t)(uintptr_t)e->data;
+		}
+		*error |= emulate_chunk(&e->chunk, base);
+		e->chunks++;
+	}
+	return mirror ? plan_mirror_update(mirror, layer, target) : 0;
+}
+
+struct host_target {
+	struct test_target shape;
+	uint16_t *keys, *values, *expected_keys, *expected_values;
+	zc_cuda_target target;
+};
+
+static void host_target_init(struct host_target *t, const struct test_layer *layer,
+			     uint32_t max_tokens, uint32_t token_pad, uint32_t head_pad)
+{
+	test_target_shape(&t->shape, layer, max_tokens, token_pad, head_pad);
+	t->keys = malloc(t->shape.key_elements * 2 + 2);
+	t->values = malloc(t->shape.value_elements * 2 + 2);
+	t->expected_keys = malloc(t->shape.key_elements * 2 + 2);
+	t->expected_values = malloc(t->shape.value_elements * 2 + 2);
+	ck_assert(t->keys && t->values && t->expected_keys && t->expected_values);
+	test_fill_sentinel(t->keys, t->shape.key_elements);
+	test_fill_sentinel(t->values, t->shape.value_elements);
+	t->target = (zc_cuda_target){ t->keys, t->values, t->shape.key_strides,
+				      t->shape.value_strides, max_tokens };
+}
+
+static void host_target_free(struct host_target *t)
+{
+	free(t->keys);
+	free(t->values);
+	free(t->expected_keys);
+	free(t->expected_values);
+}
+
+static void assert_matches(struct host_target *t, const struct test_layer *layer,
+			   const char *what, int index)
+{
+	ck_assert_int_eq(test_expected(layer, &t->shape, t->expected_keys, t->expected_values), 0);
+	long k = test_first_difference(t->keys, t->expected_keys, t->shape.key_elements);
+	long v = test_first_difference(t->values, t->expected_values, t->shape.value_elements);
+	REQUIRE(k < 0, "%s case %d: keys differ at element %ld: %#x, CPU codec %#x", what, index, k,
+		k < 0 ? 0 : t->keys[k], k < 0 ? 0 : t->expected_keys[k]);
+	REQUIRE(v < 0, "%s case %d: values differ at element %ld: %#x, CPU codec %#x", what, index,
+		v, v < 0 ? 0 : t->values[v], v < 0 ? 0 : t->expected_values[v]);
+}
+
+static void build_case(struct test_layer *layer, const struct test_case_config *c, int index)
+{
+	int rc = test_layer_build(layer, &c->config, c->batch, c->heads, c->head_dim_k,
+				  c->head_dim_v, c->block_tokens, c->n_blocks, c->residual,
+				  1000u + (uint64_t)index);
+	REQUIRE(rc == 0, "case %d: build failed: %s", index, zc_strerror(rc));
+}
+
+/* Every config the codec tests use, through small chunks (heads split
+ * between chunks, job tables full), host and device memory. */
+START_TEST(test_emulated_bit_identity)
+{
+	for (int i = 0; i < test_case_config_count(); i++) {
+		struct test_case_config c;
+		struct test_layer layer;
+		struct host_target t;
+		struct emulator e;
+		int error;
+
+		test_case_config_get(i, &c);
+		build_case(&layer, &c, i);
+		zc_cuda_layer *l = test_layer_state(&layer, layer.n_blocks, c.residual);
+		if (i % 4 == 3)
+			l->memory = ZC_CUDA_DEVICE; /* host pointers stand in for device ones */
+		host_target_init(&t, &layer, layer.tokens + 3, c.token_pad, c.head_pad);
+		emulator_init(&e, 1000 + (uint64_t)(i % 7) * 3000);
+		REQUIRE(emulate_load(&e, l, &t.target, NULL, &error) == 0, "case %d: load", i);
+		REQUIRE(error == 0, "case %d: the kernels flagged a valid payload", i);
+		assert_matches(&t, &layer, "full", i);
+		emulator_free(&e);
+		host_target_free(&t);
+		test_layer_free(&layer);
+	}
+}
+END_TEST
+
+/* A layer that grows as the daemon grows it: blocks appended, the residual
+ * filling and then flushed into a block. After every step the mirrored
+ * (incremental) target equals a full load and the CPU codec, and the plan
+ * moved only what was new. */
+START_TEST(test_emulated_incremental)
+{
+	for (int i = 0; i < test_case_config_count(); i += 5) {
+		struct test_case_config c;
+		struct test_layer layer;
+		struct host_target inc, full;
+		struct emulator e;
+		zc_cuda_mirror *mirror = NULL;
+		int error;
+
+		test_case_config_get(i, &c);
+		c.n_blocks = 3;
+		c.block_tokens[0] = 40;
+		c.block_tokens[1] = 9;
+		c.block_tokens[2] = 17;
+		c.residual = 20;
+		build_case(&layer, &c, i);
+		host_target_init(&inc, &layer, layer.tokens, c.token_pad, c.head_pad);
+		host_target_init(&full, &layer, layer.tokens, c.token_pad, c.head_pad);
+		emulator_init(&e, 1u << 20);
+		ck_assert_int_eq(zc_cuda_mirror_new(&mirror), 0);
+		/* (blocks, residual rows): the residual grows, then its tokens
+		 * become the next block and a new residual starts after it. */
+		static const uint32_t steps[][2] = { { 0, 0 }, { 0, 1 }, { 0, 2 }, { 1, 0 },
+						     { 1, 3 }, { 1, 4 }, { 1, 9 }, { 2, 0 },
+						     { 2, 1 }, { 3, 5 }, { 3, 6 }, { 3, 20 } };
+		for (size_t s = 0; s < sizeof steps / sizeof steps[0]; s++) {
+			zc_cuda_layer *l = test_layer_state(&layer, steps[s][0], steps[s][1]);
+			REQUIRE(emulate_load(&e, l, &inc.target, mirror, &error) == 0 && !error,
+				"case %d step %zu: incremental load", i, s);
+			size_t moved_blocks = e.plan.blocks;
+			uint64_t moved_rows = e.plan.residual_rows;
+			size_t expected_blocks = s == 0 ? steps[s][0] : steps[s][0] - steps[s - 1][0];
+			uint32_t kept_rows = s > 0 && steps[s][0] == steps[s - 1][0] ? steps[s - 1][1] : 0;
+			REQUIRE(moved_blocks == expected_blocks, "case %d step %zu: %zu blocks moved, %zu new",
+				i, s, moved_blocks, expected_blocks);
+			REQUIRE(moved_rows == steps[s][1] - kept_rows,
+				"case %d step %zu: %llu residual rows moved", i, s,
+				(unsigned long long)moved_rows);
+			test_fill_sentinel(full.keys, full.shape.key_elements);
+			test_fill_sentinel(full.values, full.shape.value_elements);
+			REQUIRE(emulate_load(&e, l, &full.target, NULL, &error) == 0 && !error,
+				"case %d step %zu: full load", i, s);
+			assert_matches(&full, &layer, "full", i);
+			/* The incremental target holds what the layer held at every
+			 * step; it equals the full one on the layer's tokens. */
+			for (uint32_t b = 0; b < layer.batch; b++)
+				for (uint32_t h = 0; h < layer.heads; h++) {
+					uint32_t end = l->residual_first + l->residual_tokens;
+					size_t ko = b * inc.shape.key_strides.batch +
+						    h * inc.shape.key_strides.head;
+					size_t vo = b * inc.shape.value_strides.batch +
+						    h * inc.shape.value_strides.head;
+					for (uint32_t tok = 0; tok < end; tok++) {
+						REQUIRE(memcmp(inc.keys + ko + tok * inc.shape.key_strides.token,
+							       full.keys + ko + tok * inc.shape.key_strides.token,
+							       layer.head_dim_k * 2) == 0 &&
+							memcmp(inc.values + vo + tok * inc.shape.value_strides.token,
+							       full.values + vo + tok * inc.shape.value_strides.token,
+							       layer.head_dim_v * 2) == 0,
+							"case %d step %zu: incremental differs at (%u, %u, %u)",
+							i, s, b, h, tok);
+					}
+				}
+		}
+		zc_cuda_mirror_free(mirror);
+		emulator_free(&e);
+		host_target_free(&inc);
+		host_target_free(&full);
+		test_layer_free(&layer);
+	}
+}
+END_TEST
+
+/* A trim: the mirror is told, and rows re-appended at the same positions
+ * are moved again; a straddled block keeps what is before the cut. */
+START_TEST(test_emulated_trim)
+{
+	struct test_case_config c;
+	struct test_layer layer;
+	struct host_target t;
+	struct emulator e;
+	zc_cuda_mirror *mirror = NULL;
+	int error;
+
+	test_case_config_get(11, &c);
+	c.n_blocks = 2;
+	c.block_tokens[0] = 32;
+	c.block_tokens[1] = 32;
+	c.residual = 10;
+	build_case(&layer, &c, 11);
+	host_target_init(&t, &layer, layer.tokens, 0, 0);
+	emulator_init(&e, 1u << 20);
+	ck_assert_int_eq(zc_cuda_mirror_new(&mirror), 0);
+	zc_cuda_layer *l = test_layer_state(&layer, 2, 10);
+	ck_assert_int_eq(emulate_load(&e, l, &t.target, mirror, &error), 0);
+
+	/* Trim to 67 tokens: 3 residual rows stay; then 5 rows come back with
+	 * other contents (a different continuation). */
+	zc_cuda_mirror_trim(mirror, 67);
+	l = test_layer_state(&layer, 2, 8);
+	for (size_t h = 0; h < (size_t)layer.batch * layer.heads; h++)
+		for (uint32_t r = 3; r < 8; r++)
+			for (uint32_t d = 0; d < layer.head_dim_k; d++)
+				layer.residual_k[h * l->residual_key_strides.head + r * layer.head_dim_k + d] ^= 0x0100;
+	ck_assert_int_eq(emulate_load(&e, l, &t.target, mirror, &error), 0);
+	ck_assert_uint_eq(e.plan.residual_rows, 5);
+	ck_assert_uint_eq(e.plan.blocks, 0);
+	ck_assert_int_eq(test_expected(&layer, &t.shape, t.expected_keys, t.expected_values), 0);
+	/* Tokens 0 .. 71 must match (72..73 are stale rows past the layer). */
+	for (size_t h = 0; h < (size_t)layer.batch * layer.heads; h++)
+		ck_assert_int_eq(memcmp(t.keys + h * t.shape.key_strides.head,
+					t.expected_keys + h * t.shape.key_strides.head,
+					72 * t.shape.key_strides.token * 2), 0);
+
+	/* Trim into the second block: it keeps 20 tokens; the residual is gone. */
+	zc_cuda_mirror_trim(mirror, 52);
+	layer.blocks[1].valid_tokens = 20;
+	l = test_layer_state(&layer, 2, 0);
+	l->residual_tokens = 0;
+	ck_assert_int_eq(emulate_load(&e, l, &t.target, mirror, &error), 0);
+	ck_assert_uint_eq(e.plan.blocks, 0);
+	ck_assert_uint_eq(e.plan.blocks_skipped, 2);
+	zc_cuda_mirror_free(mirror);
+	emulator_free(&e);
+	host_target_free(&t);
+	test_layer_free(&layer);
+}
+END_TEST
+
+/* Refusals: each names what is wrong and plans nothing. */
+START_TEST(test_plan_refusals)
+{
+	struct test_case_config c;
+	struct test_layer layer;
+	struct host_target t;
+	struct plan plan;
+
+	test_case_config_get(3, &c);
+	c.residual = 4;
+	c.n_blocks = 2;
+	c.block_tokens[0] = 33;
+	c.block_tokens[1] = 20;
+	build_case(&layer, &c, 3);
+	host_target_init(&t, &layer, layer.tokens, 0, 0);
+	plan_init(&plan);
+	zc_cuda_layer *l = test_layer_state(&layer, 2, c.residual);
+	ck_assert_int_eq(plan_layer(&plan, l, &t.target, NULL), 0);
+
+	zc_cuda_layer bad = *l;
+	bad.config.hi_bits = 9;
+	ck_assert_int_eq(plan_layer(&plan, &bad, &t.target, NULL), ZC_EBITS);
+	ck_assert_uint_eq(plan.n_units, 0);
+	bad = *l;
+	bad.head_dim_k = 0;
+	ck_assert_int_eq(plan_layer(&plan, &bad, &t.target, NULL), ZC_ESHAPE);
+	bad = *l;
+	bad.memory = (zc_cuda_memory)7;
+	ck_assert_int_eq(plan_layer(&plan, &bad, &t.target, NULL), -EINVAL);
+
+	zc_cuda_block blocks[2] = { layer.blocks[0], layer.blocks[1] };
+	bad = *l;
+	bad.blocks = blocks;
+	blocks[1].key_bytes--;
+	ck_assert_int_eq(plan_layer(&plan, &bad, &t.target, NULL), ZC_ECORRUPT);
+	blocks[1] = layer.blocks[1];
+	blocks[1].valid_tokens = blocks[1].tokens + 1;
+	ck_assert_int_eq(plan_layer(&plan, &bad, &t.target, NULL), -EINVAL);
+	blocks[1] = layer.blocks[1];
+	blocks[1].first_token = layer.tokens;   /* past the target's room */
+	ck_assert_int_eq(plan_layer(&plan, &bad, &t.target, NULL), ZC_EBUFFER);
+
+	/* A mask with one salient token too many, and one with a stray bit
+	 * past the last token (33 tokens: bit 1 of byte 4). */
+	zc_block_layout k;
+	zc_block_shape shape = { layer.batch, layer.heads, 33, layer.head_dim_k };
+	ck_assert_int_eq(zc_block_layout_compute(&layer.config, ZC_TENSOR_KEYS, &shape, &k), 0);
+	uint8_t *copy = malloc(layer.blocks[0].key_bytes);
+	memcpy(copy, layer.blocks[0].keys, layer.blocks[0].key_bytes);
+	blocks[1] = layer.blocks[1];
+	blocks[0].keys = copy;
+	copy[k.mask_offset + 4] |= 0x02;
+	ck_assert_int_eq(plan_layer(&plan, &bad, &t.target, NULL), ZC_ECORRUPT);
+	copy[k.mask_offset + 4] &= (uint8_t)~0x02;
+	ck_assert_int_eq(plan_layer(&plan, &bad, &t.target, NULL), 0);
+	for (size_t i = 0; i < k.mask_bytes; i++)
+		copy[k.mask_offset + i] ^= 0xff;
+	copy[k.mask_offset + 4] &= 0x01;
+	if (k.n_hi != k.tokens - k.n_hi)
+		ck_assert_int_eq(plan_layer(&plan, &bad, &t.target, NULL), ZC_ECORRUPT);
+
+	/* The same corrupt payload as device memory passes the plan (its mask
+	 * cannot be read from the host) and the kernels flag it, writing
+	 * nothing for its heads and nothing out of place elsewhere. */
+	struct emulator e;
+	int error = 0;
+	emulator_init(&e, 1u << 20);
+	bad.memory = ZC_CUDA_DEVICE;
+	if (k.n_hi != k.tokens - k.n_hi) {
+		ck_assert_int_eq(emulate_load(&e, &bad, &t.target, NULL, &error), 0);
+		ck_assert_int_eq(error, 1);
+	}
+	emulator_free(&e);
+
+	bad = *l;
+	bad.residual_key_strides.token++;
+	ck_assert_int_eq(plan_layer(&plan, &bad, &t.target, NULL), ZC_ESHAPE);
+	bad = *l;
+	zc_cuda_target small = t.target;
+	small.max_tokens = l->residual_first + l->residual_tokens - 1;
+	if (l->residual_tokens)
+		ck_assert_int_eq(plan_layer(&plan, &bad, &small, NULL), ZC_EBUFFER);
+	ck_assert_int_eq(plan_layer(&plan, NULL, &t.target, NULL), -EINVAL);
+	free(copy);
+	plan_free(&plan);
+	host_target_free(&t);
+	test_layer_free(&layer);
+}
+END_TEST
+
+/* A mask word that only partly belongs to the mask: its bits past the last
+ * token are params, never counted; corrupt params cannot send a read
+ * outside the head (every read goes through core_word's bounds). */
+START_TEST(test_core_reads_stay_inside)
+{
+	uint8_t bytes[11];
+	for (int i = 0; i < 11; i++)
+		bytes[i] = (uint8_t)(0x11 * (i + 1));
+	/* Any base alignment, any bit offset: the bytes, then zeros. */
+	for (int start = 0; start < 4; start++)
+		for (uint64_t bit = 0; bit < 8u * (uint64_t)(11 - start); bit += 3) {
+			uint64_t got = core_bits64(bytes + start, (uint64_t)(11 - start), bit);
+			uint64_t want = 0;
+			for (int i = 0; i < 64; i++) {
+				uint64_t b = bit + (uint64_t)i;
+				if (b / 8 < (uint64_t)(11 - start) &&
+				    (bytes[start + b / 8] >> (b % 8)) & 1u)
+					want |= UINT64_C(1) << i;
+			}
+			REQUIRE(got == want, "start %d bit %llu: %#llx, want %#llx", start,
+				(unsigned long long)bit, (unsigned long long)got,
+				(unsigned long long)want);
+		}
+}
+END_TEST
+
+int main(void)
+{
+	const struct test_case cases[] = {
+		{ "emulated", { test_emulated_bit_identity, test_emulated_incremental,
+				test_emulated_trim, NULL } },
+		{ "plan", { test_plan_refusals, test_core_reads_stay_inside, NULL } },
+	};
+	Suite *suite = suite_create("cuda_plan");
+	suite_add_cases(suite, cases, sizeof cases / sizeof cases[0], 300);
+	return suite_main(suite, CK_FORK_GETENV);
+}
