@@ -1539,6 +1539,214 @@ START_TEST(budget_refusal_changes_nothing)
 }
 END_TEST
 
+/* A direct block behind a residual (two blocks to write) under every
+ * budget from none left up to enough: each refusal leaves the session as
+ * it was, and the first budget that is enough stores it. */
+START_TEST(update_refused_by_the_budget_at_every_step)
+{
+	struct fixture f;
+	fixture_start(&f, "store_budget_steps");
+	struct ref r;
+	struct store *s = fork_source(&f, &r, 61, ZC_VIEWS_FULL);
+	struct store *one[] = { s };
+	struct block in;
+	block_make_shape(&in, HEADS, DIM_K, DIM_V, 30, &f.rng);
+	ck_assert_uint_gt(r.layer[0].residual, 0);
+	uint64_t blocks = pool_blocks(f.pool);
+	int refusals = 0, rc;
+	for (uint64_t extra = 0;; extra += PAGE / 2) {
+		f.budget.limit = f.budget.used + extra;
+		rc = store_update(s, 0, 30, in.keys, in.values);
+		if (rc == 0)
+			break;
+		ck_assert_msg(rc == STORE_EBUDGET, "with %llu bytes left: %s",
+			      (unsigned long long)extra, zc_error_name(rc));
+		refusals++;
+		check(s, &r, "an update refused by the budget");
+		ck_assert_uint_eq(pool_blocks(f.pool), blocks);
+		f.budget.limit = 0;
+		assert_budget_exact(&f, one, 1);
+		ck_assert_int_lt(refusals, 200);
+	}
+	ck_assert_int_gt(refusals, 1);
+	f.budget.limit = 0;
+	ref_update(&r, 0, &in);
+	block_free(&in);
+	ck_assert_int_eq(store_rebuild_views(s), 0);
+	check(s, &r, "the update once the budget had room");
+	assert_views_valid(s);
+	assert_budget_exact(&f, one, 1);
+	store_close(s, true);
+	ref_free(&r);
+	fixture_end(&f);
+}
+END_TEST
+
+/* A fork under every budget up to enough: each refusal leaves no file, no
+ * reference and no charge behind. */
+START_TEST(fork_refused_by_the_budget_at_every_step)
+{
+	struct fixture f;
+	fixture_start(&f, "store_fork_budget");
+	struct ref rs, rf;
+	struct store *source = fork_source(&f, &rs, 62, ZC_VIEWS_FULL);
+	struct store *one[] = { source };
+	struct store_params p = params_of(63, false, ZC_VIEWS_FULL);
+	struct store *fork = NULL;
+	char name[64];
+	int refusals = 0, rc;
+	for (uint64_t extra = 0;; extra += PAGE) {
+		uint64_t used = f.budget.used;
+		f.budget.limit = used + extra;
+		rc = store_fork(source, 25, f.dir.fd, f.dir.path, &p, &f.budget, &fork);
+		if (rc == 0)
+			break;
+		ck_assert_msg(rc == STORE_EBUDGET, "a fork with %llu bytes left: %s",
+			      (unsigned long long)extra, zc_error_name(rc));
+		refusals++;
+		ck_assert_uint_eq(f.budget.used, used);
+		session_file_name(name, sizeof(name), 63, false);
+		ck_assert(!shm_dir_has(&f.dir, name));
+		session_file_name(name, sizeof(name), 63, true);
+		ck_assert(!shm_dir_has(&f.dir, name));
+		ck_assert_uint_eq(pool_shared_bytes(f.pool), 0);
+		check(source, &rs, "the source of a refused fork");
+		struct map m;
+		map_open(source, &m);
+		for (uint32_t layer = 0; layer < LAYERS; layer++)
+			for (uint32_t i = 0; i < m.h->layer[layer].blocks; i++)
+				ck_assert_uint_eq(pool_refs(f.pool, map_table(&m, layer)[i].key_offset), 1);
+		map_close(&m);
+		assert_budget_exact(&f, one, 1);
+		ck_assert_int_lt(refusals, 200);
+	}
+	ck_assert_int_gt(refusals, 1);
+	f.budget.limit = 0;
+	ref_fork(&rf, &rs, 25, ZC_VIEWS_FULL);
+	check(fork, &rf, "the fork once the budget had room");
+	store_close(fork, true);
+	store_close(source, true);
+	ck_assert_uint_eq(pool_blocks(f.pool), 0);
+	ref_free(&rs);
+	ref_free(&rf);
+	fixture_end(&f);
+}
+END_TEST
+
+/* Rewrites bytes of a session file in place (it is 0400: lifted for it). */
+static void session_patch(const struct shm_dir *dir, const char *name, off_t offset,
+			  const void *bytes, size_t size)
+{
+	ck_assert_int_eq(fchmodat(dir->fd, name, 0600, 0), 0);
+	int fd = openat(dir->fd, name, O_RDWR | O_CLOEXEC);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(pwrite(fd, bytes, size, offset), (ssize_t)size);
+	close(fd);
+	ck_assert_int_eq(fchmodat(dir->fd, name, 0400, 0), 0);
+}
+
+/* Adopting name fails as corrupt with a reason naming `needle`, and
+ * leaves no claim, no charge and the file where it was. */
+static void adopt_refused(struct fixture *f, const char *name, const char *needle)
+{
+	char reason[256] = "";
+	struct store *s = NULL;
+	uint64_t used = f->budget.used, blocks = pool_blocks(f->pool);
+	int rc = store_adopt(f->dir.fd, f->dir.path, name, &f->budget, &f->pools, &s, reason,
+			     sizeof(reason));
+	ck_assert_msg(rc == ZC_ECORRUPT, "adopting %s: %s (%s)", name, zc_error_name(rc), reason);
+	ck_assert_msg(strstr(reason, needle) != NULL, "the reason \"%s\" does not say \"%s\"", reason,
+		      needle);
+	ck_assert_uint_eq(f->budget.used, used);
+	ck_assert_uint_eq(pool_blocks(f->pool), blocks);
+	ck_assert(shm_dir_has(&f->dir, name));
+}
+
+START_TEST(adoption_refuses_what_cannot_be_right)
+{
+	struct fixture f;
+	fixture_start(&f, "store_adopt_bad");
+	struct ref ra, rb;
+	struct store *a = fork_source(&f, &ra, 70, ZC_VIEWS_FULL);
+	struct store *b = fork_source(&f, &rb, 71, ZC_VIEWS_NONE);
+	const struct store_header h = *store_header(a);
+	store_close(a, false);
+	store_close(b, false);
+	pool_set_free(&f.pools);
+	pool_set_init(&f.pools, f.dir.fd, f.dir.path);
+	char reason[200];
+	ck_assert_int_eq(pool_set_get(&f.pools, (uint32_t)geteuid(), &f.budget, &f.pool, NULL, reason,
+				      sizeof(reason)),
+			 0);
+	char name_a[64], name_b[64];
+	session_file_name(name_a, sizeof(name_a), 70, false);
+	session_file_name(name_b, sizeof(name_b), 71, false);
+
+	/* b is adopted first: it claims its blocks. */
+	struct store *adopted_b = NULL;
+	ck_assert_int_eq(store_adopt(f.dir.fd, f.dir.path, name_b, &f.budget, &f.pools, &adopted_b,
+				     reason, sizeof(reason)),
+			 0);
+	uint64_t claimed = pool_blocks(f.pool);
+	ck_assert_uint_eq(claimed, rb.layer[0].n + rb.layer[1].n);
+
+	/* a's layer 0, block 1 names an unaligned offset, then b's block 0
+	 * of layer 0 with a's sizes, then its own offset with another size:
+	 * each refused, and a's claims of the blocks before it given back. */
+	off_t entry = (off_t)(h.layers_offset + h.index_offset + sizeof(store_block));
+	store_block original, bad;
+	int fd = openat(f.dir.fd, name_a, O_RDONLY | O_CLOEXEC);
+	ck_assert_int_eq(pread(fd, &original, sizeof(original), entry), (ssize_t)sizeof(original));
+	close(fd);
+	bad = original;
+	bad.key_offset += 8;
+	bad.value_offset += 8;
+	session_patch(&f.dir, name_a, entry, &bad, sizeof(bad));
+	adopt_refused(&f, name_a, "out of place");
+	struct map m;
+	map_open(adopted_b, &m);
+	const zc_map_block *other = &map_table(&m, 0)[0];
+	bad = original;
+	bad.key_offset = other->key_offset;
+	bad.value_offset = pool_value_offset(other->key_offset, bad.key_bytes);
+	ck_assert_uint_ne(bad.key_bytes, other->key_bytes);
+	map_close(&m);
+	session_patch(&f.dir, name_a, entry, &bad, sizeof(bad));
+	adopt_refused(&f, name_a, "another size");
+	bad = original;
+	bad.key_bytes += 1;
+	session_patch(&f.dir, name_a, entry, &bad, sizeof(bad));
+	adopt_refused(&f, name_a, "sizes its shape cannot have");
+	bad = original;
+	bad.first_token += 1;
+	session_patch(&f.dir, name_a, entry, &bad, sizeof(bad));
+	adopt_refused(&f, name_a, "does not follow");
+	ck_assert_uint_eq(pool_blocks(f.pool), claimed);
+
+	/* Restored, it is adopted whole. */
+	session_patch(&f.dir, name_a, entry, &original, sizeof(original));
+	struct store *adopted_a = NULL;
+	ck_assert_int_eq(store_adopt(f.dir.fd, f.dir.path, name_a, &f.budget, &f.pools, &adopted_a,
+				     reason, sizeof(reason)),
+			 0);
+	pool_set_sweep(&f.pools);
+	ck_assert_int_eq(store_rebuild_views(adopted_a), 0);
+	check(adopted_a, &ra, "adopted after its index was restored");
+	check(adopted_b, &rb, "adopted beside it");
+
+	/* One that will not become a session gives its claims back. */
+	store_release_blocks(adopted_a);
+	ck_assert_uint_eq(pool_blocks(f.pool), claimed);
+	store_close(adopted_a, true);
+	store_close(adopted_b, true);
+	ck_assert_uint_eq(pool_blocks(f.pool), 0);
+	ck_assert_uint_eq(pool_file_bytes(f.pool), PAGE);
+	ref_free(&ra);
+	ref_free(&rb);
+	fixture_end(&f);
+}
+END_TEST
+
 static Suite *store_suite(void)
 {
 	Suite *suite = suite_create("store");
@@ -1550,8 +1758,11 @@ static Suite *store_suite(void)
 		{ "fork", { fork_inside_a_block, fork_at_a_block_boundary, fork_inside_the_residual,
 			    fork_at_zero_and_past_the_end, fork_of_a_fork_after_a_trim_cut, NULL } },
 		{ "views", { drop_and_rebuild_views, NULL } },
-		{ "adoption", { adoption_restores_every_session, NULL } },
-		{ "refusals", { bad_input_changes_nothing, budget_refusal_changes_nothing, NULL } },
+		{ "adoption", { adoption_restores_every_session, adoption_refuses_what_cannot_be_right,
+				NULL } },
+		{ "refusals", { bad_input_changes_nothing, budget_refusal_changes_nothing,
+				update_refused_by_the_budget_at_every_step,
+				fork_refused_by_the_budget_at_every_step, NULL } },
 	};
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);
 	return suite;
