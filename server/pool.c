@@ -729,6 +729,9 @@ void pool_set_scan(struct pool_set *set, struct store_budget *budget)
 			close(fd);
 		return;
 	}
+	/* The dup shares the descriptor's offset, which the adoption scan
+	 * just left at the end of the directory. */
+	rewinddir(dir);
 	struct dirent *entry;
 	while ((entry = readdir(dir)) != NULL) {
 		unsigned uid;

@@ -276,6 +276,20 @@ static uint32_t block_valid_tokens(const struct store *store, uint32_t layer,
 	return end - index[i].first_token;
 }
 
+/* The readers' table entries [from, blocks) of a layer from its private
+ * state: the index entries, with valid_tokens the rows that still belong
+ * to the layer (zipcache/map.h). The index entries themselves keep the
+ * rows they were written with: committed entries never change. */
+static void map_entries_write(struct store *store, uint32_t layer, uint32_t from)
+{
+	const struct layer_state *l = &store->layer[layer];
+	zc_map_block *table = map_table(store, layer);
+	for (uint32_t i = from; i < l->blocks; i++) {
+		table[i] = store->index[layer].entries[i];
+		table[i].valid_tokens = block_valid_tokens(store, layer, l, i);
+	}
+}
+
 static uint64_t fd_allocated(int fd)
 {
 	struct stat st;
@@ -843,8 +857,7 @@ static int map_table_fill(struct store *store, uint32_t layer)
 	int rc = reserve_in(store, store->map_fd, table_offset(store, layer),
 			    (uint64_t)blocks * sizeof(zc_map_block), KIND_INDEX);
 	if (rc == 0)
-		memcpy(map_table(store, layer), store->index[layer].entries,
-		       (size_t)blocks * sizeof(zc_map_block));
+		map_entries_write(store, layer, 0);
 	return rc;
 }
 
@@ -1128,6 +1141,8 @@ static int fork_layer(struct store *fork, const struct store *source, uint32_t l
 	r->blocks = next.blocks;
 	next.active = 0;
 	layer_state_set(fork, layer, &next);
+	/* The source's blocks may have been cut (by a trim, or by this fork). */
+	map_entries_write(fork, layer, 0);
 
 	/* The fork's views start as the source's rows where those are valid. */
 	if (views_full(fork)) {
@@ -2059,6 +2074,9 @@ static int trim_layers(struct store *store, uint32_t first, uint32_t count, uint
 		sequence_begin(store, layer);
 		next[i].active = 1u - store->layer[layer].active;
 		layer_state_set(store, layer, &next[i]);
+		/* The last block left may have been cut. */
+		if (next[i].blocks > 0)
+			map_entries_write(store, layer, next[i].blocks - 1);
 		mirror_layer(store, layer);
 		sequence_end(store, layer);
 		blocks_unref(store, layer, next[i].blocks, had);
