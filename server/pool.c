@@ -620,7 +620,6 @@ void pool_sweep(struct pool *pool)
 	for (size_t i = 0; i <= n; i++) {
 		uint64_t next = i < n ? live[i].start : end;
 		if (next > at) {
-			swept += next - at;
 			uint64_t before = fd_allocated(pool->fd);
 			fallocate(pool->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)at,
 				  (off_t)(next - at));
@@ -629,6 +628,7 @@ void pool_sweep(struct pool *pool)
 			if (released > pool->charged)
 				released = pool->charged;
 			pool->charged -= released;
+			swept += released;
 			store_budget_give(pool->budget, released);
 			if (i < n)
 				free_insert(pool, at, next - at);
@@ -745,8 +745,8 @@ void pool_set_scan(struct pool_set *set, struct store_budget *budget)
 			continue;
 		int rc = pool_set_get(set, uid, budget, &pool, NULL, reason, sizeof(reason));
 		if (rc < 0)
-			log_warn("pool", "pool file not opened", "dir=%s file=%s error=%s reason=%s",
-				 set->dir_path, entry->d_name, zc_strerror(rc), reason);
+			log_warn("pool", "pool file not opened", "dir=%s file=%s error=%s",
+				 set->dir_path, entry->d_name, rc == ZC_ECORRUPT ? reason : zc_strerror(rc));
 	}
 	closedir(dir);
 }
