@@ -570,8 +570,11 @@ static void view_fill(const zc_session *session, uint32_t layer, uint32_t tokens
 		      uint64_t sequence, zc_view *view)
 {
 	const zc_session_info *info = &session->info;
-	view->keys = (const uint16_t *)(session->mapping + session->key_offsets[layer]);
-	view->values = (const uint16_t *)(session->mapping + session->value_offsets[layer]);
+	/* views = none: no fp16 to point at (the blocks are read with
+	 * zc_layer_block, the residual with zc_layer_layout). */
+	bool none = session->key_offsets[layer] == 0;
+	view->keys = none ? NULL : (const uint16_t *)(session->mapping + session->key_offsets[layer]);
+	view->values = none ? NULL : (const uint16_t *)(session->mapping + session->value_offsets[layer]);
 	view->tokens = tokens;
 	view->batch = info->batch;
 	view->kv_heads = info->kv_heads;
@@ -748,6 +751,9 @@ int zc_session_view(zc_session *session, uint32_t layer, zc_view *view)
 		return client_refuse_broken(client);
 	if (layer >= session->info.layers)
 		return error_set(client, ZC_EINVALID, "layer out of range");
+	if (session->info.views == ZC_VIEWS_NONE)
+		return error_set(client, ZC_EPRECONDITION, "the session was opened with views = none: it "
+					  "has no fp16 views (read its blocks and residual instead)");
 	const zc_map_header *header = (const zc_map_header *)session->mapping;
 	const zc_map_layer *l = &header->layer[layer];
 	/* Views the daemon dropped under memory pressure come back with any

@@ -37,6 +37,10 @@
  * every 256 decode steps instead of one per step. */
 #define VIEW_RESERVE_TOKENS 256u
 
+/* Residual rows likewise, in smaller steps: after a flush they are
+ * given back, so a decode loop's residual costs the rows it holds. */
+#define RESIDUAL_RESERVE_TOKENS 32u
+
 /* A file or map larger than this is refused: the address space and tmpfs
  * have limits even when untouched pages cost nothing. */
 #define STORE_MAX_FILE_BYTES (UINT64_C(1) << 44)
@@ -58,7 +62,7 @@ struct layer_state {
 /* What is not durable: reservations and the readers' view. */
 struct layer_room {
 	uint64_t reserved_view_tokens;   /* views fallocated up to this token */
-	bool residual_reserved;
+	uint32_t reserved_residual_rows; /* residual rows fallocated (every head, K and V) */
 	bool view_valid;
 	uint64_t sequence;
 	uint64_t generation;             /* view drops and rebuilds */
@@ -417,22 +421,63 @@ static int reserve_views(struct store *store, uint32_t layer, uint64_t tokens_ne
 	return 0;
 }
 
-/* The residual is small and used at once; reserve it on a layer's first
- * write (and again after an adoption: reservations are not durable). With
- * views = none readers have a residual of their own in the map. */
-static int reserve_residual(struct store *store, uint32_t layer)
+/* Reserves residual rows [0, rows) of every head, K and V, a step ahead
+ * (again after an adoption: reservations are not durable). With views =
+ * none readers have a residual of their own in the map, reserved alike. */
+static int reserve_residual(struct store *store, uint32_t layer, uint32_t rows)
 {
+	const struct store_header *h = store->header;
 	struct layer_room *l = &store->room[layer];
-	if (l->residual_reserved)
+	if (rows <= l->reserved_residual_rows)
 		return 0;
-	int rc = reserve_in(store, store->fd, layer_region_offset(store, layer),
-			    store->header->index_offset, KIND_RESIDUAL);
-	if (rc == 0 && store->layout.residual_offset)
-		rc = reserve_in(store, store->map_fd, map_residual_offset(store, layer, true),
-				store->layout.residual_bytes, KIND_RESIDUAL);
-	if (rc == 0)
-		l->residual_reserved = true;
-	return rc;
+	uint64_t target = (uint64_t)rows + RESIDUAL_RESERVE_TOKENS;
+	if (target > h->residual_capacity)
+		target = h->residual_capacity;
+	uint64_t from = l->reserved_residual_rows;
+	for (int copy = 0; copy < (store->layout.residual_offset ? 2 : 1); copy++) {
+		int fd = copy == 0 ? store->fd : store->map_fd;
+		for (int tensor = 0; tensor < 2; tensor++) {
+			uint64_t dim = tensor == 0 ? h->head_dim_k : h->head_dim_v;
+			uint64_t base = copy == 0 ? layer_region_offset(store, layer) +
+							    (tensor == 0 ? h->key_residual_offset :
+									   h->value_residual_offset) :
+						    map_residual_offset(store, layer, tensor == 0);
+			for (uint64_t head = 0; head < heads_of(h); head++) {
+				uint64_t start = base + (head * h->residual_capacity + from) * dim * 2;
+				int rc = reserve_in(store, fd, start, (target - from) * dim * 2,
+						    KIND_RESIDUAL);
+				if (rc < 0)
+					return rc;
+			}
+		}
+	}
+	l->reserved_residual_rows = (uint32_t)target;
+	return 0;
+}
+
+/* Once a commit left the residual empty its rows are scratch: their pages
+ * go back (both copies), so an idle layer's residual costs nothing. */
+static void residual_release(struct store *store, uint32_t layer)
+{
+	const struct store_header *h = store->header;
+	struct layer_room *l = &store->room[layer];
+	if (l->reserved_residual_rows == 0 || store->layer[layer].residual_tokens != 0)
+		return;
+	uint64_t before = file_allocated(store);
+	fallocate(store->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+		  (off_t)layer_region_offset(store, layer), (off_t)h->index_offset);
+	if (store->layout.residual_offset)
+		fallocate(store->map_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+			  (off_t)map_residual_offset(store, layer, true), (off_t)store->layout.residual_bytes);
+	uint64_t after = file_allocated(store);
+	uint64_t released = before > after ? before - after : 0;
+	if (released > store->charged)
+		released = store->charged;
+	store->charged -= released;
+	store_budget_give(store->budget, released);
+	uint64_t held = __atomic_load_n(&store->kind_bytes[KIND_RESIDUAL], __ATOMIC_RELAXED);
+	kind_add(store, KIND_RESIDUAL, -(int64_t)(released < held ? released : held));
+	l->reserved_residual_rows = 0;
 }
 
 /* Index pages (the file's, and the readers' table) are reserved as
@@ -1114,7 +1159,7 @@ static int fork_layer(struct store *fork, const struct store *source, uint32_t l
 	}
 	if (keep > blocks_end) {
 		uint32_t rows = keep - blocks_end;
-		rc = reserve_residual(fork, layer);
+		rc = reserve_residual(fork, layer, rows);
 		if (rc < 0)
 			return rc;
 		for (int tensor = 0; tensor < 2; tensor++) {
@@ -1360,7 +1405,7 @@ static int map_residual_fill(struct store *store, uint32_t layer)
 	uint32_t rows = store->layer[layer].residual_tokens;
 	if (!store->layout.residual_offset || rows == 0)
 		return 0;
-	int rc = reserve_residual(store, layer);
+	int rc = reserve_residual(store, layer, rows);
 	for (int tensor = 0; rc == 0 && tensor < 2; tensor++) {
 		uint32_t dim = tensor == 0 ? h->head_dim_k : h->head_dim_v;
 		zc_strides strides = residual_strides(h, dim);
@@ -1985,7 +2030,10 @@ int store_update(struct store *store, uint32_t layer, uint32_t tokens,
 		if (rc < 0)
 			return rc;
 	}
-	rc = reserve_residual(store, layer);
+	/* The residual path's rows (a block that would overflow the residual
+	 * follows a flush, so never more than its capacity). */
+	rc = direct ? 0 : reserve_residual(store, layer, l->residual_tokens + tokens <= h->residual_capacity ?
+							      l->residual_tokens + tokens : tokens);
 	if (rc == 0 && views_full(store))
 		rc = reserve_views(store, layer, (uint64_t)l->tokens + tokens);
 	if (rc < 0)
@@ -1994,6 +2042,7 @@ int store_update(struct store *store, uint32_t layer, uint32_t tokens,
 	sequence_begin(store, layer);
 	rc = direct ? update_direct(store, layer, tokens, keys, values) :
 		      update_residual(store, layer, tokens, keys, values);
+	residual_release(store, layer);
 	mirror_layer(store, layer);
 	sequence_end(store, layer);
 	return rc;

@@ -926,7 +926,7 @@ START_TEST(full_tmpfs_is_an_error_not_a_sigbus)
 	if (!tmpfs_mount(mount_dir, "size=16m,mode=0700", "the full-tmpfs test"))
 		return;
 	snprintf(shm, sizeof(shm), "%s/shm", mount_dir);
-	const char *const args[] = { "--shm-dir", shm, "--memory-budget", "6M", "--idle-ttl", "0",
+	const char *const args[] = { "--shm-dir", shm, "--memory-budget", "4M", "--idle-ttl", "0",
 				     NULL };
 	const char *const plain[] = { "--shm-dir", shm, "--idle-ttl", "0", NULL };
 	zc_session_config config = script_config(S_IDLE);

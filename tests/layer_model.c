@@ -523,7 +523,8 @@ bool session_matches(zc_session *session, const struct model *model, char *why, 
 	bool ok = true;
 	int rc;
 
-	for (uint32_t i = 0; ok && i < model->layers; i++) {
+	bool none = zc_session_get_info(session)->views == ZC_VIEWS_NONE;
+	for (uint32_t i = 0; ok && !none && i < model->layers; i++) {
 		zc_view view;
 		rc = zc_session_view(session, i, &view);
 		if (rc < 0)
@@ -617,8 +618,14 @@ bool update_block_checked(zc_client *client, zc_session *session, struct model *
 	if (view.sequence % 2 != 0)
 		return fail_with(why, size, "layer %u view sequence %" PRIu64 " is odd after a reply",
 				 layer, view.sequence);
-	if (!view_matches(model, layer, &view, why, size))
+	if (zc_session_get_info(session)->views == ZC_VIEWS_NONE) {
+		if (view.keys || view.values || view.tokens != model->layer[layer].tokens)
+			return fail_with(why, size, "views = none, but the reply points at fp16 rows "
+					 "or counts %u tokens, not %u", view.tokens,
+					 model->layer[layer].tokens);
+	} else if (!view_matches(model, layer, &view, why, size)) {
 		return false;
+	}
 	model_layer_stats(model, layer, &want);
 	return stats_match("stats returned by update_and_fetch", &stats, &want, true, why, size);
 }
