@@ -312,7 +312,8 @@ static void reply_check(struct reply_log *log, const uint8_t *frame, size_t len)
 	check_string("its message", m->message, id);
 	/* An open passes the session map and the uid's pool; staging its buffer. */
 	unsigned wants_fds = m->status != zipcache_v1_Status_OK ? 0u :
-			     m->which_op == zipcache_v1_Response_open_session_tag ? 2u :
+			     m->which_op == zipcache_v1_Response_open_session_tag ||
+					     m->which_op == zipcache_v1_Response_fork_session_tag ? 2u :
 			     m->which_op == zipcache_v1_Response_staging_tag ? 1u : 0u;
 	if (m->fds != wants_fds)
 		fuzz_fail("reply to request %llu (op %u, status %d) announces %u descriptors",
@@ -323,6 +324,9 @@ static void reply_check(struct reply_log *log, const uint8_t *frame, size_t len)
 		break;
 	case zipcache_v1_Response_open_session_tag:
 		check_string("a session name", m->op.open_session.session.name, id);
+		break;
+	case zipcache_v1_Response_fork_session_tag:
+		check_string("a fork's name", m->op.fork_session.session.name, id);
 		break;
 	case zipcache_v1_Response_stats_tag:
 		check_string("a session name", m->op.stats.session.name, id);

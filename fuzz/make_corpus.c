@@ -20,6 +20,7 @@
 
 #include "../server/store.h"
 #include "frame.h"
+#include "version.h"
 #include "wire_pb.h"
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
@@ -102,10 +103,31 @@ static wire_pb_request request_new(pb_size_t op)
 	return req;
 }
 
+/* views: -1 the source's, else a zipcache_v1_Views value. */
+static void fork_session(struct seed *s, uint64_t source, uint32_t tokens, const char *name,
+			 int views)
+{
+	wire_pb_request req = request_new(zipcache_v1_Request_fork_session_tag);
+	zipcache_v1_ForkSessionRequest *f = &req.msg.op.fork_session;
+	f->source_id = source;
+	f->tokens = tokens;
+	snprintf(f->name, sizeof(f->name), "%s", name);
+	f->has_views = views >= 0;
+	f->views = views >= 0 ? (zipcache_v1_Views)views : zipcache_v1_Views_VIEWS_FULL;
+	add(s, &req);
+}
+
+static void release(struct seed *s, uint64_t session)
+{
+	wire_pb_request req = request_new(zipcache_v1_Request_release_tag);
+	req.msg.op.release.session_id = session;
+	add(s, &req);
+}
+
 static void hello(struct seed *s, const char *client)
 {
 	wire_pb_request req = request_new(zipcache_v1_Request_hello_tag);
-	req.msg.op.hello.protocol_version = 1;
+	req.msg.op.hello.protocol_version = ZIPCACHE_PROTOCOL_VERSION;
 	snprintf(req.msg.op.hello.client_name, sizeof(req.msg.op.hello.client_name), "%s", client);
 	add(s, &req);
 }
@@ -360,6 +382,41 @@ int main(int argc, char **argv)
 	open_streaming(&s, "shared", SMALL, 32, 0);
 	attach(&s, "nobody", NULL);
 	seed_write(&s, "attach");
+
+	/* Forks (inside a block, into the residual, past the end, onto a
+	 * taken name, of nobody), views = none, releases. */
+	seed_begin(&s);
+	open_streaming(&s, "root", SMALL, 64, 4);
+	update_inline(&s, 1, 0, 9, SMALL, 21, 0, 0);
+	update_inline(&s, 1, 0, 2, SMALL, 22, 0, 0);
+	update_inline(&s, 1, 1, 3, SMALL, 23, 0, 0);
+	fork_session(&s, 1, 5, "branch", -1);
+	fork_session(&s, 1, 10, "", 1);
+	fork_session(&s, 1, 1000, "long", 0);
+	fork_session(&s, 1, 3, "root", -1);
+	fork_session(&s, 99, 3, "ghost", -1);
+	update_inline(&s, 2, 0, 1, SMALL, 24, 0, 0);
+	trim(&s, 1, 4);
+	release(&s, 1);
+	release(&s, 99);
+	close_session(&s, 1);
+	update_inline(&s, 2, 1, 2, SMALL, 25, 0, 0);
+	stats(&s, 2);
+	list(&s);
+	seed_write(&s, "fork-release");
+
+	seed_begin(&s);
+	{
+		wire_pb_request req;
+		zipcache_v1_OpenSessionRequest *open = open_prepare(&req, "compressed", SMALL, 64);
+		open->views = zipcache_v1_Views_VIEWS_NONE;
+		add(&s, &req);
+	}
+	update_inline(&s, 1, 0, 9, SMALL, 26, 0, 0);
+	update_inline(&s, 1, 0, 1, SMALL, 27, 0, 0);
+	fork_session(&s, 1, 4, "full", 0);
+	stats(&s, 1);
+	seed_write(&s, "views-none");
 
 	/* Staged blocks: in range, odd offsets, past the end, replaced buffer. */
 	seed_begin(&s);

@@ -602,7 +602,10 @@ START_TEST(test_sessions_table_and_json)
 		snprintf(id, sizeof(id), "%" PRIu64, s->id);
 		row = find_row(result.out, id);
 		ck_assert_msg(row != NULL, "no row for session %s:\n%s", id, result.out);
-		ck_assert_uint_eq(split_fields(row, fields, 16), 10);
+		/* ... VIEWS, SHARED ("0 B": two fields), LEASED, IDLE. */
+		ck_assert_uint_eq(split_fields(row, fields, 16), 14);
+		ck_assert_str_eq(fields[9], s->views == ZC_VIEWS_NONE ? "none" : "full");
+		ck_assert_str_eq(fields[12], s->leased ? "yes" : "no");
 		ck_assert_str_eq(fields[1], s->name);
 		snprintf(expected, sizeof(expected), "%u", s->layers);
 		ck_assert_str_eq(fields[2], expected);

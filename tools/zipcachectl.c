@@ -666,6 +666,9 @@ static void json_session_info(struct json *json, const zc_session_info *info)
 	json_bool(json, "quantize_values", info->codec.quantize_values);
 	json_close(json, '}');
 	json_uint(json, "idle_ms", info->idle_ms);
+	json_text(json, "views", info->views == ZC_VIEWS_NONE ? "none" : "full");
+	json_uint(json, "shared_bytes", info->shared_bytes);
+	json_bool(json, "leased", info->leased);
 	json_close(json, '}');
 }
 
@@ -704,10 +707,11 @@ static int cmd_sessions(struct ctl *ctl)
 		{ "ID", TABLE_RIGHT }, { "NAME", TABLE_LEFT }, { "LAYERS", TABLE_RIGHT },
 		{ "BATCH", TABLE_RIGHT }, { "KV_HEADS", TABLE_RIGHT }, { "HEAD_DIM", TABLE_RIGHT },
 		{ "TOKENS", TABLE_RIGHT }, { "MAX_TOKENS", TABLE_RIGHT }, { "POLICY", TABLE_LEFT },
+		{ "VIEWS", TABLE_LEFT }, { "SHARED", TABLE_RIGHT }, { "LEASED", TABLE_LEFT },
 		{ "IDLE", TABLE_RIGHT },
 	};
 	struct table table;
-	char dims[32], tokens[32], idle[32];
+	char dims[32], tokens[32], idle[32], shared[32];
 
 	table_init(&table, columns, sizeof(columns) / sizeof(columns[0]));
 	for (size_t i = 0; i < count; i++) {
@@ -722,6 +726,9 @@ static int cmd_sessions(struct ctl *ctl)
 		table_add(&table, "%s", format_tokens(tokens, sizeof(tokens), s));
 		table_add(&table, "%u", s->max_tokens);
 		table_add(&table, "%s", policy_name(s->policy));
+		table_add(&table, "%s", s->views == ZC_VIEWS_NONE ? "none" : "full");
+		table_add(&table, "%s", format_bytes(shared, sizeof(shared), s->shared_bytes));
+		table_add(&table, "%s", s->leased ? "yes" : "no");
 		table_add(&table, "%s", format_duration(idle, sizeof(idle), s->idle_ms));
 	}
 	rc = table_print(&table, ctl->out);
