@@ -16,6 +16,7 @@ through $ZIPCACHE_LIBRARY, else the build tree next to this package
 
 from ._lib import library_path
 from .cache import ZipCacheKVCache, make_prompt_cache
+from .reader import Block, LayerRead, ReadAttempts
 from .client import (
     Client,
     CodecConfig,
@@ -52,6 +53,9 @@ __all__ = [
     "Client",
     "Session",
     "ZipCacheKVCache",
+    "Block",
+    "LayerRead",
+    "ReadAttempts",
     "make_prompt_cache",
     "CodecConfig",
     "Policy",

@@ -21,6 +21,11 @@ Use the arrays returned by the latest call, or copy (``np.array(view)``)
 to keep a snapshot. Under memory pressure the daemon may also drop an idle
 session's views (they read as zeros) until its next request rebuilds them.
 
+The compressed form. ``Session.layer_blocks``, ``layer_residual``,
+``read``/``reads`` and ``reconstruct_layer`` read the daemon's compressed
+blocks (uint8 arrays over the pool mapping, no copy) and residual, and
+reconstruct them here with the codec (zipcache.reader, zipcache/reader.h).
+
 Threads. libzipcache handles belong to one thread at a time; a Client
 serialises its own calls (and its sessions') with a lock, so sharing one
 across threads is safe but not concurrent. Use one Client per thread for
@@ -42,7 +47,9 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from .errors import InvalidArgument, NotFound, error_from_code
+from ._mapping import _mapped_array
+from .errors import InvalidArgument, NotFound, StaleView, error_from_code
+from .reader import Block, LayerRead, ReadAttempts, reconstruct_layer
 
 __all__ = [
     "Client",
@@ -303,44 +310,6 @@ class _SessionHandle:
 def _release_session(ptr: int, client: _ClientHandle) -> None:
     with client.lock:
         lib.zc_session_release(ptr)
-
-
-class _ViewHolder:
-    """The base object of view arrays: exposes the mapping to numpy, read-only.
-
-    numpy builds an array from ``__array_interface__`` without copying and
-    keeps this object as the array's base; the ``(address, True)`` data
-    tuple makes the array read-only, and since this object offers no
-    writable buffer numpy also refuses ``arr.flags.writeable = True``.
-    """
-
-    __slots__ = ("__array_interface__", "session", "__weakref__")
-
-    def __init__(self, address: int, shape: tuple[int, ...], strides: tuple[int, ...],
-                 session: _SessionHandle) -> None:
-        self.__array_interface__ = {
-            "version": 3,
-            "shape": shape,
-            "typestr": "<f2",
-            "data": (address, True),
-            "strides": strides,
-        }
-        self.session = session
-
-
-def _mapped_array(pointer: Any, shape: tuple[int, int, int, int], strides: _lib.zc_strides,
-                  session: _SessionHandle) -> np.ndarray:
-    address = ctypes.cast(pointer, ctypes.c_void_p).value
-    if not address:
-        raise error_from_code(_lib.ZC_EPROTOCOL, "the daemon's view has no address", "view")
-    itemsize = 2  # fp16
-    byte_strides = (strides.batch * itemsize, strides.head * itemsize, strides.token * itemsize,
-                    itemsize)
-    holder = _ViewHolder(address, shape, byte_strides, session)
-    session.holders.add(holder)
-    array = np.asarray(holder)
-    assert not array.flags.writeable and array.dtype == np.float16
-    return array
 
 
 # --- Client -------------------------------------------------------------------
@@ -739,6 +708,67 @@ class Session:
         handle = self._native()
         layer = self._check_layer(layer, "tokens")
         return self._read_view(handle, layer).tokens
+
+    # -- the compressed form, read in this process (zipcache/reader.h, reader.py)
+
+    def read(self, layer: int, timeout: float | None = None) -> LayerRead:
+        """One consistent read of ``layer``: ``with session.read(0) as r: r.blocks() ...``.
+
+        Leaving the block raises ConcurrentWrite if the daemon wrote the
+        layer meanwhile (read again, or use ``reads()``), StaleView if the
+        view the read used was dropped or rebuilt. See zipcache.reader.
+        """
+        self._native()
+        return LayerRead(self, self._check_layer(layer, "read"), timeout)
+
+    def reads(self, layer: int, timeout: float | None = None) -> ReadAttempts:
+        """Reads of ``layer`` retried until one is consistent (see ReadAttempts)."""
+        self._native()
+        return ReadAttempts(self, self._check_layer(layer, "read"), timeout)
+
+    def layer_blocks(self, layer: int) -> list[Block]:
+        """The layer's compressed blocks as one consistent read saw them.
+
+        Each Block's ``key_payload`` / ``value_payload`` are read-only uint8
+        arrays over the pool mapping (no copy) and ``reconstruct()`` runs the
+        codec here. A block's bytes stay as they are while the session holds
+        it; after a trim drops it they may be reused (see zipcache.reader).
+        """
+        blocks: list[Block] = []
+        for attempt in self.reads(layer):
+            with attempt as r:
+                blocks = r.blocks()
+        return blocks
+
+    def layer_residual(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer's exact residual rows: read-only float16 [B, H, residual_tokens, D] views.
+
+        No copy: with views = full these are the view's last rows (the
+        arrays share memory with ``view()``'s). A dropped view is brought
+        back first (one request), as ``view()`` does.
+        """
+        for refreshed in (False, True):
+            try:
+                result = None
+                for attempt in self.reads(layer):
+                    with attempt as r:
+                        result = r.residual()
+                return result
+            except StaleView:
+                if refreshed:
+                    raise
+                self.view(layer)
+        raise AssertionError("unreachable")
+
+    def reconstruct_layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer rebuilt in this process from its blocks and residual: (K, V) copies.
+
+        float16 [B, H, tokens, D], C-contiguous, bit-identical to ``view()``'s
+        arrays; one consistent read (retried while the daemon writes). A
+        dropped view whose rows the residual needs is brought back first.
+        """
+        self._native()
+        return reconstruct_layer(self, self._check_layer(layer, "reconstruct_layer"))
 
     @staticmethod
     def _trim_count(tokens: Any) -> int:
