@@ -146,6 +146,7 @@ class LayerRead:
     def end(self) -> None:
         """Raises ConcurrentWrite or StaleView unless the read saw one state."""
         rc = lib.zc_read_end(self._native(), ctypes.byref(self._read))
+        self._handle.holders.discard(self)
         if rc != 0:
             raise _end_error(rc, self.layer)
 
