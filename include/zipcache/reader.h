@@ -147,7 +147,7 @@ int zc_layer_layout(const zc_session *session, const zc_read *read, zc_layer_con
  * rows end; valid_tokens up to the next block, or to the residual), its
  * payload sizes are those the codec gives its shape, and both payloads lie
  * inside the pool mapping past its header. ZC_EPROTOCOL otherwise (out
- * untouched). */
+ * untouched); ZC_EINVALID for an index not below read->blocks. */
 int zc_layer_block(const zc_session *session, const zc_read *read, uint32_t index,
 		   zc_block *block);
 
@@ -156,7 +156,10 @@ int zc_layer_block(const zc_session *session, const zc_read *read, uint32_t inde
  * strides->head + t * strides->token]. Either output may be NULL (skip
  * that tensor); strides->token must be at least the head dim. The codec
  * works on whole blocks, so a block cut by a trim goes head by head
- * through scratch and only its valid rows reach the output. */
+ * through scratch and only its valid rows reach the output. ZC_EINVALID
+ * for a block that is not one zc_layer_block gave for this session (its
+ * payloads outside the pool, its sizes not the codec's for its shape) or
+ * too narrow a token stride; -ENOMEM when scratch cannot be had. */
 int zc_block_reconstruct_rows(const zc_session *session, const zc_block *block,
 			      uint16_t *keys_out, const zc_strides *key_strides,
 			      uint16_t *values_out, const zc_strides *value_strides);
