@@ -2426,6 +2426,8 @@ START_TEST(test_error_strings)
 		{ ZC_EINVALID, "ZC_EINVALID" },
 		{ ZC_ERESTARTED, "ZC_ERESTARTED" },
 		{ ZC_EBROKEN, "ZC_EBROKEN" },
+		{ ZC_ESTALE, "ZC_ESTALE" },
+		{ ZC_EAGAIN, "ZC_EAGAIN" },
 	};
 	size_t count = sizeof codes / sizeof codes[0];
 
