@@ -154,6 +154,9 @@ static bool attach_matches(const struct wire_open_request *open, const zc_sessio
 	    open->residual_tokens != h->residual_tokens)
 		mismatch_note(m, residual, "residual_tokens is %u, not %u", h->residual_tokens,
 			      open->residual_tokens);
+	/* proto3 cannot tell VIEWS_FULL from unset: only NONE is a request. */
+	if (open->views == ZC_VIEWS_NONE && h->views != ZC_VIEWS_NONE)
+		mismatch_note(m, "views", "views is full, not none");
 	if (open->has_codec) {
 		if (c->has_hi_bits && c->hi_bits != (uint32_t)has->hi_bits)
 			mismatch_note(m, codec, "codec.hi_bits is %d, not %u", has->hi_bits, c->hi_bits);

@@ -96,6 +96,8 @@ static zc_session_config script_config(int session)
 	case S_STREAM:
 	case S_FORK:
 		c.layers = 2, c.kv_heads = 2, c.head_dim_k = c.head_dim_v = 32, c.max_tokens = 1024;
+		/* The fork keeps no fp16: blocks and a readers' residual only. */
+		c.views = session == S_FORK ? ZC_VIEWS_NONE : ZC_VIEWS_FULL;
 		c.residual_tokens = 8;
 		break;
 	case S_PER_CALL:
@@ -232,7 +234,7 @@ static size_t script_run(const struct daemon_harness *daemon, const struct op *o
 			if (sessions[op->session])
 				zc_session_release(sessions[op->session]);
 			sessions[op->session] = NULL;
-			rc = zc_session_fork(sessions[op->layer], op->tokens, config.name, ZC_VIEWS_SOURCE,
+			rc = zc_session_fork(sessions[op->layer], op->tokens, config.name, config.views,
 					     &sessions[op->session]);
 			if (rc == 0 && !open[op->session]) {
 				model_init(&models[op->session], &config);

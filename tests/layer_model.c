@@ -523,7 +523,30 @@ bool session_matches(zc_session *session, const struct model *model, char *why, 
 	bool ok = true;
 	int rc;
 
+	/* views = none: the layer as a client reconstructs it from its blocks
+	 * and residual (client/reader.c), compared as a view would be. */
 	bool none = zc_session_get_info(session)->views == ZC_VIEWS_NONE;
+	for (uint32_t i = 0; ok && none && i < model->layers; i++) {
+		size_t rows = (size_t)model->batch * model->kv_heads * model->max_tokens;
+		zc_view view = { .batch = model->batch, .kv_heads = model->kv_heads,
+				 .head_dim_k = model->head_dim_k, .head_dim_v = model->head_dim_v,
+				 .max_tokens = model->max_tokens,
+				 .key_strides = model_strides(model, model->head_dim_k),
+				 .value_strides = model_strides(model, model->head_dim_v) };
+		uint16_t *keys = allocate(rows * model->head_dim_k * 2);
+		uint16_t *values = allocate(rows * model->head_dim_v * 2);
+		rc = zc_layer_reconstruct(session, i, keys, &view.key_strides, values,
+					  &view.value_strides, model->max_tokens, &view.tokens);
+		view.keys = keys;
+		view.values = values;
+		if (rc < 0)
+			ok = fail_with(why, size, "zc_layer_reconstruct(layer %u): %s (%s)", i,
+				       zc_error_name(rc), zc_strerror(rc));
+		else
+			ok = view_matches(model, i, &view, why, size);
+		free(keys);
+		free(values);
+	}
 	for (uint32_t i = 0; ok && !none && i < model->layers; i++) {
 		zc_view view;
 		rc = zc_session_view(session, i, &view);

@@ -245,6 +245,8 @@ START_TEST(views_none_costs_its_compressed_bytes)
 	ck_assert_uint_ge(st.blocks_bytes, total.compressed_key_bytes + total.compressed_value_bytes -
 						   4 * (uint64_t)config.layers * 128 * 8 * 128);
 	ck_assert_uint_le(st.file_bytes, fp16 / 2);
+	/* Read the client's way (blocks and residual), it is the model's. */
+	CHECK(session_matches, session, &model);
 	zc_session_release(session);
 	model_free(&model);
 	zc_client_close(client);

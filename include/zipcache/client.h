@@ -36,6 +36,16 @@
  * until the residual is compressed, at which point the daemon rewrites
  * them with their reconstruction. Read the view after each call.
  *
+ * Reading a layer consistently, in this process or any other that maps
+ * the session: zipcache/reader.h. The daemon writes a layer inside its
+ * seqlock (map.h's `sequence`, odd during a write; `generation` moves when
+ * the view is dropped or rebuilt); a reader begins with zc_read_begin
+ * (a bounded wait for an even sequence), reads the counts, blocks, residual
+ * and pool bytes, and accepts what it read only if zc_read_end says the
+ * sequence did not move (ZC_EAGAIN: read again; ZC_ESTALE: the view it
+ * read was dropped or rebuilt). zc_layer_reconstruct does the whole loop
+ * and reconstructs the layer from its compressed blocks with the codec.
+ *
  * Threads: a zc_client and its sessions belong to one thread at a time
  * (no internal locking). Use one client per thread; many clients may use
  * the same daemon session at once, and the daemon orders their updates.
@@ -99,6 +109,7 @@
 #include "zipcache/codec.h"
 #include "zipcache/map.h"
 #include "zipcache/error.h"
+#include "zipcache/reader.h"
 
 /*
  * What one session may be, as the daemon enforces it (an open past one is

@@ -39,14 +39,17 @@ typedef enum zc_views {
 	ZC_VIEWS_NONE = 1    /* compressed blocks + exact residual only */
 } zc_views;
 
-/* One compressed block of a layer. Tokens [first_token, first_token +
- * valid_tokens) of the layer are the first valid_tokens rows of its
- * reconstruction (a trim or fork may cut a block's tail; the payload is
- * always that of `tokens` rows). */
+/* One compressed block of a layer. The layer's tokens from first_token up
+ * to the next entry's first_token (for the last entry: up to tokens -
+ * residual_tokens) are the first rows of its reconstruction. A trim or
+ * fork may cut a block's tail; the payload is always that of `tokens`
+ * rows, and a committed entry is never rewritten, so valid_tokens is what
+ * belonged to the layer when the entry was written: the rows that belong
+ * to it now are those the tiling gives, never more than valid_tokens. */
 typedef struct zc_map_block {
 	uint32_t first_token;
 	uint32_t tokens;          /* rows the payload was compressed with */
-	uint32_t valid_tokens;    /* rows of it that belong to the layer */
+	uint32_t valid_tokens;    /* rows of it the layer held when it was written */
 	uint32_t flags;           /* 0 */
 	uint64_t key_offset;      /* in the pool map */
 	uint64_t key_bytes;

@@ -17,6 +17,7 @@ through $ZIPCACHE_LIBRARY, else the build tree next to this package
 from ._lib import library_path
 from .attend import AttendBlock, attend_arrays
 from .cache import ZipCacheKVCache, make_prompt_cache
+from .reader import Block, LayerRead, ReadAttempts
 from .client import (
     Client,
     CodecConfig,
@@ -55,6 +56,9 @@ __all__ = [
     "Client",
     "Session",
     "ZipCacheKVCache",
+    "Block",
+    "LayerRead",
+    "ReadAttempts",
     "make_prompt_cache",
     "CodecConfig",
     "Policy",

@@ -1,7 +1,9 @@
 """ctypes bindings of libzipcache: structs, prototypes and loading.
 
-Everything here mirrors include/zipcache/{attend,client,codec,error}.h one to
-one; the friendly API lives in client.py and cache.py. Keep the field
+Everything here mirrors include/zipcache/{attend,client,codec,error,reader}.h
+one to one (tests/python/test_reader.py checks every mirrored reader
+struct's size and field offsets against the library's zc_reader_layout_of);
+the friendly API lives in client.py and cache.py. Keep the field
 order exactly as in the headers: ctypes lays structs out with the C ABI,
 so a missing or reordered field silently shifts every later one.
 """
@@ -182,6 +184,9 @@ class zc_attend_output(Structure):
 
 ZC_POLICY_STREAMING = 0
 ZC_POLICY_PER_CALL = 1
+ZC_VIEWS_FULL = 0
+ZC_VIEWS_NONE = 1
+ZC_VIEWS_SOURCE = -1
 
 
 class zc_session_config(Structure):
@@ -197,6 +202,7 @@ class zc_session_config(Structure):
         ("policy", c_int),
         ("residual_tokens", c_uint32),
         ("attach", c_bool),
+        ("views", c_int),
     ]
 
 
@@ -249,6 +255,9 @@ class zc_session_info(Structure):
         ("min_tokens", c_uint32),
         ("max_layer_tokens", c_uint32),
         ("idle_ms", c_uint64),
+        ("views", c_int),
+        ("shared_bytes", c_uint64),
+        ("leased", c_bool),
     ]
 
 
@@ -262,6 +271,7 @@ class zc_server_info(Structure):
         ("max_sessions", c_uint32),
         ("max_tokens_per_session", c_uint64),
         ("memory_budget_bytes", c_uint64),
+        ("lease_ms", c_uint32),
     ]
 
 
@@ -291,6 +301,63 @@ class zc_memory_stats(Structure):
         ("set_aside_files", c_uint32),
     ]
 
+
+# --- map.h, reader.h -----------------------------------------------------------
+
+ZC_VIEWS_FULL = 0
+ZC_VIEWS_NONE = 1
+ZC_READ_TIMEOUT_MS = 10000
+
+
+class zc_read(Structure):
+    _fields_ = [
+        ("layer", c_uint32),
+        ("view", c_uint32),
+        ("sequence", c_uint64),
+        ("generation", c_uint64),
+        ("tokens", c_uint32),
+        ("residual_tokens", c_uint32),
+        ("blocks", c_uint32),
+        ("view_valid", c_uint32),
+    ]
+
+
+class zc_layer_contents(Structure):
+    _fields_ = [
+        ("layer", c_uint32),
+        ("tokens", c_uint32),
+        ("residual_tokens", c_uint32),
+        ("blocks", c_uint32),
+        ("views", c_uint32),
+        ("view_valid", c_uint32),
+        ("residual_keys", POINTER(c_uint16)),
+        ("residual_values", POINTER(c_uint16)),
+        ("key_strides", zc_strides),
+        ("value_strides", zc_strides),
+    ]
+
+
+class zc_block(Structure):
+    _fields_ = [
+        ("layer", c_uint32),
+        ("index", c_uint32),
+        ("first_token", c_uint32),
+        ("tokens", c_uint32),
+        ("valid_tokens", c_uint32),
+        ("key_shape", zc_block_shape),
+        ("value_shape", zc_block_shape),
+        ("key_payload", c_void_p),
+        ("value_payload", c_void_p),
+        ("key_bytes", c_uint64),
+        ("value_bytes", c_uint64),
+        ("key_offset", c_uint64),
+        ("value_offset", c_uint64),
+    ]
+
+
+# The structs above that the library reports the layout of (by C name).
+MIRRORED_STRUCTS = (zc_read, zc_layer_contents, zc_block, zc_block_shape, zc_strides,
+                    zc_session_config, zc_session_info, zc_server_info, zc_view)
 
 # Opaque handles: only ever passed back to the library.
 zc_client_p = c_void_p
@@ -356,6 +423,9 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "zc_session_close": (c_int, [zc_session_p]),
     "zc_session_release": (None, [zc_session_p]),
     "zc_session_get_info": (POINTER(zc_session_info), [zc_session_p]),
+    "zc_session_fork": (c_int, [zc_session_p, c_uint32, c_char_p, c_int, POINTER(zc_session_p)]),
+    "zc_session_release_views": (c_int, [zc_session_p]),
+    "zc_session_lease_check": (c_int, [zc_session_p]),
     # K/V input as void*: an address (ndarray.ctypes.data) passes without
     # building a ctypes pointer object on every decode step.
     "zc_update_and_fetch": (
@@ -384,6 +454,24 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     ),
     "zc_client_stats": (c_int, [zc_client_p, POINTER(zc_server_stats)]),
     "zc_client_memory_stats": (c_int, [zc_client_p, POINTER(zc_memory_stats)]),
+    "zc_session_map": (c_void_p, [zc_session_p]),
+    "zc_session_pool": (c_void_p, [zc_session_p, POINTER(c_size_t)]),
+    # reader.h
+    "zc_read_begin": (c_int, [zc_session_p, c_uint32, c_int, POINTER(zc_read)]),
+    "zc_read_end": (c_int, [zc_session_p, POINTER(zc_read)]),
+    "zc_layer_layout": (c_int, [zc_session_p, POINTER(zc_read), POINTER(zc_layer_contents)]),
+    "zc_layer_block": (c_int, [zc_session_p, POINTER(zc_read), c_uint32, POINTER(zc_block)]),
+    "zc_block_reconstruct_rows": (
+        c_int,
+        [zc_session_p, POINTER(zc_block), c_void_p, POINTER(zc_strides), c_void_p,
+         POINTER(zc_strides)],
+    ),
+    "zc_layer_reconstruct": (
+        c_int,
+        [zc_session_p, c_uint32, c_void_p, POINTER(zc_strides), c_void_p, POINTER(zc_strides),
+         c_uint32, POINTER(c_uint32)],
+    ),
+    "zc_reader_layout_of": (c_size_t, [c_char_p, c_char_p]),
 }
 
 

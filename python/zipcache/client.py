@@ -21,6 +21,11 @@ Use the arrays returned by the latest call, or copy (``np.array(view)``)
 to keep a snapshot. Under memory pressure the daemon may also drop an idle
 session's views (they read as zeros) until its next request rebuilds them.
 
+The compressed form. ``Session.layer_blocks``, ``layer_residual``,
+``read``/``reads`` and ``reconstruct_layer`` read the daemon's compressed
+blocks (uint8 arrays over the pool mapping, no copy) and residual, and
+reconstruct them here with the codec (zipcache.reader, zipcache/reader.h).
+
 Threads. libzipcache handles belong to one thread at a time; a Client
 serialises its own calls (and its sessions') with a lock, so sharing one
 across threads is safe but not concurrent. Use one Client per thread for
@@ -42,7 +47,9 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from .errors import InvalidArgument, NotFound, error_from_code
+from ._mapping import _mapped_array
+from .errors import InvalidArgument, NotFound, StaleView, error_from_code
+from .reader import Block, LayerRead, ReadAttempts, reconstruct_layer
 
 __all__ = [
     "Client",
@@ -169,6 +176,9 @@ class SessionInfo:
     min_tokens: int
     max_layer_tokens: int
     idle_ms: int
+    views: str = "full"        # "full" or "none"
+    shared_bytes: int = 0      # of its blocks, bytes another session (a fork) refers to too
+    leased: bool = False       # some client holds a lease on its views
 
     @classmethod
     def from_c(cls, i: _lib.zc_session_info) -> "SessionInfo":
@@ -187,6 +197,9 @@ class SessionInfo:
             i.min_tokens,
             i.max_layer_tokens,
             i.idle_ms,
+            "none" if i.views == _lib.ZC_VIEWS_NONE else "full",
+            i.shared_bytes,
+            bool(i.leased),
         )
 
 
@@ -303,44 +316,6 @@ class _SessionHandle:
 def _release_session(ptr: int, client: _ClientHandle) -> None:
     with client.lock:
         lib.zc_session_release(ptr)
-
-
-class _ViewHolder:
-    """The base object of view arrays: exposes the mapping to numpy, read-only.
-
-    numpy builds an array from ``__array_interface__`` without copying and
-    keeps this object as the array's base; the ``(address, True)`` data
-    tuple makes the array read-only, and since this object offers no
-    writable buffer numpy also refuses ``arr.flags.writeable = True``.
-    """
-
-    __slots__ = ("__array_interface__", "session", "__weakref__")
-
-    def __init__(self, address: int, shape: tuple[int, ...], strides: tuple[int, ...],
-                 session: _SessionHandle) -> None:
-        self.__array_interface__ = {
-            "version": 3,
-            "shape": shape,
-            "typestr": "<f2",
-            "data": (address, True),
-            "strides": strides,
-        }
-        self.session = session
-
-
-def _mapped_array(pointer: Any, shape: tuple[int, int, int, int], strides: _lib.zc_strides,
-                  session: _SessionHandle) -> np.ndarray:
-    address = ctypes.cast(pointer, ctypes.c_void_p).value
-    if not address:
-        raise error_from_code(_lib.ZC_EPROTOCOL, "the daemon's view has no address", "view")
-    itemsize = 2  # fp16
-    byte_strides = (strides.batch * itemsize, strides.head * itemsize, strides.token * itemsize,
-                    itemsize)
-    holder = _ViewHolder(address, shape, byte_strides, session)
-    session.holders.add(holder)
-    array = np.asarray(holder)
-    assert not array.flags.writeable and array.dtype == np.float16
-    return array
 
 
 # --- Client -------------------------------------------------------------------
@@ -541,6 +516,14 @@ def _check_block(x: Any, what: str, batch: int, heads: int, head_dim: int,
     return np.ascontiguousarray(array, dtype="<f2")
 
 
+def _views_code(views: str, operation: str) -> int:
+    codes = {"full": _lib.ZC_VIEWS_FULL, "none": _lib.ZC_VIEWS_NONE, "source": _lib.ZC_VIEWS_FULL}
+    if views not in codes:
+        raise InvalidArgument(_lib.ZC_EINVALID,
+                              f"views must be 'full' or 'none', got {views!r}", operation=operation)
+    return codes[views]
+
+
 class Session:
     """One sequence (or batch of sequences) of one model on the daemon.
 
@@ -551,6 +534,10 @@ class Session:
     if it exists, provided it has the shape, max_tokens, codec and policy
     given here (and residual_tokens, unless 0 or per_call): any difference
     raises InvalidArgument naming it, and the session is left as it was.
+    ``views="none"`` keeps no fp16 at all: the session costs its compressed
+    blocks and its exact residual; ``update_and_fetch`` then returns the
+    layer's token count, and the layer is read with ``read``,
+    ``layer_blocks``, ``layer_residual`` or ``reconstruct_layer``.
     ``check_finite=True`` rejects NaN/Inf before sending rather than
     leaving it to the daemon (which always checks): it saves a round trip
     on bad data at the cost of a scan of every block.
@@ -577,6 +564,8 @@ class Session:
         name: str | None = None,
         attach: bool = False,
         check_finite: bool = False,
+        views: str = "full",
+        _fork_of: tuple["Session", int] | None = None,
     ) -> None:
         self._client = client
         self.check_finite = check_finite
@@ -604,11 +593,23 @@ class Session:
         config.policy = int(Policy.coerce(policy))
         config.residual_tokens = residual_tokens
         config.attach = attach
+        if views == "source" and _fork_of is None:
+            raise InvalidArgument(_lib.ZC_EINVALID, "views must be 'full' or 'none'",
+                                  operation="open_session")
+        config.views = _views_code(views, "open_session")
         ptr = _lib.zc_session_p()
         with client_handle.lock:
-            client_handle.check(
-                lib.zc_session_open(client_handle.ptr, ctypes.byref(config), ctypes.byref(ptr)),
-                "open_session")
+            if _fork_of is None:
+                client_handle.check(
+                    lib.zc_session_open(client_handle.ptr, ctypes.byref(config), ctypes.byref(ptr)),
+                    "open_session")
+            else:
+                source, tokens = _fork_of
+                client_handle.check(
+                    lib.zc_session_fork(source._native().ptr, tokens, name_bytes,
+                                        _lib.ZC_VIEWS_SOURCE if views == "source" else
+                                        config.views, ctypes.byref(ptr)),
+                    "fork_session")
             self._handle: _SessionHandle | None = _SessionHandle(ptr.value, client_handle)
             self._info = SessionInfo.from_c(lib.zc_session_get_info(ptr.value).contents)
         client._sessions.add(self)
@@ -688,8 +689,11 @@ class Session:
     def closed(self) -> bool:
         return self._handle is None
 
-    def update_and_fetch(self, layer: int, keys: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
+    def update_and_fetch(self, layer: int, keys: Any, values: Any) -> Any:
         """Appends a [B, H, S, D] float16 block to ``layer``; returns the whole layer.
+
+        With ``views="none"`` it returns the layer's token count instead
+        (there is no fp16 view to hand out).
 
         The result is a pair of read-only float16 arrays [B, H, offset, D]
         that are views of the shared mapping, not copies (see the module
@@ -721,7 +725,53 @@ class Session:
         # Kept raw: converted only if someone asks (a decode step should not
         # pay for accounting nobody reads).
         self._stats[layer] = (view.sequence, stats)
+        if not view.keys:
+            return int(view.tokens)
         return self._arrays(handle, layer, view, view.tokens)
+
+    # -- forks and leases
+
+    def fork(self, tokens: int, name: str | None = None, views: str = "source") -> "Session":
+        """A new session whose first ``tokens`` tokens (of every layer) are this one's.
+
+        Whole compressed blocks are shared by reference, the rest copied;
+        both sessions then go on independently. ``views``: "source" (this
+        session's), "full" or "none". For parallel sampling and beam search
+        from one prompt, or branching a conversation.
+        """
+        i = self._info
+        if not isinstance(tokens, (int, np.integer)) or not 0 <= tokens <= _UINT32_MAX:
+            raise InvalidArgument(_lib.ZC_EINVALID, f"tokens must be in 0..{_UINT32_MAX}",
+                                  operation="fork_session")
+        if views != "source":
+            _views_code(views, "fork_session")
+        return Session(self._client, layers=i.layers, kv_heads=i.kv_heads, head_dim=i.head_dim_k,
+                       head_dim_v=i.head_dim_v, max_tokens=i.max_tokens, batch=i.batch,
+                       codec=i.codec, policy=i.policy, residual_tokens=i.residual_tokens,
+                       name=name, views=views,
+                       check_finite=self.check_finite, _fork_of=(self, int(tokens)))
+
+    def release_views(self) -> None:
+        """Ends this client's lease on the views: memory relief may drop them now.
+
+        Arrays from earlier fetches must not be read after this (they may
+        become zeros); the next ``view`` or update brings the views back.
+        """
+        handle = self._native()
+        with handle.client.lock:
+            handle.client.check(lib.zc_session_release_views(handle.ptr), "release")
+
+    @property
+    def lease_valid(self) -> bool:
+        """Whether arrays fetched from this session are still leased (may be read)."""
+        return lib.zc_session_lease_check(self._native().ptr) == 0
+
+    def check_lease(self) -> None:
+        """Raises StaleView once the lease on the views ended (fetch them again with ``view``)."""
+        rc = lib.zc_session_lease_check(self._native().ptr)
+        if rc < 0:
+            raise error_from_code(rc, "the lease on this session's views ended: arrays fetched "
+                                      "before may hold zeros; call view() again", "view")
 
     def view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The layer as it is now, without an update.
@@ -757,6 +807,67 @@ class Session:
         handle = self._native()
         layer = self._check_layer(layer, "tokens")
         return self._read_view(handle, layer).tokens
+
+    # -- the compressed form, read in this process (zipcache/reader.h, reader.py)
+
+    def read(self, layer: int, timeout: float | None = None) -> LayerRead:
+        """One consistent read of ``layer``: ``with session.read(0) as r: r.blocks() ...``.
+
+        Leaving the block raises ConcurrentWrite if the daemon wrote the
+        layer meanwhile (read again, or use ``reads()``), StaleView if the
+        view the read used was dropped or rebuilt. See zipcache.reader.
+        """
+        self._native()
+        return LayerRead(self, self._check_layer(layer, "read"), timeout)
+
+    def reads(self, layer: int, timeout: float | None = None) -> ReadAttempts:
+        """Reads of ``layer`` retried until one is consistent (see ReadAttempts)."""
+        self._native()
+        return ReadAttempts(self, self._check_layer(layer, "read"), timeout)
+
+    def layer_blocks(self, layer: int) -> list[Block]:
+        """The layer's compressed blocks as one consistent read saw them.
+
+        Each Block's ``key_payload`` / ``value_payload`` are read-only uint8
+        arrays over the pool mapping (no copy) and ``reconstruct()`` runs the
+        codec here. A block's bytes stay as they are while the session holds
+        it; after a trim drops it they may be reused (see zipcache.reader).
+        """
+        blocks: list[Block] = []
+        for attempt in self.reads(layer):
+            with attempt as r:
+                blocks = r.blocks()
+        return blocks
+
+    def layer_residual(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer's exact residual rows: read-only float16 [B, H, residual_tokens, D] views.
+
+        No copy: with views = full these are the view's last rows (the
+        arrays share memory with ``view()``'s). A dropped view is brought
+        back first (one request), as ``view()`` does.
+        """
+        for refreshed in (False, True):
+            try:
+                result = None
+                for attempt in self.reads(layer):
+                    with attempt as r:
+                        result = r.residual()
+                return result
+            except StaleView:
+                if refreshed:
+                    raise
+                self.view(layer)
+        raise AssertionError("unreachable")
+
+    def reconstruct_layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer rebuilt in this process from its blocks and residual: (K, V) copies.
+
+        float16 [B, H, tokens, D], C-contiguous, bit-identical to ``view()``'s
+        arrays; one consistent read (retried while the daemon writes). A
+        dropped view whose rows the residual needs is brought back first.
+        """
+        self._native()
+        return reconstruct_layer(self, self._check_layer(layer, "reconstruct_layer"))
 
     @staticmethod
     def _trim_count(tokens: Any) -> int:

@@ -31,6 +31,8 @@ __all__ = [
     "Unavailable",
     "DaemonRestarted",
     "ConnectionBroken",
+    "StaleView",
+    "ConcurrentWrite",
     "error_from_code",
 ]
 
