@@ -614,6 +614,21 @@ void pool_sweep(struct pool *pool)
 		if (pool->slots[i].offset != 0)
 			live[n++] = (struct span){ pool->slots[i].offset, pool->slots[i].bytes };
 	qsort(live, n, sizeof(*live), span_compare);
+	/* Claims that overlap at different offsets come from a file that was
+	 * written to by someone else: freeing one would punch the other's
+	 * bytes, so both stay for good (one reference more each). */
+	for (size_t i = 1; i < n; i++) {
+		if (live[i].start >= live[i - 1].start + live[i - 1].bytes)
+			continue;
+		struct extent *x = extent_find(pool, live[i - 1].start), *y = extent_find(pool, live[i].start);
+		if (x)
+			x->refs++;
+		if (y)
+			y->refs++;
+		log_error("pool", "claimed blocks overlap; both are kept", "path=%s offset=%llu other=%llu",
+			  pool->path, (unsigned long long)live[i - 1].start,
+			  (unsigned long long)live[i].start);
+	}
 	uint64_t at = POOL_DATA_OFFSET, end = pool->top, swept = 0;
 	pool->top = n > 0 ? live[n - 1].start + live[n - 1].bytes : POOL_DATA_OFFSET;
 	pool->n_free = 0;

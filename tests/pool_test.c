@@ -520,6 +520,28 @@ static struct pool *pool_restarted(struct fixture *f, struct blk *blocks, int n)
 	return f->pool;
 }
 
+/* Claims overlapping at different offsets (a file someone else wrote):
+ * both extents stay after the sweep and after their sessions let go, so
+ * freeing one never punches the other's bytes. */
+START_TEST(overlapping_claims_are_kept_for_good)
+{
+	struct fixture f;
+	struct blk blocks[2];
+	fixture_start(&f, "pool_overlap");
+	struct pool *pool = pool_restarted(&f, blocks, 2);
+	claim_ok(pool, &blocks[1]);
+	/* A forged claim starting one page into block 1. */
+	struct blk forged = { .key_bytes = 100, .value_bytes = 100, .offset = blocks[1].offset + PAGE };
+	claim_ok(pool, &forged);
+	pool_sweep(pool);
+	pool_unref(pool, forged.offset);
+	pool_unref(pool, blocks[1].offset);
+	assert_block_intact(pool, &blocks[1]);
+	ck_assert_uint_ge(pool_refs(pool, blocks[1].offset), 1);
+	fixture_end(&f);
+}
+END_TEST
+
 START_TEST(sweep_keeps_claims_and_frees_the_rest)
 {
 	struct fixture f;
@@ -913,7 +935,7 @@ static Suite *pool_suite(void)
 		{ "blocks", { write_read_round_trip, last_reference_punches_and_gives_back, NULL } },
 		{ "free_space", { freed_space_is_reused_first_fit, neighbours_coalesce, NULL } },
 		{ "refusals", { capacity_exhausted_takes_nothing, budget_refuses_without_taking, NULL } },
-		{ "adoption", { sweep_keeps_claims_and_frees_the_rest,
+		{ "adoption", { sweep_keeps_claims_and_frees_the_rest, overlapping_claims_are_kept_for_good,
 				sweep_of_an_unclaimed_pool_frees_everything,
 				claims_that_cannot_be_right_are_corrupt, NULL } },
 		{ "files", { pool_set_opens_one_pool_per_uid, pool_set_scan_after_the_directory_was_listed,
