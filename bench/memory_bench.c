@@ -827,8 +827,8 @@ static void report_forks(const struct options *opt, const struct forks_result *r
 	     (unsigned long long)indep, (unsigned long long)r->shared_bytes,
 	     (unsigned long long)r->fp16);
 	JSON("{\"bench\":\"memory\",\"op\":\"forks_memory\",%s}", a);
+	JSON("{\"bench\":\"memory\",\"op\":\"forks_source_closed_memory\",%s}", b);
 	JSON("{\"bench\":\"memory\",\"op\":\"independent_memory\",%s}", c);
-	(void)b;
 }
 
 /* ---- 5. decode, views = none and full, against a raw round trip --------------------- */
@@ -1201,11 +1201,14 @@ int main(int argc, char **argv)
 		       verdict(x >= GOAL_REBUILD));
 	}
 	if (opt.only & RUN_DECODE) {
-		for (int i = 0; i < 2; i++) {
-			double x = decode.p50[i] / decode.p50[SIDE_RAW];
-			printf("  decode p50 / raw, %s         %6.3f  no worse than today (%.2f)  %s\n",
-			       side_names[i], x, TODAY_DECODE, verdict(x <= TODAY_DECODE * 1.1));
-		}
+		/* "No worse than today" compares sittings (docs/BENCHMARKS.md
+		 * records today's figure); within this run, none against full. */
+		for (int i = 0; i < 2; i++)
+			printf("  decode p50 / raw, %s         %6.3f  no worse than today (%.2f in "
+			       "docs/BENCHMARKS.md, another sitting)\n",
+			       side_names[i], decode.p50[i] / decode.p50[SIDE_RAW], TODAY_DECODE);
+		printf("  decode p50, views = none / full      %6.3f  report\n",
+		       decode.p50[SIDE_NONE] / decode.p50[SIDE_FULL]);
 	}
 	printf("\n");
 	for (int i = 0; i < n_json; i++)
