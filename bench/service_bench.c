@@ -55,38 +55,22 @@
  *                [--daemon PATH] [--only decode,context,prefill,ratio,rebuild]
  */
 #include <errno.h>
-#include <fcntl.h>
-#include <ftw.h>
 #include <limits.h>
-#include <math.h>
 #include <pthread.h>
 #include <sched.h>
-#include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "synthetic_kv.h"
+#include "bench_daemon.h"
 #include "zipcache/client.h"
-/* Private, but only to size the raw baseline's frames exactly as the
- * daemon's are: a guessed size would bias the ratio. */
-#include "frame.h"
-#include "wire_pb.h"
 /* To see, through the big session's mapping, when relief dropped its
  * views without a request that would rebuild them. */
 #include "store_format.h"
-
-#ifndef ZC_BUILD_DIR
-#define ZC_BUILD_DIR "build"
-#endif
 
 #define HEADS 8u
 #define HEAD_DIM 128u
@@ -146,44 +130,12 @@ enum { RUN_DECODE = 1, RUN_CONTEXT = 2, RUN_PREFILL = 4, RUN_RATIO = 8, RUN_REBU
 static const char *const run_names[] = { "decode", "context", "prefill", "ratio", "rebuild" };
 #define N_RUNS (sizeof run_names / sizeof run_names[0])
 
-/* Children and the directory, global so that a signal can clean up. */
-static struct {
-	char dir[200];     /* short: the socket path must fit sun_path */
-	char socket[PATH_MAX];
-	char shm[PATH_MAX];
-	volatile pid_t daemon;
-	volatile pid_t echo;
-	int echo_fd;
-} harness = { .echo_fd = -1 };
-
 static char json[MAX_JSON][512];
 static int n_json;
 
 /* Called through a volatile pointer so the copy is exactly what a caller
  * gets and is never dropped for an unread destination. */
 static void *(*volatile memcpy_fn)(void *, const void *, size_t) = memcpy;
-
-static void fail(const char *what, int rc)
-{
-	fprintf(stderr, "service: %s: %s\n", what, rc < 0 ? zc_strerror(rc) : "failed");
-}
-
-static void fail_client(zc_client *client, const char *what, int rc)
-{
-	const char *msg = client ? zc_client_last_error(client) : "";
-	fprintf(stderr, "service: %s: %s%s%s\n", what, zc_strerror(rc), *msg ? ": " : "", msg);
-}
-
-static void *alloc_touched(size_t bytes)
-{
-	/* Aligned like a real tensor and written once, so that page faults
-	 * of our own buffers are never part of a timed call. */
-	size_t rounded = (bytes + 63) & ~(size_t)63;
-	void *p = aligned_alloc(64, rounded ? rounded : 64);
-	if (p)
-		memset(p, 0x5a, rounded);
-	return p;
-}
 
 struct data {
 	/* Token-major decode rows: row t is the [1, H, 1, D] block of step t. */
@@ -197,16 +149,16 @@ struct data {
 static int data_make(struct data *d)
 {
 	size_t pool = (size_t)POOL_TOKENS * ROW_ELEMENTS;
-	uint16_t *tmp = alloc_touched(2 * pool);
+	uint16_t *tmp = bench_alloc_touched(2 * pool);
 
-	d->pool_keys = alloc_touched(2 * pool);
-	d->pool_values = alloc_touched(2 * pool);
-	d->ratio_keys = alloc_touched(2 * (size_t)RATIO_PROMPT * ROW_ELEMENTS);
-	d->ratio_values = alloc_touched(2 * (size_t)RATIO_PROMPT * ROW_ELEMENTS);
-	d->small_keys = alloc_touched(2 * (size_t)CONTEXT_SMALL * ROW_ELEMENTS);
-	d->small_values = alloc_touched(2 * (size_t)CONTEXT_SMALL * ROW_ELEMENTS);
-	d->prefill_keys = alloc_touched(2 * (size_t)PREFILL_TOKENS * ROW_ELEMENTS);
-	d->prefill_values = alloc_touched(2 * (size_t)PREFILL_TOKENS * ROW_ELEMENTS);
+	d->pool_keys = bench_alloc_touched(2 * pool);
+	d->pool_values = bench_alloc_touched(2 * pool);
+	d->ratio_keys = bench_alloc_touched(2 * (size_t)RATIO_PROMPT * ROW_ELEMENTS);
+	d->ratio_values = bench_alloc_touched(2 * (size_t)RATIO_PROMPT * ROW_ELEMENTS);
+	d->small_keys = bench_alloc_touched(2 * (size_t)CONTEXT_SMALL * ROW_ELEMENTS);
+	d->small_values = bench_alloc_touched(2 * (size_t)CONTEXT_SMALL * ROW_ELEMENTS);
+	d->prefill_keys = bench_alloc_touched(2 * (size_t)PREFILL_TOKENS * ROW_ELEMENTS);
+	d->prefill_values = bench_alloc_touched(2 * (size_t)PREFILL_TOKENS * ROW_ELEMENTS);
 	if (!tmp || !d->pool_keys || !d->pool_values || !d->ratio_keys || !d->ratio_values ||
 	    !d->small_keys || !d->small_values || !d->prefill_keys || !d->prefill_values) {
 		free(tmp);
@@ -250,394 +202,6 @@ static const uint16_t *pool_row(const uint16_t *pool, uint64_t step)
 	return pool + (size_t)(step % POOL_TOKENS) * ROW_ELEMENTS;
 }
 
-/* ---- timing and statistics --------------------------------------------- */
-
-static double now_s(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-	return (x > y) - (x < y);
-}
-
-/* Nearest-rank percentile of n samples, sorting them in place. */
-static double percentile(double *v, size_t n, double p)
-{
-	qsort(v, n, sizeof *v, cmp_double);
-	size_t rank = (size_t)ceil(p * (double)n);
-	return v[rank ? rank - 1 : 0];
-}
-
-static double median(double *v, size_t n)
-{
-	qsort(v, n, sizeof *v, cmp_double);
-	return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-/* ---- the daemon and the echo peer -------------------------------------- */
-
-static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-	(void)st;
-	(void)flag;
-	(void)ftw;
-	remove(path);
-	return 0;
-}
-
-static void remove_dir(void)
-{
-	if (harness.dir[0])
-		nftw(harness.dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
-}
-
-static int pin(pid_t pid, int cpu)
-{
-	cpu_set_t set;
-	if (cpu < 0)
-		return 0;
-	CPU_ZERO(&set);
-	CPU_SET(cpu, &set);
-	return sched_setaffinity(pid, sizeof set, &set) == 0 ? 0 : -errno;
-}
-
-/*
- * Ctrl-C in the middle of a run: stop the children and remove the
- * directory. Only async-signal-safe calls (kill, waitpid, fork, execv,
- * _exit): the main flow may be inside malloc.
- */
-static void on_signal(int sig)
-{
-	pid_t daemon = harness.daemon, echo = harness.echo;
-	if (echo > 0)
-		kill(echo, SIGKILL);
-	if (daemon > 0) {
-		kill(daemon, SIGKILL);
-		waitpid(daemon, NULL, 0);
-	}
-	if (harness.dir[0]) {
-		pid_t rm = fork();
-		if (rm == 0) {
-			char *argv[] = { "rm", "-rf", harness.dir, NULL };
-			execv("/bin/rm", argv);
-			_exit(127);
-		}
-		if (rm > 0)
-			waitpid(rm, NULL, 0);
-	}
-	_exit(128 + sig);
-}
-
-static int make_dir(void)
-{
-	const char *bases[] = { "/dev/shm", getenv("TMPDIR"), "/tmp" };
-	struct stat st;
-
-	for (size_t i = 0; i < sizeof bases / sizeof bases[0]; i++) {
-		if (!bases[i] || stat(bases[i], &st) != 0 || !S_ISDIR(st.st_mode) ||
-		    access(bases[i], W_OK) != 0)
-			continue;
-		snprintf(harness.dir, sizeof harness.dir, "%s/zc-service-bench.XXXXXX", bases[i]);
-		if (!mkdtemp(harness.dir)) {
-			harness.dir[0] = '\0';
-			continue;
-		}
-		snprintf(harness.socket, sizeof harness.socket, "%s/z.sock", harness.dir);
-		snprintf(harness.shm, sizeof harness.shm, "%s/shm", harness.dir);
-		/* sun_path holds 108 bytes. */
-		if (strlen(harness.socket) >= 108) {
-			rmdir(harness.dir);
-			harness.dir[0] = '\0';
-			continue;
-		}
-		return 0;
-	}
-	return -ENOENT;
-}
-
-/* Whether `path --help` mentions `flag`: lets the benchmark drive both
- * older and newer daemons. */
-static bool daemon_has_flag(const char *path, const char *flag)
-{
-	char command[PATH_MAX + 32], line[512];
-	bool found = false;
-	snprintf(command, sizeof command, "'%s' --help 2>/dev/null", path);
-	FILE *f = popen(command, "r");
-	if (!f)
-		return false;
-	while (fgets(line, sizeof line, f))
-		if (strstr(line, flag))
-			found = true;
-	pclose(f);
-	return found;
-}
-
-/* memory_budget: a --memory-budget value, or NULL for the default. */
-static int daemon_start(const char *path, int cpu, const char *memory_budget, zc_client **out)
-{
-	/* The metrics port is fixed by default: a second daemon on the
-	 * machine (a test, a user's) would make ours log an error. */
-	bool metrics_off = daemon_has_flag(path, "--metrics-listen");
-	pid_t pid = fork();
-	if (pid < 0)
-		return -errno;
-	if (pid == 0) {
-		const char *argv[16];
-		int n = 0;
-		/* If the benchmark dies, so does its daemon. */
-		prctl(PR_SET_PDEATHSIG, SIGTERM);
-		pin(0, cpu);
-		int null = open("/dev/null", O_WRONLY);
-		if (null >= 0)
-			dup2(null, STDOUT_FILENO); /* its "listening" line would break the table */
-		argv[n++] = "zipcached";
-		argv[n++] = "--socket";
-		argv[n++] = harness.socket;
-		argv[n++] = "--shm-dir";
-		argv[n++] = harness.shm;
-		argv[n++] = "--log-level";
-		argv[n++] = "warn";
-		if (metrics_off) {
-			argv[n++] = "--metrics-listen";
-			argv[n++] = "off";
-		}
-		if (memory_budget) {
-			argv[n++] = "--memory-budget";
-			argv[n++] = memory_budget;
-		}
-		argv[n] = NULL;
-		execv(path, (char *const *)argv);
-		fprintf(stderr, "service: cannot run %s: %s\n", path, strerror(errno));
-		_exit(127);
-	}
-	harness.daemon = pid;
-
-	/* Up to 10 s for the socket to answer hello. */
-	double deadline = now_s() + 10.0;
-	int rc;
-	for (;;) {
-		int status;
-		if (waitpid(pid, &status, WNOHANG) == pid) {
-			harness.daemon = 0;
-			fprintf(stderr, "service: zipcached exited before listening (status %d)\n",
-				WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
-			return ZC_EINTERNAL;
-		}
-		/* A reply timeout far above any call here: on a loaded machine
-		 * a 16 MiB layer can take seconds, and that is a figure, not
-		 * a failure. */
-		rc = zc_client_connect(harness.socket, 120000, out);
-		if (rc == 0)
-			return 0;
-		if (now_s() > deadline)
-			return rc;
-		usleep(10000);
-	}
-}
-
-/* SIGTERM, then up to 15 s for a graceful stop (its grace period is 10 s). */
-static void daemon_stop(void)
-{
-	pid_t pid = harness.daemon;
-	int status;
-
-	if (pid <= 0)
-		return;
-	kill(pid, SIGTERM);
-	for (int i = 0; i < 1500; i++) {
-		if (waitpid(pid, &status, WNOHANG) == pid) {
-			harness.daemon = 0;
-			if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-				fprintf(stderr, "service: zipcached exited with status %d\n",
-					WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
-			return;
-		}
-		usleep(10000);
-	}
-	fprintf(stderr, "service: zipcached ignored SIGTERM for 15 s; killing it\n");
-	kill(pid, SIGKILL);
-	waitpid(pid, NULL, 0);
-	harness.daemon = 0;
-}
-
-static int write_full(int fd, const uint8_t *buf, size_t len)
-{
-	while (len > 0) {
-		ssize_t n = send(fd, buf, len, MSG_NOSIGNAL);
-		if (n < 0) {
-			if (errno == EINTR)
-				continue;
-			return -errno;
-		}
-		buf += n;
-		len -= (size_t)n;
-	}
-	return 0;
-}
-
-/*
- * The raw baseline's peer: the least a server can do per request. Reads
- * like the daemon does (one recv into a buffer as big as it can take,
- * then whole frames out of it), and answers each frame with one whose
- * total size the request's first 4 body bytes name, so that the
- * benchmark picks the reply size after it has seen a real daemon reply.
- */
-static void echo_serve(int fd)
-{
-	size_t cap = 1u << 20, have = 0;
-	uint8_t *in = malloc(cap), *out = calloc(1, cap);
-
-	if (!in || !out)
-		_exit(1);
-	for (;;) {
-		ssize_t n = recv(fd, in + have, cap - have, 0);
-		if (n == 0)
-			_exit(0);
-		if (n < 0) {
-			if (errno == EINTR)
-				continue;
-			_exit(1);
-		}
-		have += (size_t)n;
-		size_t at = 0;
-		while (have - at >= 8) {
-			size_t len = frame_header_read(in + at);
-			if (len + 4 > cap)
-				_exit(1);
-			if (have - at < 4 + len)
-				break;
-			uint32_t reply = frame_header_read(in + at + 4);
-			if (reply < 4 || reply > cap)
-				_exit(1);
-			frame_header_write(out, reply - 4);
-			if (write_full(fd, out, reply) < 0)
-				_exit(0);
-			at += 4 + len;
-		}
-		memmove(in, in + at, have - at);
-		have -= at;
-	}
-}
-
-static int echo_start(int cpu)
-{
-	int sv[2];
-	if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0)
-		return -errno;
-	pid_t pid = fork();
-	if (pid < 0) {
-		int err = errno;
-		close(sv[0]);
-		close(sv[1]);
-		return -err;
-	}
-	if (pid == 0) {
-		/* Ctrl-C reaches the whole process group: the cleanup is the
-		 * parent's, the peer just dies (and with its parent). */
-		signal(SIGINT, SIG_DFL);
-		signal(SIGTERM, SIG_DFL);
-		signal(SIGHUP, SIG_DFL);
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		pin(0, cpu);
-		close(sv[0]);
-		echo_serve(sv[1]);
-		_exit(0);
-	}
-	close(sv[1]);
-	harness.echo = pid;
-	harness.echo_fd = sv[0];
-	return 0;
-}
-
-static void echo_stop(void)
-{
-	if (harness.echo_fd >= 0)
-		close(harness.echo_fd); /* EOF: the peer exits */
-	harness.echo_fd = -1;
-	if (harness.echo > 0)
-		waitpid(harness.echo, NULL, 0);
-	harness.echo = 0;
-}
-
-/* One raw round trip: the same blocking send-then-receive-a-frame as the
- * client library does, with nothing to encode or decode. */
-static int raw_round_trip(int fd, const uint8_t *frame, size_t len, uint8_t *reply, size_t cap)
-{
-	size_t have = 0, want = 4;
-	int rc = write_full(fd, frame, len);
-	if (rc < 0)
-		return rc;
-	while (have < want) {
-		ssize_t n = recv(fd, reply + have, cap - have, 0);
-		if (n <= 0) {
-			if (n < 0 && errno == EINTR)
-				continue;
-			return n == 0 ? -ECONNRESET : -errno;
-		}
-		have += (size_t)n;
-		if (want == 4 && have >= 4)
-			want = 4 + (size_t)frame_header_read(reply);
-		if (want > cap)
-			return -EMSGSIZE;
-	}
-	return 0;
-}
-
-/* ---- frame sizes -------------------------------------------------------- */
-
-/* Request ids this far into a run take two varint bytes, as they do for
- * most of the measured calls. */
-#define TYPICAL_REQUEST_ID 10000u
-
-static int update_request_bytes(uint64_t session_id, const void *keys, const void *values,
-				size_t *out)
-{
-	wire_pb_request req;
-	memset(&req, 0, sizeof req);
-	req.msg.request_id = TYPICAL_REQUEST_ID;
-	req.msg.which_op = zipcache_v1_Request_update_and_fetch_tag;
-	req.msg.op.update_and_fetch.session_id = session_id;
-	req.msg.op.update_and_fetch.layer = 0;
-	req.msg.op.update_and_fetch.tokens = 1;
-	req.keys = (wire_span){ keys, 2 * ROW_ELEMENTS };
-	req.values = (wire_span){ values, 2 * ROW_ELEMENTS };
-	return wire_pb_request_frame_size(&req, out);
-}
-
-/* The reply the daemon sends for an update with these stats (dispatch.c's
- * update_done). */
-static int update_reply_bytes(const zc_layer_stats *s, uint64_t sequence, size_t *out)
-{
-	wire_pb_response resp;
-	memset(&resp, 0, sizeof resp);
-	resp.msg.request_id = TYPICAL_REQUEST_ID;
-	resp.msg.which_op = zipcache_v1_Response_update_and_fetch_tag;
-	zipcache_v1_UpdateAndFetchResponse *u = &resp.msg.op.update_and_fetch;
-	u->tokens = s->tokens;
-	u->sequence = sequence;
-	u->has_stats = true;
-	u->stats = (zipcache_v1_LayerStats){
-		.layer = s->layer,
-		.tokens = s->tokens,
-		.residual_tokens = s->residual_tokens,
-		.compressed_key_bytes = s->compressed_key_bytes,
-		.compressed_value_bytes = s->compressed_value_bytes,
-		.baseline_key_bytes = s->baseline_key_bytes,
-		.baseline_value_bytes = s->baseline_value_bytes,
-		.fp16_key_bytes = s->fp16_key_bytes,
-		.fp16_value_bytes = s->fp16_value_bytes,
-		.compression_ratio = s->compression_ratio,
-		.effective_avg_bits = s->effective_avg_bits,
-		.blocks = s->blocks,
-	};
-	return wire_pb_response_frame_size(&resp, out);
-}
-
 /* ---- sessions ------------------------------------------------------------ */
 
 static zc_session_config session_config(const char *name, uint32_t layers, uint32_t max_tokens,
@@ -661,7 +225,7 @@ static int open_session(zc_client *client, const char *name, uint32_t layers,
 	zc_session_config config = session_config(name, layers, max_tokens, policy);
 	int rc = zc_session_open(client, &config, out);
 	if (rc < 0)
-		fail_client(client, "open session", rc);
+		bench_fail_client(client, "open session", rc);
 	return rc;
 }
 
@@ -690,9 +254,9 @@ static int decode_batch(zc_session *s, const struct data *d, uint64_t *step, dou
 	for (unsigned i = 0; i < n; i++, (*step)++) {
 		const uint16_t *k = pool_row(d->pool_keys, *step);
 		const uint16_t *v = pool_row(d->pool_values, *step);
-		double t0 = now_s();
+		double t0 = bench_now_s();
 		int rc = zc_update_and_fetch(s, 0, 1, k, v, view, stats);
-		double t1 = now_s();
+		double t1 = bench_now_s();
 		if (rc < 0)
 			return rc;
 		us[i] = (t1 - t0) * 1e6;
@@ -748,9 +312,9 @@ static void summarize(double *v, size_t n, double *p50, double *p90, double *p99
 	for (size_t i = 0; i < n; i++)
 		sum += v[i];
 	*mean = sum / (double)n;
-	*p50 = percentile(v, n, 0.50);
-	*p90 = percentile(v, n, 0.90);
-	*p99 = percentile(v, n, 0.99);
+	*p50 = bench_percentile(v, n, 0.50);
+	*p90 = bench_percentile(v, n, 0.90);
+	*p99 = bench_percentile(v, n, 0.99);
 	*max = v[n - 1];
 }
 
@@ -777,22 +341,23 @@ static int bench_decode(zc_client *client, const struct data *d, const struct op
 		goto out;
 	if ((rc = fill_layer(s, 0, DECODE_PROMPT, d->small_keys, d->small_values,
 			     DECODE_PROMPT)) < 0) {
-		fail_client(client, "decode: prompt", rc);
+		bench_fail_client(client, "decode: prompt", rc);
 		goto out;
 	}
 	if ((rc = check_decode(s, d, step++, DECODE_PROMPT, &stats, &view)) < 0) {
-		fail_client(client, "decode: the first step is not in the view as sent", rc);
+		bench_fail_client(client, "decode: the first step is not in the view as sent", rc);
 		goto out;
 	}
 
 	/* The raw frames, sized as the daemon's are. */
-	rc = update_request_bytes(zc_session_get_info(s)->id, pool_row(d->pool_keys, 0),
-				  pool_row(d->pool_values, 0), &r->request_bytes);
+	rc = bench_update_request_bytes(zc_session_get_info(s)->id, pool_row(d->pool_keys, 0),
+					pool_row(d->pool_values, 0), 2 * ROW_ELEMENTS,
+					&r->request_bytes);
 	if (rc == 0)
-		rc = update_reply_bytes(&stats, view.sequence, &r->reply_bytes);
+		rc = bench_update_reply_bytes(&stats, view.sequence, &r->reply_bytes);
 	r->reply_bytes_first = r->reply_bytes;
 	if (rc < 0) {
-		fail("frame sizes", rc);
+		bench_fail("frame sizes", rc);
 		goto out;
 	}
 	frame = calloc(1, r->request_bytes);
@@ -801,19 +366,17 @@ static int bench_decode(zc_client *client, const struct data *d, const struct op
 		rc = -ENOMEM;
 		goto out;
 	}
-	/* The body's bytes do not matter to a socket, only their number. */
-	frame_header_write(frame, (uint32_t)(r->request_bytes - 4));
-	frame_header_write(frame + 4, (uint32_t)r->reply_bytes);
+	bench_raw_frame(frame, r->request_bytes, r->reply_bytes);
 
 	/* Warm-up, one batch each: caches, branch predictors, view pages. */
 	if ((rc = decode_batch(s, d, &step, us, NULL, BATCH_STEPS, &view, &stats)) < 0) {
-		fail_client(client, "decode: warm-up", rc);
+		bench_fail_client(client, "decode: warm-up", rc);
 		goto out;
 	}
 	for (unsigned i = 0; i < BATCH_STEPS; i++)
-		if ((rc = raw_round_trip(harness.echo_fd, frame, r->request_bytes, reply,
+		if ((rc = bench_raw_round_trip(bench_echo_fd(), frame, r->request_bytes, reply,
 					 1u << 16)) < 0) {
-			fail("raw round trip", rc);
+			bench_fail("raw round trip", rc);
 			goto out;
 		}
 
@@ -827,26 +390,26 @@ static int bench_decode(zc_client *client, const struct data *d, const struct op
 						  tokens + (size_t)b * BATCH_STEPS, BATCH_STEPS,
 						  &view, &stats);
 				if (rc < 0) {
-					fail_client(client, "decode", rc);
+					bench_fail_client(client, "decode", rc);
 					goto out;
 				}
 			} else {
 				/* The daemon's reply grows by a few bytes as its
 				 * counters do; the raw one follows it. */
 				double *t = raw + (size_t)b * BATCH_STEPS;
-				if ((rc = update_reply_bytes(&stats, view.sequence,
+				if ((rc = bench_update_reply_bytes(&stats, view.sequence,
 							     &r->reply_bytes)) < 0) {
-					fail("frame sizes", rc);
+					bench_fail("frame sizes", rc);
 					goto out;
 				}
-				frame_header_write(frame + 4, (uint32_t)r->reply_bytes);
+				bench_raw_frame(frame, r->request_bytes, r->reply_bytes);
 				for (unsigned i = 0; i < BATCH_STEPS; i++) {
-					double t0 = now_s();
-					rc = raw_round_trip(harness.echo_fd, frame, r->request_bytes,
+					double t0 = bench_now_s();
+					rc = bench_raw_round_trip(bench_echo_fd(), frame, r->request_bytes,
 							    reply, 1u << 16);
-					double t1 = now_s();
+					double t1 = bench_now_s();
 					if (rc < 0) {
-						fail("raw round trip", rc);
+						bench_fail("raw round trip", rc);
 						goto out;
 					}
 					t[i] = (t1 - t0) * 1e6;
@@ -855,7 +418,7 @@ static int bench_decode(zc_client *client, const struct data *d, const struct op
 		}
 	}
 	if (view.tokens != DECODE_PROMPT + 1 + BATCH_STEPS + batches * BATCH_STEPS) {
-		fail("decode: the view has the wrong number of tokens", ZC_ECORRUPT);
+		bench_fail("decode: the view has the wrong number of tokens", ZC_ECORRUPT);
 		rc = ZC_ECORRUPT;
 		goto out;
 	}
@@ -871,9 +434,9 @@ static int bench_decode(zc_client *client, const struct data *d, const struct op
 		if (tokens[i] % BATCH_STEPS != 0)
 			split[n_flush + n_other++] = us[i];
 	r->flushes = (unsigned)n_flush;
-	r->flush_p50 = n_flush ? percentile(split, n_flush, 0.50) : 0.0;
-	r->other_p50 = percentile(split + n_flush, n_other, 0.50);
-	r->other_p99 = percentile(split + n_flush, n_other, 0.99);
+	r->flush_p50 = n_flush ? bench_percentile(split, n_flush, 0.50) : 0.0;
+	r->other_p50 = bench_percentile(split + n_flush, n_other, 0.50);
+	r->other_p99 = bench_percentile(split + n_flush, n_other, 0.99);
 	summarize(us, r->samples, &r->p50, &r->p90, &r->p99, &r->max, &r->mean);
 	summarize(raw, r->samples, &r->raw_p50, &r->raw_p90, &r->raw_p99, &r->raw_max,
 		  &r->raw_mean);
@@ -928,7 +491,7 @@ static int bench_context(zc_client *client, const struct data *d, const struct o
 			      fill_layer(s[i], 0, CONTEXT_LARGE, d->prefill_keys, d->prefill_values,
 					 PREFILL_TOKENS);
 		if (rc < 0) {
-			fail_client(client, "context: prefill", rc);
+			bench_fail_client(client, "context: prefill", rc);
 			goto out;
 		}
 	}
@@ -948,16 +511,16 @@ static int bench_context(zc_client *client, const struct data *d, const struct o
 			if (rc == 0 && trimmed != BATCH_STEPS)
 				rc = ZC_ECORRUPT;
 			if (rc < 0) {
-				fail_client(client, "context: decode", rc);
+				bench_fail_client(client, "context: decode", rc);
 				goto out;
 			}
 		}
 	}
 	r->samples = batches * BATCH_STEPS;
-	r->p50_small = percentile(us[0], r->samples, 0.50);
-	r->p99_small = percentile(us[0], r->samples, 0.99);
-	r->p50_large = percentile(us[1], r->samples, 0.50);
-	r->p99_large = percentile(us[1], r->samples, 0.99);
+	r->p50_small = bench_percentile(us[0], r->samples, 0.50);
+	r->p99_small = bench_percentile(us[0], r->samples, 0.99);
+	r->p50_large = bench_percentile(us[1], r->samples, 0.50);
+	r->p99_large = bench_percentile(us[1], r->samples, 0.99);
 out:
 	for (int i = 0; i < 2; i++) {
 		if (s[i]) {
@@ -996,9 +559,9 @@ static int prefill_layers(zc_session *s, const struct data *d, uint8_t *staging,
 	for (uint32_t layer = 0; layer < PREFILL_LAYERS; layer++) {
 		memcpy(staging, d->prefill_keys, half);
 		memcpy(staging + half, d->prefill_values, half);
-		double t0 = now_s();
+		double t0 = bench_now_s();
 		int rc = zc_update_and_fetch_staged(s, layer, PREFILL_TOKENS, 0, half, &view, NULL);
-		double t1 = now_s();
+		double t1 = bench_now_s();
 		if (rc < 0)
 			return rc;
 		if (view.tokens != PREFILL_TOKENS)
@@ -1020,9 +583,9 @@ static void memcpy_layers(const struct data *d, uint8_t *src, uint8_t *dst, doub
 	for (uint32_t layer = 0; layer < PREFILL_LAYERS; layer++) {
 		memcpy(src, d->prefill_keys, half);
 		memcpy(src + half, d->prefill_values, half);
-		double t0 = now_s();
+		double t0 = bench_now_s();
 		memcpy_fn(dst, src, 2 * half);
-		total += now_s() - t0;
+		total += bench_now_s() - t0;
 	}
 	*seconds = total;
 }
@@ -1045,7 +608,7 @@ static int prefill_run(zc_client *client, const struct data *d, uint8_t *staging
 	if (rc == 0)
 		rc = prefill_layers(s, d, staging, warm, slowest);
 	if (rc < 0)
-		fail_client(client, "prefill", rc);
+		bench_fail_client(client, "prefill", rc);
 	int c = zc_session_close(s);
 	return rc < 0 ? rc : c;
 }
@@ -1055,7 +618,7 @@ static int bench_prefill(zc_client *client, const struct data *d, const struct o
 {
 	size_t layer_bytes = 4 * (size_t)PREFILL_TOKENS * ROW_ELEMENTS;
 	double *t = calloc(3 * (size_t)opt->runs, sizeof(double));
-	uint8_t *src = alloc_touched(layer_bytes), *dst = alloc_touched(layer_bytes);
+	uint8_t *src = bench_alloc_touched(layer_bytes), *dst = bench_alloc_touched(layer_bytes);
 	void *staging;
 	int rc;
 
@@ -1064,7 +627,7 @@ static int bench_prefill(zc_client *client, const struct data *d, const struct o
 		goto out;
 	}
 	if ((rc = zc_client_staging(client, layer_bytes, &staging)) < 0) {
-		fail_client(client, "staging buffer", rc);
+		bench_fail_client(client, "staging buffer", rc);
 		goto out;
 	}
 	/* Warm-up: the daemon's code paths and our staging pages. */
@@ -1086,11 +649,11 @@ static int bench_prefill(zc_client *client, const struct data *d, const struct o
 	}
 	r->runs = opt->runs;
 	r->bytes = (double)layer_bytes * PREFILL_LAYERS;
-	r->cold_s = median(tc, (size_t)opt->runs);
+	r->cold_s = bench_median(tc, (size_t)opt->runs);
 	r->cold_min_s = tc[0];
 	r->cold_max_s = tc[opt->runs - 1];
-	r->warm_s = median(tw, (size_t)opt->runs);
-	r->memcpy_s = median(tm, (size_t)opt->runs);
+	r->warm_s = bench_median(tw, (size_t)opt->runs);
+	r->memcpy_s = bench_median(tm, (size_t)opt->runs);
 	rc = 0;
 out:
 	free(t);
@@ -1129,7 +692,7 @@ static int bench_ratio(zc_client *client, const struct data *d, const struct opt
 			goto out;
 		rc = fill_layer(s[i], 0, RATIO_PROMPT, d->ratio_keys, d->ratio_values, RATIO_PROMPT);
 		if (rc < 0) {
-			fail_client(client, "ratio: prompt", rc);
+			bench_fail_client(client, "ratio: prompt", rc);
 			goto out;
 		}
 	}
@@ -1142,7 +705,7 @@ static int bench_ratio(zc_client *client, const struct data *d, const struct opt
 			rc = decode_batch(s[i], d, &step[i], us[i] + (size_t)b * BATCH_STEPS, NULL, n,
 					  &view, NULL);
 			if (rc < 0) {
-				fail_client(client, "ratio: decode", rc);
+				bench_fail_client(client, "ratio: decode", rc);
 				goto out;
 			}
 		}
@@ -1152,15 +715,15 @@ static int bench_ratio(zc_client *client, const struct data *d, const struct opt
 		zc_layer_stats total;
 		rc = zc_session_stats(s[i], &r->stats[i], 1, &total);
 		if (rc < 0) {
-			fail_client(client, "ratio: stats", rc);
+			bench_fail_client(client, "ratio: stats", rc);
 			goto out;
 		}
 		if (r->stats[i].tokens != RATIO_PROMPT + steps) {
 			rc = ZC_ECORRUPT;
-			fail("ratio: wrong token count", rc);
+			bench_fail("ratio: wrong token count", rc);
 			goto out;
 		}
-		r->p50[i] = percentile(us[i], steps, 0.50);
+		r->p50[i] = bench_percentile(us[i], steps, 0.50);
 	}
 	r->steps = steps;
 out:
@@ -1199,9 +762,9 @@ struct attach_call {
 static void *attach_body(void *arg)
 {
 	struct attach_call *a = arg;
-	a->start = now_s();
+	a->start = bench_now_s();
 	a->rc = zc_session_open(a->client, &a->config, &a->session);
-	a->end = now_s();
+	a->end = bench_now_s();
 	__atomic_store_n(&a->done, 1, __ATOMIC_RELEASE);
 	return NULL;
 }
@@ -1223,7 +786,7 @@ static int rebuild_sessions(zc_client *client, const struct data *d, zc_session 
 		rc = fill_layer(*decode, 0, DECODE_PROMPT, d->small_keys, d->small_values,
 				DECODE_PROMPT);
 	if (rc < 0)
-		fail_client(client, "rebuild: sessions", rc);
+		bench_fail_client(client, "rebuild: sessions", rc);
 	return rc;
 }
 
@@ -1277,7 +840,7 @@ static int rebuild_drop(zc_client *client, const struct data *d, const zc_map_he
 					 d->prefill_values, &view, NULL);
 	}
 	if (rc < 0)
-		fail_client(client, "rebuild: pressure", rc);
+		bench_fail_client(client, "rebuild: pressure", rc);
 	int c = pressure ? zc_session_close(pressure) : 0;
 	/* The daemon frees the closed session's pages on its loop thread
 	 * after the reply: one more round trip waits for that, so neither
@@ -1305,9 +868,9 @@ static long rebuild_decode(zc_session *s, const struct data *d, uint64_t *step, 
 		for (unsigned i = 0; i < BATCH_STEPS; i++, (*step)++, done++) {
 			const uint16_t *k = pool_row(d->pool_keys, *step);
 			const uint16_t *v = pool_row(d->pool_values, *step);
-			double a = now_s();
+			double a = bench_now_s();
 			int rc = zc_update_and_fetch(s, 0, 1, k, v, &view, NULL);
-			double b = now_s();
+			double b = bench_now_s();
 			if (rc < 0)
 				return rc;
 			t0[done] = a;
@@ -1363,21 +926,27 @@ static int bench_rebuild(zc_client *client, const char *socket, const struct dat
 		goto out;
 	}
 	if ((rc = zc_client_connect(socket, 120000, &other)) < 0) {
-		fail_client(NULL, "rebuild: second client", rc);
+		bench_fail_client(NULL, "rebuild: second client", rc);
 		goto out;
 	}
 	if ((rc = rebuild_sessions(client, d, &big, &decode)) < 0)
 		goto out;
 	if ((rc = zc_session_view(big, 0, &first)) < 0 ||
 	    (rc = zc_session_view(big, REBUILD_LAYERS - 1, &last)) < 0) {
-		fail_client(client, "rebuild: view", rc);
+		bench_fail_client(client, "rebuild: view", rc);
 		goto out;
 	}
 	rebuild_sample(&first, &last, sample, false, NULL);
+	/* Relief drops only unleased views: give up this client's lease (the
+	 * views just read) so that the pressure can drop them. */
+	if ((rc = zc_session_release_views(big)) < 0) {
+		bench_fail_client(client, "rebuild: release views", rc);
+		goto out;
+	}
 	const zc_map_header *header = zc_session_map(big);
 	if (memcmp(header->magic, ZC_MAP_MAGIC, sizeof header->magic) != 0 ||
 	    header->layers != REBUILD_LAYERS) {
-		fail("rebuild: no store header before the first view", ZC_EPROTOCOL);
+		bench_fail("rebuild: no store header before the first view", ZC_EPROTOCOL);
 		rc = ZC_EPROTOCOL;
 		goto out;
 	}
@@ -1385,7 +954,7 @@ static int bench_rebuild(zc_client *client, const char *socket, const struct dat
 	long n = rebuild_decode(decode, d, &step, t0, us, cap, BATCH_STEPS, NULL);
 	if (n < 0) {
 		rc = (int)n;
-		fail_client(client, "rebuild: warm-up", rc);
+		bench_fail_client(client, "rebuild: warm-up", rc);
 		goto out;
 	}
 
@@ -1405,19 +974,19 @@ static int bench_rebuild(zc_client *client, const char *socket, const struct dat
 			if (rebuilding) {
 				if ((rc = pthread_create(&thread, NULL, attach_body, &call)) != 0) {
 					rc = -rc;
-					fail("rebuild: thread", rc);
+					bench_fail("rebuild: thread", rc);
 					goto out;
 				}
 				n = rebuild_decode(decode, d, &step, t0, us, cap, 0, &call);
 				pthread_join(thread, NULL);
 				if (call.rc < 0) {
 					rc = call.rc;
-					fail_client(other, "rebuild: attach", rc);
+					bench_fail_client(other, "rebuild: attach", rc);
 					goto out;
 				}
 				if (n < 0) {
 					rc = (int)n;
-					fail_client(client, "rebuild: decode", rc);
+					bench_fail_client(client, "rebuild: decode", rc);
 					goto out;
 				}
 				/* The steps that began while the attach was outstanding. */
@@ -1434,7 +1003,7 @@ static int bench_rebuild(zc_client *client, const char *socket, const struct dat
 				n = rebuild_decode(decode, d, &step, t0, us, cap, want, NULL);
 				if (n < 0) {
 					rc = (int)n;
-					fail_client(client, "rebuild: decode", rc);
+					bench_fail_client(client, "rebuild: decode", rc);
 					goto out;
 				}
 				for (size_t i = 0; i < want; i++)
@@ -1448,32 +1017,39 @@ static int bench_rebuild(zc_client *client, const char *socket, const struct dat
 			bool same = true;
 			if ((rc = zc_session_view(call.session, 0, &a)) < 0 ||
 			    (rc = zc_session_view(call.session, REBUILD_LAYERS - 1, &b)) < 0) {
-				fail_client(other, "rebuild: view after the attach", rc);
+				bench_fail_client(other, "rebuild: view after the attach", rc);
 				goto out;
 			}
 			rebuild_sample(&a, &b, sample, true, &same);
 			if (!same || views_dropped(header) != 0) {
-				fail("rebuild: the rebuilt views differ from the views before the drop",
+				bench_fail("rebuild: the rebuilt views differ from the views before the drop",
 				     ZC_ECORRUPT);
 				rc = ZC_ECORRUPT;
 				goto out;
 			}
 		}
+		/* The attach leased the views to the other client: end it, or the
+		 * next round's pressure could not drop them. */
+		if ((rc = zc_session_release_views(call.session)) < 0) {
+			bench_fail_client(other, "rebuild: release views", rc);
+			zc_session_release(call.session);
+			goto out;
+		}
 		zc_session_release(call.session);
 	}
 	r->rounds = (unsigned)opt->rounds;
 	r->samples = (unsigned)n_with;
-	r->attach_ms = median(attach_ms, (size_t)opt->rounds);
+	r->attach_ms = bench_median(attach_ms, (size_t)opt->rounds);
 	if (n_with == 0 || n_without == 0) {
-		fail("rebuild: no decode step overlapped the attach", ZC_EINTERNAL);
+		bench_fail("rebuild: no decode step overlapped the attach", ZC_EINTERNAL);
 		rc = ZC_EINTERNAL;
 		goto out;
 	}
-	r->p50 = percentile(with, n_with, 0.50);
-	r->p99 = percentile(with, n_with, 0.99);
+	r->p50 = bench_percentile(with, n_with, 0.50);
+	r->p99 = bench_percentile(with, n_with, 0.99);
 	r->max = with[n_with - 1];
-	r->base_p50 = percentile(without, n_without, 0.50);
-	r->base_p99 = percentile(without, n_without, 0.99);
+	r->base_p50 = bench_percentile(without, n_without, 0.50);
+	r->base_p99 = bench_percentile(without, n_without, 0.99);
 	r->base_max = without[n_without - 1];
 	rc = 0;
 out:
@@ -1732,31 +1308,6 @@ static int parse_args(int argc, char **argv, struct options *opt)
 	return 0;
 }
 
-/* The first and second CPUs we may use, unless given; -1 for none. */
-static void choose_cpus(struct options *opt)
-{
-	cpu_set_t set;
-	int first = -1, second = -1;
-
-	if (sched_getaffinity(0, sizeof set, &set) == 0) {
-		for (int c = 0; c < CPU_SETSIZE; c++) {
-			if (!CPU_ISSET(c, &set))
-				continue;
-			if (first < 0)
-				first = c;
-			else if (second < 0)
-				second = c;
-		}
-	}
-	if (opt->cpu < 0)
-		opt->cpu = first;
-	if (opt->daemon_cpu < 0)
-		opt->daemon_cpu = second >= 0 && second != opt->cpu ? second :
-				  first != opt->cpu ? first : -1;
-	if (opt->daemon_cpu == opt->cpu)
-		opt->daemon_cpu = -1;
-}
-
 int main(int argc, char **argv)
 {
 	struct options opt;
@@ -1769,22 +1320,13 @@ int main(int argc, char **argv)
 		usage(stderr);
 		return 2;
 	}
-	if (opt.daemon) {
-		snprintf(daemon_path, sizeof daemon_path, "%s", opt.daemon);
-	} else {
-		const char *build = getenv("ZC_BUILD_DIR");
-		snprintf(daemon_path, sizeof daemon_path, "%s/bin/zipcached",
-			 build && *build ? build : ZC_BUILD_DIR);
-	}
-	if (access(daemon_path, X_OK) != 0) {
-		fprintf(stderr, "service: no daemon at %s (build it, or set ZC_BUILD_DIR)\n",
-			daemon_path);
+	bench_set_name("service");
+	if (bench_daemon_path(opt.daemon, daemon_path, sizeof daemon_path) < 0)
 		return 1;
-	}
-	choose_cpus(&opt);
+	bench_choose_cpus(&opt.cpu, &opt.daemon_cpu);
 	/* Only the benchmark thread is pinned here; the children pin
 	 * themselves to the other CPU before they start. */
-	if (opt.cpu >= 0 && (rc = pin(0, opt.cpu)) < 0) {
+	if (opt.cpu >= 0 && (rc = bench_pin(0, opt.cpu)) < 0) {
 		fprintf(stderr, "service: cannot pin to CPU %d: %s (running unpinned)\n", opt.cpu,
 			strerror(-rc));
 		opt.cpu = -1;
@@ -1792,25 +1334,18 @@ int main(int argc, char **argv)
 
 	zc_codec_init();
 	if ((rc = data_make(&data)) < 0) {
-		fail("test data", rc);
+		bench_fail("test data", rc);
 		goto out;
 	}
-	if (make_dir() < 0) {
-		fprintf(stderr, "service: cannot create a temporary directory\n");
+	if (bench_dir_make("service") < 0)
 		goto out;
-	}
-	struct sigaction sa = { .sa_handler = on_signal };
-	sigemptyset(&sa.sa_mask);
-	sigaction(SIGINT, &sa, NULL);
-	sigaction(SIGTERM, &sa, NULL);
-	sigaction(SIGHUP, &sa, NULL);
 
-	if ((rc = echo_start(opt.daemon_cpu)) < 0) {
-		fail("echo peer", rc);
+	if ((rc = bench_echo_start(opt.daemon_cpu)) < 0) {
+		bench_fail("echo peer", rc);
 		goto out;
 	}
-	if ((rc = daemon_start(daemon_path, opt.daemon_cpu, NULL, &client)) < 0) {
-		fprintf(stderr, "service: zipcached did not answer on %s: %s\n", harness.socket,
+	if ((rc = bench_daemon_start(daemon_path, opt.daemon_cpu, NULL, &client)) < 0) {
+		fprintf(stderr, "service: zipcached did not answer on %s: %s\n", bench_socket_path(),
 			zc_strerror(rc));
 		goto out;
 	}
@@ -1818,7 +1353,7 @@ int main(int argc, char **argv)
 	/* The pid is there for `perf record -p`. */
 	printf("service benchmark: zipcached %s (%s, pid %d), benchmark on cpu %d, daemon and echo "
 	       "on cpu %d%s\n",
-	       zc_client_server_info(client)->server_version, daemon_path, (int)harness.daemon,
+	       zc_client_server_info(client)->server_version, daemon_path, (int)bench_daemon_pid(),
 	       opt.cpu, opt.daemon_cpu, opt.quick ? ", QUICK (smoke test, not a measurement)" : "");
 	printf("shape B=1 H=%u D=%u, fp16; us = microseconds per call as the caller sees it\n\n",
 	       HEADS, HEAD_DIM);
@@ -1863,13 +1398,14 @@ int main(int argc, char **argv)
 		snprintf(budget, sizeof budget, "%llu", (unsigned long long)rebuild.budget);
 		zc_client_close(client);
 		client = NULL;
-		daemon_stop();
-		if ((rc = daemon_start(daemon_path, opt.daemon_cpu, budget, &client)) < 0) {
+		bench_daemon_stop();
+		const char *budget_args[] = { "--memory-budget", budget, NULL };
+		if ((rc = bench_daemon_start(daemon_path, opt.daemon_cpu, budget_args, &client)) < 0) {
 			fprintf(stderr, "service: zipcached --memory-budget %s did not answer: %s\n",
 				budget, zc_strerror(rc));
 			goto out;
 		}
-		if ((rc = bench_rebuild(client, harness.socket, &data, &opt, &rebuild)) < 0)
+		if ((rc = bench_rebuild(client, bench_socket_path(), &data, &opt, &rebuild)) < 0)
 			goto out;
 		report_rebuild(&rebuild);
 	}
@@ -1904,9 +1440,9 @@ out:
 	fflush(stdout);
 	if (client)
 		zc_client_close(client); /* the daemon stops once its connections are gone */
-	echo_stop();
-	daemon_stop();
-	remove_dir();
+	bench_echo_stop();
+	bench_daemon_stop();
+	bench_dir_remove();
 	data_free(&data);
 	return status;
 }
