@@ -11,6 +11,10 @@
  * holds after it.
  */
 #include <check.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -295,6 +299,67 @@ START_TEST(idle_views_are_dropped_and_rebuilt)
 }
 END_TEST
 
+/* A same-uid process that cuts the pool file under the daemon destroys its
+ * own blocks, and nothing more: the daemon (which never maps the pool)
+ * answers every request after it, a rebuild that needs the lost bytes
+ * fails with an error, and new blocks still go in. */
+START_TEST(a_cut_pool_is_an_error_not_a_crash)
+{
+	struct daemon_harness daemon;
+	const char *const args[] = { "--view-idle-seconds", "1", "--lease-seconds", "1",
+				     "--idle-ttl", "0", NULL };
+	zc_session_config config = config_of("victim", 1024);
+	struct model model;
+	struct rng rng;
+	zc_memory_stats st;
+	char path[PATH_MAX + 32];
+
+	daemon_start(&daemon, args);
+	zc_client *client = connect_client(&daemon);
+	zc_session *session = open_session(client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 13);
+	for (uint32_t layer = 0; layer < 2; layer++)
+		CHECK(update_checked, client, session, &model, &rng, layer, 400);
+	ck_assert_int_eq(zc_session_release_views(session), 0);
+	bool dropped = false;
+	for (int i = 0; i < 100 && !dropped; i++) {
+		sleep_ms(100);
+		memory(client, &st);
+		dropped = st.views_bytes == 0;
+	}
+	ck_assert(dropped);
+
+	snprintf(path, sizeof(path), "%s/pool-%u.zcp", daemon.shm_dir, (unsigned)getuid());
+	ck_assert_int_eq(chmod(path, 0600), 0);
+	int fd = open(path, O_RDWR);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(ftruncate(fd, 0), 0);
+	close(fd);
+
+	zc_view view;
+	int rc = zc_session_view(session, 0, &view);
+	ck_assert_msg(rc < 0 && !daemon_lost(rc), "a rebuild from a cut pool gave %s",
+		      zc_error_name(rc));
+	zc_server_stats stats;
+	ck_assert_int_eq(zc_client_stats(client, &stats), 0);
+	/* A new session's blocks go in (the pool grows again where written). */
+	zc_session_config other = config_of("after", 1024);
+	zc_session *fresh = open_session(client, &other);
+	struct model fresh_model;
+	model_init(&fresh_model, &other);
+	CHECK(update_checked, client, fresh, &fresh_model, &rng, 0, 300);
+	CHECK(session_matches, fresh, &fresh_model);
+	zc_session_release(fresh);
+	zc_session_release(session);
+	model_free(&model);
+	model_free(&fresh_model);
+	zc_client_close(client);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+}
+END_TEST
+
 static uint64_t shared_bytes_of(zc_client *client, const char *name)
 {
 	zc_session_info infos[8];
@@ -439,7 +504,7 @@ int main(void)
 		{ "leases", { a_leased_view_survives_relief_and_an_expired_one_is_told,
 			      release_and_disconnect_end_leases, NULL } },
 		{ "views", { views_none_costs_its_compressed_bytes, idle_views_are_dropped_and_rebuilt,
-			     NULL } },
+			     a_cut_pool_is_an_error_not_a_crash, NULL } },
 		{ "fork", { forks_share_blocks_and_go_on_independently, fork_refusals_make_nothing,
 			    NULL } },
 	};
