@@ -8,11 +8,13 @@
  * none and views = full, and so does the same call over the fp16 view;
  * bad queries are refused and leave the output untouched; a dropped view
  * is reported (ZC_ESTALE), never read as zeros; a block at the very end
- * of the pool is attended from a private copy, with the same result.
+ * of the pool is attended from a private copy, with the same result; and
+ * calls racing a writer give only the attention of whole states.
  */
 #include <check.h>
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -619,6 +621,197 @@ START_TEST(block_at_the_pool_end_is_attended_from_a_copy)
 }
 END_TEST
 
+/* ---- 5. attention racing a writer ---------------------------------------------- */
+
+#define RACE_OPS 600
+#define RACE_PREFILL 600
+#define RACE_MAX_RECORDS 100000
+
+/* Operation k of the writer, decided from the layer's tokens alone so the
+ * replay makes the same choices: a trim (> 0), or an update of `tokens`. */
+struct race_op {
+	uint32_t trim, tokens;
+};
+
+static struct race_op race_op_next(struct rng *rng, uint32_t held, uint32_t max_tokens)
+{
+	/* Trims free extents that later blocks reuse: what a torn read could
+	 * see rewritten under it. */
+	uint32_t kind = rng_below(rng, 10);
+	if ((kind < 3 && held > 1) || held + 64 > max_tokens)
+		return (struct race_op){ .trim = 1 + rng_below(rng, held - 1 < 20 ? held - 1 : 20) };
+	if (kind == 3)
+		return (struct race_op){ .tokens = 16 + rng_below(rng, 30) };
+	return (struct race_op){ .tokens = 1 + rng_below(rng, 4) };
+}
+
+static void race_block(const struct model *model, int k, uint32_t tokens, struct block *block)
+{
+	struct rng rng;
+	rng_seed(&rng, 7000 + (uint64_t)k);
+	block_make(block, model, tokens, &rng);
+}
+
+struct race_writer {
+	const char *socket_path;
+	zc_session_config config;
+	const struct model *shape;   /* geometry only, read-only */
+	int rc, failed_op;
+	bool done;
+};
+
+static void *race_writer_main(void *arg)
+{
+	struct race_writer *w = arg;
+	zc_client *client = NULL;
+	zc_session *session = NULL;
+	struct rng rng;
+	uint32_t held = RACE_PREFILL;
+
+	w->rc = zc_client_connect(w->socket_path, CLIENT_TIMEOUT_MS, &client);
+	if (w->rc == 0) {
+		w->config.attach = true;
+		w->rc = zc_session_open(client, &w->config, &session);
+	}
+	rng_seed(&rng, 88);
+	for (int k = 0; w->rc == 0 && k < RACE_OPS; k++) {
+		struct race_op op = race_op_next(&rng, held, w->config.max_tokens);
+		if (op.trim) {
+			uint32_t trimmed = 0;
+			w->rc = zc_session_trim_layer(session, 0, op.trim, &trimmed);
+			held -= trimmed;
+		} else {
+			struct block block;
+			zc_view view;
+			race_block(w->shape, k, op.tokens, &block);
+			w->rc = zc_update_and_fetch(session, 0, op.tokens, block.keys, block.values, &view,
+						    NULL);
+			held = view.tokens;
+			block_free(&block);
+		}
+		if (w->rc < 0)
+			w->failed_op = k;
+	}
+	if (session)
+		zc_session_release(session);
+	if (client)
+		zc_client_close(client);
+	__atomic_store_n(&w->done, true, __ATOMIC_RELEASE);
+	return NULL;
+}
+
+static uint64_t bytes_hash(const void *data, size_t n)
+{
+	const uint8_t *p = data;
+	uint64_t hash = 0xcbf29ce484222325ull;
+	for (size_t i = 0; i < n; i++)
+		hash = (hash ^ p[i]) * 0x100000001b3ull;
+	return hash;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return (x > y) - (x < y);
+}
+
+/* The model's attention for its current state, hashed. */
+static uint64_t model_attention_hash(const struct model *model, const struct query *query,
+				     float *out)
+{
+	const struct model_layer *l = &model->layer[0];
+	zc_attend_segment *segments = allocate((l->n_blocks + 1) * sizeof(*segments));
+	size_t n = model_segments(model, 0, segments), bytes = query->out_elements * sizeof(float);
+	int rc = zc_attend_segments(segments, n, &query->q,
+				    &(zc_attend_output){ ZC_ATTEND_FP32, out, bytes }, 1);
+	free(segments);
+	ck_assert_msg(rc == 0, "the model's attention: %s", zc_error_name(rc));
+	return bytes_hash(out, bytes);
+}
+
+/*
+ * A writer on another connection appends and trims while this thread
+ * attends over and over: every call succeeds (torn reads are retried
+ * inside), and every result is the attention of one state the writer
+ * left the layer in (the replay of its operations on the model gives the
+ * hash of each). Under ASan this is also the run in which a torn read
+ * would be caught reading out of bounds.
+ */
+START_TEST(attends_racing_a_writer_see_whole_states)
+{
+	struct service service;
+	zc_session_config config = attend_config("race", 1, 2, 64, 64, 4096, 16, ZC_VIEWS_NONE);
+	struct model model;
+	struct rng rng;
+	struct query query;
+	struct block block;
+	pthread_t thread;
+
+	config.layers = 1;
+	service_start(&service, NULL);
+	zc_session *session = open_session(service.client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 1606);
+	query_make(&query, &model, 4, 1, false, &rng);
+	race_block(&model, -1, RACE_PREFILL, &block);
+	CHECK(update_block_checked, service.client, session, &model, 0, &block, NULL, NULL);
+	block_free(&block);
+
+	size_t bytes = query.out_elements * sizeof(float), n_records = 0, calls = 0;
+	uint64_t *records = allocate(RACE_MAX_RECORDS * sizeof(*records));
+	float *out = allocate(bytes);
+	struct race_writer writer = { .socket_path = service.daemon.socket_path, .config = config,
+				      .shape = &model };
+	ck_assert_int_eq(pthread_create(&thread, NULL, race_writer_main, &writer), 0);
+	while (!__atomic_load_n(&writer.done, __ATOMIC_ACQUIRE)) {
+		int rc = zc_attend(session, 0, &query.q,
+				   &(zc_attend_output){ ZC_ATTEND_FP32, out, bytes }, 0, 1);
+		ck_assert_msg(rc == 0, "attend %zu, with a writer: %s", calls, zc_error_name(rc));
+		calls++;
+		if (n_records < RACE_MAX_RECORDS)
+			records[n_records++] = bytes_hash(out, bytes);
+	}
+	pthread_join(thread, NULL);
+	ck_assert_msg(writer.rc == 0, "writer op %d: %s", writer.failed_op, zc_error_name(writer.rc));
+
+	/* Replay: the hash of every state the writer passed through. */
+	uint64_t *states = allocate((RACE_OPS + 1) * sizeof(*states));
+	size_t n_states = 0;
+	uint32_t held = RACE_PREFILL;
+	rng_seed(&rng, 88);
+	states[n_states++] = model_attention_hash(&model, &query, out);
+	for (int k = 0; k < RACE_OPS; k++) {
+		struct race_op op = race_op_next(&rng, held, config.max_tokens);
+		if (op.trim) {
+			held -= model_trim_layer(&model, 0, op.trim);
+		} else {
+			race_block(&model, k, op.tokens, &block);
+			ck_assert_int_eq(model_update(&model, 0, op.tokens, block.keys, block.values), 0);
+			block_free(&block);
+			held = model.layer[0].tokens;
+		}
+		states[n_states++] = model_attention_hash(&model, &query, out);
+	}
+	qsort(states, n_states, sizeof(*states), cmp_u64);
+	for (size_t i = 0; i < n_records; i++)
+		ck_assert_msg(bsearch(&records[i], states, n_states, sizeof(*states), cmp_u64),
+			      "attend %zu of %zu gave the attention of no state the layer was in", i,
+			      n_records);
+	ck_assert_uint_gt(n_records, 0);
+	/* And the end state, through the daemon's own accounting. */
+	CHECK(session_matches, session, &model);
+	CHECK(attend_matches, session, &model, 0, &query, 2);
+
+	free(states);
+	free(records);
+	free(out);
+	free(query.data);
+	ck_assert_int_eq(zc_session_close(session), 0);
+	model_free(&model);
+	service_stop(&service);
+}
+END_TEST
+
 static Suite *attend_session_suite(void)
 {
 	Suite *suite = suite_create("attend_session");
@@ -629,6 +822,7 @@ static Suite *attend_session_suite(void)
 		{ "errors", { bad_queries_are_refused_output_untouched,
 			      dropped_view_is_reported_blocks_still_attend, NULL } },
 		{ "pool_end", { block_at_the_pool_end_is_attended_from_a_copy, NULL } },
+		{ "race", { attends_racing_a_writer_see_whole_states, NULL } },
 	};
 
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);
