@@ -1,14 +1,22 @@
 #!/usr/bin/python3
-"""Decode through zipcached and measure what the compression costs attention.
+"""Decode through zipcached, attend from the compressed cache, and measure what it costs.
 
 A synthetic model (numpy only) of --layers layers prefills --prompt tokens
-and then decodes --steps tokens. Every step, every layer sends its new K/V
-through ZipCacheKVCache.update_and_fetch and runs grouped-query attention
-for that step's query twice: over the K/V the daemon hands back (read
-zero-copy from its shared mapping) and over the exact fp16 K/V the model
-produced. The relative error between the two outputs is what the
-compression costs; the daemon's byte accounting is what it saves. Both are
-printed per layer and overall.
+and then decodes --steps tokens, twice over the same data:
+
+  compressed  a views="none" session (the daemon keeps only compressed
+              blocks and the exact residual, no fp16 views); every step,
+              every layer attends with zipcache.attend (zc_attend: the
+              layer's blocks and residual read in this process, the
+              dequantization fused into the dot products);
+  fp16 view   a views="full" session, the seed's way: update_and_fetch
+              hands back the layer's fp16 view (zero-copy) and numpy runs
+              the attention over it (widened to float32).
+
+Both are compared with exact attention: numpy float64 over the exact fp16
+K/V the example sent. Printed per layer and overall: the attention error,
+the memory the daemon holds for the session (Client.memory_stats) over the
+fp16 bytes of the tokens, and the time per decode step of each path.
 
 Synthetic data, shaped like real keys: per head a few channels with large
 constant offsets (outlier channels) and a high-norm first token (the
@@ -16,6 +24,7 @@ attention sink); values and queries roughly normal.
 
     build/bin/zipcached --socket /tmp/z.sock &
     /usr/bin/python3 examples/attention_decode.py --socket /tmp/z.sock
+    /usr/bin/python3 examples/attention_decode.py --socket /tmp/z.sock --layers 32 --prompt 512 --steps 256
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,14 +43,17 @@ except ImportError:  # run from a checkout: use python/ next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
     import zipcache
 
+PATHS = ("compressed", "fp16 view")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--socket", default=zipcache.default_socket_path(), help="zipcached's socket")
-    p.add_argument("--layers", type=int, default=32, help="model layers (one cache each)")
+    p.add_argument("--layers", type=int, default=4, help="model layers")
     p.add_argument("--prompt", type=int, default=512, help="prefill tokens (one block per layer)")
-    p.add_argument("--steps", type=int, default=256, help="decode steps (one token each)")
+    p.add_argument("--steps", type=int, default=128,
+                   help="decode steps (one token each; with the defaults the last one flushes the residual)")
     p.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer")
     p.add_argument("--q-heads", type=int, default=32, help="query heads (a multiple of --kv-heads)")
     p.add_argument("--head-dim", type=int, default=128, help="K and V head dim")
@@ -52,14 +64,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lo-bits", type=int, default=2, help="bits of the other keys")
     p.add_argument("--hi-fraction", type=float, default=0.20, help="fraction of salient key tokens")
     p.add_argument("--group-size", type=int, default=32, help="token rows per quantization group")
+    p.add_argument("--threads", type=int, default=1, help="zipcache.attend's threads")
     p.add_argument("--eval-every", type=int, default=1, metavar="N",
-                   help="compare attention every N-th decode step (the conversion to float32 "
-                        "for numpy's attention dominates the run time)")
+                   help="attend and compare every N-th decode step")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     args = p.parse_args(argv)
     if args.q_heads % args.kv_heads:
         p.error("--q-heads must be a multiple of --kv-heads")
-    if min(args.layers, args.prompt, args.kv_heads, args.head_dim, args.eval_every) < 1 or args.steps < 0:
+    if min(args.layers, args.prompt, args.kv_heads, args.head_dim, args.eval_every,
+           args.threads) < 1 or args.steps < 0:
         p.error("sizes must be positive")
     return args
 
@@ -93,10 +106,11 @@ class SyntheticLayer:
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """One query token per head, grouped-query: q [B, Hq, D], k/v [B, Hkv, T, D] -> [B, Hq, D]."""
+    """One query token per head, grouped-query: q [B, Hq, D], k/v [B, Hkv, T, D] -> [B, Hq, D],
+    in the dtype of k (float32 for the fp16 view path, float64 for the reference)."""
     b, hq, d = q.shape
     hkv = k.shape[1]
-    qg = q.reshape(b, hkv, hq // hkv, d) / np.float32(np.sqrt(d))
+    qg = q.astype(k.dtype).reshape(b, hkv, hq // hkv, d) / np.sqrt(d).astype(k.dtype)
     # einsum, not matmul: numpy's own loops beat a batched gemm of 4 rows.
     scores = np.einsum("bhgd,bhtd->bhgt", qg, k)  # [B, Hkv, G, T]
     scores -= scores.max(axis=-1, keepdims=True)
@@ -115,8 +129,8 @@ class LayerError:
     steps: int = 0
 
     def add(self, out: np.ndarray, exact: np.ndarray) -> None:
-        d2 = float(np.sum((out - exact) ** 2, dtype=np.float64))
-        r2 = float(np.sum(exact ** 2, dtype=np.float64))
+        d2 = float(np.sum((out.astype(np.float64) - exact) ** 2))
+        r2 = float(np.sum(exact ** 2))
         self.diff2 += d2
         self.ref2 += r2
         self.worst = max(self.worst, np.sqrt(d2 / r2) if r2 else 0.0)
@@ -127,94 +141,147 @@ class LayerError:
         return float(np.sqrt(self.diff2 / self.ref2)) if self.ref2 else 0.0
 
 
+def overall(errors: list[LayerError]) -> float:
+    ref2 = sum(e.ref2 for e in errors)
+    return float(np.sqrt(sum(e.diff2 for e in errors) / ref2)) if ref2 else 0.0
+
+
 def rel(a: np.ndarray, b: np.ndarray) -> float:
     a = a.astype(np.float64)
     b = b.astype(np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+@dataclass
+class PathResult:
+    """One decode run: errors per layer, the daemon's figures, the time spent."""
+
+    name: str
+    errors: list[LayerError]
+    k_err: list[float] = field(default_factory=list)
+    v_err: list[float] = field(default_factory=list)
+    stats: zipcache.SessionStats | None = None
+    memory: dict[str, int] = field(default_factory=dict)  # memory_stats while the session held it
+    fp16_bytes: int = 0
+    update_s: float = 0.0    # decode steps' update_and_fetch, all layers
+    attend_s: float = 0.0    # the evaluated steps' attention, all layers
+    decode_steps: int = 0
+    evaluated_steps: int = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return self.memory.get("file_bytes", 0)
+
+
+MEMORY_KINDS = ("charged_bytes", "file_bytes", "views_bytes", "blocks_bytes", "residual_bytes",
+                "index_bytes", "headers_bytes")
+
+
+def run_path(args: argparse.Namespace, client: zipcache.Client, name: str) -> PathResult:
+    """The whole decode over one session; the same data for either path (same seed)."""
+    compressed = name == "compressed"
     rng = np.random.default_rng(args.seed)
     codec = zipcache.CodecConfig(args.hi_bits, args.lo_bits, args.hi_fraction, args.group_size)
     total_tokens = args.prompt + args.steps
     layers = [SyntheticLayer(rng, args.kv_heads, args.q_heads, args.head_dim) for _ in range(args.layers)]
     shape = (1, args.kv_heads, total_tokens, args.head_dim)
-    # The exact fp16 cache, kept as float32 (an exact widening) so the
-    # reference attention needs no conversion per step.
-    exact_k = [np.zeros(shape, np.float32) for _ in layers]
-    exact_v = [np.zeros(shape, np.float32) for _ in layers]
-    errors = [LayerError() for _ in layers]
-    fetch_seconds = 0.0
-    fetches = 0
+    # The exact fp16 cache, widened (exactly) to float64 for the reference.
+    exact_k = [np.zeros(shape, np.float64) for _ in layers]
+    exact_v = [np.zeros(shape, np.float64) for _ in layers]
+    result = PathResult(name, [LayerError() for _ in layers])
+    before = client.memory_stats()
 
-    with zipcache.Client(args.socket) as client, client.open_session(
-        layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim, max_tokens=total_tokens,
-        codec=codec, policy=args.policy, residual_tokens=args.residual,
-    ) as session:
-        caches = zipcache.make_prompt_cache(session)
-        info = session.info
-        print(f"zipcached {client.server_info.server_version} at {args.socket}: session {info.name!r}, "
-              f"{args.layers} layers x [1, {args.kv_heads}, <= {total_tokens}, {args.head_dim}] fp16, "
-              f"{args.q_heads} query heads")
-        print(f"codec {codec.hi_bits}/{codec.lo_bits} bits, {codec.hi_fraction:.0%} salient, groups of "
-              f"{codec.group_size}; policy {info.policy.name.lower()}"
-              + (f", residual {info.residual_tokens}" if info.policy == zipcache.Policy.STREAMING else ""))
-        print(f"prefill {args.prompt} tokens, then {args.steps} decode steps\n")
-
+    with client.open_session(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                             max_tokens=total_tokens, codec=codec, policy=args.policy,
+                             residual_tokens=args.residual,
+                             views="none" if compressed else "full") as session:
+        offset = 0
         for step in range(-1, args.steps):
-            for i, (layer, cache) in enumerate(zip(layers, caches)):
-                k, v = layer.kv(args.prompt if step < 0 else 1)
-                start = cache.offset
-                exact_k[i][:, :, start:start + k.shape[2]] = k
-                exact_v[i][:, :, start:start + k.shape[2]] = v
+            evaluate = step >= 0 and step % args.eval_every == 0
+            n = args.prompt if step < 0 else 1
+            for i, layer in enumerate(layers):
+                k, v = layer.kv(n)
+                exact_k[i][:, :, offset:offset + n] = k
+                exact_v[i][:, :, offset:offset + n] = v
                 t0 = time.perf_counter()
-                keys, values = cache.update_and_fetch(k, v)
-                fetch_seconds += time.perf_counter() - t0
-                fetches += 1
-                if step < 0 or step % args.eval_every:
-                    continue  # measure decode only
-                n = keys.shape[2]
+                fetched = session.update_and_fetch(i, k, v)
+                if step >= 0:
+                    result.update_s += time.perf_counter() - t0
+                if not evaluate:
+                    continue
                 q = layer.query()
-                out = attention(q, keys.astype(np.float32), values.astype(np.float32))
-                ref = attention(q, exact_k[i][:, :, :n], exact_v[i][:, :, :n])
-                errors[i].add(out, ref)
+                t0 = time.perf_counter()
+                if compressed:
+                    out = zipcache.attend(session, i, q[:, :, None, :], threads=args.threads)[:, :, 0, :]
+                else:
+                    keys, values = fetched
+                    out = attention(q, keys.astype(np.float32), values.astype(np.float32))
+                result.attend_s += time.perf_counter() - t0
+                end = offset + n
+                result.errors[i].add(out, attention(q, exact_k[i][:, :, :end], exact_v[i][:, :, :end]))
+            offset += n
+            result.decode_steps += step >= 0
+            result.evaluated_steps += evaluate
 
-        print(f"{'layer':>5}  {'attn rel err':>12}  {'worst step':>10}  {'K rel err':>9}  {'V rel err':>9}  "
-              f"{'fp16 KiB':>9}  {'stored KiB':>10}  {'saved':>6}  {'K ratio':>7}  {'K bits':>6}")
-        stats = session.stats()
-        k_err = []
-        v_err = []
-        for i, (cache, layer_stats) in enumerate(zip(caches, stats.layers)):
-            keys, values = cache.state
-            n = keys.shape[2]
-            k_err.append(rel(keys, exact_k[i][:, :, :n]))
-            v_err.append(rel(values, exact_v[i][:, :, :n]))
-            saved = 1 - layer_stats.compressed_bytes / layer_stats.fp16_bytes
-            print(f"{i:>5}  {errors[i].relative:>12.4%}  {errors[i].worst:>10.4%}  {k_err[i]:>9.4%}  "
-                  f"{v_err[i]:>9.4%}  {layer_stats.fp16_bytes / 1024:>9.1f}  "
-                  f"{layer_stats.compressed_bytes / 1024:>10.1f}  {saved:>6.1%}  "
-                  f"{layer_stats.compression_ratio:>7.2f}  {layer_stats.effective_avg_bits:>6.2f}")
+        after = client.memory_stats()
+        result.memory = {kind: getattr(after, kind) - getattr(before, kind) for kind in MEMORY_KINDS}
+        result.stats = session.stats()
+        for i in range(args.layers):
+            keys, values = session.reconstruct_layer(i) if compressed else session.view(i)
+            result.k_err.append(rel(keys, exact_k[i]))
+            result.v_err.append(rel(values, exact_v[i]))
+    result.fp16_bytes = args.layers * args.kv_heads * total_tokens * args.head_dim * 2 * 2
+    return result
 
-        total = stats.total
-        ref2 = sum(e.ref2 for e in errors)
-        overall = np.sqrt(sum(e.diff2 for e in errors) / ref2) if ref2 else 0.0
-        saved = 1 - total.compressed_bytes / total.fp16_bytes
-        print(f"\noverall: attention rel err {overall:.4%} (worst layer {max(e.relative for e in errors):.4%}, "
-              f"worst single step {max(e.worst for e in errors):.4%}) over {errors[0].steps} of "
-              f"{args.steps} decode steps x {args.layers} layers")
-        print(f"memory: fp16 {total.fp16_bytes / 2**20:.2f} MiB -> stored {total.compressed_bytes / 2**20:.2f} MiB "
-              f"({saved:.1%} saved, {total.fp16_bytes / total.compressed_bytes:.2f}x K+V; keys "
-              f"{total.compression_ratio:.2f}x, {total.effective_avg_bits:.2f} bits/element); "
-              f"uniform {codec.lo_bits}-bit baseline {total.baseline_bytes / 2**20:.2f} MiB")
-        print(f"update_and_fetch: {fetches} calls, {fetch_seconds / fetches * 1e6:.0f} us mean "
-              f"(incl. the {args.layers} prefill blocks)")
-    return 0
+
+def report(args: argparse.Namespace, results: list[PathResult]) -> None:
+    c, f = results
+    print(f"{'layer':>5}  {'attn err compr':>14}  {'attn err fp16':>13}  {'worst step':>10}  "
+          f"{'K rel err':>9}  {'V rel err':>9}  {'fp16 KiB':>9}  {'stored KiB':>10}  {'stored/fp16':>11}")
+    for i, layer_stats in enumerate(c.stats.layers):
+        print(f"{i:>5}  {c.errors[i].relative:>14.4%}  {f.errors[i].relative:>13.4%}  "
+              f"{c.errors[i].worst:>10.4%}  {c.k_err[i]:>9.4%}  {c.v_err[i]:>9.4%}  "
+              f"{layer_stats.fp16_bytes / 1024:>9.1f}  {layer_stats.compressed_bytes / 1024:>10.1f}  "
+              f"{layer_stats.compressed_bytes / layer_stats.fp16_bytes:>11.3f}")
+    print()
+    print(f"{'path':<34}  {'attn rel err':>12}  {'worst step':>10}  {'held/fp16':>9}  "
+          f"{'attention/step':>14}  {'update/step':>11}")
+    for r, label in ((c, 'views="none" + zipcache.attend'), (f, 'views="full" + numpy float32')):
+        attend_ms = 1e3 * r.attend_s / max(r.evaluated_steps, 1)
+        update_ms = 1e3 * r.update_s / max(r.decode_steps, 1)
+        print(f"{label:<34}  {overall(r.errors):>12.4%}  {max(e.worst for e in r.errors):>10.4%}  "
+              f"{r.held_bytes / r.fp16_bytes:>9.3f}  {attend_ms:>11.3f} ms  {update_ms:>8.3f} ms")
+    print(f"\n(over {c.evaluated_steps} of {args.steps} decode steps x {args.layers} layers; times are "
+          f"the sum over the layers of one step)")
+    fp16 = c.fp16_bytes
+    for r in results:
+        m = r.memory
+        print(f"{r.name:>10}: the daemon holds {m['file_bytes'] / 2**20:.2f} MiB for {fp16 / 2**20:.2f} MiB "
+              f"of fp16 K/V ({m['file_bytes'] / fp16:.3f}): views {m['views_bytes'] / 2**20:.2f}, blocks "
+              f"{m['blocks_bytes'] / 2**20:.2f}, residual {m['residual_bytes'] / 2**20:.2f}, index and "
+              f"headers {(m['index_bytes'] + m['headers_bytes']) / 2**20:.2f} MiB")
+    ratio = (c.attend_s / max(c.evaluated_steps, 1)) / max(f.attend_s / max(f.evaluated_steps, 1), 1e-12)
+    print(f"attention time, compressed / fp16 view + numpy: {ratio:.3f}")
+
+
+def main(argv: list[str] | None = None) -> list[PathResult]:
+    args = parse_args(argv)
+    with zipcache.Client(args.socket) as client:
+        info = client.server_info
+        print(f"zipcached {info.server_version} at {args.socket}: {args.layers} layers x "
+              f"[1, {args.kv_heads}, <= {args.prompt + args.steps}, {args.head_dim}] fp16, "
+              f"{args.q_heads} query heads")
+        print(f"codec {args.hi_bits}/{args.lo_bits} bits, {args.hi_fraction:.0%} salient, groups of "
+              f"{args.group_size}; policy {args.policy}; prefill {args.prompt} tokens, then "
+              f"{args.steps} decode steps\n")
+        results = [run_path(args, client, name) for name in PATHS]
+    report(args, results)
+    return results
 
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        main()
     except zipcache.ZipCacheError as exc:
         print(f"attention_decode: {exc}", file=sys.stderr)
         sys.exit(1)

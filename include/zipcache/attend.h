@@ -111,4 +111,50 @@ int zc_attend_segments(const zc_attend_segment *segments, size_t n_segments,
 		       const zc_attend_query *query, const zc_attend_output *output,
 		       unsigned threads);
 
+/* ---- one layer of a session (libzipcache's client, client/attend_session.c) ---- */
+
+typedef struct zc_session zc_session;
+
+/* zc_attend's flags. */
+#define ZC_ATTEND_OVER_VIEW 1u  /* the layer's fp16 view (views = full) instead of its
+				 * compressed blocks and residual */
+
+/*
+ * Attention of query over one layer of a session, read in this process
+ * through the reader protocol (zipcache/reader.h): inside one
+ * zc_read_begin/zc_read_end, the layer's compressed blocks (their payloads
+ * in the pool mapping, each block's valid rows) and its exact residual rows
+ * become the segments of zc_attend_segments(), in token order. Nothing is
+ * reconstructed to memory and nothing is sent to the daemon. Works for
+ * views = none and views = full alike (with views = full the residual rows
+ * are the view's last ones).
+ *
+ * ZC_ATTEND_OVER_VIEW attends over the view's fp16 rows instead, cut at
+ * the same block boundaries: the same call over the fp16 a views = full
+ * worker holds. The view holds each block's reconstruction, and attention
+ * over a block equals attention over its reconstruction in the same
+ * segments, so both give the same bytes; what differs is what they read.
+ *
+ * Causal masking, grouped-query attention, threads and the output are as
+ * zc_attend_segments() says (T is the layer's token count). A read torn by
+ * a concurrent write is retried, for up to ZC_READ_TIMEOUT_MS; the result
+ * is always that of one consistent state of the layer.
+ *
+ * Returns 0, or: the errors of zc_attend_segments() (ZC_ESHAPE for a query
+ * whose batch or head dim is not the session's, q_heads not a multiple of
+ * its kv_heads, an empty layer, ...; ZC_ENONFINITE, ZC_EBUFFER, ...);
+ * ZC_EINVALID (a NULL pointer, a layer out of range, unknown flags);
+ * ZC_EPRECONDITION (ZC_ATTEND_OVER_VIEW on a views = none session);
+ * ZC_ESTALE when the layer's rows are in a view the daemon dropped (the
+ * residual rows of a views = full session, or any row with
+ * ZC_ATTEND_OVER_VIEW; a request on the session, e.g. zc_session_view,
+ * brings it back); ZC_EAGAIN when every read within the bound was torn;
+ * -ETIMEDOUT when a write never ended; ZC_EPROTOCOL for a map that
+ * contradicts itself; -ENOMEM. On any error the output is untouched: the
+ * call computes into scratch of the output's size and copies it out once
+ * the read is known to be consistent.
+ */
+int zc_attend(const zc_session *session, uint32_t layer, const zc_attend_query *query,
+	      const zc_attend_output *output, unsigned flags, unsigned threads);
+
 #endif

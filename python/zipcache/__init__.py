@@ -15,7 +15,7 @@ through $ZIPCACHE_LIBRARY, else the build tree next to this package
 """
 
 from ._lib import library_path
-from .attend import AttendBlock, attend_arrays
+from .attend import AttendBlock, attend, attend_arrays
 from .cache import ZipCacheKVCache, make_prompt_cache
 from .reader import Block, LayerRead, ReadAttempts
 from .client import (
@@ -51,6 +51,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "attend",
     "attend_arrays",
     "AttendBlock",
     "Client",

@@ -125,6 +125,7 @@ ZC_ATTEND_BLOCK = 0
 ZC_ATTEND_ROWS = 1
 ZC_ATTEND_FP32 = 0
 ZC_ATTEND_FP16 = 1
+ZC_ATTEND_OVER_VIEW = 1
 
 
 class zc_attend_block(Structure):
@@ -405,6 +406,17 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
             c_size_t,
             POINTER(zc_attend_query),
             POINTER(zc_attend_output),
+            c_uint,
+        ],
+    ),
+    "zc_attend": (
+        c_int,
+        [
+            zc_session_p,
+            c_uint32,
+            POINTER(zc_attend_query),
+            POINTER(zc_attend_output),
+            c_uint,
             c_uint,
         ],
     ),

@@ -1,32 +1,44 @@
 """Attention straight from compressed blocks, in-process (include/zipcache/attend.h).
 
+    out = zipcache.attend(session, layer, q)             # one layer of a session
     out = zipcache.attend_arrays(q, [zipcache.AttendBlock(k_payload, v_payload, shape),
                                      (k_residual, v_residual)], causal=True)
 
-A thin wrapper over zc_attend_segments(), the compute core the session-level
-zipcache.attend(session, layer, ...) is built on: a layer is a list of
-segments in token order, each a compressed block as codec.compress() (or
+``attend`` (zc_attend) reads one layer of a session in this process, its
+compressed blocks in the pool mapping and its exact residual rows, inside one
+consistent read (retried while the daemon writes), and attends over them
+without reconstructing anything: what a ``views="none"`` session is for.
+``over_view=True`` runs the same call over the fp16 view of a ``views="full"``
+session instead (cut at the same blocks, so the result is the same bytes).
+
+``attend_arrays`` is zc_attend_segments(), the compute core: a layer is a list
+of segments in token order, each a compressed block as codec.compress() (or
 the daemon) wrote it, or fp16 rows [B, H, T, D] (the exact residual, or a
-whole fp16 view). Queries [B, q_heads, n_q, D_k] float32 or float16;
-q_heads a multiple of the KV heads. The result is float32 (or float16)
-[B, q_heads, n_q, D_v], equal to attention over the codec's reconstruction
-up to fp32 rounding, with the same bytes on every ISA and thread count.
+whole fp16 view).
+
+Both take queries [B, q_heads, n_q, D_k] float32 or float16, q_heads a
+multiple of the KV heads, and give float32 (or float16) [B, q_heads, n_q,
+D_v], equal to attention over the codec's reconstruction up to fp32 rounding,
+with the same bytes on every ISA and thread count.
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import TYPE_CHECKING, Sequence, Union
 
 import numpy as np
 
 from . import _lib
 from ._lib import lib
 from .client import CodecConfig
-from .errors import error_from_code
+from .errors import ConcurrentWrite, StaleView, error_from_code
 
-__all__ = ["AttendBlock", "attend_arrays"]
+if TYPE_CHECKING:  # pragma: no cover
+    from .client import Session
+
+__all__ = ["AttendBlock", "attend", "attend_arrays"]
 
 
 @dataclass
@@ -69,14 +81,8 @@ def _rows(name: str, array: np.ndarray) -> tuple[np.ndarray, _lib.zc_strides]:
     return array, _lib.zc_strides(b, h, t)
 
 
-def attend_arrays(q: np.ndarray, segments: Sequence[Segment], scale: float | None = None,
-                  causal: bool = False, out_dtype=np.float32, threads: int = 1) -> np.ndarray:
-    """softmax(q K^T * scale) V over the segments, as float32 (or float16) [B, q_heads, n_q, D_v].
-
-    scale defaults to 1/sqrt(D_k). causal: query i is token T - n_q + i of
-    the T tokens and sees only tokens up to it. threads > 1 splits the
-    (batch, KV head) pairs; the result does not depend on it.
-    """
+def _query(q: np.ndarray, scale: float | None, causal: bool) -> tuple[np.ndarray, _lib.zc_attend_query]:
+    """q as the C call reads it (little-endian, C order) and its zc_attend_query."""
     q = np.asarray(q)
     if q.ndim != 4:
         raise ValueError(f"q must be [B, q_heads, n_q, D], got shape {q.shape}")
@@ -86,9 +92,37 @@ def attend_arrays(q: np.ndarray, segments: Sequence[Segment], scale: float | Non
     else:
         q = np.ascontiguousarray(q, dtype="<f4")
         q_dtype = _lib.ZC_ATTEND_FP32
+    query = _lib.zc_attend_query(*(int(x) for x in q.shape), q_dtype,
+                                 q.ctypes.data,
+                                 0.0 if scale is None else float(scale), bool(causal))
+    return q, query
+
+
+def _out_dtype(out_dtype) -> np.dtype:
     out_dtype = np.dtype(out_dtype)
     if out_dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
         raise TypeError(f"out_dtype must be float32 or float16, got {out_dtype}")
+    return out_dtype
+
+
+def _output(q: np.ndarray, dim_v: int, out_dtype: np.dtype) -> tuple[np.ndarray, _lib.zc_attend_output]:
+    out = np.empty((q.shape[0], q.shape[1], q.shape[2], dim_v), dtype=out_dtype.newbyteorder("<"))
+    output = _lib.zc_attend_output(
+        _lib.ZC_ATTEND_FP16 if out_dtype == np.float16 else _lib.ZC_ATTEND_FP32,
+        out.ctypes.data if out.size else None, out.nbytes)
+    return out, output
+
+
+def attend_arrays(q: np.ndarray, segments: Sequence[Segment], scale: float | None = None,
+                  causal: bool = False, out_dtype=np.float32, threads: int = 1) -> np.ndarray:
+    """softmax(q K^T * scale) V over the segments, as float32 (or float16) [B, q_heads, n_q, D_v].
+
+    scale defaults to 1/sqrt(D_k). causal: query i is token T - n_q + i of
+    the T tokens and sees only tokens up to it. threads > 1 splits the
+    (batch, KV head) pairs; the result does not depend on it.
+    """
+    q, query = _query(q, scale, causal)
+    out_dtype = _out_dtype(out_dtype)
 
     keep: list[object] = [q]  # everything the C call points into
     c_segments = (_lib.zc_attend_segment * max(1, len(segments)))()
@@ -120,14 +154,79 @@ def attend_arrays(q: np.ndarray, segments: Sequence[Segment], scale: float | Non
                                          v.ctypes.data if v.size else None, vs)
         dim_v = dv if dim_v is None else dim_v
 
-    query = _lib.zc_attend_query(*(int(x) for x in q.shape), q_dtype, q.ctypes.data,
-                                 0.0 if scale is None else float(scale), bool(causal))
-    out = np.empty((q.shape[0], q.shape[1], q.shape[2], dim_v or 0), dtype=out_dtype.newbyteorder("<"))
-    output = _lib.zc_attend_output(
-        _lib.ZC_ATTEND_FP16 if out_dtype == np.float16 else _lib.ZC_ATTEND_FP32,
-        out.ctypes.data if out.size else None, out.nbytes)
+    out, output = _output(q, dim_v or 0, out_dtype)
     rc = lib.zc_attend_segments(c_segments, len(segments), ctypes.byref(query),
                                 ctypes.byref(output), max(1, int(threads)))
     if rc < 0:
         raise error_from_code(rc, "", "attend_arrays")
     return out
+
+
+class _InCall:
+    """Counted among a session handle's users while a C call reads its mappings,
+    so that a release() from another thread waits for it before unmapping."""
+
+    __slots__ = ("__weakref__",)
+
+
+def attend(session: "Session", layer: int, q: np.ndarray, scale: float | None = None,
+           causal: bool = False, *, over_view: bool = False, out_dtype=np.float32,
+           threads: int = 1) -> np.ndarray:
+    """softmax(q K^T * scale) V over one layer of a session, as float32 (or float16) [B, q_heads, n_q, D_v].
+
+    Read here, inside one consistent read of the layer (zc_attend): its
+    compressed blocks and exact residual, nothing reconstructed, nothing
+    sent to the daemon. q is [B, q_heads, n_q, D_k] float32 or float16 with
+    the session's batch and D_k and q_heads a multiple of its KV heads.
+    scale defaults to 1/sqrt(D_k); causal: query i is token T - n_q + i of
+    the layer's T tokens and sees only tokens up to it. over_view=True
+    attends over the fp16 view of a views="full" session instead (the same
+    bytes; what a views="full" worker would read). threads > 1 splits the
+    (batch, KV head) pairs; the result does not depend on it.
+
+    A view the daemon dropped (its rows are needed: the residual of a
+    views="full" session, or over_view) is brought back with one request
+    and the call made again; StaleView if it is gone again by then,
+    ConcurrentWrite if the daemon never stopped writing the layer for
+    ZC_READ_TIMEOUT_MS.
+    """
+    handle = session._native()
+    layer = session._check_layer(layer, "attend")
+    i = session.info
+    q, query = _query(q, scale, causal)
+    out, output = _output(q, i.head_dim_v, _out_dtype(out_dtype))
+    flags = _lib.ZC_ATTEND_OVER_VIEW if over_view else 0
+    call = _InCall()
+    for refreshed in (False, True):
+        handle.holders.add(call)
+        try:
+            rc = lib.zc_attend(handle.ptr, layer, ctypes.byref(query), ctypes.byref(output),
+                               flags, max(1, int(threads)))
+        finally:
+            handle.holders.discard(call)
+        if rc == _lib.ZC_ESTALE and not refreshed:
+            session.view(layer)  # a request brings a dropped view back
+            continue
+        break
+    if rc == _lib.ZC_ESTALE:
+        raise StaleView(rc, f"layer {layer}'s view was dropped again before it could be read",
+                        operation="attend")
+    if rc == _lib.ZC_EAGAIN:
+        raise ConcurrentWrite(rc, f"layer {layer} was written under every read for "
+                              f"{_lib.ZC_READ_TIMEOUT_MS} ms", operation="attend")
+    if rc < 0:
+        raise error_from_code(rc, _attend_message(rc, session, layer, q, over_view), "attend")
+    return out
+
+
+def _attend_message(rc: int, session: "Session", layer: int, q: np.ndarray, over_view: bool) -> str:
+    i = session.info
+    if rc == _lib.ZC_ESHAPE:
+        return (f"q {list(q.shape)} does not fit layer {layer} of the session ([{i.batch}, "
+                f"{i.kv_heads}, tokens, {i.head_dim_k}]; q_heads a multiple of {i.kv_heads}; "
+                "the layer must hold tokens, at least n_q with causal)")
+    if rc == _lib.ZC_EPRECONDITION and over_view:
+        return "over_view needs a views='full' session; this one has views='none'"
+    if rc == _lib.ZC_ENONFINITE:
+        return "q holds NaN or Inf"
+    return ""

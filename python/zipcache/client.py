@@ -659,6 +659,17 @@ class Session:
             full = self._full[layer] = (keys, values)
         return full[0][:, :, :tokens, :], full[1][:, :, :tokens, :]
 
+    def _sequence(self, handle: _SessionHandle, layer: int) -> int:
+        """The layer's update counter, from the mapping: with views="none"
+        through the reader (there is no view to ask), else as view() reads it."""
+        if self._info.views != "none":
+            return self._read_view(handle, layer).sequence
+        read = _lib.zc_read()
+        client = handle.client
+        with client.lock:
+            client.check(lib.zc_read_begin(handle.ptr, layer, 0, ctypes.byref(read)), "stats")
+        return read.sequence
+
     def _read_view(self, handle: _SessionHandle, layer: int) -> _lib.zc_view:
         view = _lib.zc_view()
         client = handle.client
@@ -911,7 +922,7 @@ class Session:
         handle = self._native()
         layer = self._check_layer(layer, "stats")
         cached = self._stats[layer]
-        if cached is not None and cached[0] == self._read_view(handle, layer).sequence:
+        if cached is not None and cached[0] == self._sequence(handle, layer):
             stats = cached[1]
             if not isinstance(stats, LayerStats):
                 stats = LayerStats.from_c(stats)
@@ -926,14 +937,14 @@ class Session:
         layers = (_lib.zc_layer_stats * n)()
         total = _lib.zc_layer_stats()
         client = handle.client
-        before = [self._read_view(handle, i).sequence for i in range(n)]
+        before = [self._sequence(handle, i) for i in range(n)]
         with client.lock:
             client.check(lib.zc_session_stats(handle.ptr, layers, n, ctypes.byref(total)), "stats")
             self._info = SessionInfo.from_c(lib.zc_session_get_info(handle.ptr).contents)
         result = SessionStats([LayerStats.from_c(layers[i]) for i in range(n)],
                               LayerStats.from_c(total))
         for i in range(n):
-            if self._read_view(handle, i).sequence == before[i]:
+            if self._sequence(handle, i) == before[i]:
                 self._stats[i] = (before[i], result.layers[i])
         return result
 

@@ -64,6 +64,24 @@ def test_views_none_returns_token_counts_and_reconstructs(open_session):
     s.close()
 
 
+def test_views_none_stats_are_a_full_twins(open_session):
+    """stats() and layer_stats() read the layers' counters through the reader
+    (a views="none" session has no view to read them from)."""
+    rng = np.random.default_rng(23)
+    none = open_session(layers=2, kv_heads=2, head_dim=32, max_tokens=512, residual_tokens=16,
+                        views="none")
+    full = open_session(layers=2, kv_heads=2, head_dim=32, max_tokens=512, residual_tokens=16)
+    for tokens in (100, 3, 1, 20):
+        for layer in range(2):
+            k, v = make_keys(rng, 1, 2, tokens, 32), make_values(rng, 1, 2, tokens, 32)
+            none.update_and_fetch(layer, k, v)
+            full.update_and_fetch(layer, k, v)
+    a, b = none.stats(), full.stats()
+    assert a.total == b.total and a.layers == b.layers
+    assert none.layer_stats(1) == full.layer_stats(1) == a.layers[1]
+    assert a.layers[0].tokens == 124
+
+
 def test_lease_check_and_release(open_session):
     rng = np.random.default_rng(23)
     s = open_session(layers=1, kv_heads=2, head_dim=32, max_tokens=256)
