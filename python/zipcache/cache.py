@@ -50,9 +50,15 @@ class ZipCacheKVCache:
         The daemon routes key tokens by L2-norm saliency (top hi_fraction at
         hi_bits, the rest at lo_bits; values at hi_bits) and hands back the
         reconstruction zero-copy: the returned arrays are read-only views of
-        its shared mapping, not copies.
+        its shared mapping, not copies. On a ``views="none"`` session (no
+        fp16 kept by the daemon) the layer is reconstructed here from its
+        blocks and residual instead: copies, O(tokens) per call — use
+        ``zipcache.attend`` there rather than this surface.
         """
-        return self.session.update_and_fetch(self.layer, keys, values)
+        result = self.session.update_and_fetch(self.layer, keys, values)
+        if isinstance(result, int):
+            return self.session.reconstruct_layer(self.layer)
+        return result
 
     @property
     def offset(self) -> int:
@@ -61,7 +67,9 @@ class ZipCacheKVCache:
 
     @property
     def state(self) -> tuple[np.ndarray, np.ndarray]:
-        """The layer's K/V now, as read-only views (no update)."""
+        """The layer's K/V now, as read-only views (no update); copies with views="none"."""
+        if self.session.info.views == "none":
+            return self.session.reconstruct_layer(self.layer)
         return self.session.view(self.layer)
 
     def is_trimmable(self) -> bool:

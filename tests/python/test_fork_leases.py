@@ -97,3 +97,18 @@ def test_lease_check_and_release(open_session):
     assert s.lease_valid
     with pytest.raises(zipcache.InvalidArgument):
         s.fork(5, views="partial")
+
+
+def test_seed_cache_surface_works_on_views_none(open_session):
+    rng = np.random.default_rng(24)
+    s = open_session(layers=1, kv_heads=2, head_dim=32, max_tokens=256, residual_tokens=16,
+                     views="none")
+    twin = open_session(layers=1, kv_heads=2, head_dim=32, max_tokens=256, residual_tokens=16)
+    c, t = zipcache.ZipCacheKVCache(s, 0), zipcache.ZipCacheKVCache(twin, 0)
+    for tokens in (40, 1, 1, 20):
+        k, v = make_keys(rng, 1, 2, tokens, 32), make_values(rng, 1, 2, tokens, 32)
+        K, V = c.update_and_fetch(k, v)
+        TK, TV = t.update_and_fetch(k, v)
+        np.testing.assert_array_equal(K, TK)
+        np.testing.assert_array_equal(V, TV)
+    np.testing.assert_array_equal(c.state[0], t.state[0])
