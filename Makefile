@@ -93,7 +93,8 @@ TOOL_MAINS = $(wildcard tools/zipcache-tool.c tools/zipcachectl.c tools/zipcache
 TOOL_NAMES = $(patsubst tools/%.c,%,$(TOOL_MAINS))
 TOOL_LIB_SRC = $(filter-out $(TOOL_MAINS),$(wildcard tools/*.c))
 TEST_NAMES = $(patsubst tests/%_test.c,%,$(wildcard tests/*_test.c))
-TEST_LIB_SRC = $(filter-out %_test.c,$(wildcard tests/*.c))
+# cuda_emulator.c needs cuda/plan.o: only the CUDA suites link it (below).
+TEST_LIB_SRC = $(filter-out %_test.c tests/cuda_emulator.c,$(wildcard tests/*.c))
 # cuda_bench needs CUDA: built with the CUDA library, run by `make bench-gpu`.
 BENCH_NAMES = $(filter-out cuda,$(patsubst bench/%_bench.c,%,$(wildcard bench/*_bench.c)))
 BENCH_LIB_SRC = $(filter-out %_bench.c,$(wildcard bench/*.c))
@@ -127,7 +128,8 @@ CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 CUDA_ARCH ?= -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=[sm_90,compute_90]
 CUDA_LIB = $(BUILD)/lib/libzipcache_cuda.so
 CUDA_SONAME = libzipcache_cuda.so.$(firstword $(subst ., ,$(VERSION)))
-CUDA_OBJ = $(BUILD)/obj/cuda/cuda.o $(BUILD)/obj/cuda/plan.o $(BUILD)/obj/cuda/kernels.o
+CUDA_OBJ = $(BUILD)/obj/cuda/cuda.o $(BUILD)/obj/cuda/plan.o $(BUILD)/obj/cuda/session.o \
+	$(BUILD)/obj/cuda/kernels.o
 # The runtime linked in statically: the library needs only the driver.
 CUDA_LIBS = -L$(CUDA_HOME)/lib64 -lcudart_static -lstdc++ -ldl -lrt -lpthread
 # Against the shared client library by its soname, found beside the
@@ -248,9 +250,12 @@ $(BUILD)/bench/cuda_bench: $(BUILD)/obj/bench/cuda_bench.o $(BUILD)/obj/bench/sy
 	$(CC) -o $@ $(filter %.o,$^) -L$(BUILD)/lib -l:libzipcache_cuda.so $(SHARED_LINK) \
 		$(CUDA_LIBS) -lm -lpthread $(ZC_LDFLAGS)
 
-# The CPU half of the CUDA code (planning, and core.h's arithmetic under
-# emulation) is tested everywhere, nvcc or not.
-$(BUILD)/tests/cuda_plan: $(BUILD)/obj/cuda/plan.o
+# The CPU half of the CUDA code (planning, a session's layer read and its
+# mirror checks, and core.h's arithmetic under emulation) is tested
+# everywhere, nvcc or not.
+$(BUILD)/tests/cuda_plan: $(BUILD)/obj/cuda/plan.o $(BUILD)/obj/tests/cuda_emulator.o
+$(BUILD)/tests/cuda_session: $(BUILD)/obj/cuda/plan.o $(BUILD)/obj/cuda/session.o \
+	$(BUILD)/obj/tests/cuda_emulator.o
 
 # On a machine with a GPU: bit identity, incremental loads, memcheck, and
 # the Python GPU tests (torch, transformers generate()).
