@@ -95,8 +95,9 @@ TOOL_LIB_SRC = $(filter-out $(TOOL_MAINS),$(wildcard tools/*.c))
 TEST_NAMES = $(patsubst tests/%_test.c,%,$(wildcard tests/*_test.c))
 # cuda_emulator.c needs cuda/plan.o: only the CUDA suites link it (below).
 TEST_LIB_SRC = $(filter-out %_test.c tests/cuda_emulator.c,$(wildcard tests/*.c))
-# cuda_bench needs CUDA: built with the CUDA library, run by `make bench-gpu`.
-BENCH_NAMES = $(filter-out cuda,$(patsubst bench/%_bench.c,%,$(wildcard bench/*_bench.c)))
+# cuda_bench and cuda_session_bench need CUDA: built with the CUDA library,
+# run by `make bench-gpu`.
+BENCH_NAMES = $(filter-out cuda cuda_session,$(patsubst bench/%_bench.c,%,$(wildcard bench/*_bench.c)))
 BENCH_LIB_SRC = $(filter-out %_bench.c,$(wildcard bench/*.c))
 EXAMPLE_NAMES = $(patsubst examples/%.c,%,$(wildcard examples/*.c))
 
@@ -138,7 +139,9 @@ SHARED_LINK = -L$(BUILD)/lib -l:libzipcache.so -Wl,-rpath,'$$ORIGIN' -Wl,-rpath,
 	-Wl,-rpath,'$$ORIGIN/../../lib'
 GPU_TESTS = $(if $(NVCC),$(BUILD)/tests/gpu/cuda_test)
 CUDA_BENCH = $(if $(NVCC),$(BUILD)/bench/cuda_bench)
-CUDA_ALL = $(if $(NVCC),$(CUDA_LIB) $(BUILD)/lib/$(CUDA_SONAME) $(GPU_TESTS) $(CUDA_BENCH))
+CUDA_SESSION_BENCH = $(if $(NVCC),$(BUILD)/bench/cuda_session_bench)
+CUDA_ALL = $(if $(NVCC),$(CUDA_LIB) $(BUILD)/lib/$(CUDA_SONAME) $(GPU_TESTS) $(CUDA_BENCH) \
+	$(CUDA_SESSION_BENCH))
 
 .PHONY: all deps deps-build check check-run check-no-rebuild check-gpu bench-gpu bench bench-run asan run install clean
 .DEFAULT_GOAL := all
@@ -226,7 +229,8 @@ $(BUILD)/lib/$(SONAME): $(SHARED_LIB)
 $(BUILD)/lib/$(CUDA_SONAME): $(CUDA_LIB)
 	ln -sfn libzipcache_cuda.so $@
 
-$(BUILD)/obj/cuda/cuda.o $(BUILD)/obj/tests/gpu/cuda_test.o $(BUILD)/obj/bench/cuda_bench.o: \
+$(BUILD)/obj/cuda/cuda.o $(BUILD)/obj/tests/gpu/cuda_test.o $(BUILD)/obj/bench/cuda_bench.o \
+		$(BUILD)/obj/bench/cuda_session_bench.o: \
 	EXTRA_CFLAGS += -I$(CUDA_HOME)/include
 $(BUILD)/obj/tests/gpu/cuda_test.o: EXTRA_CFLAGS += $(CHECK_CFLAGS)
 
@@ -250,6 +254,12 @@ $(BUILD)/bench/cuda_bench: $(BUILD)/obj/bench/cuda_bench.o $(BUILD)/obj/bench/sy
 	$(CC) -o $@ $(filter %.o,$^) -L$(BUILD)/lib -l:libzipcache_cuda.so $(SHARED_LINK) \
 		$(CUDA_LIBS) -lm -lpthread $(ZC_LDFLAGS)
 
+$(BUILD)/bench/cuda_session_bench: $(BUILD)/obj/bench/cuda_session_bench.o \
+		$(BUILD)/obj/bench/synthetic_kv.o $(CUDA_LIB) $(BUILD)/lib/$(CUDA_SONAME)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $(filter %.o,$^) -L$(BUILD)/lib -l:libzipcache_cuda.so $(SHARED_LINK) \
+		$(CUDA_LIBS) -lm -lpthread $(ZC_LDFLAGS)
+
 # The CPU half of the CUDA code (planning, a session's layer read and its
 # mirror checks, and core.h's arithmetic under emulation) is tested
 # everywhere, nvcc or not.
@@ -265,6 +275,7 @@ check-gpu: all
 # The GPU benchmark (docs/BENCHMARKS.md): JSON lines.
 bench-gpu: all
 	$(CUDA_BENCH) $(BENCH_GPU_ARGS)
+	ZC_BUILD_DIR=$(abspath $(BUILD)) $(CUDA_SESSION_BENCH) $(BENCH_GPU_ARGS)
 
 check: deps
 	@$(MAKE) --no-print-directory check-run check-no-rebuild
