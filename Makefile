@@ -93,9 +93,11 @@ TOOL_MAINS = $(wildcard tools/zipcache-tool.c tools/zipcachectl.c tools/zipcache
 TOOL_NAMES = $(patsubst tools/%.c,%,$(TOOL_MAINS))
 TOOL_LIB_SRC = $(filter-out $(TOOL_MAINS),$(wildcard tools/*.c))
 TEST_NAMES = $(patsubst tests/%_test.c,%,$(wildcard tests/*_test.c))
-TEST_LIB_SRC = $(filter-out %_test.c,$(wildcard tests/*.c))
-# cuda_bench needs CUDA: built with the CUDA library, run by `make bench-gpu`.
-BENCH_NAMES = $(filter-out cuda,$(patsubst bench/%_bench.c,%,$(wildcard bench/*_bench.c)))
+# cuda_emulator.c needs cuda/plan.o: only the CUDA suites link it (below).
+TEST_LIB_SRC = $(filter-out %_test.c tests/cuda_emulator.c,$(wildcard tests/*.c))
+# cuda_bench and cuda_session_bench need CUDA: built with the CUDA library,
+# run by `make bench-gpu`.
+BENCH_NAMES = $(filter-out cuda cuda_session,$(patsubst bench/%_bench.c,%,$(wildcard bench/*_bench.c)))
 BENCH_LIB_SRC = $(filter-out %_bench.c,$(wildcard bench/*.c))
 EXAMPLE_NAMES = $(patsubst examples/%.c,%,$(wildcard examples/*.c))
 
@@ -127,7 +129,8 @@ CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 CUDA_ARCH ?= -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=[sm_90,compute_90]
 CUDA_LIB = $(BUILD)/lib/libzipcache_cuda.so
 CUDA_SONAME = libzipcache_cuda.so.$(firstword $(subst ., ,$(VERSION)))
-CUDA_OBJ = $(BUILD)/obj/cuda/cuda.o $(BUILD)/obj/cuda/plan.o $(BUILD)/obj/cuda/kernels.o
+CUDA_OBJ = $(BUILD)/obj/cuda/cuda.o $(BUILD)/obj/cuda/plan.o $(BUILD)/obj/cuda/session.o \
+	$(BUILD)/obj/cuda/kernels.o
 # The runtime linked in statically: the library needs only the driver.
 CUDA_LIBS = -L$(CUDA_HOME)/lib64 -lcudart_static -lstdc++ -ldl -lrt -lpthread
 # Against the shared client library by its soname, found beside the
@@ -136,7 +139,9 @@ SHARED_LINK = -L$(BUILD)/lib -l:libzipcache.so -Wl,-rpath,'$$ORIGIN' -Wl,-rpath,
 	-Wl,-rpath,'$$ORIGIN/../../lib'
 GPU_TESTS = $(if $(NVCC),$(BUILD)/tests/gpu/cuda_test)
 CUDA_BENCH = $(if $(NVCC),$(BUILD)/bench/cuda_bench)
-CUDA_ALL = $(if $(NVCC),$(CUDA_LIB) $(BUILD)/lib/$(CUDA_SONAME) $(GPU_TESTS) $(CUDA_BENCH))
+CUDA_SESSION_BENCH = $(if $(NVCC),$(BUILD)/bench/cuda_session_bench)
+CUDA_ALL = $(if $(NVCC),$(CUDA_LIB) $(BUILD)/lib/$(CUDA_SONAME) $(GPU_TESTS) $(CUDA_BENCH) \
+	$(CUDA_SESSION_BENCH))
 
 .PHONY: all deps deps-build check check-run check-no-rebuild check-gpu bench-gpu bench bench-run asan run install clean
 .DEFAULT_GOAL := all
@@ -224,7 +229,8 @@ $(BUILD)/lib/$(SONAME): $(SHARED_LIB)
 $(BUILD)/lib/$(CUDA_SONAME): $(CUDA_LIB)
 	ln -sfn libzipcache_cuda.so $@
 
-$(BUILD)/obj/cuda/cuda.o $(BUILD)/obj/tests/gpu/cuda_test.o $(BUILD)/obj/bench/cuda_bench.o: \
+$(BUILD)/obj/cuda/cuda.o $(BUILD)/obj/tests/gpu/cuda_test.o $(BUILD)/obj/bench/cuda_bench.o \
+		$(BUILD)/obj/bench/cuda_session_bench.o: \
 	EXTRA_CFLAGS += -I$(CUDA_HOME)/include
 $(BUILD)/obj/tests/gpu/cuda_test.o: EXTRA_CFLAGS += $(CHECK_CFLAGS)
 
@@ -248,9 +254,18 @@ $(BUILD)/bench/cuda_bench: $(BUILD)/obj/bench/cuda_bench.o $(BUILD)/obj/bench/sy
 	$(CC) -o $@ $(filter %.o,$^) -L$(BUILD)/lib -l:libzipcache_cuda.so $(SHARED_LINK) \
 		$(CUDA_LIBS) -lm -lpthread $(ZC_LDFLAGS)
 
-# The CPU half of the CUDA code (planning, and core.h's arithmetic under
-# emulation) is tested everywhere, nvcc or not.
-$(BUILD)/tests/cuda_plan: $(BUILD)/obj/cuda/plan.o
+$(BUILD)/bench/cuda_session_bench: $(BUILD)/obj/bench/cuda_session_bench.o \
+		$(BUILD)/obj/bench/synthetic_kv.o $(CUDA_LIB) $(BUILD)/lib/$(CUDA_SONAME)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $(filter %.o,$^) -L$(BUILD)/lib -l:libzipcache_cuda.so $(SHARED_LINK) \
+		$(CUDA_LIBS) -lm -lpthread $(ZC_LDFLAGS)
+
+# The CPU half of the CUDA code (planning, a session's layer read and its
+# mirror checks, and core.h's arithmetic under emulation) is tested
+# everywhere, nvcc or not.
+$(BUILD)/tests/cuda_plan: $(BUILD)/obj/cuda/plan.o $(BUILD)/obj/tests/cuda_emulator.o
+$(BUILD)/tests/cuda_session: $(BUILD)/obj/cuda/plan.o $(BUILD)/obj/cuda/session.o \
+	$(BUILD)/obj/tests/cuda_emulator.o
 
 # On a machine with a GPU: bit identity, incremental loads, memcheck, and
 # the Python GPU tests (torch, transformers generate()).
@@ -260,6 +275,7 @@ check-gpu: all
 # The GPU benchmark (docs/BENCHMARKS.md): JSON lines.
 bench-gpu: all
 	$(CUDA_BENCH) $(BENCH_GPU_ARGS)
+	ZC_BUILD_DIR=$(abspath $(BUILD)) $(CUDA_SESSION_BENCH) $(BENCH_GPU_ARGS)
 
 check: deps
 	@$(MAKE) --no-print-directory check-run check-no-rebuild

@@ -9,9 +9,12 @@
 # 2. The same suite under compute-sanitizer's memcheck (skipped, saying
 #    so, where the tool is missing).
 # 3. The Python torch tests (tests/python/test_torch*.py): the GPU ones
-#    (CUDA library from torch, the cache on the GPU, transformers'
-#    generate() against its own DynamicCache) and the CPU ones, which here
-#    meet whatever transformers this machine has.
+#    (CUDA library from torch; session fetches, zc_cuda_fetch_layer, against
+#    the client's reconstruction for views none and full, incremental =
+#    full after decode steps and trims, pins of reused extents made again;
+#    the cache on the GPU; transformers' generate() against its own
+#    DynamicCache, views full and none) and the CPU ones, which here meet
+#    whatever transformers this machine has.
 # A machine without a GPU fails here: skipping is what `make check` does.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)

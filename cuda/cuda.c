@@ -26,9 +26,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kernels.h"
 #include "plan.h"
+#include "session.h"
 
 /* Jobs one chunk holds at most: a layer of 32768 tokens in 128-token
  * blocks is 512 jobs, so one table covers it. */
@@ -57,9 +59,14 @@ struct slot {
 	bool read_in_place;     /* its last kernels read the pinned buffer itself */
 };
 
+/* A page-locked host range: the caller's (zc_cuda_register_host), or a
+ * block's pool extent pinned by a session fetch (owner set). */
 struct registered {
 	const uint8_t *address;
 	size_t bytes;
+	const zc_session *owner;    /* NULL: the caller's range */
+	uint32_t layer;
+	uint64_t print;             /* session_block_print when it was pinned */
 };
 
 struct zc_cuda {
@@ -72,8 +79,10 @@ struct zc_cuda {
 	int *error;             /* device flag the kernels set */
 	struct plan plan;
 	struct plan_chunk chunk;
-	struct registered *registered;
+	struct registered *registered;   /* sorted by address, never overlapping */
 	size_t n_registered, registered_capacity;
+	struct session_layer fetch;
+	bool pins_refused;      /* the driver refused a pin: fetches bounce from then on */
 	zc_cuda_stats stats;
 	char message[256];
 };
@@ -203,6 +212,7 @@ void zc_cuda_close(zc_cuda *cuda)
 	if (cuda->copy_stream)
 		cudaStreamDestroy(cuda->copy_stream);
 	free(cuda->registered);
+	session_layer_free(&cuda->fetch);
 	free(cuda->chunk.jobs);
 	free(cuda->chunk.placements);
 	plan_free(&cuda->plan);
@@ -236,6 +246,7 @@ int zc_cuda_open(int device, size_t chunk_bytes, zc_cuda **out)
 		return -ENOMEM;
 	cuda->device = device;
 	plan_init(&cuda->plan);
+	session_layer_init(&cuda->fetch);
 	cuda->chunk.max_jobs = CHUNK_MAX_JOBS;
 	cuda->chunk.jobs = calloc(CHUNK_MAX_JOBS, sizeof *cuda->chunk.jobs);
 	cuda->chunk.placements = calloc(CHUNK_MAX_JOBS, sizeof *cuda->chunk.placements);
@@ -253,20 +264,33 @@ int zc_cuda_open(int device, size_t chunk_bytes, zc_cuda **out)
 	return 0;
 }
 
-static bool is_registered(const zc_cuda *cuda, const uint8_t *address, uint64_t bytes)
+/* The index of the first range ending past address (n_registered: none). */
+static size_t registered_find(const zc_cuda *cuda, const uint8_t *address)
 {
-	for (size_t i = 0; i < cuda->n_registered; i++) {
-		const struct registered *r = &cuda->registered[i];
-		if (address >= r->address && address + bytes <= r->address + r->bytes)
-			return true;
+	size_t lo = 0, hi = cuda->n_registered;
+	while (lo < hi) {
+		size_t mid = lo + (hi - lo) / 2;
+		const struct registered *r = &cuda->registered[mid];
+		if (r->address + r->bytes <= address)
+			lo = mid + 1;
+		else
+			hi = mid;
 	}
-	return false;
+	return lo;
 }
 
-int zc_cuda_register_host(zc_cuda *cuda, const void *address, size_t bytes)
+static bool is_registered(const zc_cuda *cuda, const uint8_t *address, uint64_t bytes)
 {
-	if (!address || bytes == 0)
-		return -EINVAL;
+	size_t i = registered_find(cuda, address);
+	if (i == cuda->n_registered)
+		return false;
+	const struct registered *r = &cuda->registered[i];
+	return address >= r->address && address + bytes <= r->address + r->bytes;
+}
+
+/* Page-locks a range that overlaps no registered one and keeps it in order. */
+static int registered_add(zc_cuda *cuda, const struct registered *range)
+{
 	if (cuda->n_registered == cuda->registered_capacity) {
 		size_t capacity = cuda->registered_capacity ? 2 * cuda->registered_capacity : 8;
 		struct registered *r = realloc(cuda->registered, capacity * sizeof *r);
@@ -275,25 +299,62 @@ int zc_cuda_register_host(zc_cuda *cuda, const void *address, size_t bytes)
 		cuda->registered = r;
 		cuda->registered_capacity = capacity;
 	}
+	size_t at = registered_find(cuda, range->address);
+	if (at < cuda->n_registered && cuda->registered[at].address < range->address + range->bytes)
+		return -EEXIST;
 	CUDA_TRY(cuda, cudaSetDevice(cuda->device));
 	/* Read-only: the DMA only reads, and a client's mapping is PROT_READ. */
-	CUDA_TRY(cuda, cudaHostRegister((void *)address, bytes,
+	CUDA_TRY(cuda, cudaHostRegister((void *)range->address, range->bytes,
 					cudaHostRegisterReadOnly | cudaHostRegisterPortable));
-	cuda->registered[cuda->n_registered++] = (struct registered){ address, bytes };
+	memmove(&cuda->registered[at + 1], &cuda->registered[at],
+		(cuda->n_registered - at) * sizeof *cuda->registered);
+	cuda->registered[at] = *range;
+	cuda->n_registered++;
 	return 0;
+}
+
+/* Unregisters range i and forgets it, whatever the driver says. */
+static int registered_remove(zc_cuda *cuda, size_t i)
+{
+	const uint8_t *address = cuda->registered[i].address;
+	if (cuda->registered[i].owner)
+		cuda->stats.pins_released++;
+	memmove(&cuda->registered[i], &cuda->registered[i + 1],
+		(cuda->n_registered - i - 1) * sizeof *cuda->registered);
+	cuda->n_registered--;
+	CUDA_TRY(cuda, cudaSetDevice(cuda->device));
+	/* DMAs from the range may still be queued. */
+	CUDA_TRY(cuda, cudaStreamSynchronize(cuda->copy_stream));
+	/* A pin whose mapping went first may not be found by address; the
+	 * driver drops it with the context. */
+	CUDA_TRY(cuda, cudaHostUnregister((void *)address));
+	return 0;
+}
+
+int zc_cuda_register_host(zc_cuda *cuda, const void *address, size_t bytes)
+{
+	if (!address || bytes == 0)
+		return -EINVAL;
+	/* Pins of a fetch in the way are dropped (the fetch pins again if it
+	 * needs to); a caller's range in the way is the caller's mistake. */
+	const uint8_t *start = address, *end = start + bytes;
+	for (size_t i = registered_find(cuda, start);
+	     i < cuda->n_registered && cuda->registered[i].address < end;) {
+		if (!cuda->registered[i].owner)
+			return -EEXIST;
+		int rc = registered_remove(cuda, i);
+		if (rc < 0)
+			return rc;
+	}
+	return registered_add(cuda, &(struct registered){ .address = start, .bytes = bytes });
 }
 
 int zc_cuda_unregister_host(zc_cuda *cuda, const void *address)
 {
 	for (size_t i = 0; i < cuda->n_registered; i++) {
-		if (cuda->registered[i].address != address)
+		if (cuda->registered[i].address != address || cuda->registered[i].owner)
 			continue;
-		CUDA_TRY(cuda, cudaSetDevice(cuda->device));
-		/* DMAs from the range may still be queued. */
-		CUDA_TRY(cuda, cudaStreamSynchronize(cuda->copy_stream));
-		CUDA_TRY(cuda, cudaHostUnregister((void *)address));
-		cuda->registered[i] = cuda->registered[--cuda->n_registered];
-		return 0;
+		return registered_remove(cuda, i);
 	}
 	return -ENOENT;
 }
@@ -511,4 +572,137 @@ int zc_cuda_synchronize(zc_cuda *cuda, void *stream)
 		return ZC_ECORRUPT;
 	}
 	return 0;
+}
+
+/* ---- session fetches -------------------------------------------------------- */
+
+/* A block's pool extent at least this large is pinned by a fetch, once;
+ * smaller ones (a decode step's residual flush, ~70 KB at D = 128) go
+ * through the bounce buffer: cheaper than a registration each. */
+#define PIN_MIN_BYTES (1u << 20)
+
+/* The pages of a block's pool extent (K, then V, docs/MAP.md), or false
+ * when its payloads do not lie together as the pool lays them out. */
+static bool block_extent(const zc_cuda_block *block, const uint8_t **start, size_t *bytes)
+{
+	uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+	uintptr_t k = (uintptr_t)block->keys, v = (uintptr_t)block->values;
+	uintptr_t lo = k < v ? k : v;
+	uintptr_t hi = k + block->key_bytes > v + block->value_bytes ? k + block->key_bytes :
+								      v + block->value_bytes;
+	lo = lo / page * page;
+	hi = (hi + page - 1) / page * page;
+	if (hi - lo > 2 * (block->key_bytes + block->value_bytes) + 2 * page)
+		return false;
+	*start = (const uint8_t *)lo;
+	*bytes = hi - lo;
+	return true;
+}
+
+/*
+ * Pins a block the fetch is about to move, unless it is pinned already.
+ * A pin holds the pages the extent had when it was made: once the session
+ * drops the block, the daemon punches the extent and may write another
+ * block there, into new pages the pin does not see. So a pin is used only
+ * while the bytes the client's mapping shows there still have its print;
+ * else it is made again.
+ */
+static void pin_block(zc_cuda *cuda, const zc_session *session, uint32_t layer,
+		      const zc_cuda_block *block)
+{
+	const uint8_t *start;
+	size_t bytes;
+	if (cuda->pins_refused || !block_extent(block, &start, &bytes) || bytes < PIN_MIN_BYTES)
+		return;
+	uint64_t print = session_block_print(block);
+	size_t i = registered_find(cuda, start);
+	if (i < cuda->n_registered) {
+		const struct registered *r = &cuda->registered[i];
+		if (!r->owner && r->address <= start && start + bytes <= r->address + r->bytes)
+			return; /* inside the caller's own range */
+		if (r->owner && r->address == start && r->bytes == bytes && r->print == print)
+			return;
+	}
+	for (i = registered_find(cuda, start);
+	     i < cuda->n_registered && cuda->registered[i].address < start + bytes;) {
+		if (!cuda->registered[i].owner)
+			return; /* overlaps the caller's range: bounce */
+		(void)registered_remove(cuda, i);
+	}
+	int rc = registered_add(cuda, &(struct registered){ .address = start, .bytes = bytes,
+							    .owner = session, .layer = layer,
+							    .print = print });
+	if (rc == ZC_EDEVICE) {
+		/* The bounce buffer still works; a driver that refused once is not
+		 * asked on every fetch. */
+		cuda->pins_refused = true;
+		return;
+	}
+	if (rc == 0) {
+		cuda->stats.pins++;
+		cuda->stats.pin_bytes += bytes;
+	}
+}
+
+/* After a trim: the layer's pins whose blocks left its table. */
+static void pins_sweep(zc_cuda *cuda, const zc_session *session, uint32_t layer,
+		       const zc_cuda_layer *contents)
+{
+	for (size_t i = 0; i < cuda->n_registered;) {
+		const struct registered *r = &cuda->registered[i];
+		bool named = r->owner != session || r->layer != layer;
+		for (size_t b = 0; !named && b < contents->n_blocks; b++) {
+			const uint8_t *start;
+			size_t bytes;
+			named = block_extent(&contents->blocks[b], &start, &bytes) &&
+				start == r->address && bytes == r->bytes;
+		}
+		if (named)
+			i++;
+		else
+			(void)registered_remove(cuda, i);
+	}
+}
+
+struct fetch_arg {
+	zc_cuda *cuda;
+	void *stream;
+};
+
+static int fetch_load(void *arg, const zc_session *session, uint32_t layer,
+		      const zc_cuda_layer *contents, const zc_cuda_target *target,
+		      zc_cuda_mirror *mirror, uint32_t first, bool rewrite)
+{
+	struct fetch_arg *a = arg;
+	if (rewrite)
+		pins_sweep(a->cuda, session, layer, contents);
+	for (size_t i = 0; i < contents->n_blocks; i++) {
+		const zc_cuda_block *block = &contents->blocks[i];
+		if (block->valid_tokens && block->first_token >= first)
+			pin_block(a->cuda, session, layer, block);
+	}
+	return zc_cuda_load_layer(a->cuda, contents, target, mirror, a->stream);
+}
+
+int zc_cuda_fetch_layer(zc_cuda *cuda, const zc_session *session, uint32_t layer,
+			const zc_cuda_target *target, zc_cuda_mirror *mirror, void *stream)
+{
+	if (!cuda || !session || !target)
+		return -EINVAL;
+	struct fetch_arg arg = { cuda, stream };
+	struct session_load load = { fetch_load, &arg };
+	int rc = session_fetch(&cuda->fetch, session, layer, target, mirror, &load);
+	if (rc >= 0)
+		cuda->stats.fetches++;
+	return rc;
+}
+
+void zc_cuda_forget_session(zc_cuda *cuda, const zc_session *session)
+{
+	for (size_t i = 0; i < cuda->n_registered;) {
+		if (cuda->registered[i].owner == session)
+			(void)registered_remove(cuda, i);
+		else
+			i++;
+	}
 }

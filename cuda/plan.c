@@ -199,6 +199,23 @@ static int plan_residual(struct plan *plan, const zc_cuda_layer *layer,
 	return 0;
 }
 
+static bool mirror_knows(const zc_cuda_mirror *mirror, const zc_cuda_layer *layer,
+			 const zc_cuda_target *target)
+{
+	return mirror && mirror->known && same_target(&mirror->target, target) &&
+	       same_layer_shape(mirror, layer);
+}
+
+/* The leading blocks the mirror loaded into the target already. */
+static size_t mirror_skip(const zc_cuda_mirror *mirror, const zc_cuda_layer *layer)
+{
+	size_t skip = 0;
+	while (skip < layer->n_blocks && skip < mirror->n_blocks &&
+	       same_block(&mirror->blocks[skip], &layer->blocks[skip]))
+		skip++;
+	return skip;
+}
+
 static int check_target(const zc_cuda_target *target, uint32_t end)
 {
 	if (end > target->max_tokens)
@@ -219,6 +236,28 @@ static uint32_t residual_done(const zc_cuda_mirror *mirror, const zc_cuda_layer 
 	if (done > layer->residual_tokens)
 		done = layer->residual_tokens;
 	return done;
+}
+
+uint32_t plan_mirror_valid(const zc_cuda_mirror *mirror, const zc_cuda_layer *layer,
+			   const zc_cuda_target *target)
+{
+	if (!mirror_knows(mirror, layer, target))
+		return 0;
+	size_t skip = mirror_skip(mirror, layer);
+	for (size_t i = skip; i < layer->n_blocks; i++)
+		if (layer->blocks[i].valid_tokens)
+			return layer->blocks[i].first_token;
+	uint32_t done = residual_done(mirror, layer);
+	if (layer->residual_tokens > done)
+		return layer->residual_first + done;
+	/* Nothing to write: the layer's end. */
+	uint32_t end = layer->residual_tokens ? layer->residual_first + layer->residual_tokens : 0;
+	for (size_t i = layer->n_blocks; i-- > 0;)
+		if (layer->blocks[i].valid_tokens) {
+			uint32_t block_end = layer->blocks[i].first_token + layer->blocks[i].valid_tokens;
+			return block_end > end ? block_end : end;
+		}
+	return end;
 }
 
 int plan_layer(struct plan *plan, const zc_cuda_layer *layer, const zc_cuda_target *target,
@@ -245,14 +284,8 @@ int plan_layer(struct plan *plan, const zc_cuda_layer *layer, const zc_cuda_targ
 	/* What a mirror says the target holds already: those blocks were
 	 * checked when they were loaded and are immutable, so only the others
 	 * are checked (a decode step pays for its new rows, not the layer). */
-	size_t skip = 0;
-	bool known = mirror && mirror->known && same_target(&mirror->target, target) &&
-		     same_layer_shape(mirror, layer);
-	if (known) {
-		while (skip < layer->n_blocks && skip < mirror->n_blocks &&
-		       same_block(&mirror->blocks[skip], &layer->blocks[skip]))
-			skip++;
-	}
+	bool known = mirror_knows(mirror, layer, target);
+	size_t skip = known ? mirror_skip(mirror, layer) : 0;
 
 	/* Checks first, so a refusal queues nothing. */
 	for (size_t i = skip; i < layer->n_blocks; i++) {
@@ -483,9 +516,17 @@ int plan_mirror_update(zc_cuda_mirror *mirror, const zc_cuda_layer *layer,
 		mirror->capacity = layer->n_blocks;
 	}
 	uint32_t tokens = 0;
+	bool known = mirror->known;
 	for (size_t i = 0; i < layer->n_blocks; i++) {
 		const zc_cuda_block *block = &layer->blocks[i];
+		/* A print belongs to the entry it was taken of. */
+		struct mirror_block *was = &mirror->blocks[i];
+		bool keep = known && i < mirror->n_blocks && was->printed && was->keys == block->keys &&
+			    was->values == block->values && was->first_token == block->first_token &&
+			    was->tokens == block->tokens;
+		uint64_t print = keep ? was->print : 0;
 		mirror->blocks[i] = (struct mirror_block){
+			.printed = keep, .print = print,
 			.keys = block->keys, .values = block->values,
 			.key_bytes = block->key_bytes, .value_bytes = block->value_bytes,
 			.first_token = block->first_token, .tokens = block->tokens,
@@ -523,6 +564,7 @@ void zc_cuda_mirror_free(zc_cuda_mirror *mirror)
 {
 	if (!mirror)
 		return;
+	free(mirror->row_prints);
 	free(mirror->blocks);
 	free(mirror);
 }
@@ -531,6 +573,7 @@ void zc_cuda_mirror_reset(zc_cuda_mirror *mirror)
 {
 	mirror->known = false;
 	mirror->n_blocks = 0;
+	mirror->n_row_prints = 0;
 }
 
 void zc_cuda_mirror_trim(zc_cuda_mirror *mirror, uint32_t tokens)
@@ -548,4 +591,7 @@ void zc_cuda_mirror_trim(zc_cuda_mirror *mirror, uint32_t tokens)
 		kept++;
 	}
 	mirror->n_blocks = kept;
+	uint32_t rows = tokens > mirror->row_prints_first ? tokens - mirror->row_prints_first : 0;
+	if (mirror->n_row_prints > rows)
+		mirror->n_row_prints = rows;
 }

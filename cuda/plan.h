@@ -15,11 +15,15 @@
 #include "job.h"
 #include "zipcache/cuda.h"
 
-/* What a mirror remembers of one block it loaded. */
+/* What a mirror remembers of one block it loaded. print: a hash of some
+ * of its payload bytes (session.c), taken inside a consistent read; the
+ * session fetch compares it with the bytes it finds under the same entry. */
 struct mirror_block {
 	const void *keys, *values;
 	size_t key_bytes, value_bytes;
 	uint32_t first_token, tokens, valid_tokens;
+	bool printed;
+	uint64_t print;
 };
 
 struct zc_cuda_mirror {
@@ -32,6 +36,10 @@ struct zc_cuda_mirror {
 	uint32_t residual_first;     /* residual rows residual_first .. + residual_rows are there */
 	uint32_t residual_rows;
 	uint32_t tokens;             /* tokens the layer held at that load, after trims */
+	/* The session fetch's prints of residual rows residual_first + r
+	 * (session.c): n_row_prints of them, taken for prints_first. */
+	uint64_t *row_prints;
+	uint32_t n_row_prints, row_prints_capacity, row_prints_first;
 };
 
 /* One piece of work before it is cut into chunks: some heads of one block
@@ -99,6 +107,12 @@ bool plan_next_chunk(const struct plan *plan, struct plan_cursor *cursor,
 
 /* Copies a placement's host bytes into data + placement->offset. */
 void plan_stage(const struct plan_placement *placement, uint8_t *data);
+
+/* The first token a load of `layer` into `target` through `mirror` would
+ * write: what the mirror says the target holds already ends there (0 for
+ * no mirror, an unknown one or another target or shape). */
+uint32_t plan_mirror_valid(const zc_cuda_mirror *mirror, const zc_cuda_layer *layer,
+			   const zc_cuda_target *target);
 
 /* After a load was queued: the mirror describes it. -ENOMEM leaves the
  * mirror reset (the next load is a full one). */

@@ -53,6 +53,7 @@ extern "C" {
 
 typedef struct zc_cuda zc_cuda;
 typedef struct zc_cuda_mirror zc_cuda_mirror;
+typedef struct zc_session zc_session;   /* zipcache/client.h */
 
 /* Where a layer's payload and residual pointers point. */
 typedef enum zc_cuda_memory {
@@ -113,6 +114,10 @@ typedef struct zc_cuda_stats {
 	uint64_t bytes_direct;      /* host bytes the DMA read from registered memory */
 	uint64_t bytes_to_device;   /* bytes moved host -> device in all */
 	uint64_t chunks;            /* bounce-buffer chunks */
+	uint64_t fetches;           /* zc_cuda_fetch_layer calls that succeeded */
+	uint64_t pins;              /* pool extents a fetch page-locked */
+	uint64_t pins_released;     /* of them, unregistered again (trimmed, stale, forgotten) */
+	uint64_t pin_bytes;         /* bytes page-locked by fetches in all */
 } zc_cuda_stats;
 
 /* Default bounce-buffer chunk. On an H200 a session of 32 layers x 32768
@@ -167,6 +172,43 @@ int zc_cuda_mirror_new(zc_cuda_mirror **out);
 void zc_cuda_mirror_free(zc_cuda_mirror *mirror);
 void zc_cuda_mirror_reset(zc_cuda_mirror *mirror);
 void zc_cuda_mirror_trim(zc_cuda_mirror *mirror, uint32_t tokens);
+
+/*
+ * A session's layer onto the GPU: zc_cuda_load_layer over what the
+ * session's block table and residual hold, inside one consistent read of
+ * the layer (zipcache/reader.h), for views = none and views = full alike
+ * (the residual rows come from the readers' residual or the view's last
+ * rows). Returns the layer's token count (>= 0) once the load is queued on
+ * `stream`, or a negative code: ZC_EBUFFER (the target has room for fewer
+ * tokens; nothing queued), ZC_ESTALE (views = full: the view holding the
+ * residual rows was dropped; zc_session_view brings it back), -ETIMEDOUT
+ * (a write of the layer never ended), ZC_EAGAIN (every read for
+ * ZC_READ_TIMEOUT_MS was torn by writes), and zc_cuda_load_layer's.
+ *
+ * Blocks of at least 1 MiB are page-locked in place the first time a fetch
+ * moves them (cudaHostRegister, read-only: the pool is a sparse 1 TiB
+ * mapping, so it is pinned block by block, never whole) and then go
+ * straight from the pool by DMA; smaller blocks and the residual rows go
+ * through the bounce buffer. A pin is made again when the bytes at its
+ * extent are no longer those it was made over (the daemon reuses a freed
+ * extent for another block), and dropped when a trim takes its block out of
+ * the layer; zc_cuda_forget_session drops a session's pins (call it before
+ * zc_session_release or zc_session_close), zc_cuda_close all of them.
+ *
+ * With a mirror the fetch is incremental: only blocks new since the last
+ * fetch through it and residual rows not copied yet move. Trims are seen
+ * in the table (fewer tokens than the mirror knows, a block that is not
+ * the entry it loaded); a trim that appends made up for before the next
+ * fetch is caught by prints of the last token both know (a hash of its
+ * rows or of its block's payload edges) and makes the next fetch a full
+ * one. A caller that trims the session itself calls zc_cuda_mirror_trim
+ * and relies on nothing else.
+ */
+int zc_cuda_fetch_layer(zc_cuda *cuda, const zc_session *session, uint32_t layer,
+			const zc_cuda_target *target, zc_cuda_mirror *mirror, void *stream);
+
+/* Unregisters the pins fetches made of this session's blocks. */
+void zc_cuda_forget_session(zc_cuda *cuda, const zc_session *session);
 
 #ifdef __cplusplus
 }

@@ -65,7 +65,7 @@ class zc_cuda_target(Structure):
 class zc_cuda_stats(Structure):
     _fields_ = [(name, c_uint64) for name in (
         "loads", "blocks", "blocks_skipped", "residual_rows", "bytes_staged", "bytes_direct",
-        "bytes_to_device", "chunks")]
+        "bytes_to_device", "chunks", "fetches", "pins", "pins_released", "pin_bytes")]
 
 
 def _path() -> str:
@@ -112,6 +112,11 @@ def library() -> ctypes.CDLL:
     cdll.zc_cuda_unregister_host.restype = c_int
     cdll.zc_cuda_get_stats.argtypes = [c_void_p, p(zc_cuda_stats)]
     cdll.zc_cuda_get_stats.restype = None
+    cdll.zc_cuda_fetch_layer.argtypes = [c_void_p, c_void_p, c_uint32, p(zc_cuda_target), c_void_p,
+                                         c_void_p]
+    cdll.zc_cuda_fetch_layer.restype = c_int
+    cdll.zc_cuda_forget_session.argtypes = [c_void_p, c_void_p]
+    cdll.zc_cuda_forget_session.restype = None
     cdll.zc_cuda_mirror_new.argtypes = [p(c_void_p)]
     cdll.zc_cuda_mirror_new.restype = c_int
     cdll.zc_cuda_mirror_free.argtypes = [c_void_p]

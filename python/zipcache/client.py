@@ -623,6 +623,9 @@ class Session:
         # belong to, so the accounting properties cost no round trip until
         # the layer changes.
         self._stats: list[tuple[int, LayerStats | _lib.zc_layer_stats] | None] = [None] * n
+        # Called before the handle goes (close, release): what others hold
+        # over its mappings, e.g. a GPU context's pins, is let go first.
+        self._release_hooks: list[Any] = []
 
     # -- plumbing
 
@@ -957,6 +960,7 @@ class Session:
         handle = self._handle
         if handle is None:
             return
+        self._run_release_hooks()
         self._handle = None
         self._state = "closed"
         self._full = [None] * self._info.layers  # our own arrays no longer pin the mapping
@@ -977,12 +981,18 @@ class Session:
         handle = self._handle
         if handle is None:
             return
+        self._run_release_hooks()
         self._handle = None
         self._state = "released"
         self._full = [None] * self._info.layers
         if not handle.in_use():
             handle.release_now()
         # else: released when the last array goes (the finalizer holds nothing else).
+
+    def _run_release_hooks(self) -> None:
+        hooks, self._release_hooks = self._release_hooks, []
+        for hook in hooks:
+            hook()
 
     def __enter__(self) -> "Session":
         return self

@@ -22,23 +22,31 @@ SessionCache. The transformers ``Cache`` interface over a Session:
 ``update(key_states, value_states, layer_idx, cache_kwargs)`` sends the
 new tokens to the daemon (as fp16) and returns the whole layer K/V as
 tensors on ``device`` in the input's dtype. On the CPU with fp16 states
-those are the zero-copy tensors above. On a GPU the cache keeps one device
-tensor per layer and copies into it only the tokens that are new or can
-have changed since the last update (the streaming residual is rewritten
-when it is compressed), O(new + residual) per step. When transformers is
+those are the zero-copy tensors above (views="none": copies the client
+reconstructs, O(layer) per step). On a GPU the cache keeps one device
+tensor per layer and fills it with zc_cuda_fetch_layer: the session's
+compressed blocks and exact residual rows move and are reconstructed
+there, bit-identical to the CPU, and each step moves only what is new
+(a mirror per layer), O(new tokens); no fp16 view is needed, so a
+views="none" session works the same. Without libzipcache_cuda it copies
+the fp16 view's new and residual tokens instead (views="full" only). When transformers is
 installed SessionCache subclasses ``transformers.Cache`` (layers subclass
 its ``DynamicLayer``), so ``generate()`` takes it as ``past_key_values``;
 without it SessionCache has the same methods and no base class.
 
 CudaContext loads compressed blocks (the codec's payloads) straight into
-device tensors through libzipcache_cuda, bit-identical to the CPU codec;
-a session-level fetch of the daemon's compressed blocks will sit on it.
+device tensors through libzipcache_cuda, bit-identical to the CPU codec:
+``load_layer`` for payloads in hand, ``fetch_layer`` for a session's layer
+as the daemon holds it. ``to_device`` and ``SessionCache(device="cuda")``
+use one context per GPU (``default_context``); its pins of a session's
+blocks go with ``forget_session`` or the context.
 """
 
 from __future__ import annotations
 
 import ctypes
 import warnings
+import weakref
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -46,9 +54,10 @@ import torch
 
 from . import _cuda, _lib
 from .client import CodecConfig, Session
-from .errors import InvalidArgument
+from .errors import InvalidArgument, ResourceExhausted
 
-__all__ = ["layer_tensors", "to_device", "SessionCache", "CudaContext", "TRANSFORMERS"]
+__all__ = ["layer_tensors", "to_device", "SessionCache", "CudaContext", "default_context",
+           "TRANSFORMERS"]
 
 try:  # transformers >= 4.56: a Cache is a list of CacheLayerMixin layers
     from transformers.cache_utils import Cache as _HFCache
@@ -77,14 +86,51 @@ def layer_tensors(session: Session, layer: int) -> tuple[torch.Tensor, torch.Ten
     return _tensor(keys), _tensor(values)
 
 
-def to_device(session: Session, layer: int, device: Any = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's K and V copied onto ``device`` (fresh tensors).
+def _layer_tokens(session: Session, layer: int) -> int:
+    """The layer's token count from one consistent read (any views)."""
+    tokens = 0
+    for attempt in session.reads(layer):
+        with attempt as r:
+            tokens = r.tokens
+    return tokens
 
-    Today this copies the fp16 view from the mapping; once the daemon
-    publishes its compressed blocks to clients it will move those and
-    reconstruct them on the GPU (CudaContext).
+
+def _cpu_layer(session: Session, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer on the CPU: the view's tensors (no copy), or views="none": reconstructed copies."""
+    if session.info.views == "none":
+        keys, values = session.reconstruct_layer(layer)
+        return torch.from_numpy(keys), torch.from_numpy(values)
+    return layer_tensors(session, layer)
+
+
+def to_device(session: Session, layer: int, device: Any = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's K and V on ``device`` as fresh float16 tensors [B, H, tokens, D].
+
+    On a CUDA device with libzipcache_cuda the compressed blocks and the
+    exact residual move and are reconstructed there (zc_cuda_fetch_layer,
+    bit-identical to the CPU), queued on torch's current stream; else the
+    layer is copied from the CPU (``layer_tensors``, or reconstructed for
+    views="none").
     """
-    keys, values = layer_tensors(session, layer)
+    dev = torch.device(device)
+    if dev.type == "cuda" and cuda_available():
+        ctx = default_context(dev)
+        info = session.info
+        tokens = _layer_tokens(session, layer)
+        while True:
+            keys = torch.empty((info.batch, info.kv_heads, tokens, info.head_dim_k),
+                               dtype=torch.float16, device=dev)
+            values = torch.empty((info.batch, info.kv_heads, tokens, info.head_dim_v),
+                                 dtype=torch.float16, device=dev)
+            try:
+                held = ctx.fetch_layer(session, layer, keys, values)
+            except ResourceExhausted as e:
+                if e.code != _lib.ZC_EBUFFER:
+                    raise
+                tokens = _layer_tokens(session, layer)  # the layer grew since it was counted
+                continue
+            return keys[:, :, :held], values[:, :, :held]
+    keys, values = _cpu_layer(session, layer)
     return keys.to(device), values.to(device)
 
 
@@ -109,27 +155,45 @@ class _LayerCore:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.is_initialized = False
-        # GPU mirror: one [B, H, max_tokens, D] fp16 tensor per side, and how
-        # many leading tokens of it can no longer change.
+        # GPU mirror: one [B, H, max_tokens, D] fp16 tensor per side; with
+        # libzipcache_cuda the context and the zc_cuda_mirror that fill it,
+        # else how many leading tokens of it can no longer change.
         self._mirror: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fetch: tuple[CudaContext, Mirror] | None = None
         self._stable = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
-    def _to_device(self, k: np.ndarray, v: np.ndarray, device: torch.device,
-                   tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _to_device(self, fetched: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device.type == "cpu":
-            return _tensor(k), _tensor(v)
+            if isinstance(fetched, int):  # views="none": no view to share
+                return _cpu_layer(self.session, self.layer)
+            return _tensor(fetched[0]), _tensor(fetched[1])
         info = self.session.info
         if self._mirror is None or self._mirror[0].device != device:
             shape_k = (info.batch, info.kv_heads, info.max_tokens, info.head_dim_k)
             shape_v = (info.batch, info.kv_heads, info.max_tokens, info.head_dim_v)
             self._mirror = (torch.empty(shape_k, dtype=torch.float16, device=device),
                             torch.empty(shape_v, dtype=torch.float16, device=device))
+            self._fetch = None
             self._stable = 0
         mk, mv = self._mirror
+        if device.type == "cuda" and cuda_available():
+            if self._fetch is None:
+                ctx = default_context(device)
+                self._fetch = (ctx, ctx.new_mirror())
+            ctx, mirror = self._fetch
+            tokens = ctx.fetch_layer(self.session, self.layer, mk, mv, mirror=mirror)
+            return mk[:, :, :tokens], mv[:, :, :tokens]
+        if isinstance(fetched, int):
+            k, v = _cpu_layer(self.session, self.layer)
+            mk[:, :, :fetched].copy_(k)
+            mv[:, :, :fetched].copy_(v)
+            return mk[:, :, :fetched], mv[:, :, :fetched]
+        k, v = fetched
+        tokens = k.shape[2]
         first = min(self._stable, tokens)
         if tokens > first:
             mk[:, :, first:tokens].copy_(_tensor(k[:, :, first:tokens]))
@@ -144,17 +208,16 @@ class _LayerCore:
             self.lazy_initialization(key_states)
         k = key_states.detach().to("cpu", torch.float16).contiguous().numpy()
         v = value_states.detach().to("cpu", torch.float16).contiguous().numpy()
-        keys, values = self.session.update_and_fetch(self.layer, k, v)
+        fetched = self.session.update_and_fetch(self.layer, k, v)
         device = self.target_device or key_states.device
-        tokens = keys.shape[2]
-        kt, vt = self._to_device(keys, values, device, tokens)
+        kt, vt = self._to_device(fetched, device)
         if key_states.dtype != torch.float16:
             kt, vt = kt.to(key_states.dtype), vt.to(key_states.dtype)
         self.keys, self.values = kt, vt
         return kt, vt
 
     def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
-        return self.session.tokens(self.layer)
+        return _layer_tokens(self.session, self.layer)
 
     def get_max_cache_shape(self, *args: Any, **kwargs: Any) -> int:
         return -1  # grows as it is fed (up to the session's max_tokens), like DynamicLayer
@@ -170,6 +233,8 @@ class _LayerCore:
         if tokens > max_length:
             self.session.trim_layer(self.layer, tokens - max_length)
             self._stable = min(self._stable, max(max_length, 0))
+            if self._fetch is not None:  # the mirror is told: nothing left to guess
+                self._fetch[1].trim(max(max_length, 0))
             self.keys = self.keys[:, :, :max_length] if self.keys is not None else None
             self.values = self.values[:, :, :max_length] if self.values is not None else None
 
@@ -290,7 +355,7 @@ class _CacheMethods:
         if layer_idx < len(self.layers):
             layer = self.layers[layer_idx]
             if layer.keys is None:
-                return layer_tensors(self.session, layer_idx)
+                return _cpu_layer(self.session, layer_idx)
             return layer.keys, layer.values
         raise KeyError(f"the cache has {len(self.layers)} layers, not {layer_idx + 1}")
 
@@ -352,11 +417,15 @@ class CudaContext:
         _cuda.check(None, self._lib.zc_cuda_open(device, chunk_bytes, ctypes.byref(ptr)), "open")
         self._ptr = ptr.value
         self.device = device
+        # The sessions fetched from, each with a release hook that drops
+        # its pins before its mappings go.
+        self._sessions: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
     def close(self) -> None:
-        if self._ptr:
+        if getattr(self, "_ptr", None):
             self._lib.zc_cuda_close(self._ptr)
             self._ptr = None
+            self._sessions.clear()
 
     def __del__(self) -> None:
         self.close()
@@ -418,6 +487,44 @@ class CudaContext:
             self._ptr, ctypes.byref(layer), ctypes.byref(target),
             mirror._ptr if mirror is not None else None, handle), "load_layer")
 
+    def fetch_layer(self, session: Session, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                    *, mirror: "Mirror | None" = None, stream: Any = None) -> int:
+        """A session's layer into keys/values (CUDA float16 [B, H, >=tokens, D]); its token count.
+
+        zc_cuda_fetch_layer: the blocks and residual rows of one consistent
+        read, reconstructed on ``stream`` (None: torch's current stream),
+        views "none" or "full". With a mirror only what is new since the
+        last fetch through it moves. ResourceExhausted (ZC_EBUFFER) when the tensors have
+        room for fewer tokens than the layer holds (nothing is written).
+        """
+        for t in (keys, values):
+            if t.dtype != torch.float16 or not t.is_cuda:
+                raise InvalidArgument(_lib.ZC_EINVALID, "targets are CUDA float16 tensors",
+                                      operation="fetch_layer")
+        layer = session._check_layer(layer, "fetch_layer")
+        handle = session._native()
+        target = _cuda.zc_cuda_target(keys.data_ptr(), values.data_ptr(), _strides(keys),
+                                      _strides(values), min(keys.shape[2], values.shape[2]))
+        if stream is None:
+            stream = torch.cuda.current_stream(keys.device)
+        sh = stream.cuda_stream if hasattr(stream, "cuda_stream") else stream
+        if id(session) not in self._sessions:
+            # Its pins go before its mappings do.
+            self._sessions[id(session)] = session
+            context = weakref.ref(self)
+            session._release_hooks.append(
+                lambda: context() is not None and context().forget_session(session))
+        return _cuda.check(self._ptr, self._lib.zc_cuda_fetch_layer(
+            self._ptr, handle.ptr, layer, ctypes.byref(target),
+            mirror._ptr if mirror is not None else None, sh), "fetch_layer")
+
+    def forget_session(self, session: Session) -> None:
+        """Unpins what fetches pinned of the session's blocks (before releasing it)."""
+        handle = session._handle
+        if handle is not None and self._ptr:
+            self._lib.zc_cuda_forget_session(self._ptr, handle.ptr)
+        self._sessions.pop(id(session), None)
+
     def synchronize(self, stream: Any = None) -> None:
         """Waits for the stream; raises Internal if a kernel found a corrupt payload."""
         if stream is None:
@@ -447,6 +554,19 @@ class Mirror:
         if self._ptr:
             self._lib.zc_cuda_mirror_free(self._ptr)
             self._ptr = None
+
+
+_contexts: dict[int, CudaContext] = {}
+
+
+def default_context(device: Any = "cuda") -> CudaContext:
+    """The CudaContext this module uses for ``device`` (one per GPU, made on first use)."""
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    ctx = _contexts.get(index)
+    if ctx is None:
+        ctx = _contexts[index] = CudaContext(index)
+    return ctx
 
 
 def cuda_available() -> bool:

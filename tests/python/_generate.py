@@ -33,7 +33,7 @@ def tiny_llama(device, dtype):
     return model
 
 
-def compare_generate(open_session, device, dtype, hi_bits, lo_bits):
+def compare_generate(open_session, device, dtype, hi_bits, lo_bits, views="full"):
     import transformers
     from transformers import DynamicCache
 
@@ -48,7 +48,8 @@ def compare_generate(open_session, device, dtype, hi_bits, lo_bits):
         # per_call: the prompt is one compressed block, so the codec is in the loop.
         session = open_session(layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                                max_tokens=PROMPT + NEW + 8, policy="per_call",
-                               codec=zipcache.CodecConfig(hi_bits=hi_bits, lo_bits=lo_bits))
+                               codec=zipcache.CodecConfig(hi_bits=hi_bits, lo_bits=lo_bits),
+                               views=views)
         cache = zt.SessionCache(session, device=device)
         ours = model.generate(ids, past_key_values=cache, **kwargs)
     rel = []
@@ -56,7 +57,7 @@ def compare_generate(open_session, device, dtype, hi_bits, lo_bits):
         rel.append(float((a.float() - b.float()).abs().max() / b.float().abs().max()))
     report = {
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-        "hi_bits": hi_bits, "lo_bits": lo_bits, "transformers": transformers.__version__,
+        "hi_bits": hi_bits, "lo_bits": lo_bits, "views": views, "transformers": transformers.__version__,
         "torch": torch.__version__, "steps": len(rel), "max_rel": max(rel),
         "rel_per_step": [round(x, 6) for x in rel],
         "same_tokens": bool(torch.equal(ours.sequences, reference.sequences)),

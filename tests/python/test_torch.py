@@ -137,3 +137,26 @@ def test_transformers_generate_cpu(open_session):
 
     report = compare_generate(open_session, "cpu", torch.float32, 8, 8)
     assert report["max_rel"] <= 1e-2, report
+
+
+def test_views_none_on_the_cpu(open_session):
+    """views="none" has no fp16 view: the cache and to_device use the client's reconstruction."""
+    rng = np.random.default_rng(11)
+    s = open_session(layers=2, kv_heads=2, head_dim=16, max_tokens=256, residual_tokens=16,
+                     views="none")
+    cache = zt.SessionCache(s)
+    for n in [30, 1, 1, 20, 1]:
+        for layer in range(2):
+            k = torch.from_numpy(make_keys(rng, 1, 2, n, 16))
+            v = torch.from_numpy(make_values(rng, 1, 2, n, 16))
+            ok, ov = cache.update(k, v, layer)
+            ek, ev = s.reconstruct_layer(layer)
+            assert ok.shape[2] == ek.shape[2] == cache.get_seq_length(layer)
+            assert np.array_equal(ok.numpy().view(np.uint16), ek.view(np.uint16))
+            assert np.array_equal(ov.numpy().view(np.uint16), ev.view(np.uint16))
+    tk, tv = zt.to_device(s, 1, "cpu")
+    ek, ev = s.reconstruct_layer(1)
+    assert np.array_equal(tk.numpy().view(np.uint16), ek.view(np.uint16))
+    assert np.array_equal(tv.numpy().view(np.uint16), ev.view(np.uint16))
+    cache.crop(40)
+    assert cache.get_seq_length(0) == 40
