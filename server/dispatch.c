@@ -205,6 +205,39 @@ static bool name_acceptable(const char *name)
 
 static void attach_submit(const struct request *rq, struct session *session);
 
+/* Room for one more session, daemon-wide and for the peer's uid; else the
+ * refusal is sent and false returned. (open_session and fork_session.) */
+static bool session_room(const struct request *rq)
+{
+	struct server *server = rq->server;
+	if (server->sessions.count >= server->options.max_sessions) {
+		reply_error(rq, ZC_EEXHAUSTED, "session limit of %u reached",
+			    server->options.max_sessions);
+		return false;
+	}
+	uint64_t uid_limit = quota_limits_of(&server->quotas, rq->peer->quota)->sessions;
+	if (uid_limit && session_count_of_uid(&server->sessions, rq->peer->uid) >= uid_limit) {
+		reply_error(rq, ZC_EEXHAUSTED,
+			    "session limit of %llu per uid reached (uid %u; --max-sessions-per-uid)",
+			    (unsigned long long)uid_limit, rq->peer->uid);
+		return false;
+	}
+	return true;
+}
+
+/* A file adoption could not read yet may hold a session of this name:
+ * never make a second one beside it. */
+static bool name_not_pending(const struct request *rq, const char *name)
+{
+	struct server *server = rq->server;
+	if (!adopt_blocks_open(server, rq->peer->uid, name))
+		return true;
+	reply_error(rq, ZC_EEXHAUSTED,
+		    "%zu session files could not be adopted yet and may hold session '%s' "
+		    "(the daemon's log says why); try again", server->adoption.n_pending, name);
+	return false;
+}
+
 static void handle_open(const struct request *rq, const wire_request *request)
 {
 	struct server *server = rq->server;
@@ -285,18 +318,8 @@ static void handle_open(const struct request *rq, const wire_request *request)
 			    ZC_MAX_RESIDUAL_TOKENS);
 		return;
 	}
-	if (server->sessions.count >= server->options.max_sessions) {
-		reply_error(rq, ZC_EEXHAUSTED, "session limit of %u reached",
-			    server->options.max_sessions);
+	if (!session_room(rq))
 		return;
-	}
-	uint64_t uid_limit = quota_limits_of(&server->quotas, rq->peer->quota)->sessions;
-	if (uid_limit && session_count_of_uid(&server->sessions, rq->peer->uid) >= uid_limit) {
-		reply_error(rq, ZC_EEXHAUSTED,
-			    "session limit of %llu per uid reached (uid %u; --max-sessions-per-uid)",
-			    (unsigned long long)uid_limit, rq->peer->uid);
-		return;
-	}
 	if (open->policy != ZC_POLICY_STREAMING && open->policy != ZC_POLICY_PER_CALL) {
 		reply_error(rq, ZC_EINVALID, "unknown block policy %d", (int)open->policy);
 		return;
@@ -324,14 +347,8 @@ static void handle_open(const struct request *rq, const wire_request *request)
 	zc_codec_config_default(&params.codec);
 	if (open->has_codec)
 		wire_codec_to_config(&open->codec, &params.codec);
-	/* A file adoption could not read yet may hold this very session:
-	 * never open a second one beside it. */
-	if (adopt_blocks_open(server, rq->peer->uid, name)) {
-		reply_error(rq, ZC_EEXHAUSTED,
-			    "%zu session files could not be adopted yet and may hold session '%s' "
-			    "(the daemon's log says why); try again", server->adoption.n_pending, name);
+	if (!name_not_pending(rq, name))
 		return;
-	}
 	struct store_budget *budget = &rq->peer->quota->memory;
 	struct pool *pool = NULL;
 	char pool_reason[200] = "";
@@ -979,17 +996,8 @@ static bool handle_fork(const struct request *rq, const wire_request *request)
 		reply_error(rq, ZC_EINVALID, "session names must be UTF-8 without control characters");
 		return false;
 	}
-	if (server->sessions.count >= server->options.max_sessions) {
-		reply_error(rq, ZC_EEXHAUSTED, "session limit of %u reached", server->options.max_sessions);
+	if (!session_room(rq))
 		return false;
-	}
-	uint64_t uid_limit = quota_limits_of(&server->quotas, rq->peer->quota)->sessions;
-	if (uid_limit && session_count_of_uid(&server->sessions, rq->peer->uid) >= uid_limit) {
-		reply_error(rq, ZC_EEXHAUSTED,
-			    "session limit of %llu per uid reached (uid %u; --max-sessions-per-uid)",
-			    (unsigned long long)uid_limit, rq->peer->uid);
-		return false;
-	}
 	uint64_t id = server->sessions.next_id++;
 	if (fork->name[0])
 		snprintf(name, sizeof(name), "%s", fork->name);
@@ -999,12 +1007,8 @@ static bool handle_fork(const struct request *rq, const wire_request *request)
 		reply_error(rq, ZC_EEXISTS, "session '%s' already exists", name);
 		return false;
 	}
-	if (adopt_blocks_open(server, rq->peer->uid, name)) {
-		reply_error(rq, ZC_EEXHAUSTED,
-			    "%zu session files could not be adopted yet and may hold session '%s' "
-			    "(the daemon's log says why); try again", server->adoption.n_pending, name);
+	if (!name_not_pending(rq, name))
 		return false;
-	}
 	struct request_job *job = job_new(rq, source, JOB_FORK);
 	if (!job) {
 		reply_error(rq, -ENOMEM, "out of memory");
