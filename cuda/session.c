@@ -278,8 +278,10 @@ static void prints_apply(const struct session_layer *sl, zc_cuda_mirror *mirror)
 		mirror->row_prints = prints;
 		mirror->row_prints_capacity = sl->n_row_prints;
 	}
-	memcpy(mirror->row_prints + sl->row_prints_from, sl->row_prints + sl->row_prints_from,
-	       (sl->n_row_prints - sl->row_prints_from) * sizeof *sl->row_prints);
+	/* (Nothing to copy, and perhaps no array yet, when no row was printed.) */
+	if (sl->n_row_prints > sl->row_prints_from)
+		memcpy(mirror->row_prints + sl->row_prints_from, sl->row_prints + sl->row_prints_from,
+		       (sl->n_row_prints - sl->row_prints_from) * sizeof *sl->row_prints);
 	mirror->row_prints_first = layer->residual_first;
 	mirror->n_row_prints = sl->n_row_prints;
 }
