@@ -33,40 +33,12 @@
 /* What the output is filled with before a call that must not touch it. */
 #define UNTOUCHED 0xa5
 
-struct service {
-	struct daemon_harness daemon;
-	zc_client *client;
-};
-
-static void service_start(struct service *service, const char *const *extra_args)
-{
-	daemon_start(&service->daemon, extra_args);
-	service->client = connect_client(&service->daemon);
-}
-
-static void service_stop(struct service *service)
-{
-	zc_client_close(service->client);
-	service->client = NULL;
-	daemon_stop(&service->daemon);
-	daemon_cleanup(&service->daemon);
-}
-
 static zc_session_config attend_config(const char *name, uint32_t batch, uint32_t kv_heads,
 				       uint32_t head_dim_k, uint32_t head_dim_v,
 				       uint32_t max_tokens, uint32_t residual_tokens, zc_views views)
 {
-	zc_session_config config;
-
-	zc_session_config_default(&config);
-	config.name = name;
-	config.layers = 2;
-	config.batch = batch;
-	config.kv_heads = kv_heads;
-	config.head_dim_k = head_dim_k;
-	config.head_dim_v = head_dim_v;
-	config.max_tokens = max_tokens;
-	config.residual_tokens = residual_tokens;
+	zc_session_config config = shaped_config(name, 2, batch, kv_heads, head_dim_k, head_dim_v,
+						 max_tokens, ZC_POLICY_STREAMING, residual_tokens);
 	config.views = views;
 	return config;
 }

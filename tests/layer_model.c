@@ -771,3 +771,36 @@ bool daemon_lost(int rc)
 	       rc == -ENOTCONN || rc == -ETIMEDOUT || rc == ZC_ERESTARTED || rc == -ECONNREFUSED ||
 	       rc == -ENOENT || (rc < 0 && rc > -200 && rc != -ENOMEM);
 }
+
+void service_start(struct service *service, const char *const *extra_args)
+{
+	daemon_start(&service->daemon, extra_args);
+	service->client = connect_client(&service->daemon);
+}
+
+void service_stop(struct service *service)
+{
+	zc_client_close(service->client);
+	service->client = NULL;
+	daemon_stop(&service->daemon);
+	daemon_cleanup(&service->daemon);
+}
+
+zc_session_config shaped_config(const char *name, uint32_t layers, uint32_t batch,
+				uint32_t kv_heads, uint32_t head_dim_k, uint32_t head_dim_v,
+				uint32_t max_tokens, zc_block_policy policy, uint32_t residual_tokens)
+{
+	zc_session_config config;
+
+	zc_session_config_default(&config);
+	config.name = name;
+	config.layers = layers;
+	config.batch = batch;
+	config.kv_heads = kv_heads;
+	config.head_dim_k = head_dim_k;
+	config.head_dim_v = head_dim_v;
+	config.max_tokens = max_tokens;
+	config.policy = policy;
+	config.residual_tokens = residual_tokens;
+	return config;
+}

@@ -210,6 +210,21 @@ bool trim_checked(zc_client *client, zc_session *session, struct model *model, u
 #define CLIENT_TIMEOUT_MS 20000
 
 zc_client *connect_client(const struct daemon_harness *daemon);
+
+/* A daemon and one client of it: most integration suites' fixture. */
+struct service {
+	struct daemon_harness daemon;
+	zc_client *client;
+};
+
+void service_start(struct service *service, const char *const *extra_args);
+void service_stop(struct service *service);
+
+/* A session config with every shape field given, the default codec and
+ * views = full. */
+zc_session_config shaped_config(const char *name, uint32_t layers, uint32_t batch,
+				uint32_t kv_heads, uint32_t head_dim_k, uint32_t head_dim_v,
+				uint32_t max_tokens, zc_block_policy policy, uint32_t residual_tokens);
 zc_session *open_session(zc_client *client, const zc_session_config *config);
 
 /* A streaming session's config with the default codec: batch 1, head_dim

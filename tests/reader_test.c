@@ -27,45 +27,6 @@
 
 #define TEST_TIMEOUT_SECONDS 120
 
-struct service {
-	struct daemon_harness daemon;
-	zc_client *client;
-};
-
-static void service_start(struct service *service, const char *const *extra_args)
-{
-	daemon_start(&service->daemon, extra_args);
-	service->client = connect_client(&service->daemon);
-}
-
-static void service_stop(struct service *service)
-{
-	zc_client_close(service->client);
-	service->client = NULL;
-	daemon_stop(&service->daemon);
-	daemon_cleanup(&service->daemon);
-}
-
-static zc_session_config reader_config(const char *name, uint32_t layers, uint32_t batch,
-				       uint32_t kv_heads, uint32_t head_dim_k, uint32_t head_dim_v,
-				       uint32_t max_tokens, zc_block_policy policy,
-				       uint32_t residual_tokens)
-{
-	zc_session_config config;
-
-	zc_session_config_default(&config);
-	config.name = name;
-	config.layers = layers;
-	config.batch = batch;
-	config.kv_heads = kv_heads;
-	config.head_dim_k = head_dim_k;
-	config.head_dim_v = head_dim_v;
-	config.max_tokens = max_tokens;
-	config.policy = policy;
-	config.residual_tokens = residual_tokens;
-	return config;
-}
-
 /* ---- comparing reconstructions ---------------------------------------------- */
 
 /* The first row of head (b, h) of a strided buffer that differs from
@@ -272,7 +233,7 @@ static void trim_layer_checked(struct service *service, zc_session *session, str
 START_TEST(long_mixed_session_reconstructs_bit_identical)
 {
 	struct service service;
-	zc_session_config config = reader_config("mixed", 2, 2, 2, 64, 32, 2048,
+	zc_session_config config = shaped_config("mixed", 2, 2, 2, 64, 32, 2048,
 						 ZC_POLICY_STREAMING, 16);
 	struct model model;
 	struct rng rng;
@@ -317,9 +278,9 @@ END_TEST
 START_TEST(per_call_and_codec_variants_reconstruct_bit_identical)
 {
 	struct service service;
-	zc_session_config per_call = reader_config("per-call", 1, 1, 3, 32, 48, 1024,
+	zc_session_config per_call = shaped_config("per-call", 1, 1, 3, 32, 48, 1024,
 						   ZC_POLICY_PER_CALL, 0);
-	zc_session_config exact = reader_config("exact-values", 1, 2, 1, 16, 16, 1024,
+	zc_session_config exact = shaped_config("exact-values", 1, 2, 1, 16, 16, 1024,
 						ZC_POLICY_STREAMING, 8);
 	struct model models[2];
 	zc_session *sessions[2];
@@ -519,7 +480,7 @@ static int race_read(zc_session *session, const struct model *model, uint16_t *k
 START_TEST(reads_racing_a_writer_accept_only_whole_states)
 {
 	struct service service;
-	zc_session_config config = reader_config("race", 1, 1, 2, 64, 64, 4096,
+	zc_session_config config = shaped_config("race", 1, 1, 2, 64, 64, 4096,
 						 ZC_POLICY_STREAMING, 16);
 	struct model model;
 	struct rng rng;
@@ -643,9 +604,9 @@ START_TEST(dropped_view_is_reported_not_read_as_zeros)
 {
 	static const char *const args[] = { "--memory-budget", "24M", NULL };
 	struct service service;
-	zc_session_config cold_config = reader_config("cold", 2, 1, 4, 128, 128, 4096,
+	zc_session_config cold_config = shaped_config("cold", 2, 1, 4, 128, 128, 4096,
 						      ZC_POLICY_STREAMING, 16);
-	zc_session_config hot_config = reader_config("hot", 1, 1, 4, 128, 128, 8192,
+	zc_session_config hot_config = shaped_config("hot", 1, 1, 4, 128, 128, 8192,
 						     ZC_POLICY_STREAMING, 16);
 	struct model cold_model, hot_model;
 	struct rng rng;
@@ -797,7 +758,7 @@ static bool untouched(const zc_block *block)
 START_TEST(forged_maps_are_refused_never_followed)
 {
 	struct service service;
-	zc_session_config config = reader_config("forged", 2, 1, 2, 32, 16, 256, ZC_POLICY_STREAMING,
+	zc_session_config config = shaped_config("forged", 2, 1, 2, 32, 16, 256, ZC_POLICY_STREAMING,
 						 16);
 	struct model model;
 	struct rng rng;

@@ -91,45 +91,6 @@ static bool residual_is_exact(const struct model *model, uint32_t layer, const z
 
 /* ---- the daemon and its clients in the test process ------------------------ */
 
-struct service {
-	struct daemon_harness daemon;
-	zc_client *client;
-};
-
-static void service_start(struct service *service, const char *const *extra_args)
-{
-	daemon_start(&service->daemon, extra_args);
-	service->client = connect_client(&service->daemon);
-}
-
-static void service_stop(struct service *service)
-{
-	zc_client_close(service->client);
-	service->client = NULL;
-	daemon_stop(&service->daemon);
-	daemon_cleanup(&service->daemon);
-}
-
-static zc_session_config session_config(const char *name, uint32_t layers, uint32_t batch,
-					uint32_t kv_heads, uint32_t head_dim_k, uint32_t head_dim_v,
-					uint32_t max_tokens, zc_block_policy policy,
-					uint32_t residual_tokens)
-{
-	zc_session_config config;
-
-	zc_session_config_default(&config);
-	config.name = name;
-	config.layers = layers;
-	config.batch = batch;
-	config.kv_heads = kv_heads;
-	config.head_dim_k = head_dim_k;
-	config.head_dim_v = head_dim_v;
-	config.max_tokens = max_tokens;
-	config.policy = policy;
-	config.residual_tokens = residual_tokens;
-	return config;
-}
-
 /* ---- helper processes -------------------------------------------------------- */
 
 /* Blocks until the parent closes the barrier's write end, so helpers
@@ -160,7 +121,7 @@ struct bystander {
 static int bystander_body(void *arg)
 {
 	struct bystander *b = arg;
-	zc_session_config config = session_config("bystander", 2, 1, 2, 32, 32, 2048,
+	zc_session_config config = shaped_config("bystander", 2, 1, 2, 32, 32, 2048,
 						  ZC_POLICY_STREAMING, 8);
 	zc_client *client;
 	zc_session *session;
@@ -410,7 +371,7 @@ static int session_files(const struct daemon_harness *daemon)
 START_TEST(per_call_prefill_then_decode)
 {
 	struct service service;
-	zc_session_config config = session_config("per-call", 3, 1, 2, 64, 64, 512,
+	zc_session_config config = shaped_config("per-call", 3, 1, 2, 64, 64, 512,
 						  ZC_POLICY_PER_CALL, 0);
 	zc_layer_stats layers[3], total;
 	struct model model;
@@ -445,7 +406,7 @@ START_TEST(streaming_prefill_then_300_decode_steps)
 {
 	struct service service;
 	/* residual_tokens 0: the daemon's default threshold, 128. */
-	zc_session_config config = session_config("streaming", 2, 1, 2, 64, 64, 1024,
+	zc_session_config config = shaped_config("streaming", 2, 1, 2, 64, 64, 1024,
 						  ZC_POLICY_STREAMING, 0);
 	struct model model;
 	struct rng rng;
@@ -522,7 +483,7 @@ START_TEST(streaming_mixed_block_sizes)
 		{ 200, 12, 0 },
 	};
 	struct service service;
-	zc_session_config config = session_config("mixed", 2, 1, 2, 48, 48, 2048,
+	zc_session_config config = shaped_config("mixed", 2, 1, 2, 48, 48, 2048,
 						  ZC_POLICY_STREAMING, 32);
 	struct model model;
 	struct rng rng;
@@ -555,9 +516,9 @@ END_TEST
 START_TEST(batch_two_and_distinct_head_dims)
 {
 	struct service service;
-	zc_session_config streaming = session_config("wide-streaming", 4, 2, 3, 80, 24, 1024,
+	zc_session_config streaming = shaped_config("wide-streaming", 4, 2, 3, 80, 24, 1024,
 						     ZC_POLICY_STREAMING, 16);
-	zc_session_config per_call = session_config("wide-per-call", 2, 2, 3, 24, 80, 1024,
+	zc_session_config per_call = shaped_config("wide-per-call", 2, 2, 3, 24, 80, 1024,
 						    ZC_POLICY_PER_CALL, 0);
 	struct model model_streaming, model_per_call;
 	struct rng rng;
@@ -593,7 +554,7 @@ START_TEST(values_exact_when_not_quantized)
 	service_start(&service, NULL);
 	rng_seed(&rng, 5);
 	for (int policy = 0; policy < 2; policy++) {
-		zc_session_config config = session_config(policy ? "exact-values-per-call" :
+		zc_session_config config = shaped_config(policy ? "exact-values-per-call" :
 								   "exact-values-streaming",
 							  2, 1, 2, 64, 32, 512,
 							  policy ? ZC_POLICY_PER_CALL : ZC_POLICY_STREAMING,
@@ -647,7 +608,7 @@ START_TEST(custom_codec_configs)
 	rng_seed(&rng, 6);
 	for (size_t i = 0; i < sizeof(configs) / sizeof(configs[0]); i++) {
 		for (int policy = 0; policy < 2; policy++) {
-			zc_session_config config = session_config(name, 2, 1, 2, 32, 48, 512,
+			zc_session_config config = shaped_config(name, 2, 1, 2, 32, 48, 512,
 								  policy ? ZC_POLICY_PER_CALL :
 									   ZC_POLICY_STREAMING, 12);
 			struct model model;
@@ -680,7 +641,7 @@ START_TEST(large_blocks_through_staging)
 	struct service service;
 	/* 600 tokens x 4 heads x 128 dims x 2 bytes x (K + V) = 1.2 MB: far
 	 * above the inline limit, so the client stages it. */
-	zc_session_config config = session_config("staged", 2, 1, 4, 128, 128, 2048,
+	zc_session_config config = shaped_config("staged", 2, 1, 4, 128, 128, 2048,
 						  ZC_POLICY_STREAMING, 0);
 	struct model model;
 	struct rng rng;
@@ -705,9 +666,9 @@ END_TEST
 START_TEST(decode_accounting_per_call_inflates_streaming_compresses)
 {
 	struct service service;
-	zc_session_config per_call = session_config("decode-per-call", 2, 1, 2, 64, 64, 512,
+	zc_session_config per_call = shaped_config("decode-per-call", 2, 1, 2, 64, 64, 512,
 						    ZC_POLICY_PER_CALL, 0);
-	zc_session_config streaming = session_config("decode-streaming", 2, 1, 2, 64, 64, 512,
+	zc_session_config streaming = shaped_config("decode-streaming", 2, 1, 2, 64, 64, 512,
 						     ZC_POLICY_STREAMING, 0);
 	struct model model_per_call, model_streaming;
 	zc_layer_stats layers[2], total;
@@ -757,7 +718,7 @@ END_TEST
 START_TEST(trim_then_update_streaming)
 {
 	struct service service;
-	zc_session_config config = session_config("trim", 2, 1, 2, 32, 32, 512, ZC_POLICY_STREAMING,
+	zc_session_config config = shaped_config("trim", 2, 1, 2, 32, 32, 512, ZC_POLICY_STREAMING,
 						  16);
 	zc_layer_stats layers[2], total;
 	struct model model;
@@ -823,7 +784,7 @@ END_TEST
 START_TEST(trim_accounting_per_call)
 {
 	struct service service;
-	zc_session_config config = session_config("trim-per-call", 1, 1, 2, 64, 64, 256,
+	zc_session_config config = shaped_config("trim-per-call", 1, 1, 2, 64, 64, 256,
 						  ZC_POLICY_PER_CALL, 0);
 	zc_block_shape shape = { 1, 2, 10, 64 };
 	zc_byte_count block_key;
@@ -870,7 +831,7 @@ END_TEST
 START_TEST(trim_more_than_held_clamps)
 {
 	struct service service;
-	zc_session_config config = session_config("trim-clamp", 3, 1, 1, 32, 32, 256,
+	zc_session_config config = shaped_config("trim-clamp", 3, 1, 1, 32, 32, 256,
 						  ZC_POLICY_STREAMING, 8);
 	zc_layer_stats layers[3], total;
 	struct model model;
@@ -916,7 +877,7 @@ START_TEST(views_reach_max_tokens_then_refuse)
 	service_start(&service, NULL);
 	rng_seed(&rng, 12);
 	for (int policy = 0; policy < 2; policy++) {
-		zc_session_config config = session_config(policy ? "full-per-call" : "full-streaming",
+		zc_session_config config = shaped_config(policy ? "full-per-call" : "full-streaming",
 							  2, 1, 2, 32, 32, 100,
 							  policy ? ZC_POLICY_PER_CALL : ZC_POLICY_STREAMING,
 							  16);
@@ -988,7 +949,7 @@ static int parallel_client_body(void *arg)
 	int rc;
 
 	snprintf(name, sizeof(name), "parallel-%d", job->index);
-	zc_session_config config = session_config(name, 3, 1 + job->index % 2, 2, 32, 16, 2048,
+	zc_session_config config = shaped_config(name, 3, 1 + job->index % 2, 2, 32, 16, 2048,
 						  job->index % 2 ? ZC_POLICY_PER_CALL :
 								   ZC_POLICY_STREAMING, 16);
 	rc = zc_client_connect(job->socket_path, CLIENT_TIMEOUT_MS, &client);
@@ -1050,7 +1011,7 @@ END_TEST
 START_TEST(two_connections_alternate_on_one_session)
 {
 	struct service service;
-	zc_session_config config = session_config("shared", 2, 1, 2, 32, 32, 1024,
+	zc_session_config config = shaped_config("shared", 2, 1, 2, 32, 32, 1024,
 						  ZC_POLICY_STREAMING, 8);
 	struct model model;
 	struct rng rng;
@@ -1113,7 +1074,7 @@ struct race_job {
 
 static zc_session_config race_config(void)
 {
-	zc_session_config config = session_config("race", 3, 1, 2, 32, 32, 4096,
+	zc_session_config config = shaped_config("race", 3, 1, 2, 32, 32, 4096,
 						  ZC_POLICY_STREAMING, 16);
 	config.attach = true;
 	return config;
@@ -1259,7 +1220,7 @@ END_TEST
 START_TEST(session_survives_disconnect)
 {
 	struct service service;
-	zc_session_config config = session_config("persist", 2, 1, 2, 32, 32, 1024,
+	zc_session_config config = shaped_config("persist", 2, 1, 2, 32, 32, 1024,
 						  ZC_POLICY_STREAMING, 16);
 	zc_session_info infos[4];
 	struct model model;
@@ -1308,7 +1269,7 @@ START_TEST(session_survives_disconnect)
 	ck_assert_uint_eq(count, 0);
 
 	/* Without a name the daemon picks distinct ones. */
-	zc_session_config unnamed = session_config(NULL, 1, 1, 1, 32, 32, 64, ZC_POLICY_STREAMING, 0);
+	zc_session_config unnamed = shaped_config(NULL, 1, 1, 1, 32, 32, 64, ZC_POLICY_STREAMING, 0);
 	zc_session *first = open_session(service.client, &unnamed);
 	unnamed.name = "";
 	zc_session *second = open_session(service.client, &unnamed);
@@ -1336,7 +1297,7 @@ START_TEST(pipelined_requests_apply_in_order)
 	struct service service;
 	/* 400 tokens x 2 heads x (96 + 32) dims is above the daemon's
 	 * offload threshold of 65536 elements: those blocks go to a worker. */
-	zc_session_config config = session_config("pipeline", 2, 1, 2, 96, 32, 4096,
+	zc_session_config config = shaped_config("pipeline", 2, 1, 2, 96, 32, 4096,
 						  ZC_POLICY_STREAMING, 16);
 	struct {
 		bool trim;
@@ -1486,9 +1447,9 @@ START_TEST(dropped_views_rebuild_bit_identical)
 {
 	static const char *const args[] = { "--memory-budget", "24M", NULL };
 	struct service service;
-	zc_session_config cold_config = session_config("cold", 2, 1, 4, 128, 128, 4096,
+	zc_session_config cold_config = shaped_config("cold", 2, 1, 4, 128, 128, 4096,
 						       ZC_POLICY_STREAMING, 16);
-	zc_session_config hot_config = session_config("hot", 1, 1, 4, 128, 128, 8192,
+	zc_session_config hot_config = shaped_config("hot", 1, 1, 4, 128, 128, 8192,
 						      ZC_POLICY_STREAMING, 16);
 	struct model cold_model, hot_model;
 	zc_server_stats stats;
@@ -1562,7 +1523,7 @@ static void misbehaving_start(struct misbehaving *m, const char *const *extra_ar
 {
 	service_start(&m->service, extra_args);
 	bystander_start(&m->bystander, m->service.daemon.socket_path);
-	m->config = session_config("target", 2, 1, 2, 64, 32, 1024, ZC_POLICY_STREAMING, 16);
+	m->config = shaped_config("target", 2, 1, 2, 64, 32, 1024, ZC_POLICY_STREAMING, 16);
 	m->session = open_session(m->service.client, &m->config);
 	m->session_id = zc_session_get_info(m->session)->id;
 	model_init(&m->model, &m->config);
@@ -1592,7 +1553,7 @@ static void misbehaving_finish(struct misbehaving *m)
 START_TEST(unknown_session_is_not_found)
 {
 	struct misbehaving m;
-	zc_session_config config = session_config("victim", 1, 1, 1, 32, 32, 64,
+	zc_session_config config = shaped_config("victim", 1, 1, 1, 32, 32, 64,
 						  ZC_POLICY_STREAMING, 0);
 	struct block block;
 	zc_view view;
@@ -2029,7 +1990,7 @@ START_TEST(open_session_with_bad_config)
 	memset(long_name, 'n', 65);
 	long_name[65] = '\0';
 	for (int i = 0; i < 11; i++) {
-		zc_session_config config = session_config("bad", 2, 1, 2, 32, 32, 256,
+		zc_session_config config = shaped_config("bad", 2, 1, 2, 32, 32, 256,
 							  ZC_POLICY_STREAMING, 0);
 		int expected = ZC_EINVALID;
 		const char *what = "";
@@ -2070,7 +2031,7 @@ END_TEST
 START_TEST(reply_size_does_not_grow_with_the_sequence)
 {
 	struct service service;
-	zc_session_config config = session_config("zero-copy", 1, 1, 2, 64, 64, 9000,
+	zc_session_config config = shaped_config("zero-copy", 1, 1, 2, 64, 64, 9000,
 						  ZC_POLICY_PER_CALL, 0);
 	struct model model;
 	struct rng rng;
@@ -2129,7 +2090,7 @@ static int write_through_view(void *arg)
 START_TEST(view_is_read_only)
 {
 	struct service service;
-	zc_session_config config = session_config("read-only", 1, 1, 2, 64, 32, 256,
+	zc_session_config config = shaped_config("read-only", 1, 1, 2, 64, 32, 256,
 						  ZC_POLICY_STREAMING, 0);
 	struct model model;
 	struct rng rng;
@@ -2176,7 +2137,7 @@ END_TEST
 START_TEST(sigterm_exits_zero_and_removes_the_socket)
 {
 	struct service service;
-	zc_session_config config = session_config("until-stop", 1, 1, 1, 32, 32, 64,
+	zc_session_config config = shaped_config("until-stop", 1, 1, 1, 32, 32, 64,
 						  ZC_POLICY_STREAMING, 0);
 	struct model model;
 	struct rng rng;
@@ -2207,7 +2168,7 @@ END_TEST
 START_TEST(restart_replaces_stale_socket_and_adopts_sessions)
 {
 	struct service service;
-	zc_session_config config = session_config("survivor", 2, 1, 2, 32, 48, 1024,
+	zc_session_config config = shaped_config("survivor", 2, 1, 2, 32, 48, 1024,
 						  ZC_POLICY_STREAMING, 16);
 	struct model model;
 	struct rng rng;
@@ -2265,9 +2226,9 @@ START_TEST(idle_sessions_expire)
 {
 	static const char *const args[] = { "--idle-ttl", "1", NULL };
 	struct service service;
-	zc_session_config busy_config = session_config("busy", 1, 1, 1, 32, 32, 4096,
+	zc_session_config busy_config = shaped_config("busy", 1, 1, 1, 32, 32, 4096,
 						       ZC_POLICY_STREAMING, 0);
-	zc_session_config idle_config = session_config("idle", 1, 1, 1, 32, 32, 64,
+	zc_session_config idle_config = shaped_config("idle", 1, 1, 1, 32, 32, 64,
 						       ZC_POLICY_STREAMING, 0);
 	zc_session_info infos[4];
 	struct model model;
