@@ -41,7 +41,8 @@ ZC_LDFLAGS = $(SANITIZE) $(LDFLAGS)
 # dies on "protoc: No such file or directory" without saying what to do.
 BUILD_NEEDS = cmd:protoc:protobuf-compiler cmd:protoc-gen-nanopb:nanopb \
 	cmd:pkg-config:pkg-config file:/usr/include/pb.h:libnanopb-dev \
-	pc:libuv:libuv1-dev pc:libmicrohttpd:libmicrohttpd-dev pc:libsystemd:libsystemd-dev
+	pc:libuv:libuv1-dev pc:libmicrohttpd:libmicrohttpd-dev pc:libsystemd:libsystemd-dev \
+	pc:libxxhash:libxxhash-dev pc:hiredis:libhiredis-dev
 # Goals that install the packages first (or need none): no check for them;
 # the `$(MAKE) ...` they start afterwards checks.
 NO_NEEDS_GOALS = deps deps-build check run bench asan fuzz clean
@@ -78,7 +79,7 @@ SERVER_LIBS = $(shell pkg-config --libs libmicrohttpd libsystemd)
 # build stage) the first.
 BUILD_PACKAGES = gcc libc6-dev make $(foreach need,$(BUILD_NEEDS),$(lastword $(subst :, ,$(need))))
 DEPS_PACKAGES = $(BUILD_PACKAGES) python3-protobuf check python3-numpy python3-pytest prometheus \
-	python3-yaml python3-torch
+	python3-yaml python3-torch redis-server redis-tools
 
 AVX2_FLAGS = -mavx2 -mfma -mf16c -mbmi -mbmi2
 AVX512_FLAGS = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mbmi -mbmi2
