@@ -6,6 +6,7 @@
 #include "zipcache/codec.h"
 
 #include <errno.h>
+#include <float.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -124,9 +125,24 @@ static void head_compress(const struct codec_kernels *kernels, const zc_block_la
 			payload + layout->lo_codes_offset, layout->lo_codes_bytes, scratch);
 }
 
-int64_t zc_block_compress_strided(const zc_codec_config *config, zc_tensor tensor,
-				  const zc_block_shape *shape, const uint16_t *input,
-				  const zc_strides *input_strides, void *out, size_t capacity)
+/* Caller-given saliency scores: the radix select orders non-negative
+ * floats by their bits, so a score must be finite and >= 0 (and -0.0,
+ * whose bits would sort above every positive score, is taken as 0). */
+static int scores_take(const float *scores, size_t n, float *norms)
+{
+	for (size_t i = 0; i < n; i++) {
+		float score = scores[i];
+		if (!(score >= 0.0f) || score > FLT_MAX)
+			return ZC_EINVALID;
+		norms[i] = score == 0.0f ? 0.0f : score;
+	}
+	return 0;
+}
+
+static int64_t block_compress(const zc_codec_config *config, zc_tensor tensor,
+			      const zc_block_shape *shape, const uint16_t *input,
+			      const zc_strides *input_strides, const float *scores, void *out,
+			      size_t capacity)
 {
 	const struct codec_kernels *kernels = codec_kernels_active();
 	zc_block_layout layout;
@@ -153,12 +169,14 @@ int64_t zc_block_compress_strided(const zc_codec_config *config, zc_tensor tenso
 	for (size_t h = 0; h < layout.heads && rc == 0; h++) {
 		const uint16_t *head = input + (h / shape->heads) * input_strides->batch +
 				       (h % shape->heads) * input_strides->head;
-		if (keys)
+		if (keys && !scores)
 			rc = kernels->row_norms(head, layout.tokens, layout.head_dim,
 						scratch.norms + h * layout.tokens);
 		else
 			rc = kernels->check_finite(head, head_elements);
 	}
+	if (rc == 0 && keys && scores)
+		rc = scores_take(scores, layout.heads * layout.tokens, scratch.norms);
 	if (rc < 0)
 		goto out_free;
 
@@ -179,9 +197,14 @@ out_free:
 	return rc < 0 ? rc : (int64_t)layout.total_bytes;
 }
 
-int64_t zc_block_compress(const zc_codec_config *config, zc_tensor tensor,
-			  const zc_block_shape *shape, const uint16_t *input,
-			  void *out, size_t capacity)
+int64_t zc_block_compress_strided(const zc_codec_config *config, zc_tensor tensor,
+				  const zc_block_shape *shape, const uint16_t *input,
+				  const zc_strides *input_strides, void *out, size_t capacity)
+{
+	return block_compress(config, tensor, shape, input, input_strides, NULL, out, capacity);
+}
+
+static zc_strides contiguous_strides(const zc_block_shape *shape)
 {
 	size_t head = (size_t)shape->tokens * shape->head_dim;
 	zc_strides contiguous = {
@@ -189,7 +212,26 @@ int64_t zc_block_compress(const zc_codec_config *config, zc_tensor tensor,
 		.head = head,
 		.token = shape->head_dim,
 	};
-	return zc_block_compress_strided(config, tensor, shape, input, &contiguous, out, capacity);
+	return contiguous;
+}
+
+int64_t zc_block_compress(const zc_codec_config *config, zc_tensor tensor,
+			  const zc_block_shape *shape, const uint16_t *input,
+			  void *out, size_t capacity)
+{
+	zc_strides contiguous = contiguous_strides(shape);
+	return block_compress(config, tensor, shape, input, &contiguous, NULL, out, capacity);
+}
+
+int64_t zc_block_compress_scored(const zc_codec_config *config, const zc_block_shape *shape,
+				 const uint16_t *keys, const float *scores, void *out,
+				 size_t capacity)
+{
+	if (!scores)
+		return ZC_EINVALID;
+	zc_strides contiguous = contiguous_strides(shape);
+	return block_compress(config, ZC_TENSOR_KEYS, shape, keys, &contiguous, scores, out,
+			      capacity);
 }
 
 /* Rows handed to one group_reconstruct call at most (a stack list). */

@@ -2775,6 +2775,96 @@ static Suite *api_suite(void)
 	return suite;
 }
 
+/*
+ * zc_block_compress_scored: the caller's scores choose the salient keys.
+ * Scores that rank like the norms give the very payload zc_block_compress
+ * writes; scores rising with the token index make the last n_hi tokens
+ * salient; -0.0 counts as 0 (its bits would otherwise sort above every
+ * positive score); a score that is NaN, negative or infinite is refused
+ * with ZC_EINVALID before a byte is written; the payload reconstructs, on
+ * every ISA alike.
+ */
+START_TEST(test_scored_saliency)
+{
+	enum { B = 1, H = 2, S = 80, D = 16 };
+	zc_codec_config config = make_config(4, 2, 0.2, 32, true);
+	zc_block_shape shape = make_shape(B, H, S, D);
+	random_state generator = random_seeded(29);
+	static uint16_t keys[B * H * S * D];
+	static float norms[B * H * S], rising[B * H * S], bad[B * H * S];
+	static uint8_t plain[8192], scored[8192], first[8192];
+	zc_isa isas[ISA_COUNT];
+	size_t isa_count = supported_isas(isas);
+	uint32_t n_hi = zc_codec_salient_tokens(&config, ZC_TENSOR_KEYS, S);
+	zc_block_layout layout;
+
+	ck_assert_int_eq(zc_block_layout_compute(&config, ZC_TENSOR_KEYS, &shape, &layout), 0);
+	for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+		keys[i] = zc_float_to_fp16((float)random_normal(&generator));
+	for (size_t h = 0; h < B * H; h++)
+		for (size_t t = 0; t < S; t++) {
+			double sum = 0;
+			for (size_t c = 0; c < D; c++) {
+				double x = zc_fp16_to_float(keys[(h * S + t) * D + c]);
+				sum += x * x;
+			}
+			norms[h * S + t] = (float)sum; /* squared: the same order */
+			rising[h * S + t] = (float)t;
+		}
+	for (size_t i = 0; i < isa_count; i++) {
+		use_isa(isas[i]);
+		int64_t n = zc_block_compress(&config, ZC_TENSOR_KEYS, &shape, keys, plain, sizeof plain);
+		ck_assert_int_eq(n, (int64_t)layout.total_bytes);
+		ck_assert_int_eq(zc_block_compress_scored(&config, &shape, keys, norms, scored,
+							  sizeof scored), n);
+		ck_assert_mem_eq(plain, scored, (size_t)n);
+
+		ck_assert_int_eq(zc_block_compress_scored(&config, &shape, keys, rising, scored,
+							  sizeof scored), n);
+		for (size_t h = 0; h < B * H; h++) {
+			const uint8_t *mask = scored + h * layout.head_bytes + layout.mask_offset;
+			for (uint32_t t = 0; t < S; t++)
+				ck_assert_uint_eq((mask[t >> 3] >> (t & 7)) & 1u, t >= S - n_hi);
+		}
+		static uint16_t back[B * H * S * D];
+		zc_strides strides = { H * S * D, S * D, D };
+		ck_assert_int_eq(zc_block_reconstruct(&config, ZC_TENSOR_KEYS, &shape, scored,
+						      (size_t)n, back, &strides), 0);
+		if (i == 0)
+			memcpy(first, scored, (size_t)n);
+		else
+			ck_assert_mem_eq(first, scored, (size_t)n);
+	}
+
+	/* -0.0 is 0: with every other score 0 too, ties go to later tokens. */
+	memset(bad, 0, sizeof bad);
+	bad[0] = -0.0f;
+	ck_assert_int_gt(zc_block_compress_scored(&config, &shape, keys, bad, scored, sizeof scored), 0);
+	ck_assert_uint_eq(scored[layout.mask_offset] & 1u, 0);
+
+	const float refused[] = { NAN, -1.0f, INFINITY, -INFINITY };
+	for (size_t r = 0; r < sizeof refused / sizeof refused[0]; r++) {
+		memcpy(bad, rising, sizeof bad);
+		bad[B * H * S - 1 - r] = refused[r];
+		memset(scored, 0xab, sizeof scored);
+		ck_assert_int_eq(zc_block_compress_scored(&config, &shape, keys, bad, scored,
+							  sizeof scored), ZC_EINVALID);
+		for (size_t b = 0; b < sizeof scored; b++)
+			ck_assert_uint_eq(scored[b], 0xab);
+	}
+	ck_assert_int_eq(zc_block_compress_scored(&config, &shape, keys, NULL, scored, sizeof scored),
+			 ZC_EINVALID);
+	/* The keys are still checked: a NaN key is refused as by zc_block_compress. */
+	uint16_t saved = keys[5];
+	keys[5] = 0x7e00;
+	ck_assert_int_eq(zc_block_compress_scored(&config, &shape, keys, rising, scored, sizeof scored),
+			 ZC_ENONFINITE);
+	keys[5] = saved;
+	ck_assert_int_eq(zc_block_compress_scored(&config, &shape, keys, rising, scored,
+						  layout.total_bytes - 1), ZC_EBUFFER);
+}
+END_TEST
+
 static Suite *numerics_suite(void)
 {
 	Suite *suite = suite_create("numerics");
@@ -2791,6 +2881,7 @@ static Suite *numerics_suite(void)
 	tcase_add_test(hand, test_hand_subnormal_scale_clamps);
 	tcase_add_test(hand, test_hand_norm_ties_go_to_later_tokens);
 	tcase_add_test(hand, test_hand_norm_summation_order);
+	tcase_add_test(hand, test_scored_saliency);
 	tcase_add_test(hand, test_saturation_to_largest_half);
 	suite_add_tcase(suite, hand);
 	tcase_add_test(reference, test_reference_every_bit_width);

@@ -133,6 +133,18 @@ int64_t zc_block_compress_strided(const zc_codec_config *config, zc_tensor tenso
 				  const zc_block_shape *shape, const uint16_t *input,
 				  const zc_strides *input_strides, void *out, size_t capacity);
 
+/* Keys compressed with the salient tokens chosen by the caller's scores
+ * instead of the key norms: the n_hi tokens of each head with the largest
+ * (score, index), scores[(b * heads + h) * tokens + t]. For saliency
+ * measured some other way, e.g. the attention tokens received
+ * (examples/saliency_attention.py). Scores must be finite and >= 0, else
+ * ZC_EINVALID; nothing is written on any error. The payload has the same
+ * layout and size as zc_block_compress's and reconstructs with
+ * zc_block_reconstruct. */
+int64_t zc_block_compress_scored(const zc_codec_config *config, const zc_block_shape *shape,
+				 const uint16_t *keys, const float *scores, void *out,
+				 size_t capacity);
+
 /* Reconstructs a compressed block into out, token t of head (b, h) landing
  * at out[b*strides->batch + h*strides->head + t*strides->token]. size must
  * equal the layout's total_bytes. */

@@ -20,6 +20,7 @@ from ctypes import (
     c_char,
     c_char_p,
     c_double,
+    c_float,
     c_int,
     c_int64,
     c_size_t,
@@ -385,6 +386,11 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "zc_block_compress": (
         c_int64,
         [POINTER(zc_codec_config), c_int, POINTER(zc_block_shape), _u16p, c_void_p, c_size_t],
+    ),
+    "zc_block_compress_scored": (
+        c_int64,
+        [POINTER(zc_codec_config), POINTER(zc_block_shape), _u16p, POINTER(c_float), c_void_p,
+         c_size_t],
     ),
     "zc_block_reconstruct": (
         c_int,

@@ -56,9 +56,22 @@ def count_bytes(shape: tuple[int, int, int, int], tensor: Tensor,
     return count.compressed, count.baseline, count.fp16
 
 
-def compress(block: np.ndarray, tensor: Tensor, config: CodecConfig | None = None) -> bytes:
-    """The compressed payload of a float16 [B, H, S, D] (or [S, D]) block."""
+def compress(block: np.ndarray, tensor: Tensor, config: CodecConfig | None = None,
+             scores: np.ndarray | None = None) -> bytes:
+    """The compressed payload of a float16 [B, H, S, D] (or [S, D]) block.
+
+    scores (keys only): per token [B, H, S] (or [S]), finite and >= 0; the
+    salient tokens are those with the largest scores instead of the largest
+    key norms (zc_block_compress_scored).
+    """
     block, shape = _block(block)
+    if scores is not None:
+        if tensor != "keys":
+            raise ValueError("scores choose salient keys: tensor must be 'keys'")
+        scores = np.ascontiguousarray(scores, dtype=np.float32)
+        if scores.size != shape.batch * shape.heads * shape.tokens:
+            raise ValueError(f"scores must hold one score per token of each head "
+                             f"({shape.batch}x{shape.heads}x{shape.tokens}), got {scores.shape}")
     c = (config or CodecConfig()).to_c()
     layout = _lib.zc_block_layout()
     rc = lib.zc_block_layout_compute(ctypes.byref(c), _tensor(tensor), ctypes.byref(shape),
@@ -66,8 +79,14 @@ def compress(block: np.ndarray, tensor: Tensor, config: CodecConfig | None = Non
     if rc < 0:
         raise error_from_code(rc, "", "compress")
     out = ctypes.create_string_buffer(max(1, layout.total_bytes))
-    n = lib.zc_block_compress(ctypes.byref(c), _tensor(tensor), ctypes.byref(shape),
-                              block.ctypes.data_as(_u16p), out, layout.total_bytes)
+    if scores is not None:
+        n = lib.zc_block_compress_scored(ctypes.byref(c), ctypes.byref(shape),
+                                         block.ctypes.data_as(_u16p),
+                                         scores.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                                         out, layout.total_bytes)
+    else:
+        n = lib.zc_block_compress(ctypes.byref(c), _tensor(tensor), ctypes.byref(shape),
+                                  block.ctypes.data_as(_u16p), out, layout.total_bytes)
     if n < 0:
         raise error_from_code(int(n), "", "compress")
     return out.raw[:n]
