@@ -1,0 +1,116 @@
+/*
+ * A small Redis router over Debian's hiredis (0.14: no cluster support of
+ * its own). It sends batches of commands, each naming one key, to the
+ * node that serves the key: one node for a standalone server, the slot's
+ * primary for a Redis Cluster, following the slot map (`CLUSTER SLOTS`)
+ * and the MOVED and ASK redirections. It knows nothing of zipcache's keys
+ * or values; server/remote.c is its only user.
+ *
+ * Standalone or cluster is found out on first use: a server that answers
+ * `CLUSTER SLOTS` with "cluster support disabled" is standalone.
+ *
+ * Every node has one hiredis connection, made on first use (with AUTH when
+ * credentials are set), dropped after any I/O error, timeout or protocol
+ * error (hiredis's rule: a context that failed is dead), and made again on
+ * the next use. Every wait on a socket is bounded by the timeout; a batch
+ * is bounded by ROUTER_MAX_TRIES rounds of it.
+ *
+ * Not thread-safe: one caller at a time (server/remote.c holds a mutex).
+ */
+#ifndef ZIPCACHE_REDIS_ROUTER_H
+#define ZIPCACHE_REDIS_ROUTER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <hiredis/hiredis.h>
+
+/* Redis Cluster's slot count (the spec: CRC16 of the key modulo 16384). */
+#define ROUTER_SLOTS 16384
+/* Tries of one command: the first, then redirections (MOVED, ASK) and
+ * TRYAGAIN/CLUSTERDOWN waits. A slot moves once per migration; five
+ * covers a migration racing a failover, and a loop ends. */
+#define ROUTER_MAX_TRIES 6
+/* Bytes of a single reply the router buffers before it gives up on the
+ * connection: the largest value remote.h accepts plus room for framing. */
+#define ROUTER_REPLY_MAX ((64u << 20) + (64u << 10))
+/* Longest host name (DNS's 253, and room for an IPv6 literal). */
+#define ROUTER_HOST_MAX 256
+
+struct router_endpoint {
+	char host[ROUTER_HOST_MAX];
+	uint16_t port;
+};
+
+struct router_node {
+	struct router_endpoint at;
+	redisContext *context; /* NULL until first use and after a failure */
+};
+
+struct router {
+	const struct router_endpoint *seeds;
+	size_t n_seeds;
+	const char *user;         /* ACL user, or NULL for the default user */
+	const char *password;     /* NULL: no AUTH */
+	uint32_t timeout_ms;
+	bool discovered;          /* standalone or cluster is known */
+	bool cluster;
+	bool refresh;             /* a MOVED or a lost node: read the slot map again */
+	struct router_node *nodes;
+	size_t n_nodes, nodes_capacity;
+	uint16_t *slot_node;      /* [ROUTER_SLOTS]: index into nodes, or UINT16_MAX */
+	char *read_buffer;
+	/* Bytes written to and read from Redis (atomic: metrics read them
+	 * from another thread). */
+	uint64_t bytes_sent, bytes_received;
+	uint64_t redirections;    /* MOVED and ASK followed */
+	char why[512];            /* the last failure, for logs and callers */
+};
+
+/* One command of a batch. argv[1] is its key (the slot's). */
+struct router_command {
+	int argc;
+	const char *argv[6];
+	size_t argvlen[6];
+	/* Filled by router_run: the final answer (an error reply that is no
+	 * redirection is an answer, too) or NULL with status < 0. */
+	redisReply *reply;
+	int status;
+	/* The router's own. */
+	uint16_t slot;
+	uint16_t node;
+	uint8_t tries;
+	bool asking;
+	bool done;
+};
+
+/* CRC16 (XMODEM, as Redis Cluster uses it) of bytes. */
+uint16_t router_crc16(const void *bytes, size_t len);
+
+/* The cluster slot of a key: the CRC16 of its hash tag (the bytes between
+ * the first `{` and the next `}`, if not empty) or of the whole key. */
+uint16_t router_key_slot(const void *key, size_t len);
+
+/* Copies nothing: seeds, user and password must outlive the router. */
+int router_init(struct router *router, const struct router_endpoint *seeds, size_t n_seeds,
+		const char *user, const char *password, uint32_t timeout_ms);
+void router_free(struct router *router);
+
+/*
+ * Runs every command and fills its reply and status. Returns 0 when every
+ * command got an answer (each reply still to be checked by the caller),
+ * else the first failure: -ETIMEDOUT (no answer within the timeout),
+ * ZC_EDENIED (AUTH refused), ZC_EREMOTE (unreachable, protocol error,
+ * redirections exhausted, cluster down); router->why says what and where.
+ * Commands are grouped by node and pipelined, one node after the other.
+ */
+int router_run(struct router *router, struct router_command *commands, size_t count);
+
+/* Frees the replies router_run left. */
+void router_commands_clear(struct router_command *commands, size_t count);
+
+/* Drops every connection (the next use connects again). */
+void router_disconnect(struct router *router);
+
+#endif
