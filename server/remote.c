@@ -362,11 +362,8 @@ static enum remote_error_kind error_kind_of(int rc)
 		return REMOTE_ERROR_TIMEOUT;
 	case ZC_EDENIED:
 		return REMOTE_ERROR_DENIED;
-	case ZC_EREMOTE:
-	case -ENOMEM:
-		return REMOTE_ERROR_UNAVAILABLE;
 	default:
-		return REMOTE_ERROR_REPLY;
+		return REMOTE_ERROR_UNAVAILABLE;
 	}
 }
 
@@ -382,7 +379,7 @@ static void call_end(struct remote *r, uint64_t start_ns, int rc, bool reachable
 	counter_add(&r->latency_count, 1);
 	counter_add(&r->latency_sum_ns, elapsed);
 	if (rc < 0 && rc != ZC_ENOTFOUND)
-		counter_add(&r->errors[error_kind_of(rc)], 1);
+		counter_add(&r->errors[reachable ? REMOTE_ERROR_REPLY : error_kind_of(rc)], 1);
 	int state = reachable ? 1 : 0;
 	if (state == r->state)
 		return;
