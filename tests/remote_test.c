@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "../server/options.h"
+#include "daemon_harness.h"
 #include "process_run.h"
 #include "redis_harness.h"
 #include "../server/redis_router.h"
@@ -591,6 +592,87 @@ START_TEST(test_standalone_error_reply)
 }
 END_TEST
 
+/* ---- the daemon ------------------------------------------------------ */
+
+/* GET /metrics from 127.0.0.1:port: the body, malloc'd. */
+static char *metrics_scrape(uint16_t port)
+{
+	int fd = socket(AF_INET, SOCK_STREAM, 0);
+	struct sockaddr_in address = { .sin_family = AF_INET, .sin_port = htons(port),
+				       .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	ck_assert_int_eq(connect(fd, (struct sockaddr *)&address, sizeof(address)), 0);
+	static const char request[] = "GET /metrics HTTP/1.0\r\n\r\n";
+	ck_assert_int_eq(write(fd, request, sizeof(request) - 1), (ssize_t)sizeof(request) - 1);
+	size_t capacity = 1 << 20, used = 0;
+	char *text = malloc(capacity);
+	ssize_t n;
+	while ((n = read(fd, text + used, capacity - 1 - used)) > 0)
+		used += (size_t)n;
+	text[used] = '\0';
+	close(fd);
+	return text;
+}
+
+/* zipcached --remote: the tier's families in /metrics, Redis up. */
+START_TEST(test_daemon_metrics)
+{
+	struct daemon_harness daemon;
+	char url[64], listen_at[32];
+	uint16_t port = free_tcp_port();
+	snprintf(url, sizeof(url), "redis://127.0.0.1:%u", standalone.port);
+	snprintf(listen_at, sizeof(listen_at), "127.0.0.1:%u", port);
+	const char *args[] = { "--remote", url, "--remote-timeout-ms", "1000", "--metrics-listen",
+			       listen_at, NULL };
+	daemon_start(&daemon, args);
+	char *text = metrics_scrape(port);
+	static const char *const lines[] = {
+		"\nzipcache_remote_up 1\n",
+		"\nzipcache_remote_errors_total{reason=\"timeout\"} 0\n",
+		"\nzipcache_remote_errors_total{reason=\"unavailable\"} 0\n",
+		"\nzipcache_remote_latency_seconds_count 1\n",
+		"\nzipcache_remote_latency_seconds_bucket{le=\"+Inf\"} 1\n",
+		"# TYPE zipcache_remote_latency_seconds histogram\n",
+		"\nzipcache_remote_offloads_total 0\n",
+		"\nzipcache_remote_restores_total 0\n",
+		"# TYPE zipcache_remote_sent_bytes_total counter\n",
+	};
+	for (size_t i = 0; i < sizeof(lines) / sizeof(lines[0]); i++)
+		ck_assert_msg(strstr(text, lines[i]), "no '%s' in /metrics", lines[i]);
+	free(text);
+	daemon_stop(&daemon);
+	daemon_cleanup(&daemon);
+}
+END_TEST
+
+/* A credentials file others can read stops the daemon at start, saying
+ * why, and the password is in nothing it writes. */
+START_TEST(test_daemon_refuses_credentials)
+{
+	char dir[] = "/tmp/zc-remote-XXXXXX", socket_path[64], shm[64], creds[64], url[64];
+	char out[80];
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	snprintf(socket_path, sizeof(socket_path), "%s/z.sock", dir);
+	snprintf(shm, sizeof(shm), "%s/shm", dir);
+	snprintf(creds, sizeof(creds), "%s/creds", dir);
+	snprintf(out, sizeof(out), "%s/out", dir);
+	snprintf(url, sizeof(url), "redis://127.0.0.1:%u", standalone.port);
+	FILE *file = fopen(creds, "w");
+	fputs(ACL_USER "\n" ACL_PASSWORD "\n", file);
+	fclose(file);
+	ck_assert_int_eq(chmod(creds, 0644), 0);
+	const char *argv[] = { daemon_binary_path(), "--socket", socket_path, "--shm-dir", shm,
+			       "--metrics-listen", "off", "--remote", url, "--remote-credentials", creds, NULL };
+	struct program_output result;
+	program_capture(&result, argv, out, out, NULL, NULL);
+	ck_assert_int_ne(result.status, 0);
+	ck_assert_msg(strstr(result.out, "chmod 600"), "%s", result.out);
+	ck_assert_msg(!strstr(result.out, ACL_PASSWORD), "the password is in: %s", result.out);
+	ck_assert(!socket_accepts(socket_path));
+	program_output_free(&result);
+	directory_remove(dir);
+}
+END_TEST
+
 /* ---- failures: servers of their own ---------------------------------- */
 
 START_TEST(test_down_and_back)
@@ -1003,6 +1085,8 @@ int main(void)
 	tcase_add_test(single, test_standalone_large);
 	tcase_add_test(single, test_standalone_ttl);
 	tcase_add_test(single, test_standalone_error_reply);
+	tcase_add_test(single, test_daemon_metrics);
+	tcase_add_test(single, test_daemon_refuses_credentials);
 	suite_add_tcase(suite, single);
 
 	TCase *failures = tcase_create("failures");
