@@ -187,10 +187,15 @@ int remote_credentials_read(const char *path, char **user, char **password, char
 		rc = ZC_EDENIED;
 		goto out_close;
 	}
-	if (st.st_mode & 077) {
+	/* Ours: for us alone. Root's (a Kubernetes Secret volume, owned
+	 * root:fsGroup): group-readable at most, PostgreSQL's rule for its
+	 * key file, since that is the only way such a file reaches us. */
+	mode_t forbidden = st.st_uid == geteuid() ? 077 : 037;
+	if (st.st_mode & forbidden) {
 		why_put(why, size,
-			"the credentials file %s is accessible by group or others (mode %04o): chmod 600 it",
-			path, (unsigned)(st.st_mode & 07777));
+			"the credentials file %s is accessible by %s (mode %04o): chmod %s it", path,
+			forbidden == 077 ? "group or others" : "others or writable by its group",
+			(unsigned)(st.st_mode & 07777), forbidden == 077 ? "600" : "640");
 		rc = ZC_EDENIED;
 		goto out_close;
 	}

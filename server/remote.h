@@ -147,9 +147,10 @@ void remote_close(struct remote *remote);
  * The credentials file: the ACL user on the first line, the password on
  * the second (nothing else; a trailing newline optional; an empty first
  * line is the default user). Refused unless a regular file owned by the
- * daemon's uid (or root) with no group or other permission bits, as ssh
- * refuses a private key. user and password are malloc'd; why names the
- * file and the rule broken, never the contents.
+ * daemon's uid with no group or other permission bits (as ssh refuses a
+ * private key), or owned by root and at most group-readable (0640: how a
+ * Kubernetes Secret reaches a non-root container). user and password are
+ * malloc'd; why names the file and the rule broken, never the contents.
  */
 int remote_credentials_read(const char *path, char **user, char **password, char *why,
 			    size_t size);

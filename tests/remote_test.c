@@ -313,6 +313,26 @@ static void credentials_write(char *path, size_t size, const char *text, mode_t 
 	close(fd);
 }
 
+struct root_file_case {
+	const char *path;
+	int rc;
+};
+
+/* In a helper: as uid 12345 (group 12345), reads a file of root's. */
+static int read_as_other_user(void *arg)
+{
+	const struct root_file_case *c = arg;
+	char why[512] = "", *user = NULL, *password = NULL;
+	CHILD_EXPECT(user_become(12345, 12345, why, sizeof(why)), "%s", why);
+	int rc = remote_credentials_read(c->path, &user, &password, why, sizeof(why));
+	CHILD_EXPECT(rc == c->rc, "%s, not %s (%s)", zc_error_name(rc), zc_error_name(c->rc), why);
+	CHILD_EXPECT(rc < 0 || strcmp(password, ACL_PASSWORD) == 0, "the password read wrong");
+	CHILD_EXPECT(rc == 0 || strstr(why, "chmod 640"), "'%s'", why);
+	free(user);
+	free(password);
+	return 0;
+}
+
 START_TEST(test_credentials_file)
 {
 	char path[128], why[512];
@@ -369,6 +389,18 @@ START_TEST(test_credentials_file)
 		ck_assert_int_eq(chown(path, 12345, 12345), 0);
 		ck_assert_int_eq(remote_credentials_read(path, &user, &password, why, sizeof(why)), ZC_EDENIED);
 		ck_assert_ptr_nonnull(strstr(why, "owned by uid 12345"));
+		unlink(path);
+	}
+	/* Root's file, read by another uid: group-readable passes, no more. */
+	if (geteuid() == 0) {
+		credentials_write(path, sizeof(path), ACL_USER "\n" ACL_PASSWORD "\n", 0640);
+		ck_assert_int_eq(chown(path, 0, 12345), 0);
+		struct root_file_case pass = { path, 0 }, refuse = { path, ZC_EDENIED };
+		child_wait_ok(child_spawn(read_as_other_user, &pass, -1), "root's 0640 file");
+		ck_assert_int_eq(chmod(path, 0644), 0);
+		child_wait_ok(child_spawn(read_as_other_user, &refuse, -1), "root's 0644 file");
+		ck_assert_int_eq(chmod(path, 0660), 0);
+		child_wait_ok(child_spawn(read_as_other_user, &refuse, -1), "root's 0660 file");
 		unlink(path);
 	}
 	ck_assert_int_eq(remote_credentials_read("/tmp", &user, &password, why, sizeof(why)), -EINVAL);
