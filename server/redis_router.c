@@ -81,11 +81,12 @@ static void sleep_for_ms(unsigned ms)
 }
 
 int router_init(struct router *r, const struct router_endpoint *seeds, size_t n_seeds,
-		const char *user, const char *password, uint32_t timeout_ms)
+		const char *user, const char *password, uint32_t timeout_ms, size_t reply_max)
 {
 	memset(r, 0, sizeof(*r));
-	if (n_seeds == 0 || timeout_ms == 0)
+	if (n_seeds == 0 || timeout_ms == 0 || reply_max == 0)
 		return ZC_EINVALID;
+	r->reply_max = reply_max;
 	r->seeds = seeds;
 	r->n_seeds = n_seeds;
 	r->user = user;
@@ -125,11 +126,15 @@ void router_free(struct router *r)
 	memset(r, 0, sizeof(*r));
 }
 
-/* The node at host:port, added if new; NO_NODE when the table is full. */
-static uint16_t node_get(struct router *r, const char *host, size_t host_len, uint16_t port)
+/* The node at host:port, added if new; NO_NODE when the table is full.
+ * host may point into the table itself (a node's own host), which growing
+ * the table moves: it is copied first. */
+static uint16_t node_get(struct router *r, const char *host_in, size_t host_len, uint16_t port)
 {
+	char host[ROUTER_HOST_MAX];
 	if (host_len >= ROUTER_HOST_MAX)
 		return NO_NODE;
+	memcpy(host, host_in, host_len);
 	for (size_t i = 0; i < r->n_nodes; i++) {
 		const struct router_endpoint *at = &r->nodes[i].at;
 		if (at->port == port && strlen(at->host) == host_len && memcmp(at->host, host, host_len) == 0)
@@ -175,7 +180,7 @@ static void items_clear(struct exchange_item *items, size_t count)
  * deadline; the node's connection is dropped on any failure (its stream
  * can no longer be trusted to line up). Replies are taken out of the
  * reader as soon as they are whole, so what is buffered is at most one
- * reply in progress: a reply announcing more than ROUTER_REPLY_MAX fails
+ * reply in progress: a reply growing past reply_max fails
  * before the router holds it.
  */
 static int exchange(struct router *r, struct router_node *node, struct exchange_item *items,
@@ -235,12 +240,6 @@ static int exchange(struct router *r, struct router_node *node, struct exchange_
 		}
 		__atomic_fetch_add(&r->bytes_received, (uint64_t)n, __ATOMIC_RELAXED);
 		redisReader *reader = c->reader;
-		if (reader->len - reader->pos + (size_t)n > ROUTER_REPLY_MAX) {
-			why_set(r, "a reply from %s:%u is larger than %u bytes", node->at.host,
-				node->at.port, ROUTER_REPLY_MAX);
-			rc = ZC_EREMOTE;
-			goto out_drop;
-		}
 		if (redisReaderFeed(reader, r->read_buffer, (size_t)n) != REDIS_OK)
 			goto out_protocol;
 		while (next < count) {
@@ -250,6 +249,13 @@ static int exchange(struct router *r, struct router_node *node, struct exchange_
 			if (!reply)
 				break;
 			items[next++].reply = reply;
+		}
+		/* What is left is one reply in progress. */
+		if (reader->len - reader->pos > r->reply_max) {
+			why_set(r, "a reply from %s:%u is larger than %zu bytes", node->at.host,
+				node->at.port, r->reply_max);
+			rc = ZC_EREMOTE;
+			goto out_drop;
 		}
 	}
 	if (!written) {

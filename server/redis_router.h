@@ -32,9 +32,6 @@
  * TRYAGAIN/CLUSTERDOWN waits. A slot moves once per migration; five
  * covers a migration racing a failover, and a loop ends. */
 #define ROUTER_MAX_TRIES 6
-/* Bytes of a single reply the router buffers before it gives up on the
- * connection: the largest value remote.h accepts plus room for framing. */
-#define ROUTER_REPLY_MAX ((64u << 20) + (64u << 10))
 /* Longest host name (DNS's 253, and room for an IPv6 literal). */
 #define ROUTER_HOST_MAX 256
 
@@ -54,6 +51,7 @@ struct router {
 	const char *user;         /* ACL user, or NULL for the default user */
 	const char *password;     /* NULL: no AUTH */
 	uint32_t timeout_ms;
+	size_t reply_max;         /* bytes of one reply buffered before giving up */
 	bool discovered;          /* standalone or cluster is known */
 	bool cluster;
 	bool refresh;             /* a MOVED or a lost node: read the slot map again */
@@ -92,9 +90,11 @@ uint16_t router_crc16(const void *bytes, size_t len);
  * the first `{` and the next `}`, if not empty) or of the whole key. */
 uint16_t router_key_slot(const void *key, size_t len);
 
-/* Copies nothing: seeds, user and password must outlive the router. */
+/* Copies nothing: seeds, user and password must outlive the router. A
+ * reply that grows past reply_max bytes fails (ZC_EREMOTE) as it arrives,
+ * before the router holds it whole. */
 int router_init(struct router *router, const struct router_endpoint *seeds, size_t n_seeds,
-		const char *user, const char *password, uint32_t timeout_ms);
+		const char *user, const char *password, uint32_t timeout_ms, size_t reply_max);
 void router_free(struct router *router);
 
 /*

@@ -495,7 +495,7 @@ int remote_open(const struct remote_config *config, struct remote **out, char *w
 			goto out_free;
 	}
 	rc = router_init(&r->router, r->config.endpoints, r->config.n_endpoints, r->user, r->password,
-			 config->timeout_ms);
+			 config->timeout_ms, (size_t)REMOTE_VALUE_MAX + REMOTE_REPLY_SLACK);
 	if (rc < 0) {
 		why_put(why, size, "cannot make the Redis router: %s", zc_strerror(rc));
 		goto out_free;

@@ -552,6 +552,14 @@ START_TEST(test_standalone_large)
 	ck_assert_int_eq(remote_set(remote, &key, bytes, (size_t)REMOTE_VALUE_MAX + 1, 60), ZC_EINVALID);
 	remote_stats_read(remote, &after);
 	ck_assert_uint_eq(after.bytes_sent, before.bytes_sent);
+	/* The limit itself is a value. */
+	void *limit = pattern(REMOTE_VALUE_MAX, 9);
+	ck_assert_int_eq(remote_set(remote, &key, limit, REMOTE_VALUE_MAX, 60), 0);
+	ck_assert_int_eq(remote_get(remote, &key, &value, &len), 0);
+	ck_assert_uint_eq(len, REMOTE_VALUE_MAX);
+	ck_assert_int_eq(memcmp(value, limit, len), 0);
+	free(value);
+	free(limit);
 	/* A value over the limit put there by someone else: refused as it
 	 * arrives, the connection dropped, the next call fine. */
 	size_t huge = (size_t)REMOTE_VALUE_MAX + (1u << 20);
