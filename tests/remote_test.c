@@ -6,6 +6,7 @@
  */
 #include <check.h>
 #include <errno.h>
+#include <pthread.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
 #include <signal.h>
@@ -500,6 +501,63 @@ START_TEST(test_standalone_set_get)
 }
 END_TEST
 
+struct worker {
+	struct remote *remote;
+	uint32_t uid;
+	int failures;
+};
+
+/* One of several threads on one remote: batches of its own keys. */
+static void *worker_run(void *arg)
+{
+	struct worker *w = arg;
+	enum { KEYS = 40 };
+	struct remote_key keys[KEYS];
+	struct remote_item items[KEYS];
+	char values[KEYS][32];
+	for (int round = 0; round < 20; round++) {
+		for (int i = 0; i < KEYS; i++) {
+			keys[i] = block_key(w->uid, "threads", (uint32_t)round, (uint32_t)i);
+			snprintf(values[i], sizeof(values[i]), "%u/%d/%d", w->uid, round, i);
+			items[i] = (struct remote_item){ .key = &keys[i], .value = values[i],
+							 .len = strlen(values[i]) };
+		}
+		if (remote_set_many(w->remote, items, KEYS, 60) != 0 ||
+		    remote_get_many(w->remote, items, KEYS) != 0) {
+			w->failures++;
+			continue;
+		}
+		for (int i = 0; i < KEYS; i++) {
+			w->failures += items[i].status != 0 || items[i].got_len != strlen(values[i]) ||
+				       memcmp(items[i].got, values[i], items[i].got_len) != 0;
+			free(items[i].got);
+		}
+	}
+	return NULL;
+}
+
+/* remote.h promises calls from several threads at once. */
+START_TEST(test_standalone_threads)
+{
+	struct remote *remote = remote_over(&standalone, 1, NULL, 5000);
+	enum { THREADS = 6 };
+	pthread_t threads[THREADS];
+	struct worker workers[THREADS];
+	for (int i = 0; i < THREADS; i++) {
+		workers[i] = (struct worker){ .remote = remote, .uid = 2000 + (uint32_t)i };
+		ck_assert_int_eq(pthread_create(&threads[i], NULL, worker_run, &workers[i]), 0);
+	}
+	for (int i = 0; i < THREADS; i++) {
+		ck_assert_int_eq(pthread_join(threads[i], NULL), 0);
+		ck_assert_int_eq(workers[i].failures, 0);
+	}
+	struct remote_stats stats;
+	remote_stats_read(remote, &stats);
+	ck_assert_uint_eq(stats.latency_count, 1 + THREADS * 20 * 2);
+	remote_close(remote);
+}
+END_TEST
+
 START_TEST(test_standalone_uids_apart)
 {
 	struct remote *remote = remote_over(&standalone, 1, NULL, 2000);
@@ -710,6 +768,35 @@ START_TEST(test_daemon_refuses_credentials)
 	ck_assert(!socket_accepts(socket_path));
 	program_output_free(&result);
 	directory_remove(dir);
+}
+END_TEST
+
+/* zipcached with a wrong password starts (sessions stay local), logs
+ * the refusal once, counts it, and writes the password nowhere. */
+START_TEST(test_daemon_wrong_password)
+{
+	struct daemon_harness daemon;
+	char url[64], listen_at[32], creds[128];
+	uint16_t port = free_tcp_port();
+	snprintf(url, sizeof(url), "redis://127.0.0.1:%u", guarded.port);
+	snprintf(listen_at, sizeof(listen_at), "127.0.0.1:%u", port);
+	credentials_write(creds, sizeof(creds), ACL_USER "\nwrong-" ACL_PASSWORD "\n", 0600);
+	const char *args[] = { "--remote", url, "--remote-credentials", creds, "--metrics-listen",
+			       listen_at, NULL };
+	daemon_start(&daemon, args);
+	char *text = metrics_scrape(port);
+	ck_assert_msg(strstr(text, "\nzipcache_remote_up 0\n"), "%s", text);
+	ck_assert_msg(strstr(text, "\nzipcache_remote_errors_total{reason=\"denied\"} 1\n"), "%s", text);
+	ck_assert_msg(!strstr(text, ACL_PASSWORD), "the password is in /metrics");
+	free(text);
+	daemon_stop(&daemon);
+	char *log = file_read_whole(daemon.log_path, NULL);
+	ck_assert_msg(strstr(log, "event=\"redis down\" error=ZC_EDENIED"), "%s", log);
+	ck_assert_msg(strstr(log, "AUTH as user '" ACL_USER "' refused"), "%s", log);
+	ck_assert_msg(!strstr(log, ACL_PASSWORD), "the password is in the log: %s", log);
+	free(log);
+	daemon_cleanup(&daemon);
+	unlink(creds);
 }
 END_TEST
 
@@ -1069,6 +1156,18 @@ START_TEST(test_cluster_migration)
 }
 END_TEST
 
+/* A key of uid 1000 that node serves. */
+static struct remote_key key_in_node(int node)
+{
+	for (uint32_t block = 0; block < 100000; block++) {
+		struct remote_key key = block_key(1000, "elsewhere", 0, block);
+		if (redis_cluster_slot_owner(&cluster, router_key_slot(key.text, key.len)) == node)
+			return key;
+	}
+	ck_abort_msg("no key for node %d", node);
+	return block_key(0, "x", 0, 0);
+}
+
 /* Last in its case: it kills and restarts a node of the shared cluster. */
 START_TEST(test_cluster_node_killed)
 {
@@ -1078,6 +1177,8 @@ START_TEST(test_cluster_node_killed)
 	size_t len;
 	ck_assert_int_eq(remote_set(remote, &key, "v", 1, 300), 0);
 	int owner = redis_cluster_slot_owner(&cluster, router_key_slot(key.text, key.len));
+	int live = (owner + 1) % REDIS_CLUSTER_NODES;
+	struct remote_key elsewhere = key_in_node(live);
 	redis_server_kill(&cluster.nodes[owner]);
 
 	int64_t start = now_ms();
@@ -1087,6 +1188,26 @@ START_TEST(test_cluster_node_killed)
 	struct remote_stats stats;
 	remote_stats_read(remote, &stats);
 	ck_assert(!stats.up);
+
+	/* Once the others see the node failed, its slots are uncovered and
+	 * the whole cluster answers CLUSTERDOWN (full coverage is required):
+	 * retried with backoff a bounded number of times, then an error. */
+	int64_t deadline = now_ms() + REDIS_HARNESS_WAIT_MS;
+	for (;;) {
+		redisReply *reply = redis_command(&cluster.nodes[live], "CLUSTER INFO");
+		bool failed = strstr(reply->str, "cluster_state:fail") != NULL;
+		freeReplyObject(reply);
+		if (failed)
+			break;
+		ck_assert_msg(now_ms() < deadline, "the cluster never noticed the killed node");
+		sleep_ms(50);
+	}
+	start = now_ms();
+	ck_assert_int_eq(remote_get(remote, &elsewhere, &value, &len), ZC_EREMOTE);
+	ck_assert_int_lt(now_ms() - start, 4000);
+	char why[512];
+	remote_last_error(remote, why, sizeof(why));
+	ck_assert_msg(strstr(why, "CLUSTERDOWN") && strstr(why, "tries"), "%s", why);
 
 	redis_server_restart(&cluster.nodes[owner]);
 	redis_cluster_wait_ok(&cluster);
@@ -1122,6 +1243,7 @@ int main(void)
 	tcase_set_timeout(single, 20);
 	tcase_add_test(single, test_standalone_set_get);
 	tcase_add_test(single, test_standalone_uids_apart);
+	tcase_add_test(single, test_standalone_threads);
 	tcase_add_test(single, test_standalone_large);
 	tcase_add_test(single, test_standalone_ttl);
 	tcase_add_test(single, test_standalone_error_reply);
@@ -1140,6 +1262,7 @@ int main(void)
 	tcase_add_unchecked_fixture(auth, guarded_up, guarded_down);
 	tcase_set_timeout(auth, 20);
 	tcase_add_test(auth, test_auth);
+	tcase_add_test(auth, test_daemon_wrong_password);
 	suite_add_tcase(suite, auth);
 
 	TCase *clustered = tcase_create("cluster");
