@@ -14,10 +14,12 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <stdbool.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -26,6 +28,9 @@
 /* One read() from a socket: large enough that a block of megabytes is a
  * few dozen reads, small enough to keep per router. */
 #define ROUTER_READ_CHUNK (256u << 10)
+/* Bytes of commands encoded ahead of the socket: enough to keep a
+ * pipeline of small commands full, little beside a large value. */
+#define ROUTER_WRITE_AHEAD (1u << 20)
 /* First wait after TRYAGAIN or CLUSTERDOWN; doubled each time (a slot's
  * keys being migrated, a failover's election, take tens of ms). */
 #define ROUTER_BACKOFF_MS 10
@@ -158,6 +163,112 @@ static uint16_t node_get(struct router *r, const char *host_in, size_t host_len,
 	return (uint16_t)r->n_nodes++;
 }
 
+/*
+ * hiredis's reader builds replies through these (its own abort on a
+ * failed allocation, and allocate what a header announces: `*2000000000`
+ * from a broken server is 16 GB of pointers). Ours build the same
+ * redisReply objects (freeReplyObject frees them), count what one reply
+ * allocates against the router's reply_max, and refuse past it or past
+ * ROUTER_MAX_ELEMENTS in one array; a refusal (NULL) is a reader error,
+ * never an abort.
+ */
+static bool reply_charge(const redisReadTask *task, size_t bytes)
+{
+	struct router *r = task->privdata;
+	if (bytes > r->reply_max || r->reply_bytes > r->reply_max - bytes)
+		return false;
+	r->reply_bytes += bytes;
+	return true;
+}
+
+/* Puts reply in its parent array, if it has one. */
+static void *reply_attach(const redisReadTask *task, redisReply *reply)
+{
+	if (task->parent) {
+		redisReply *parent = task->parent->obj;
+		/* NEVER: the reader gives a parent only to elements of an array. */
+		if (parent->type != REDIS_REPLY_ARRAY || (size_t)task->idx >= parent->elements) {
+			freeReplyObject(reply);
+			return NULL;
+		}
+		parent->element[task->idx] = reply;
+	}
+	return reply;
+}
+
+static redisReply *reply_new(const redisReadTask *task, int type, size_t extra)
+{
+	if (!reply_charge(task, sizeof(redisReply) + extra))
+		return NULL;
+	redisReply *reply = calloc(1, sizeof(*reply));
+	if (reply)
+		reply->type = type;
+	return reply;
+}
+
+static void *reply_string(const redisReadTask *task, char *text, size_t len)
+{
+	redisReply *reply = reply_new(task, task->type, len + 1);
+	if (!reply)
+		return NULL;
+	reply->str = malloc(len + 1);
+	if (!reply->str) {
+		free(reply);
+		return NULL;
+	}
+	memcpy(reply->str, text, len);
+	reply->str[len] = '\0';
+	reply->len = len;
+	return reply_attach(task, reply);
+}
+
+static void *reply_array(const redisReadTask *task, int elements)
+{
+	if (elements > ROUTER_MAX_ELEMENTS)
+		return NULL;
+	size_t n = elements > 0 ? (size_t)elements : 0;
+	redisReply *reply = reply_new(task, REDIS_REPLY_ARRAY, n * sizeof(redisReply *));
+	if (!reply)
+		return NULL;
+	if (n) {
+		reply->element = calloc(n, sizeof(redisReply *));
+		if (!reply->element) {
+			free(reply);
+			return NULL;
+		}
+	}
+	reply->elements = n;
+	return reply_attach(task, reply);
+}
+
+static void *reply_integer(const redisReadTask *task, long long value)
+{
+	redisReply *reply = reply_new(task, REDIS_REPLY_INTEGER, 0);
+	if (!reply)
+		return NULL;
+	reply->integer = value;
+	return reply_attach(task, reply);
+}
+
+static void *reply_nil(const redisReadTask *task)
+{
+	redisReply *reply = reply_new(task, REDIS_REPLY_NIL, 0);
+	return reply ? reply_attach(task, reply) : NULL;
+}
+
+static void reply_free(void *reply)
+{
+	freeReplyObject(reply);
+}
+
+static redisReplyObjectFunctions reply_functions = {
+	.createString = reply_string,
+	.createArray = reply_array,
+	.createInteger = reply_integer,
+	.createNil = reply_nil,
+	.freeObject = reply_free,
+};
+
 /* One step of a pipelined exchange: a command to send and its reply. */
 struct exchange_item {
 	int argc;
@@ -178,28 +289,43 @@ static void items_clear(struct exchange_item *items, size_t count)
 /*
  * Sends every item on the node's connection and reads every reply, by the
  * deadline; the node's connection is dropped on any failure (its stream
- * can no longer be trusted to line up). Replies are taken out of the
- * reader as soon as they are whole, so what is buffered is at most one
- * reply in progress: a reply growing past reply_max fails
- * before the router holds it.
+ * can no longer be trusted to line up).
+ *
+ * Commands are encoded into hiredis's output buffer a few at a time, up
+ * to ROUTER_WRITE_AHEAD bytes (or one command larger than that), and the
+ * buffer is written out from an offset of ours before more are encoded:
+ * a batch of a whole session's blocks is never copied whole, and a large
+ * value is not moved down the buffer after every partial write (what
+ * redisBufferWrite does). Replies are taken out of the reader as soon as
+ * they are whole, so what is buffered is at most one reply in progress: a
+ * reply growing past reply_max fails before the router holds it.
  */
 static int exchange(struct router *r, struct router_node *node, struct exchange_item *items,
 		    size_t count, int64_t deadline)
 {
 	redisContext *c = node->context;
-	size_t next = 0;
+	size_t next = 0, encoded = 0, sent = 0;
 	int rc = 0;
 
-	for (size_t i = 0; i < count; i++)
-		if (redisAppendCommandArgv(c, items[i].argc, (const char **)items[i].argv,
-					   items[i].argvlen) != REDIS_OK) {
-			why_set(r, "cannot encode a command for %s:%u: %s", node->at.host,
-				node->at.port, c->errstr);
-			rc = -ENOMEM;
-			goto out_drop;
-		}
-	int written = 0;
+	r->reply_bytes = 0;
+
 	while (next < count) {
+		/* Refill the output buffer once it has all gone out. */
+		if (sent == sdslen(c->obuf)) {
+			sdsclear(c->obuf);
+			sent = 0;
+			while (encoded < count && sdslen(c->obuf) < ROUTER_WRITE_AHEAD) {
+				const struct exchange_item *item = &items[encoded++];
+				if (redisAppendCommandArgv(c, item->argc, (const char **)item->argv,
+							   item->argvlen) != REDIS_OK) {
+					why_set(r, "cannot encode a command for %s:%u: %s", node->at.host,
+						node->at.port, c->errstr);
+					rc = -ENOMEM;
+					goto out_drop;
+				}
+			}
+		}
+		bool writing = sent < sdslen(c->obuf);
 		int64_t left = deadline - clock_ms();
 		if (left <= 0) {
 			why_set(r, "%s:%u did not answer within %u ms", node->at.host, node->at.port,
@@ -207,7 +333,7 @@ static int exchange(struct router *r, struct router_node *node, struct exchange_
 			rc = -ETIMEDOUT;
 			goto out_drop;
 		}
-		struct pollfd p = { .fd = c->fd, .events = POLLIN | (written ? 0 : POLLOUT) };
+		struct pollfd p = { .fd = c->fd, .events = POLLIN | (writing ? POLLOUT : 0) };
 		int ready = poll(&p, 1, (int)(left > 1000000 ? 1000000 : left));
 		if (ready < 0 && errno == EINTR)
 			continue;
@@ -218,14 +344,17 @@ static int exchange(struct router *r, struct router_node *node, struct exchange_
 		}
 		if (ready == 0)
 			continue;
-		if (!written && (p.revents & (POLLOUT | POLLERR | POLLHUP))) {
-			size_t before = sdslen(c->obuf);
-			if (redisBufferWrite(c, &written) != REDIS_OK) {
-				why_set(r, "write to %s:%u: %s", node->at.host, node->at.port, c->errstr);
+		if (writing && (p.revents & (POLLOUT | POLLERR | POLLHUP))) {
+			ssize_t n = send(c->fd, c->obuf + sent, sdslen(c->obuf) - sent, MSG_NOSIGNAL);
+			if (n < 0 && errno != EAGAIN && errno != EINTR) {
+				why_set(r, "write to %s:%u: %s", node->at.host, node->at.port, strerror(errno));
 				rc = ZC_EREMOTE;
 				goto out_drop;
 			}
-			__atomic_fetch_add(&r->bytes_sent, before - sdslen(c->obuf), __ATOMIC_RELAXED);
+			if (n > 0) {
+				sent += (size_t)n;
+				__atomic_fetch_add(&r->bytes_sent, (uint64_t)n, __ATOMIC_RELAXED);
+			}
 		}
 		if (!(p.revents & (POLLIN | POLLERR | POLLHUP)))
 			continue;
@@ -248,6 +377,7 @@ static int exchange(struct router *r, struct router_node *node, struct exchange_
 				goto out_protocol;
 			if (!reply)
 				break;
+			r->reply_bytes = 0;
 			items[next++].reply = reply;
 		}
 		/* What is left is one reply in progress. */
@@ -258,12 +388,14 @@ static int exchange(struct router *r, struct router_node *node, struct exchange_
 			goto out_drop;
 		}
 	}
-	if (!written) {
-		/* Every reply came before our last byte left: not Redis. */
+	if (encoded < count || sent < sdslen(c->obuf)) {
+		/* Every reply came before our last byte left: not Redis, and
+		 * a command cut short is on the wire. */
 		why_set(r, "%s:%u answered before the request was sent", node->at.host, node->at.port);
 		rc = ZC_EREMOTE;
 		goto out_drop;
 	}
+	sdsclear(c->obuf);
 	return 0;
 
 out_protocol:
@@ -314,6 +446,8 @@ static int node_connect(struct router *r, struct router_node *node)
 	/* hiredis frees an idle reader buffer above maxbuf: after a block of
 	 * megabytes the buffer goes back instead of staying per node. */
 	c->reader->maxbuf = 64u << 10;
+	c->reader->fn = &reply_functions;
+	c->reader->privdata = r;
 	node->context = c;
 	if (!r->password)
 		return 0;

@@ -32,6 +32,9 @@
  * TRYAGAIN/CLUSTERDOWN waits. A slot moves once per migration; five
  * covers a migration racing a failover, and a loop ends. */
 #define ROUTER_MAX_TRIES 6
+/* Elements of one array in a reply: CLUSTER SLOTS of the largest
+ * cluster has at most one range per slot; our commands need no more. */
+#define ROUTER_MAX_ELEMENTS 65536
 /* Longest host name (DNS's 253, and room for an IPv6 literal). */
 #define ROUTER_HOST_MAX 256
 
@@ -51,7 +54,8 @@ struct router {
 	const char *user;         /* ACL user, or NULL for the default user */
 	const char *password;     /* NULL: no AUTH */
 	uint32_t timeout_ms;
-	size_t reply_max;         /* bytes of one reply buffered before giving up */
+	size_t reply_max;         /* bytes of one reply buffered (or built) before giving up */
+	size_t reply_bytes;       /* what the reply being read has allocated so far */
 	bool discovered;          /* standalone or cluster is known */
 	bool cluster;
 	bool refresh;             /* a MOVED or a lost node: read the slot map again */

@@ -589,7 +589,7 @@ int remote_set_many(struct remote *r, const struct remote_item *items, size_t co
 static int check_value(struct remote *r, struct router_command *c, void *arg, size_t index)
 {
 	struct remote_item *item = &((struct remote_item *)arg)[index];
-	const redisReply *reply = c->reply;
+	redisReply *reply = c->reply;
 	item->got = NULL;
 	item->got_len = 0;
 	if (reply->type == REDIS_REPLY_NIL) {
@@ -603,12 +603,11 @@ static int check_value(struct remote *r, struct router_command *c, void *arg, si
 			 (size_t)reply->len, REMOTE_VALUE_MAX);
 		return item->status = ZC_EREMOTE;
 	}
-	/* One byte more, so an empty value is not malloc(0). */
-	item->got = malloc(reply->len + 1);
-	if (!item->got)
-		return item->status = -ENOMEM;
-	memcpy(item->got, reply->str, reply->len);
+	/* hiredis made the string with malloc (len + 1 bytes): taken over,
+	 * not copied; freeReplyObject frees the NULL left behind. */
+	item->got = reply->str;
 	item->got_len = reply->len;
+	c->reply->str = NULL;
 	item->status = 0;
 	return 0;
 }

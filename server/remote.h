@@ -33,8 +33,9 @@
  * session at its largest shape is a few MiB; 64 MiB leaves room and still
  * bounds what a broken or hostile server can make us buffer. */
 #define REMOTE_VALUE_MAX (64u << 20)
-/* What a reply may add to a value: RESP framing ($LENGTH CR LF ... CR LF). */
-#define REMOTE_REPLY_SLACK 64u
+/* What a reply may add to a value: RESP framing ($LENGTH CR LF ... CR LF)
+ * and the reply object hiredis's reader builds around it. */
+#define REMOTE_REPLY_SLACK 4096u
 /* --remote-timeout-ms's default: a loopback or LAN round trip is well
  * under a millisecond; a block of MiBs a few; a stalled server is not
  * waited for longer than this per exchange. */

@@ -904,42 +904,94 @@ START_TEST(test_slow_server_times_out)
 }
 END_TEST
 
-/* A "server" that answers anything with bytes that are not RESP. */
+/* A "server" that answers whatever it is sent with payload, then closes. */
+struct garbage {
+	int listener;
+	const char *payload;
+	size_t len;
+};
+
 static int garbage_body(void *arg)
 {
-	int listener = *(int *)arg;
+	const struct garbage *g = arg;
 	for (;;) {
-		int fd = accept(listener, NULL, NULL);
+		int fd = accept(g->listener, NULL, NULL);
 		if (fd < 0)
 			return 0;
 		char buffer[4096];
-		if (read(fd, buffer, sizeof(buffer)) > 0 && write(fd, "@#garbage\r\n", 11) < 0)
-			return 1;
+		if (read(fd, buffer, sizeof(buffer)) > 0) {
+			for (size_t at = 0; at < g->len;) {
+				ssize_t n = write(fd, g->payload + at, g->len - at);
+				if (n <= 0)
+					break;
+				at += (size_t)n;
+			}
+		}
 		close(fd);
 	}
 }
 
+/* Bytes that are no Redis reply, or announce what no reply may hold:
+ * an error value each time, never a crash or an allocation to match. */
 START_TEST(test_garbage_server)
 {
-	int listener = socket(AF_INET, SOCK_STREAM, 0);
-	struct sockaddr_in address = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	socklen_t length = sizeof(address);
-	ck_assert_int_eq(bind(listener, (struct sockaddr *)&address, sizeof(address)), 0);
-	ck_assert_int_eq(listen(listener, 8), 0);
-	ck_assert_int_eq(getsockname(listener, (struct sockaddr *)&address, &length), 0);
-	pid_t helper = child_spawn(garbage_body, &listener, -1);
-	struct redis_server fake = { .port = ntohs(address.sin_port) };
-	struct remote *remote = remote_over(&fake, 1, NULL, 500);
-	struct remote_key key = block_key(1000, "garbage", 0, 0);
-	void *value;
-	size_t len;
-	ck_assert_int_eq(remote_get(remote, &key, &value, &len), ZC_EREMOTE);
-	char why[512];
-	remote_last_error(remote, why, sizeof(why));
-	ck_assert_msg(strstr(why, "protocol error"), "%s", why);
-	remote_close(remote);
-	kill(helper, SIGKILL);
-	close(listener);
+	/* Arrays in arrays, deeper than the reader goes. */
+	size_t deep_len = 0;
+	char deep[16 * 12];
+	for (int i = 0; i < 12; i++)
+		deep_len += (size_t)sprintf(deep + deep_len, "*60000\r\n");
+	/* An array of 60000 arrays of 60000 integers, the first 25 of them
+	 * sent: 6 MB of bytes that would be 80 MB of reply objects, past
+	 * what one reply may hold. */
+	size_t bomb_len = 0;
+	char *bomb = malloc(16 + 25 * (16 + 60000 * 4));
+	ck_assert_ptr_nonnull(bomb);
+	bomb_len += (size_t)sprintf(bomb, "*60000\r\n");
+	for (int i = 0; i < 25; i++) {
+		bomb_len += (size_t)sprintf(bomb + bomb_len, "*60000\r\n");
+		for (int k = 0; k < 60000; k++) {
+			memcpy(bomb + bomb_len, ":1\r\n", 4);
+			bomb_len += 4;
+		}
+	}
+	static const char huge_array[] = "*2000000000\r\n";
+	static const char cut_short[] = "$10\r\nabc";
+	static const char not_resp[] = "@#garbage\r\n";
+	const struct {
+		const char *payload;
+		size_t len;
+		const char *says;
+	} cases[] = {
+		{ not_resp, sizeof(not_resp) - 1, "protocol error" },
+		{ huge_array, sizeof(huge_array) - 1, "Out of memory" },
+		{ deep, deep_len, "nested" },
+		{ bomb, bomb_len, "Out of memory" },
+		{ cut_short, sizeof(cut_short) - 1, "closed the connection" },
+	};
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		int listener = socket(AF_INET, SOCK_STREAM, 0);
+		struct sockaddr_in address = { .sin_family = AF_INET,
+					       .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+		socklen_t length = sizeof(address);
+		ck_assert_int_eq(bind(listener, (struct sockaddr *)&address, sizeof(address)), 0);
+		ck_assert_int_eq(listen(listener, 8), 0);
+		ck_assert_int_eq(getsockname(listener, (struct sockaddr *)&address, &length), 0);
+		struct garbage g = { listener, cases[i].payload, cases[i].len };
+		pid_t helper = child_spawn(garbage_body, &g, -1);
+		struct redis_server fake = { .port = ntohs(address.sin_port) };
+		struct remote *remote = remote_over(&fake, 1, NULL, 2000);
+		struct remote_key key = block_key(1000, "garbage", 0, 0);
+		void *value;
+		size_t len;
+		ck_assert_int_eq(remote_get(remote, &key, &value, &len), ZC_EREMOTE);
+		char why[512];
+		remote_last_error(remote, why, sizeof(why));
+		ck_assert_msg(strstr(why, cases[i].says), "case %zu: %s", i, why);
+		remote_close(remote);
+		kill(helper, SIGKILL);
+		close(listener);
+	}
+	free(bomb);
 }
 END_TEST
 
