@@ -1114,6 +1114,27 @@ START_TEST(test_cluster_many)
 }
 END_TEST
 
+/* The first address given is down: the next one tells the slot map, and
+ * nothing is sent to the dead one again. */
+START_TEST(test_cluster_dead_seed)
+{
+	struct redis_server seeds[2] = { { .port = free_tcp_port() }, cluster.nodes[1] };
+	struct remote *remote = remote_over(seeds, 2, NULL, 1000);
+	struct remote_key key = block_key(1000, "dead-seed", 0, 0);
+	void *value;
+	size_t len;
+	ck_assert_int_eq(remote_set(remote, &key, "v", 1, 60), 0);
+	ck_assert_int_eq(remote_get(remote, &key, &value, &len), 0);
+	free(value);
+	struct remote_stats stats;
+	remote_stats_read(remote, &stats);
+	ck_assert(stats.up);
+	for (int i = 0; i < REMOTE_ERROR_KIND_COUNT; i++)
+		ck_assert_uint_eq(stats.errors[i], 0);
+	remote_close(remote);
+}
+END_TEST
+
 /* A key of uid 1000 whose slot is slot (the block number searched). */
 static struct remote_key key_in_slot(unsigned slot, uint32_t layer)
 {
@@ -1322,6 +1343,7 @@ int main(void)
 	tcase_set_timeout(clustered, 30);
 	tcase_add_test(clustered, test_cluster_keyslot);
 	tcase_add_test(clustered, test_cluster_many);
+	tcase_add_test(clustered, test_cluster_dead_seed);
 	tcase_add_test(clustered, test_cluster_migration);
 	tcase_add_test(clustered, test_cluster_node_killed);
 	suite_add_tcase(suite, clustered);
