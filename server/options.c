@@ -121,7 +121,7 @@ void options_print_help(const char *program, const struct options *configured)
 	       "                           first contact): redis://HOST:PORT[,HOST:PORT...] (default none;\n"
 	       "                           docs/REMOTE.md)\n"
 	       "  --remote-credentials FILE  Redis ACL user (line 1) and password (line 2); the file must be\n"
-	       "                           owned by zipcached's uid (or root) and mode 0600 or stricter\n"
+	       "                           zipcached's uid's with mode 0600, or root's with mode 0640, or stricter\n"
 	       "  --remote-timeout-ms MS   bound on each connect and exchange with Redis (default %u)\n"
 	       "  --log-level LEVEL        error|warn|info|debug (default info)\n"
 	       "  --config FILE            read flags from FILE first: `flag-name = value` per line, # comments\n"
@@ -218,8 +218,19 @@ static const struct option long_options[] = {
 	{ NULL, 0, NULL, 0 }
 };
 
+/* Why the last value was refused, where a parser says more than errno's
+ * text ("the port is outside 1..65535"); "" otherwise. */
+static char value_why[300];
+
+/* The reason a value was refused, for the message. */
+static const char *value_refusal(int rc)
+{
+	return value_why[0] ? value_why : strerror(-rc);
+}
+
 static int option_apply(struct options *o, int id, const char *arg)
 {
+	value_why[0] = '\0';
 	uint64_t value = 0;
 	switch (id) {
 	case OPT_SOCKET:
@@ -259,14 +270,8 @@ static int option_apply(struct options *o, int id, const char *arg)
 		return 0;
 	case OPT_LOG_LEVEL:
 		return log_level_parse(arg, &o->log_level);
-	case OPT_REMOTE: {
-		char why[300];
-		if (remote_url_parse(arg, &o->remote, why, sizeof(why)) < 0) {
-			fprintf(stderr, "zipcached: --remote: %s\n", why);
-			return -EINVAL;
-		}
-		return 0;
-	}
+	case OPT_REMOTE:
+		return remote_url_parse(arg, &o->remote, value_why, sizeof(value_why));
 	case OPT_REMOTE_CREDENTIALS:
 		/* Only the path: the file is read (and its mode checked) at start. */
 		if (!*arg || strlen(arg) >= sizeof(o->remote.credentials_path))
@@ -435,7 +440,7 @@ int options_load_file(struct options *options, const char *path)
 		rc = option_apply(options, found->val, value);
 		if (rc < 0) {
 			fprintf(stderr, "zipcached: %s:%u: bad value for %s: '%s' (%s)\n", path, number,
-				key, value, strerror(-rc));
+				key, value, value_refusal(rc));
 			rc = -EINVAL;
 		}
 	}
@@ -481,7 +486,7 @@ int options_parse(struct options *options, int argc, char **argv)
 		int rc = option_apply(options, id, optarg);
 		if (rc < 0) {
 			fprintf(stderr, "zipcached: bad value for --%s: '%s' (%s)\n", option_name(id),
-				optarg ? optarg : "", strerror(-rc));
+				optarg ? optarg : "", value_refusal(rc));
 			return -EINVAL;
 		}
 	}

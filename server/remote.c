@@ -411,7 +411,8 @@ static int batch_run(struct remote *r, struct router_command *commands, size_t c
 		if (one < 0 && one != ZC_ENOTFOUND)
 			rc = one;
 	}
-	/* A refused AUTH is Redis answering, but the tier is unusable. */
+	/* Down is the router's failure, a refused AUTH included (Redis
+	 * answers, but the tier cannot be used); an error reply is not. */
 	call_end(r, start, rc, reachable);
 	router_commands_clear(commands, count);
 	return rc;
