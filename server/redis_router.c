@@ -174,10 +174,10 @@ static uint16_t node_get(struct router *r, const char *host_in, size_t host_len,
  */
 static bool reply_charge(const redisReadTask *task, size_t bytes)
 {
-	struct router *r = task->privdata;
-	if (bytes > r->reply_max || r->reply_bytes > r->reply_max - bytes)
+	struct router_budget *budget = task->privdata;
+	if (bytes > budget->max || budget->used > budget->max - bytes)
 		return false;
-	r->reply_bytes += bytes;
+	budget->used += bytes;
 	return true;
 }
 
@@ -287,9 +287,12 @@ static void items_clear(struct exchange_item *items, size_t count)
 }
 
 /*
- * Sends every item on the node's connection and reads every reply, by the
- * deadline; the node's connection is dropped on any failure (its stream
- * can no longer be trusted to line up).
+ * One node's part of a round: its items sent on its connection and every
+ * reply read, by the round's deadline; on any failure the node's
+ * connection is dropped (its stream can no longer be trusted to line up).
+ * The exchanges of a round run together, in one poll() over their nodes,
+ * so a batch over a cluster takes as long as its slowest node, not the
+ * sum.
  *
  * Commands are encoded into hiredis's output buffer a few at a time, up
  * to ROUTER_WRITE_AHEAD bytes (or one command larger than that), and the
@@ -300,111 +303,186 @@ static void items_clear(struct exchange_item *items, size_t count)
  * they are whole, so what is buffered is at most one reply in progress: a
  * reply growing past reply_max fails before the router holds it.
  */
-static int exchange(struct router *r, struct router_node *node, struct exchange_item *items,
-		    size_t count, int64_t deadline)
+struct exchange {
+	struct router_node *node;
+	struct exchange_item *items;
+	size_t count;
+	size_t next;       /* replies read */
+	size_t encoded;    /* items put in the output buffer */
+	size_t sent;       /* bytes of the output buffer written */
+	bool ended;
+	int rc;            /* once ended: 0 or the failure */
+};
+
+static void exchange_end(struct exchange *x, int rc)
 {
-	redisContext *c = node->context;
-	size_t next = 0, encoded = 0, sent = 0;
-	int rc = 0;
+	x->ended = true;
+	x->rc = rc;
+	if (rc < 0) {
+		items_clear(x->items, x->count);
+		node_drop(x->node);
+	} else
+		sdsclear(x->node->context->obuf);
+}
 
-	r->reply_bytes = 0;
+static void exchange_begin(struct router *r, struct exchange *x, struct router_node *node,
+			   struct exchange_item *items, size_t count)
+{
+	*x = (struct exchange){ .node = node, .items = items, .count = count };
+	/* Set here, not at connect: the budget lives in the node table,
+	 * which may have grown (moved) since. */
+	node->budget = (struct router_budget){ .max = r->reply_max };
+	node->context->reader->privdata = &node->budget;
+	if (count == 0)
+		exchange_end(x, 0);
+}
 
-	while (next < count) {
-		/* Refill the output buffer once it has all gone out. */
-		if (sent == sdslen(c->obuf)) {
-			sdsclear(c->obuf);
-			sent = 0;
-			while (encoded < count && sdslen(c->obuf) < ROUTER_WRITE_AHEAD) {
-				const struct exchange_item *item = &items[encoded++];
-				if (redisAppendCommandArgv(c, item->argc, (const char **)item->argv,
-							   item->argvlen) != REDIS_OK) {
-					why_set(r, "cannot encode a command for %s:%u: %s", node->at.host,
-						node->at.port, c->errstr);
-					rc = -ENOMEM;
-					goto out_drop;
-				}
+/* What x waits for (refilling its output buffer first); 0 once it ended. */
+static short exchange_events(struct router *r, struct exchange *x)
+{
+	redisContext *c = x->node->context;
+	if (x->sent == sdslen(c->obuf)) {
+		sdsclear(c->obuf);
+		x->sent = 0;
+		while (x->encoded < x->count && sdslen(c->obuf) < ROUTER_WRITE_AHEAD) {
+			const struct exchange_item *item = &x->items[x->encoded++];
+			if (redisAppendCommandArgv(c, item->argc, (const char **)item->argv,
+						   item->argvlen) != REDIS_OK) {
+				why_set(r, "cannot encode a command for %s:%u: %s", x->node->at.host,
+					x->node->at.port, c->errstr);
+				exchange_end(x, -ENOMEM);
+				return 0;
 			}
-		}
-		bool writing = sent < sdslen(c->obuf);
-		int64_t left = deadline - clock_ms();
-		if (left <= 0) {
-			why_set(r, "%s:%u did not answer within %u ms", node->at.host, node->at.port,
-				r->timeout_ms);
-			rc = -ETIMEDOUT;
-			goto out_drop;
-		}
-		struct pollfd p = { .fd = c->fd, .events = POLLIN | (writing ? POLLOUT : 0) };
-		int ready = poll(&p, 1, (int)(left > 1000000 ? 1000000 : left));
-		if (ready < 0 && errno == EINTR)
-			continue;
-		if (ready < 0) {
-			why_set(r, "poll on %s:%u: %s", node->at.host, node->at.port, strerror(errno));
-			rc = ZC_EREMOTE;
-			goto out_drop;
-		}
-		if (ready == 0)
-			continue;
-		if (writing && (p.revents & (POLLOUT | POLLERR | POLLHUP))) {
-			ssize_t n = send(c->fd, c->obuf + sent, sdslen(c->obuf) - sent, MSG_NOSIGNAL);
-			if (n < 0 && errno != EAGAIN && errno != EINTR) {
-				why_set(r, "write to %s:%u: %s", node->at.host, node->at.port, strerror(errno));
-				rc = ZC_EREMOTE;
-				goto out_drop;
-			}
-			if (n > 0) {
-				sent += (size_t)n;
-				__atomic_fetch_add(&r->bytes_sent, (uint64_t)n, __ATOMIC_RELAXED);
-			}
-		}
-		if (!(p.revents & (POLLIN | POLLERR | POLLHUP)))
-			continue;
-		ssize_t n = read(c->fd, r->read_buffer, ROUTER_READ_CHUNK);
-		if (n < 0 && (errno == EAGAIN || errno == EINTR))
-			continue;
-		if (n <= 0) {
-			why_set(r, "%s:%u closed the connection%s%s", node->at.host, node->at.port,
-				n < 0 ? ": " : "", n < 0 ? strerror(errno) : "");
-			rc = ZC_EREMOTE;
-			goto out_drop;
-		}
-		__atomic_fetch_add(&r->bytes_received, (uint64_t)n, __ATOMIC_RELAXED);
-		redisReader *reader = c->reader;
-		if (redisReaderFeed(reader, r->read_buffer, (size_t)n) != REDIS_OK)
-			goto out_protocol;
-		while (next < count) {
-			void *reply = NULL;
-			if (redisReaderGetReply(reader, &reply) != REDIS_OK)
-				goto out_protocol;
-			if (!reply)
-				break;
-			r->reply_bytes = 0;
-			items[next++].reply = reply;
-		}
-		/* What is left is one reply in progress. */
-		if (reader->len - reader->pos > r->reply_max) {
-			why_set(r, "a reply from %s:%u is larger than %zu bytes", node->at.host,
-				node->at.port, r->reply_max);
-			rc = ZC_EREMOTE;
-			goto out_drop;
 		}
 	}
-	if (encoded < count || sent < sdslen(c->obuf)) {
+	return POLLIN | (x->sent < sdslen(c->obuf) ? POLLOUT : 0);
+}
+
+/* What poll() said of x's socket: write, read, take whole replies. */
+static void exchange_step(struct router *r, struct exchange *x, short revents)
+{
+	struct router_node *node = x->node;
+	redisContext *c = node->context;
+	if (x->sent < sdslen(c->obuf) && (revents & (POLLOUT | POLLERR | POLLHUP))) {
+		ssize_t n = send(c->fd, c->obuf + x->sent, sdslen(c->obuf) - x->sent, MSG_NOSIGNAL);
+		if (n < 0 && errno != EAGAIN && errno != EINTR) {
+			why_set(r, "write to %s:%u: %s", node->at.host, node->at.port, strerror(errno));
+			exchange_end(x, ZC_EREMOTE);
+			return;
+		}
+		if (n > 0) {
+			x->sent += (size_t)n;
+			__atomic_fetch_add(&r->bytes_sent, (uint64_t)n, __ATOMIC_RELAXED);
+		}
+	}
+	if (!(revents & (POLLIN | POLLERR | POLLHUP)))
+		return;
+	ssize_t n = read(c->fd, r->read_buffer, ROUTER_READ_CHUNK);
+	if (n < 0 && (errno == EAGAIN || errno == EINTR))
+		return;
+	if (n <= 0) {
+		why_set(r, "%s:%u closed the connection%s%s", node->at.host, node->at.port,
+			n < 0 ? ": " : "", n < 0 ? strerror(errno) : "");
+		exchange_end(x, ZC_EREMOTE);
+		return;
+	}
+	__atomic_fetch_add(&r->bytes_received, (uint64_t)n, __ATOMIC_RELAXED);
+	redisReader *reader = c->reader;
+	if (redisReaderFeed(reader, r->read_buffer, (size_t)n) != REDIS_OK)
+		goto out_protocol;
+	while (x->next < x->count) {
+		void *reply = NULL;
+		if (redisReaderGetReply(reader, &reply) != REDIS_OK)
+			goto out_protocol;
+		if (!reply)
+			break;
+		node->budget.used = 0;
+		x->items[x->next++].reply = reply;
+	}
+	/* What is left is one reply in progress. */
+	if (reader->len - reader->pos > r->reply_max) {
+		why_set(r, "a reply from %s:%u is larger than %zu bytes", node->at.host, node->at.port,
+			r->reply_max);
+		exchange_end(x, ZC_EREMOTE);
+		return;
+	}
+	if (x->next < x->count)
+		return;
+	if (x->encoded < x->count || x->sent < sdslen(c->obuf)) {
 		/* Every reply came before our last byte left: not Redis, and
 		 * a command cut short is on the wire. */
 		why_set(r, "%s:%u answered before the request was sent", node->at.host, node->at.port);
-		rc = ZC_EREMOTE;
-		goto out_drop;
+		exchange_end(x, ZC_EREMOTE);
+		return;
 	}
-	sdsclear(c->obuf);
-	return 0;
+	exchange_end(x, 0);
+	return;
 
 out_protocol:
-	why_set(r, "protocol error from %s:%u: %s", node->at.host, node->at.port, c->reader->errstr);
-	rc = ZC_EREMOTE;
-out_drop:
-	items_clear(items, count);
-	node_drop(node);
-	return rc;
+	why_set(r, "protocol error from %s:%u: %s", node->at.host, node->at.port, reader->errstr);
+	exchange_end(x, ZC_EREMOTE);
+}
+
+/* Runs exchanges to their ends by deadline, all at once. */
+static void exchanges_run(struct router *r, struct exchange *xs, size_t n, int64_t deadline)
+{
+	struct pollfd *fds = calloc(n ? n : 1, sizeof(*fds));
+	size_t *which = calloc(n ? n : 1, sizeof(*which));
+	if (!fds || !which) {
+		for (size_t i = 0; i < n; i++)
+			if (!xs[i].ended)
+				exchange_end(&xs[i], -ENOMEM);
+		goto out_free;
+	}
+	for (;;) {
+		size_t active = 0;
+		for (size_t i = 0; i < n; i++) {
+			if (xs[i].ended)
+				continue;
+			short events = exchange_events(r, &xs[i]);
+			if (xs[i].ended)
+				continue;
+			fds[active] = (struct pollfd){ .fd = xs[i].node->context->fd, .events = events };
+			which[active++] = i;
+		}
+		if (active == 0)
+			break;
+		int64_t left = deadline - clock_ms();
+		if (left <= 0) {
+			for (size_t k = 0; k < active; k++) {
+				struct router_node *node = xs[which[k]].node;
+				why_set(r, "%s:%u did not answer within %u ms", node->at.host, node->at.port,
+					r->timeout_ms);
+				exchange_end(&xs[which[k]], -ETIMEDOUT);
+			}
+			break;
+		}
+		int ready = poll(fds, active, (int)(left > 1000000 ? 1000000 : left));
+		if (ready < 0 && errno == EINTR)
+			continue;
+		if (ready < 0) {
+			why_set(r, "poll: %s", strerror(errno));
+			for (size_t k = 0; k < active; k++)
+				exchange_end(&xs[which[k]], ZC_EREMOTE);
+			break;
+		}
+		for (size_t k = 0; ready > 0 && k < active; k++)
+			if (fds[k].revents)
+				exchange_step(r, &xs[which[k]], fds[k].revents);
+	}
+out_free:
+	free(fds);
+	free(which);
+}
+
+/* One node's items, alone (AUTH, CLUSTER SLOTS). */
+static int exchange(struct router *r, struct router_node *node, struct exchange_item *items,
+		    size_t count, int64_t deadline)
+{
+	struct exchange x;
+	exchange_begin(r, &x, node, items, count);
+	exchanges_run(r, &x, 1, deadline);
+	return x.rc;
 }
 
 /* Whether an error reply begins with word (followed by a space or end). */
@@ -447,7 +525,6 @@ static int node_connect(struct router *r, struct router_node *node)
 	 * megabytes the buffer goes back instead of staying per node. */
 	c->reader->maxbuf = 64u << 10;
 	c->reader->fn = &reply_functions;
-	c->reader->privdata = r;
 	node->context = c;
 	if (!r->password)
 		return 0;
@@ -643,94 +720,149 @@ static uint16_t redirect_target(struct router *r, const redisReply *reply, uint1
 static const char *const asking_argv[1] = { "ASKING" };
 static const size_t asking_len[1] = { 6 };
 
-/*
- * Sends every pending command bound for node, an ASKING before each that
- * an ASK redirected, and files the replies. A connection that was already
- * open may have died since (a server restarted): after an I/O failure on
- * it the node's commands are tried once more on a new connection.
- * Returns 0 or the failure every one of those commands now carries.
- */
-static int node_round(struct router *r, uint16_t index, struct router_command *commands,
-		      size_t count, size_t pending)
+/* Files a node's replies: answers, or redirections and waits to retry. */
+static void replies_file(struct router *r, uint16_t index, struct router_command *commands,
+			 struct exchange_item *items, const size_t *owner, size_t n)
 {
 	struct router_node *node = &r->nodes[index];
-	struct exchange_item *items = calloc(pending * 2, sizeof(*items));
-	size_t *owner = calloc(pending * 2, sizeof(*owner));
-	int rc = -ENOMEM;
-	if (!items || !owner)
-		goto out_fail;
+	for (size_t k = 0; k < n; k++) {
+		if (owner[k] == SIZE_MAX) {
+			freeReplyObject(items[k].reply);
+			continue;
+		}
+		struct router_command *cmd = &commands[owner[k]];
+		redisReply *reply = items[k].reply;
+		uint16_t slot = 0, target;
+		cmd->asking = false;
+		cmd->tries++;
+		if (r->cluster && (reply_is(reply, "MOVED") || reply_is(reply, "ASK")) &&
+		    (target = redirect_target(r, reply, index, &slot)) != NO_NODE) {
+			if (reply_is(reply, "MOVED")) {
+				/* This slot now; the rest of the map when the
+				 * round is over. */
+				r->slot_node[slot] = target;
+				r->refresh = true;
+			} else
+				cmd->asking = true;
+			__atomic_fetch_add(&r->redirections, 1, __ATOMIC_RELAXED);
+			cmd->node = target;
+			freeReplyObject(reply);
+			continue;
+		}
+		if (reply_is(reply, "TRYAGAIN") || reply_is(reply, "CLUSTERDOWN")) {
+			cmd->node = NO_NODE; /* back off, then ask the map */
+			why_set(r, "%.*s from %s:%u", (int)reply->len, reply->str, node->at.host,
+				node->at.port);
+			freeReplyObject(reply);
+			continue;
+		}
+		cmd->reply = reply;
+		cmd->done = true;
+		cmd->status = 0;
+	}
+}
 
-	for (int attempt = 0; attempt < 2; attempt++) {
-		bool reused = node->context != NULL;
-		rc = node_connect(r, node);
-		if (rc < 0)
-			goto out_fail;
-		size_t n = 0;
+/* Every pending command of one node fails with rc. */
+static void node_fail(struct router_command *commands, size_t count, uint16_t index, int rc)
+{
+	for (size_t i = 0; i < count; i++)
+		if (!commands[i].done && commands[i].node == index) {
+			commands[i].done = true;
+			commands[i].status = rc;
+		}
+}
+
+/* A node's part of a round. */
+struct round_node {
+	uint16_t index;
+	bool reused;                  /* its connection was open before the round */
+	struct exchange_item *items;  /* an ASKING before each command an ASK redirected */
+	size_t *owner;                /* the command of each item; SIZE_MAX for ASKING */
+	size_t n;
+};
+
+/*
+ * One round: every pending command sent to its node, the nodes' exchanges
+ * run together, the replies filed. A connection that was open before the
+ * round may have died since (a server restarted): after an I/O failure on
+ * it, its commands stay pending and go again next round, on a new
+ * connection; any other failure fails the node's commands.
+ */
+static void round_run(struct router *r, struct router_command *commands, size_t count)
+{
+	struct round_node *parts = calloc(count, sizeof(*parts));
+	struct exchange *xs = calloc(count, sizeof(*xs));
+	size_t n_parts = 0;
+	if (!parts || !xs) {
+		for (size_t i = 0; i < count; i++)
+			if (!commands[i].done) {
+				commands[i].done = true;
+				commands[i].status = -ENOMEM;
+			}
+		goto out_free;
+	}
+	for (size_t i = 0; i < count; i++) {
+		const struct router_command *cmd = &commands[i];
+		if (cmd->done || cmd->node == NO_NODE)
+			continue;
+		size_t p = 0;
+		while (p < n_parts && parts[p].index != cmd->node)
+			p++;
+		if (p == n_parts)
+			parts[n_parts++].index = cmd->node;
+		parts[p].n += cmd->asking ? 2 : 1;
+	}
+	size_t n_x = 0;
+	for (size_t p = 0; p < n_parts; p++) {
+		struct round_node *part = &parts[p];
+		struct router_node *node = &r->nodes[part->index];
+		part->reused = node->context != NULL;
+		part->items = calloc(part->n, sizeof(*part->items));
+		part->owner = calloc(part->n, sizeof(*part->owner));
+		int rc = part->items && part->owner ? node_connect(r, node) : -ENOMEM;
+		if (rc < 0) {
+			node_fail(commands, count, part->index, rc);
+			part->n = 0;
+			continue;
+		}
+		size_t k = 0;
 		for (size_t i = 0; i < count; i++) {
 			struct router_command *cmd = &commands[i];
-			if (cmd->done || cmd->node != index)
+			if (cmd->done || cmd->node != part->index)
 				continue;
 			if (cmd->asking) {
-				items[n] = (struct exchange_item){ 1, asking_argv, asking_len, NULL };
-				owner[n++] = SIZE_MAX;
+				part->items[k] = (struct exchange_item){ 1, asking_argv, asking_len, NULL };
+				part->owner[k++] = SIZE_MAX;
 			}
-			items[n] = (struct exchange_item){ cmd->argc, cmd->argv, cmd->argvlen, NULL };
-			owner[n++] = i;
+			part->items[k] = (struct exchange_item){ cmd->argc, cmd->argv, cmd->argvlen, NULL };
+			part->owner[k++] = i;
 		}
-		rc = exchange(r, node, items, n, clock_ms() + r->timeout_ms);
-		if (rc == -ENOMEM || rc == -ETIMEDOUT || (rc < 0 && !reused))
-			goto out_fail;
-		if (rc < 0)
-			continue;
-		for (size_t k = 0; k < n; k++) {
-			if (owner[k] == SIZE_MAX) {
-				freeReplyObject(items[k].reply);
-				continue;
-			}
-			struct router_command *cmd = &commands[owner[k]];
-			redisReply *reply = items[k].reply;
-			uint16_t slot = 0, target;
-			cmd->asking = false;
-			cmd->tries++;
-			if (r->cluster && (reply_is(reply, "MOVED") || reply_is(reply, "ASK")) &&
-			    (target = redirect_target(r, reply, index, &slot)) != NO_NODE) {
-				if (reply_is(reply, "MOVED")) {
-					/* This slot now; the rest of the map when
-					 * the round is over. */
-					r->slot_node[slot] = target;
-					r->refresh = true;
-				} else
-					cmd->asking = true;
-				__atomic_fetch_add(&r->redirections, 1, __ATOMIC_RELAXED);
-				cmd->node = target;
-				freeReplyObject(reply);
-				continue;
-			}
-			if (reply_is(reply, "TRYAGAIN") || reply_is(reply, "CLUSTERDOWN")) {
-				cmd->node = NO_NODE; /* back off, then ask the map */
-				if (cmd->tries >= ROUTER_MAX_TRIES)
-					why_set(r, "%.*s from %s:%u", (int)reply->len, reply->str,
-						node->at.host, node->at.port);
-				freeReplyObject(reply);
-				continue;
-			}
-			cmd->reply = reply;
-			cmd->done = true;
-			cmd->status = 0;
-		}
-		rc = 0;
-		break;
 	}
-out_fail:
-	if (rc < 0)
-		for (size_t i = 0; i < count; i++)
-			if (!commands[i].done && commands[i].node == index) {
-				commands[i].done = true;
-				commands[i].status = rc;
-			}
-	free(items);
-	free(owner);
-	return rc;
+	/* Connecting may have grown the node table: pointers taken now. */
+	for (size_t p = 0; p < n_parts; p++)
+		if (parts[p].n)
+			exchange_begin(r, &xs[n_x++], &r->nodes[parts[p].index], parts[p].items, parts[p].n);
+	exchanges_run(r, xs, n_x, clock_ms() + r->timeout_ms);
+	n_x = 0;
+	for (size_t p = 0; p < n_parts; p++) {
+		struct round_node *part = &parts[p];
+		if (!part->n)
+			continue;
+		int rc = xs[n_x++].rc;
+		if (rc == 0)
+			replies_file(r, part->index, commands, part->items, part->owner, part->n);
+		else if (!(part->reused && rc == ZC_EREMOTE))
+			node_fail(commands, count, part->index, rc);
+		if (rc < 0 && r->cluster)
+			r->refresh = true;
+	}
+out_free:
+	for (size_t p = 0; p < n_parts; p++) {
+		free(parts[p].items);
+		free(parts[p].owner);
+	}
+	free(parts);
+	free(xs);
 }
 
 int router_run(struct router *r, struct router_command *commands, size_t count)
@@ -796,17 +928,7 @@ int router_run(struct router *r, struct router_command *commands, size_t count)
 			if (r->cluster)
 				slots_refresh(r);
 		}
-		/* One node at a time, each with all its pending commands. */
-		for (size_t i = 0; i < count; i++) {
-			if (commands[i].done || commands[i].node == NO_NODE)
-				continue;
-			uint16_t node = commands[i].node;
-			size_t pending = 0;
-			for (size_t j = i; j < count; j++)
-				pending += !commands[j].done && commands[j].node == node;
-			if (node_round(r, node, commands, count, pending) < 0 && r->cluster)
-				r->refresh = true;
-		}
+		round_run(r, commands, count);
 	}
 	for (size_t i = 0; i < count && !first; i++)
 		first = commands[i].status;

@@ -43,9 +43,15 @@ struct router_endpoint {
 	uint16_t port;
 };
 
+/* What the reply being read has allocated, against what one may. */
+struct router_budget {
+	size_t max, used;
+};
+
 struct router_node {
 	struct router_endpoint at;
 	redisContext *context; /* NULL until first use and after a failure */
+	struct router_budget budget;
 };
 
 struct router {
@@ -55,7 +61,6 @@ struct router {
 	const char *password;     /* NULL: no AUTH */
 	uint32_t timeout_ms;
 	size_t reply_max;         /* bytes of one reply buffered (or built) before giving up */
-	size_t reply_bytes;       /* what the reply being read has allocated so far */
 	bool discovered;          /* standalone or cluster is known */
 	bool cluster;
 	bool refresh;             /* a MOVED or a lost node: read the slot map again */
@@ -107,7 +112,8 @@ void router_free(struct router *router);
  * else the first failure: -ETIMEDOUT (no answer within the timeout),
  * ZC_EDENIED (AUTH refused), ZC_EREMOTE (unreachable, protocol error,
  * redirections exhausted, cluster down); router->why says what and where.
- * Commands are grouped by node and pipelined, one node after the other.
+ * Commands are grouped by node and pipelined, the nodes' exchanges run
+ * together (one poll() over their sockets).
  */
 int router_run(struct router *router, struct router_command *commands, size_t count);
 

@@ -1241,6 +1241,35 @@ static struct remote_key key_in_node(int node)
 	return block_key(0, "x", 0, 0);
 }
 
+/* A batch over every node waits for its nodes together: two stopped
+ * primaries cost one timeout, not two. */
+START_TEST(test_cluster_nodes_together)
+{
+	const uint32_t timeout = 400;
+	struct remote *remote = remote_over(cluster.nodes, REDIS_CLUSTER_NODES, NULL, timeout);
+	struct remote_key keys[REDIS_CLUSTER_NODES];
+	struct remote_item items[REDIS_CLUSTER_NODES];
+	for (int n = 0; n < REDIS_CLUSTER_NODES; n++) {
+		keys[n] = key_in_node(n);
+		items[n] = (struct remote_item){ .key = &keys[n], .value = "v", .len = 1 };
+	}
+	ck_assert_int_eq(remote_set_many(remote, items, REDIS_CLUSTER_NODES, 60), 0);
+	ck_assert_int_eq(kill(cluster.nodes[1].pid, SIGSTOP), 0);
+	ck_assert_int_eq(kill(cluster.nodes[2].pid, SIGSTOP), 0);
+	int64_t start = now_ms();
+	int rc = remote_set_many(remote, items, REDIS_CLUSTER_NODES, 60);
+	int64_t took = now_ms() - start;
+	ck_assert_int_eq(kill(cluster.nodes[1].pid, SIGCONT), 0);
+	ck_assert_int_eq(kill(cluster.nodes[2].pid, SIGCONT), 0);
+	ck_assert_int_eq(rc, -ETIMEDOUT);
+	ck_assert_msg(took >= timeout - 10 && took < timeout + timeout / 2,
+		      "two stopped nodes took %lld ms with a %u ms timeout", (long long)took, timeout);
+	redis_cluster_wait_ok(&cluster);
+	ck_assert_int_eq(remote_set_many(remote, items, REDIS_CLUSTER_NODES, 60), 0);
+	remote_close(remote);
+}
+END_TEST
+
 /* Last in its case: it kills and restarts a node of the shared cluster. */
 START_TEST(test_cluster_node_killed)
 {
@@ -1345,6 +1374,7 @@ int main(void)
 	tcase_add_test(clustered, test_cluster_many);
 	tcase_add_test(clustered, test_cluster_dead_seed);
 	tcase_add_test(clustered, test_cluster_migration);
+	tcase_add_test(clustered, test_cluster_nodes_together);
 	tcase_add_test(clustered, test_cluster_node_killed);
 	suite_add_tcase(suite, clustered);
 	return suite_main(suite, CK_FORK);
