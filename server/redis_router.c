@@ -889,28 +889,42 @@ int router_run(struct router *r, struct router_command *commands, size_t count)
 		}
 	}
 	unsigned backoff = 0;
+	bool exhausted = false;
 	for (;;) {
-		if (r->refresh && r->cluster)
-			slots_refresh(r);
-		size_t left = 0;
+		/* Commands told to wait (TRYAGAIN, CLUSTERDOWN) or out of tries. */
 		bool wait = false;
 		for (size_t i = 0; i < count; i++) {
 			struct router_command *cmd = &commands[i];
 			if (cmd->done)
 				continue;
 			if (cmd->tries >= ROUTER_MAX_TRIES) {
-				char last[sizeof(r->why)];
-				snprintf(last, sizeof(last), "%s", r->why[0] ? r->why : "no answer");
-				why_set(r, "%s after %u tries (redirections or TRYAGAIN/CLUSTERDOWN)", last,
-					ROUTER_MAX_TRIES);
+				if (!exhausted) {
+					char last[sizeof(r->why)];
+					snprintf(last, sizeof(last), "%s", r->why[0] ? r->why : "no answer");
+					why_set(r, "%s after %u tries (redirections or TRYAGAIN/CLUSTERDOWN)",
+						last, ROUTER_MAX_TRIES);
+					exhausted = true;
+				}
 				cmd->done = true;
 				cmd->status = ZC_EREMOTE;
 				continue;
 			}
-			if (cmd->node == NO_NODE) {
-				wait |= cmd->tries > 0;
+			wait |= cmd->node == NO_NODE && cmd->tries > 0;
+		}
+		if (wait) {
+			sleep_for_ms(ROUTER_BACKOFF_MS << backoff);
+			backoff++;
+			r->refresh = true;
+		}
+		if (r->refresh && r->cluster)
+			slots_refresh(r);
+		size_t left = 0;
+		for (size_t i = 0; i < count; i++) {
+			struct router_command *cmd = &commands[i];
+			if (cmd->done)
+				continue;
+			if (cmd->node == NO_NODE)
 				cmd->node = r->slot_node[cmd->slot];
-			}
 			if (cmd->node == NO_NODE) {
 				why_set(r, "no node serves slot %u", cmd->slot);
 				cmd->done = true;
@@ -922,12 +936,6 @@ int router_run(struct router *r, struct router_command *commands, size_t count)
 		}
 		if (left == 0)
 			break;
-		if (wait) {
-			sleep_for_ms(ROUTER_BACKOFF_MS << backoff);
-			backoff++;
-			if (r->cluster)
-				slots_refresh(r);
-		}
 		round_run(r, commands, count);
 	}
 	for (size_t i = 0; i < count && !first; i++)
