@@ -160,6 +160,12 @@ static uint16_t node_get(struct router *r, const char *host_in, size_t host_len,
 	memcpy(node->at.host, host, host_len);
 	node->at.host[host_len] = '\0';
 	node->at.port = port;
+	/* For messages: HOST:PORT, [V6]:PORT, or a Unix socket's path. */
+	if (port == 0)
+		snprintf(node->name, sizeof(node->name), "%s", node->at.host);
+	else
+		snprintf(node->name, sizeof(node->name), memchr(host, ':', host_len) ? "[%s]:%u" : "%s:%u",
+			 node->at.host, port);
 	return (uint16_t)r->n_nodes++;
 }
 
@@ -348,8 +354,7 @@ static short exchange_events(struct router *r, struct exchange *x)
 			const struct exchange_item *item = &x->items[x->encoded++];
 			if (redisAppendCommandArgv(c, item->argc, (const char **)item->argv,
 						   item->argvlen) != REDIS_OK) {
-				why_set(r, "cannot encode a command for %s:%u: %s", x->node->at.host,
-					x->node->at.port, c->errstr);
+				why_set(r, "cannot encode a command for %s: %s", x->node->name, c->errstr);
 				exchange_end(x, -ENOMEM);
 				return 0;
 			}
@@ -366,7 +371,7 @@ static void exchange_step(struct router *r, struct exchange *x, short revents)
 	if (x->sent < sdslen(c->obuf) && (revents & (POLLOUT | POLLERR | POLLHUP))) {
 		ssize_t n = send(c->fd, c->obuf + x->sent, sdslen(c->obuf) - x->sent, MSG_NOSIGNAL);
 		if (n < 0 && errno != EAGAIN && errno != EINTR) {
-			why_set(r, "write to %s:%u: %s", node->at.host, node->at.port, strerror(errno));
+			why_set(r, "write to %s: %s", node->name, strerror(errno));
 			exchange_end(x, ZC_EREMOTE);
 			return;
 		}
@@ -381,7 +386,7 @@ static void exchange_step(struct router *r, struct exchange *x, short revents)
 	if (n < 0 && (errno == EAGAIN || errno == EINTR))
 		return;
 	if (n <= 0) {
-		why_set(r, "%s:%u closed the connection%s%s", node->at.host, node->at.port,
+		why_set(r, "%s closed the connection%s%s", node->name,
 			n < 0 ? ": " : "", n < 0 ? strerror(errno) : "");
 		exchange_end(x, ZC_EREMOTE);
 		return;
@@ -401,7 +406,7 @@ static void exchange_step(struct router *r, struct exchange *x, short revents)
 	}
 	/* What is left is one reply in progress. */
 	if (reader->len - reader->pos > r->reply_max) {
-		why_set(r, "a reply from %s:%u is larger than %zu bytes", node->at.host, node->at.port,
+		why_set(r, "a reply from %s is larger than %zu bytes", node->name,
 			r->reply_max);
 		exchange_end(x, ZC_EREMOTE);
 		return;
@@ -411,7 +416,7 @@ static void exchange_step(struct router *r, struct exchange *x, short revents)
 	if (x->encoded < x->count || x->sent < sdslen(c->obuf)) {
 		/* Every reply came before our last byte left: not Redis, and
 		 * a command cut short is on the wire. */
-		why_set(r, "%s:%u answered before the request was sent", node->at.host, node->at.port);
+		why_set(r, "%s answered before the request was sent", node->name);
 		exchange_end(x, ZC_EREMOTE);
 		return;
 	}
@@ -419,7 +424,7 @@ static void exchange_step(struct router *r, struct exchange *x, short revents)
 	return;
 
 out_protocol:
-	why_set(r, "protocol error from %s:%u: %s", node->at.host, node->at.port, reader->errstr);
+	why_set(r, "protocol error from %s: %s", node->name, reader->errstr);
 	exchange_end(x, ZC_EREMOTE);
 }
 
@@ -451,7 +456,7 @@ static void exchanges_run(struct router *r, struct exchange *xs, size_t n, int64
 		if (left <= 0) {
 			for (size_t k = 0; k < active; k++) {
 				struct router_node *node = xs[which[k]].node;
-				why_set(r, "%s:%u did not answer within %u ms", node->at.host, node->at.port,
+				why_set(r, "%s did not answer within %u ms", node->name,
 					r->timeout_ms);
 				exchange_end(&xs[which[k]], -ETIMEDOUT);
 			}
@@ -501,13 +506,14 @@ static int node_connect(struct router *r, struct router_node *node)
 	struct timeval tv = { .tv_sec = r->timeout_ms / 1000,
 			      .tv_usec = (long)(r->timeout_ms % 1000) * 1000 };
 	int64_t deadline = clock_ms() + r->timeout_ms;
-	redisContext *c = redisConnectWithTimeout(node->at.host, node->at.port, tv);
+	redisContext *c = node->at.port ? redisConnectWithTimeout(node->at.host, node->at.port, tv) :
+					  redisConnectUnixWithTimeout(node->at.host, tv);
 	if (!c) {
-		why_set(r, "cannot connect to %s:%u: out of memory", node->at.host, node->at.port);
+		why_set(r, "cannot connect to %s: out of memory", node->name);
 		return -ENOMEM;
 	}
 	if (c->err) {
-		why_set(r, "cannot connect to %s:%u: %s", node->at.host, node->at.port, c->errstr);
+		why_set(r, "cannot connect to %s: %s", node->name, c->errstr);
 		int rc = strstr(c->errstr, "timed out") ? -ETIMEDOUT : ZC_EREMOTE;
 		redisFree(c);
 		return rc;
@@ -515,7 +521,7 @@ static int node_connect(struct router *r, struct router_node *node)
 	/* Our waits from here on (see the top of the file). */
 	int flags = fcntl(c->fd, F_GETFL);
 	if (flags < 0 || fcntl(c->fd, F_SETFL, flags | O_NONBLOCK) < 0) {
-		why_set(r, "cannot configure the socket to %s:%u: %s", node->at.host, node->at.port,
+		why_set(r, "cannot configure the socket to %s: %s", node->name,
 			strerror(errno));
 		redisFree(c);
 		return ZC_EREMOTE;
@@ -547,8 +553,8 @@ static int node_connect(struct router *r, struct router_node *node)
 	else {
 		/* Redis's text names no secret ("WRONGPASS invalid
 		 * username-password pair..."); ours names the user only. */
-		why_set(r, "AUTH as user '%s' refused by %s:%u: %.*s", r->user ? r->user : "default",
-			node->at.host, node->at.port,
+		why_set(r, "AUTH as user '%s' refused by %s: %.*s", r->user ? r->user : "default",
+			node->name,
 			item.reply->type == REDIS_REPLY_ERROR ? (int)item.reply->len : 0,
 			item.reply->type == REDIS_REPLY_ERROR ? item.reply->str : "");
 		rc = ZC_EDENIED;
@@ -614,8 +620,7 @@ static int slots_apply(struct router *r, uint16_t asked, const redisReply *reply
 	return 0;
 
 out_malformed:
-	why_set(r, "malformed CLUSTER SLOTS reply from %s:%u", r->nodes[asked].at.host,
-		r->nodes[asked].at.port);
+	why_set(r, "malformed CLUSTER SLOTS reply from %s", r->nodes[asked].name);
 	free(map);
 	return ZC_EREMOTE;
 }
@@ -637,7 +642,7 @@ static int slots_ask(struct router *r, uint16_t node)
 	else if (reply->type == REDIS_REPLY_ERROR && strstr(reply->str, "cluster support disabled"))
 		rc = 0;
 	else {
-		why_set(r, "CLUSTER SLOTS on %s:%u: %.*s", r->nodes[node].at.host, r->nodes[node].at.port,
+		why_set(r, "CLUSTER SLOTS on %s: %.*s", r->nodes[node].name,
 			reply->type == REDIS_REPLY_ERROR ? (int)reply->len : 0,
 			reply->type == REDIS_REPLY_ERROR ? reply->str : "");
 		rc = ZC_EREMOTE;
@@ -751,8 +756,7 @@ static void replies_file(struct router *r, uint16_t index, struct router_command
 		}
 		if (reply_is(reply, "TRYAGAIN") || reply_is(reply, "CLUSTERDOWN")) {
 			cmd->node = NO_NODE; /* back off, then ask the map */
-			why_set(r, "%.*s from %s:%u", (int)reply->len, reply->str, node->at.host,
-				node->at.port);
+			why_set(r, "%.*s from %s", (int)reply->len, reply->str, node->name);
 			freeReplyObject(reply);
 			continue;
 		}

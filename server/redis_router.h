@@ -38,6 +38,7 @@
 /* Longest host name (DNS's 253, and room for an IPv6 literal). */
 #define ROUTER_HOST_MAX 256
 
+/* A TCP address, or (port 0) the path of a Unix socket in host. */
 struct router_endpoint {
 	char host[ROUTER_HOST_MAX];
 	uint16_t port;
@@ -50,6 +51,7 @@ struct router_budget {
 
 struct router_node {
 	struct router_endpoint at;
+	char name[ROUTER_HOST_MAX + 8]; /* how messages name it */
 	redisContext *context; /* NULL until first use and after a failure */
 	struct router_budget budget;
 };

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -122,10 +123,34 @@ static int endpoint_parse(const char *text, size_t len, struct router_endpoint *
 int remote_url_parse(const char *text, struct remote_config *config, char *why, size_t size)
 {
 	static const char scheme[] = "redis://";
+	static const char unix_scheme[] = "unix://";
 	struct remote_config parsed = *config;
 	parsed.n_endpoints = 0;
+	if (strncmp(text, unix_scheme, sizeof(unix_scheme) - 1) == 0) {
+		/* One standalone server on this machine: unix:///PATH. */
+		const char *path = text + sizeof(unix_scheme) - 1;
+		size_t len = strlen(path);
+		if (path[0] != '/') {
+			why_put(why, size, "'%s': a Unix socket is unix:///ABSOLUTE/PATH", text);
+			return -EINVAL;
+		}
+		if (len >= sizeof(((struct sockaddr_un *)0)->sun_path)) {
+			why_put(why, size, "'%s': the socket path is longer than %zu bytes", text,
+				sizeof(((struct sockaddr_un *)0)->sun_path) - 1);
+			return -EINVAL;
+		}
+		if (strchr(path, ',')) {
+			why_put(why, size, "'%s': one Unix socket, no list", text);
+			return -EINVAL;
+		}
+		memcpy(parsed.endpoints[0].host, path, len + 1);
+		parsed.endpoints[0].port = 0;
+		parsed.n_endpoints = 1;
+		*config = parsed;
+		return 0;
+	}
 	if (strncmp(text, scheme, sizeof(scheme) - 1) != 0) {
-		why_put(why, size, "'%s' does not start with redis://", text);
+		why_put(why, size, "'%s' does not start with redis:// or unix://", text);
 		return -EINVAL;
 	}
 	/* No user or password in the URL: they would be on the command

@@ -56,7 +56,8 @@ struct remote_config {
 
 /*
  * Parses `redis://HOST:PORT[,HOST:PORT...]` (an IPv6 host in brackets,
- * `[::1]:6379`) into config's endpoints. On failure returns -EINVAL and
+ * `[::1]:6379`) or `unix:///PATH` (one standalone server's Unix socket,
+ * an endpoint with port 0) into config's endpoints. On failure returns -EINVAL and
  * puts a sentence naming what is wrong in why. The one parser of the URL.
  */
 int remote_url_parse(const char *text, struct remote_config *config, char *why, size_t size);

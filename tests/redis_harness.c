@@ -110,6 +110,10 @@ static pid_t server_spawn(const struct redis_server *server)
 	argv[n++] = "no";
 	argv[n++] = "--dir";
 	argv[n++] = server->dir;
+	argv[n++] = "--unixsocket";
+	argv[n++] = server->socket_path;
+	argv[n++] = "--unixsocketperm";
+	argv[n++] = "700";
 	if (server->debug) {
 		argv[n++] = "--enable-debug-command";
 		argv[n++] = "yes";
@@ -171,6 +175,7 @@ static void server_start(struct redis_server *server, bool cluster, const char *
 	memset(server, 0, sizeof(*server));
 	snprintf(server->dir, sizeof(server->dir), "/tmp/zc-redis-XXXXXX");
 	ck_assert_msg(mkdtemp(server->dir) != NULL, "mkdtemp: %s", strerror(errno));
+	snprintf(server->socket_path, sizeof(server->socket_path), "%s/redis.sock", server->dir);
 	server->cluster = cluster;
 	server->debug = true;
 	if (user) {

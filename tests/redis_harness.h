@@ -28,6 +28,7 @@ struct redis_server {
 	uint16_t bus_port;    /* cluster nodes: --cluster-port */
 	bool cluster;
 	char dir[64];         /* its temporary directory ("" once removed) */
+	char socket_path[96]; /* DIR/redis.sock: it listens there too (--unixsocket) */
 	char user[32];        /* ACL user and password ("" for none) */
 	char password[64];
 	bool debug;           /* --enable-debug-command yes */

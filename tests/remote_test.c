@@ -141,8 +141,8 @@ START_TEST(test_url_parse)
 	static const struct {
 		const char *url, *says;
 	} bad[] = {
-		{ "127.0.0.1:6379", "redis://" },
-		{ "http://127.0.0.1:6379", "redis://" },
+		{ "127.0.0.1:6379", "redis:// or unix://" },
+		{ "http://127.0.0.1:6379", "redis:// or unix://" },
 		{ "redis://", "empty address" },
 		{ "redis://host", "HOST:PORT" },
 		{ "redis://host:", "port is missing" },
@@ -168,6 +168,26 @@ START_TEST(test_url_parse)
 		ck_assert_msg(memcmp(&before, &config, sizeof(config)) == 0, "%s changed the config",
 			      bad[i].url);
 	}
+	ck_assert_int_eq(remote_url_parse("unix:///run/redis/redis.sock", &config, why, sizeof(why)), 0);
+	ck_assert_uint_eq(config.n_endpoints, 1);
+	ck_assert_str_eq(config.endpoints[0].host, "/run/redis/redis.sock");
+	ck_assert_uint_eq(config.endpoints[0].port, 0);
+	static const struct {
+		const char *url, *says;
+	} bad_unix[] = {
+		{ "unix://", "ABSOLUTE" },
+		{ "unix://run/redis.sock", "ABSOLUTE" },
+		{ "unix:///a.sock,/b.sock", "no list" },
+	};
+	for (size_t i = 0; i < sizeof(bad_unix) / sizeof(bad_unix[0]); i++) {
+		ck_assert_int_eq(remote_url_parse(bad_unix[i].url, &config, why, sizeof(why)), -EINVAL);
+		ck_assert_msg(strstr(why, bad_unix[i].says), "%s: %s", bad_unix[i].url, why);
+	}
+	char long_path[160] = "unix:///";
+	memset(long_path + 8, 'p', 120);
+	long_path[128] = '\0';
+	ck_assert_int_eq(remote_url_parse(long_path, &config, why, sizeof(why)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(why, "longer than"));
 	/* Seventeen addresses: one too many. */
 	char many[512] = "redis://";
 	for (int i = 0; i <= REMOTE_MAX_ENDPOINTS; i++)
@@ -554,6 +574,35 @@ START_TEST(test_standalone_threads)
 	struct remote_stats stats;
 	remote_stats_read(remote, &stats);
 	ck_assert_uint_eq(stats.latency_count, 1 + THREADS * 20 * 2);
+	remote_close(remote);
+}
+END_TEST
+
+/* unix:///PATH: the same calls over the server's Unix socket. */
+START_TEST(test_standalone_unix_socket)
+{
+	struct remote_config config = { .timeout_ms = 2000 };
+	char url[128], why[512];
+	snprintf(url, sizeof(url), "unix://%s", standalone.socket_path);
+	ck_assert_int_eq(remote_url_parse(url, &config, why, sizeof(why)), 0);
+	struct remote *remote = NULL;
+	ck_assert_int_eq(remote_open(&config, &remote, why, sizeof(why)), 0);
+	struct remote_key key = block_key(1000, "unix", 0, 0);
+	void *value;
+	size_t len;
+	ck_assert_int_eq(remote_set(remote, &key, "over unix", 9, 60), 0);
+	ck_assert_int_eq(remote_get(remote, &key, &value, &len), 0);
+	ck_assert_uint_eq(len, 9);
+	ck_assert_int_eq(memcmp(value, "over unix", 9), 0);
+	free(value);
+	remote_close(remote);
+	/* A path nothing listens on: an error naming it. */
+	snprintf(url, sizeof(url), "unix://%s/none.sock", standalone.dir);
+	ck_assert_int_eq(remote_url_parse(url, &config, why, sizeof(why)), 0);
+	ck_assert_int_eq(remote_open(&config, &remote, why, sizeof(why)), 0);
+	ck_assert_int_eq(remote_ping(remote), ZC_EREMOTE);
+	remote_last_error(remote, why, sizeof(why));
+	ck_assert_msg(strstr(why, "none.sock"), "%s", why);
 	remote_close(remote);
 }
 END_TEST
@@ -1346,6 +1395,7 @@ int main(void)
 	tcase_add_test(single, test_standalone_set_get);
 	tcase_add_test(single, test_standalone_uids_apart);
 	tcase_add_test(single, test_standalone_threads);
+	tcase_add_test(single, test_standalone_unix_socket);
 	tcase_add_test(single, test_standalone_large);
 	tcase_add_test(single, test_standalone_ttl);
 	tcase_add_test(single, test_standalone_error_reply);
