@@ -332,28 +332,35 @@ int remote_key_make(struct remote_key *key, uint32_t uid, const struct remote_ke
 	size_t at = 0, size = sizeof(key->text);
 	char *out = key->text;
 	enum remote_key_kind kind = parts->kind;
-	if (kind >= REMOTE_KEY_KIND_COUNT || !parts->fingerprint || parts->fingerprint_len == 0 ||
-	    parts->fingerprint_len > REMOTE_ID_MAX)
+	if (kind >= REMOTE_KEY_KIND_COUNT)
 		return ZC_EINVALID;
-	bool named = kind != REMOTE_KEY_CHUNK;
+	bool named = kind != REMOTE_KEY_CHUNK, printed = kind != REMOTE_KEY_MANIFEST;
 	size_t name_len = named && parts->name ? strlen(parts->name) : 0;
 	if (named && (name_len == 0 || name_len > ZC_SESSION_NAME_MAX))
+		return ZC_EINVALID;
+	if (printed && (!parts->fingerprint || parts->fingerprint_len == 0 ||
+			parts->fingerprint_len > REMOTE_ID_MAX))
 		return ZC_EINVALID;
 	if (!named && (!parts->chain || parts->chain_len == 0 || parts->chain_len > REMOTE_ID_MAX))
 		return ZC_EINVALID;
 
 	bool ok = put_text(out, size, &at, "zc:%u:%u:%s:", REMOTE_KEY_VERSION, uid, key_kind_codes[kind]);
 	if (named)
-		ok = ok && put_hex(out, size, &at, parts->name, name_len) && put_text(out, size, &at, ":");
-	ok = ok && put_hex(out, size, &at, parts->fingerprint, parts->fingerprint_len);
+		ok = ok && put_hex(out, size, &at, parts->name, name_len);
+	if (named && printed)
+		ok = ok && put_text(out, size, &at, ":");
+	if (printed)
+		ok = ok && put_hex(out, size, &at, parts->fingerprint, parts->fingerprint_len);
 	switch (kind) {
 	case REMOTE_KEY_MANIFEST:
 		break;
 	case REMOTE_KEY_BLOCK:
-		ok = ok && put_text(out, size, &at, ":%u:%u", parts->layer, parts->block);
+		ok = ok && put_text(out, size, &at, ":%llu:%u:%u", (unsigned long long)parts->generation,
+				    parts->layer, parts->block);
 		break;
 	case REMOTE_KEY_RESIDUAL:
-		ok = ok && put_text(out, size, &at, ":%u", parts->layer);
+		ok = ok && put_text(out, size, &at, ":%llu:%u", (unsigned long long)parts->generation,
+				    parts->layer);
 		break;
 	case REMOTE_KEY_CHUNK:
 		ok = ok && put_text(out, size, &at, ":") &&

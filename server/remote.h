@@ -62,21 +62,29 @@ struct remote_config {
  */
 int remote_url_parse(const char *text, struct remote_config *config, char *why, size_t size);
 
-/* What a key names. Every kind is inside one uid's namespace. */
+/*
+ * What a key names. Every kind is inside one uid's namespace. A session
+ * offloaded is a manifest found by its name alone (attach knows no more),
+ * naming the fingerprint and the generation its blocks and residuals were
+ * written under: a new offload writes a new generation beside the old one
+ * and then the manifest, so a reader never mixes two (docs/REMOTE.md).
+ */
 enum remote_key_kind {
-	REMOTE_KEY_MANIFEST,  /* a session's record: name + fingerprint */
-	REMOTE_KEY_BLOCK,     /* one compressed block: name + fingerprint + layer + block */
-	REMOTE_KEY_RESIDUAL,  /* a layer's exact residual: name + fingerprint + layer */
-	REMOTE_KEY_CHUNK,     /* a block by content: fingerprint + chain hash + layer */
+	REMOTE_KEY_MANIFEST,  /* a session's record: name */
+	REMOTE_KEY_BLOCK,     /* one compressed block: name, fingerprint, generation, layer, block */
+	REMOTE_KEY_RESIDUAL,  /* a layer's exact residual: name, fingerprint, generation, layer */
+	REMOTE_KEY_CHUNK,     /* a block by content: fingerprint, chain hash, layer */
 	REMOTE_KEY_KIND_COUNT
 };
 
-/* The parts a key is made of, all checked by remote_key_make. */
+/* The parts a key is made of, checked by remote_key_make; those the kind
+ * does not use are ignored. */
 struct remote_key_parts {
 	enum remote_key_kind kind;
-	const char *name;              /* session name (manifest, block, residual) */
+	const char *name;              /* session name: 1..ZC_SESSION_NAME_MAX bytes */
 	const uint8_t *fingerprint;    /* 1..REMOTE_ID_MAX bytes */
 	size_t fingerprint_len;
+	uint64_t generation;           /* block, residual */
 	const uint8_t *chain;          /* chunk: 1..REMOTE_ID_MAX bytes */
 	size_t chain_len;
 	uint32_t layer;                /* block, residual, chunk */
@@ -91,9 +99,9 @@ struct remote_key {
 
 /*
  * Makes the key of parts in uid's namespace (docs/REMOTE.md, "Keys"):
- *   zc:1:UID:m:NAMEHEX:FPHEX
- *   zc:1:UID:b:NAMEHEX:FPHEX:LAYER:BLOCK
- *   zc:1:UID:r:NAMEHEX:FPHEX:LAYER
+ *   zc:1:UID:m:NAMEHEX
+ *   zc:1:UID:b:NAMEHEX:FPHEX:GENERATION:LAYER:BLOCK
+ *   zc:1:UID:r:NAMEHEX:FPHEX:GENERATION:LAYER
  *   zc:1:UID:c:FPHEX:CHAINHEX:LAYER
  * The uid is the peer's, attested by the kernel; every other part is
  * hex or a decimal number, so no byte of a name can reach another uid's

@@ -228,17 +228,31 @@ START_TEST(test_keys)
 	struct remote_key a, b;
 	/* The schema, byte for byte. */
 	struct remote_key_parts manifest = { .kind = REMOTE_KEY_MANIFEST, .name = "s1",
-					     .fingerprint = (const uint8_t *)"\x01\xab", .fingerprint_len = 2 };
+					     .fingerprint = (const uint8_t *)"\x01\xab", .fingerprint_len = 2,
+					     .generation = 5 };
 	ck_assert_int_eq(remote_key_make(&a, 1000, &manifest), 0);
-	ck_assert_str_eq(a.text, "zc:1:1000:m:7331:01ab");
+	ck_assert_str_eq(a.text, "zc:1:1000:m:7331");
 	ck_assert_uint_eq(a.len, strlen(a.text));
 	struct remote_key_parts residual = manifest;
 	residual.kind = REMOTE_KEY_RESIDUAL;
 	residual.layer = 31;
 	ck_assert_int_eq(remote_key_make(&a, 7, &residual), 0);
-	ck_assert_str_eq(a.text, "zc:1:7:r:7331:01ab:31");
+	ck_assert_str_eq(a.text, "zc:1:7:r:7331:01ab:5:31");
 	a = block_key(1000, "s1", 3, 17);
-	ck_assert_str_eq(a.text, "zc:1:1000:b:7331:feedface0102030405060708090a0b0c:3:17");
+	ck_assert_str_eq(a.text, "zc:1:1000:b:7331:feedface0102030405060708090a0b0c:0:3:17");
+	/* Two generations of one block never share a key. */
+	struct remote_key_parts generations = residual;
+	generations.kind = REMOTE_KEY_BLOCK;
+	generations.generation = UINT64_MAX;
+	ck_assert_int_eq(remote_key_make(&b, 7, &generations), 0);
+	ck_assert_str_eq(b.text, "zc:1:7:b:7331:01ab:18446744073709551615:31:0");
+	generations.generation = 1;
+	ck_assert_int_eq(remote_key_make(&a, 7, &generations), 0);
+	ck_assert_str_ne(a.text, b.text);
+	/* The manifest needs no fingerprint. */
+	struct remote_key_parts bare = { .kind = REMOTE_KEY_MANIFEST, .name = "s1" };
+	ck_assert_int_eq(remote_key_make(&a, 1000, &bare), 0);
+	ck_assert_str_eq(a.text, "zc:1:1000:m:7331");
 	struct remote_key_parts chunk = { .kind = REMOTE_KEY_CHUNK, .fingerprint = (const uint8_t *)"\x02",
 					  .fingerprint_len = 1, .chain = (const uint8_t *)"\xff\x00",
 					  .chain_len = 2, .layer = 4 };
@@ -264,7 +278,7 @@ START_TEST(test_keys)
 		int colons = 0;
 		for (size_t k = 0; k < a.len; k++)
 			colons += a.text[k] == ':';
-		ck_assert_int_eq(colons, 7);
+		ck_assert_int_eq(colons, 8);
 		for (size_t j = 0; j < i; j++) {
 			b = block_key(1000, names[j], 0, 0);
 			ck_assert_str_ne(a.text, b.text);
@@ -283,10 +297,13 @@ START_TEST(test_keys)
 	ck_assert_int_eq(remote_key_make(&a, 1, &p), ZC_EINVALID);
 	p.name = NULL;
 	ck_assert_int_eq(remote_key_make(&a, 1, &p), ZC_EINVALID);
-	p = manifest;
+	p = residual;
 	p.fingerprint_len = 0;
 	ck_assert_int_eq(remote_key_make(&a, 1, &p), ZC_EINVALID);
 	p.fingerprint_len = REMOTE_ID_MAX + 1;
+	ck_assert_int_eq(remote_key_make(&a, 1, &p), ZC_EINVALID);
+	p.fingerprint = NULL;
+	p.fingerprint_len = 2;
 	ck_assert_int_eq(remote_key_make(&a, 1, &p), ZC_EINVALID);
 	p = chunk;
 	p.chain_len = 0;
@@ -298,7 +315,8 @@ START_TEST(test_keys)
 	static uint8_t id[REMOTE_ID_MAX];
 	struct remote_key_parts big = { .kind = REMOTE_KEY_BLOCK, .name = long_name, .fingerprint = id,
 					.fingerprint_len = REMOTE_ID_MAX, .chain = id,
-					.chain_len = REMOTE_ID_MAX, .layer = UINT32_MAX, .block = UINT32_MAX };
+					.chain_len = REMOTE_ID_MAX, .generation = UINT64_MAX,
+					.layer = UINT32_MAX, .block = UINT32_MAX };
 	for (int kind = 0; kind < REMOTE_KEY_KIND_COUNT; kind++) {
 		big.kind = (enum remote_key_kind)kind;
 		ck_assert_int_eq(remote_key_make(&a, UINT32_MAX, &big), 0);
