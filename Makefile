@@ -72,7 +72,7 @@ NANOPB_LIBS = -lprotobuf-nanopb
 # The same archive by path, for the shared library: wherever the compiler
 # finds it (/usr/lib/<multiarch>/ on Debian), so any architecture builds.
 NANOPB_ARCHIVE = $(shell $(CC) -print-file-name=libprotobuf-nanopb.a)
-SERVER_LIBS = $(shell pkg-config --libs libmicrohttpd libsystemd)
+SERVER_LIBS = $(shell pkg-config --libs libmicrohttpd libsystemd hiredis)
 
 # What `make` needs (the packages of BUILD_NEEDS and a compiler), then what
 # the tests add; `make deps` installs both, `make deps-build` (an image's

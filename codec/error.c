@@ -33,6 +33,7 @@ static const struct error_text error_texts[] = {
 				  "fetch it again" },
 	{ ZC_EAGAIN, "ZC_EAGAIN", "the layer changed while it was read; read it again" },
 	{ ZC_EDEVICE, "ZC_EDEVICE", "the GPU or its driver failed (zc_cuda_last_error says how)" },
+	{ ZC_EREMOTE, "ZC_EREMOTE", "the remote tier (Redis) failed or cannot be reached" },
 };
 
 static const struct error_text *error_find(int code)

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "pool.h"
+#include "remote.h"
 #include "server.h"
 #include "store.h"
 #include "version.h"
@@ -46,6 +47,15 @@ static const double bucket_bounds[METRICS_BUCKETS] = {
 	0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
 	0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 };
+
+unsigned metrics_bucket_of(uint64_t elapsed_ns)
+{
+	double seconds = (double)elapsed_ns * 1e-9;
+	for (unsigned i = 0; i < METRICS_BUCKETS; i++)
+		if (seconds <= bucket_bounds[i])
+			return i;
+	return METRICS_BUCKETS - 1;
+}
 
 enum metrics_op metrics_op_of(enum wire_op op)
 {
@@ -200,6 +210,39 @@ static double ratio(uint64_t fp16, uint64_t stored)
 	return stored ? (double)fp16 / (double)stored : 0.0;
 }
 
+/* The remote tier's families (docs/REMOTE.md), only with --remote. */
+static void remote_render(struct text *text, struct remote *remote)
+{
+	struct remote_stats s;
+	remote_stats_read(remote, &s);
+	gauge(text, "zipcache_remote_up", "Whether the last exchange with Redis (--remote) succeeded.",
+	      s.up ? 1.0 : 0.0);
+	family(text, "zipcache_remote_errors_total", "counter",
+	       "Failed calls to the remote tier, by reason.");
+	for (int i = 0; i < REMOTE_ERROR_KIND_COUNT; i++)
+		text_printf(text, "zipcache_remote_errors_total{reason=\"%s\"} %llu\n",
+			    remote_error_kind_name((enum remote_error_kind)i), (unsigned long long)s.errors[i]);
+	family(text, "zipcache_remote_latency_seconds", "histogram",
+	       "Time of one call to the remote tier (a batch of keys is one call).");
+	uint64_t cumulative = 0;
+	for (int i = 0; i < METRICS_BUCKETS; i++) {
+		cumulative += s.latency_buckets[i];
+		text_printf(text, "zipcache_remote_latency_seconds_bucket{le=\"%g\"} %llu\n", bucket_bounds[i],
+			    (unsigned long long)cumulative);
+	}
+	text_printf(text, "zipcache_remote_latency_seconds_bucket{le=\"+Inf\"} %llu\n",
+		    (unsigned long long)s.latency_count);
+	text_printf(text, "zipcache_remote_latency_seconds_sum %.9g\n", (double)s.latency_sum_ns * 1e-9);
+	text_printf(text, "zipcache_remote_latency_seconds_count %llu\n", (unsigned long long)s.latency_count);
+	counter(text, "zipcache_remote_sent_bytes_total", "Bytes written to Redis.", s.bytes_sent);
+	counter(text, "zipcache_remote_received_bytes_total", "Bytes read from Redis.", s.bytes_received);
+	counter(text, "zipcache_remote_redirections_total",
+		"MOVED and ASK redirections the cluster router followed.", s.redirections);
+	counter(text, "zipcache_remote_offloads_total", "Sessions written to the remote tier.", s.offloads);
+	counter(text, "zipcache_remote_restores_total", "Sessions restored from the remote tier.",
+		s.restores);
+}
+
 int metrics_render(const struct server *server, char **out, size_t *out_len)
 {
 	const struct metrics *m = &server->metrics;
@@ -315,6 +358,8 @@ int metrics_render(const struct server *server, char **out, size_t *out_len)
 		server->counters.tokens_appended);
 	gauge(&text, "zipcache_uptime_seconds", "Seconds since the daemon started.",
 	      (double)(uv_now(server->loop) - server->started_ms) / 1000.0);
+	if (server->remote)
+		remote_render(&text, server->remote);
 
 	if (text.error) {
 		free(text.data);

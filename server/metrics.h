@@ -68,6 +68,8 @@ struct metrics {
 };
 
 enum metrics_op metrics_op_of(enum wire_op op);
+/* The latency histograms' bucket of a duration (the last for longer). */
+unsigned metrics_bucket_of(uint64_t elapsed_ns);
 /* status: the reply's enum wire_status. */
 void metrics_request_done(struct metrics *metrics, uint8_t op, int status, uint64_t elapsed_ns);
 void metrics_error(struct metrics *metrics, int error);

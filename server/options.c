@@ -52,6 +52,7 @@ void options_default(struct options *options)
 	options->log_level = LOG_INFO;
 	options->adopt = true;
 	snprintf(options->metrics_listen, sizeof(options->metrics_listen), "127.0.0.1:9464");
+	options->remote.timeout_ms = REMOTE_TIMEOUT_MS_DEFAULT;
 }
 
 /* A configured value for --help: the number, "none", or the rule that
@@ -116,6 +117,12 @@ void options_print_help(const char *program, const struct options *configured)
 	       "  --offload-elements N     jobs writing more elements (new tokens plus dropped views rebuilt) run on worker threads (default %u)\n"
 	       "  --no-adopt               delete session files left by an earlier run instead of adopting them\n"
 	       "  --metrics-listen ADDR    HTTP /metrics and /healthz on HOST:PORT, or off (default %s)\n"
+	       "  --remote URL             the shared tier on Redis, standalone or Cluster (found out on\n"
+	       "                           first contact): redis://HOST:PORT[,HOST:PORT...], or\n"
+	       "                           unix:///PATH (default none; docs/REMOTE.md)\n"
+	       "  --remote-credentials FILE  Redis ACL user (line 1) and password (line 2); the file must be\n"
+	       "                           zipcached's uid's with mode 0600, or root's with mode 0640, or stricter\n"
+	       "  --remote-timeout-ms MS   bound on each connect and exchange with Redis (default %u)\n"
 	       "  --log-level LEVEL        error|warn|info|debug (default info)\n"
 	       "  --config FILE            read flags from FILE first: `flag-name = value` per line, # comments\n"
 	       "  --help                   this text, for the other flags given with it\n"
@@ -134,7 +141,7 @@ void options_print_help(const char *program, const struct options *configured)
 	       (unsigned long long)d.max_reply_queue_bytes,
 	       (unsigned long long)d.max_reply_queue_total, (unsigned long long)d.idle_ttl_seconds,
 	       (unsigned long long)d.lease_seconds, (unsigned long long)d.view_idle_seconds,
-	       d.offload_elements, d.metrics_listen,
+	       d.offload_elements, d.metrics_listen, d.remote.timeout_ms,
 	       (unsigned long long)resources_descriptors_needed(configured), formula,
 	       configured_text(configured->memory_budget, "derived at start", text[0], sizeof(text[0])),
 	       configured_text(configured->max_sessions_per_uid, rule[0], text[1], sizeof(text[1])),
@@ -173,7 +180,8 @@ enum option_id {
 	OPT_MAX_CONNECTIONS, OPT_MAX_SESSIONS, OPT_MAX_TOKENS, OPT_MAX_STAGING, OPT_BUDGET,
 	OPT_TTL, OPT_LEASE, OPT_VIEW_IDLE, OPT_OFFLOAD, OPT_NO_ADOPT, OPT_LOG_LEVEL, OPT_METRICS, OPT_CONFIG, OPT_HELP,
 	OPT_VERSION, OPT_SESSIONS_PER_UID, OPT_CONNECTIONS_PER_UID, OPT_BUDGET_PER_UID,
-	OPT_STAGING_PER_UID, OPT_REPLY_QUEUE, OPT_REPLY_QUEUE_TOTAL, OPT_MAX_MAPPED
+	OPT_STAGING_PER_UID, OPT_REPLY_QUEUE, OPT_REPLY_QUEUE_TOTAL, OPT_MAX_MAPPED, OPT_REMOTE,
+	OPT_REMOTE_CREDENTIALS, OPT_REMOTE_TIMEOUT
 };
 
 static const struct option long_options[] = {
@@ -204,11 +212,25 @@ static const struct option long_options[] = {
 	{ "help", no_argument, NULL, OPT_HELP },
 	{ "version", no_argument, NULL, OPT_VERSION },
 	{ "max-mapped-bytes", required_argument, NULL, OPT_MAX_MAPPED },
+	{ "remote", required_argument, NULL, OPT_REMOTE },
+	{ "remote-credentials", required_argument, NULL, OPT_REMOTE_CREDENTIALS },
+	{ "remote-timeout-ms", required_argument, NULL, OPT_REMOTE_TIMEOUT },
 	{ NULL, 0, NULL, 0 }
 };
 
+/* Why the last value was refused, where a parser says more than errno's
+ * text ("the port is outside 1..65535"); "" otherwise. */
+static char value_why[300];
+
+/* The reason a value was refused, for the message. */
+static const char *value_refusal(int rc)
+{
+	return value_why[0] ? value_why : strerror(-rc);
+}
+
 static int option_apply(struct options *o, int id, const char *arg)
 {
+	value_why[0] = '\0';
 	uint64_t value = 0;
 	switch (id) {
 	case OPT_SOCKET:
@@ -248,6 +270,14 @@ static int option_apply(struct options *o, int id, const char *arg)
 		return 0;
 	case OPT_LOG_LEVEL:
 		return log_level_parse(arg, &o->log_level);
+	case OPT_REMOTE:
+		return remote_url_parse(arg, &o->remote, value_why, sizeof(value_why));
+	case OPT_REMOTE_CREDENTIALS:
+		/* Only the path: the file is read (and its mode checked) at start. */
+		if (!*arg || strlen(arg) >= sizeof(o->remote.credentials_path))
+			return -ENAMETOOLONG;
+		snprintf(o->remote.credentials_path, sizeof(o->remote.credentials_path), "%s", arg);
+		return 0;
 	}
 	if (parse_size(arg, UINT64_MAX, &value) < 0)
 		return -EINVAL;
@@ -330,6 +360,12 @@ static int option_apply(struct options *o, int id, const char *arg)
 		else
 			o->view_idle_seconds = value;
 		return 0;
+	case OPT_REMOTE_TIMEOUT:
+		/* A minute: past it a "slow" Redis is a down one. */
+		if (value == 0 || value > 60000)
+			return -ERANGE;
+		o->remote.timeout_ms = (uint32_t)value;
+		return 0;
 	case OPT_OFFLOAD:
 		if (value > UINT32_MAX)
 			return -ERANGE;
@@ -404,7 +440,7 @@ int options_load_file(struct options *options, const char *path)
 		rc = option_apply(options, found->val, value);
 		if (rc < 0) {
 			fprintf(stderr, "zipcached: %s:%u: bad value for %s: '%s' (%s)\n", path, number,
-				key, value, strerror(-rc));
+				key, value, value_refusal(rc));
 			rc = -EINVAL;
 		}
 	}
@@ -450,12 +486,16 @@ int options_parse(struct options *options, int argc, char **argv)
 		int rc = option_apply(options, id, optarg);
 		if (rc < 0) {
 			fprintf(stderr, "zipcached: bad value for --%s: '%s' (%s)\n", option_name(id),
-				optarg ? optarg : "", strerror(-rc));
+				optarg ? optarg : "", value_refusal(rc));
 			return -EINVAL;
 		}
 	}
 	if (optind < argc) {
 		fprintf(stderr, "zipcached: unexpected argument: %s (see --help)\n", argv[optind]);
+		return -EINVAL;
+	}
+	if (options->remote.credentials_path[0] && options->remote.n_endpoints == 0) {
+		fprintf(stderr, "zipcached: --remote-credentials without --remote\n");
 		return -EINVAL;
 	}
 	/* Inline K/V must fit a frame with room for the rest of the message. */

@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "log.h"
+#include "remote.h"
 
 /* A limit left to server_start to derive (the memory budget from the
  * host, per-uid quotas from the daemon-wide limits). */
@@ -38,6 +39,9 @@ struct options {
 	enum log_level log_level;
 	bool adopt;
 	char metrics_listen[272]; /* HOST:PORT, or "off" */
+	/* The shared tier on Redis (--remote, --remote-credentials,
+	 * --remote-timeout-ms); no endpoints: none. */
+	struct remote_config remote;
 };
 
 void options_default(struct options *options);

@@ -29,10 +29,12 @@
 #include "http.h"
 #include "log.h"
 #include "quota.h"
+#include "remote.h"
 #include "reply.h"
 #include "resources.h"
 #include "staging.h"
 #include "store.h"
+#include "zipcache/error.h"
 
 /* How long a stopping daemon waits for in-flight work and unread replies
  * before it closes connections anyway. */
@@ -710,6 +712,15 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	limits_resolve(server);
 	pool_set_init(&server->pools, server->shm_dir_fd, server->options.shm_dir);
 	adopt_scan(server);
+	if (options->remote.n_endpoints) {
+		char why[512];
+		rc = remote_open(&options->remote, &server->remote, why, sizeof(why));
+		if (rc < 0) {
+			log_error("server", "cannot use the remote tier", "error=%s reason=\"%s\"",
+				  zc_error_name(rc), why);
+			return rc;
+		}
+	}
 	rc = listener_open(server);
 	if (rc < 0) {
 		log_error("server", "cannot listen", "socket=%s error=%s", options->socket_path,
@@ -783,4 +794,6 @@ void server_free(struct server *server)
 	if (server->spare_fd >= 0)
 		close(server->spare_fd);
 	server->spare_fd = -1;
+	remote_close(server->remote);
+	server->remote = NULL;
 }

@@ -77,6 +77,7 @@ struct server {
 	struct server_counters counters;
 	struct metrics metrics;
 	struct http_endpoint *http;
+	struct remote *remote;         /* --remote; NULL without */
 };
 
 /* Takes over an accepted socket: serves it, or tells it why not (a limit,

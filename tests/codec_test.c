@@ -2429,6 +2429,7 @@ START_TEST(test_error_strings)
 		{ ZC_ESTALE, "ZC_ESTALE" },
 		{ ZC_EAGAIN, "ZC_EAGAIN" },
 		{ ZC_EDEVICE, "ZC_EDEVICE" },
+		{ ZC_EREMOTE, "ZC_EREMOTE" },
 	};
 	size_t count = sizeof codes / sizeof codes[0];
 

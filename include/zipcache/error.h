@@ -36,7 +36,8 @@ enum zc_error {
 	ZC_ESTALE = ZC_ERROR_BASE - 20,        /* a view read after its lease (or after a drop) */
 	ZC_EAGAIN = ZC_ERROR_BASE - 21,        /* the layer changed during a read: read again */
 	ZC_EDEVICE = ZC_ERROR_BASE - 22,       /* the GPU or its driver failed (libzipcache_cuda) */
-	ZC_ERROR_LAST = ZC_ERROR_BASE - 23
+	ZC_EREMOTE = ZC_ERROR_BASE - 23,       /* the remote tier (Redis) failed or cannot be reached */
+	ZC_ERROR_LAST = ZC_ERROR_BASE - 24
 };
 
 /* A static sentence describing code; never NULL. */

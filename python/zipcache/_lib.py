@@ -60,6 +60,7 @@ ZC_EBROKEN = ZC_ERROR_BASE - 19
 ZC_ESTALE = ZC_ERROR_BASE - 20
 ZC_EAGAIN = ZC_ERROR_BASE - 21
 ZC_EDEVICE = ZC_ERROR_BASE - 22
+ZC_EREMOTE = ZC_ERROR_BASE - 23
 
 # --- codec.h -----------------------------------------------------------------
 

@@ -171,6 +171,7 @@ _BY_CODE: dict[int, type[ZipCacheError]] = {
     _lib.ZC_EINTERNAL: Internal,
     _lib.ZC_ECORRUPT: Internal,
     _lib.ZC_EDEVICE: Internal,
+    _lib.ZC_EREMOTE: Unavailable,
     # A client-side ZC_EPROTOCOL means the reply made no sense: the
     # connection cannot be trusted any more, like a dropped one.
     _lib.ZC_EPROTOCOL: Unavailable,
