@@ -204,6 +204,7 @@ class zc_session_config(Structure):
         ("residual_tokens", c_uint32),
         ("attach", c_bool),
         ("views", c_int),
+        ("model_id", c_char_p),
     ]
 
 
@@ -259,6 +260,17 @@ class zc_session_info(Structure):
         ("views", c_int),
         ("shared_bytes", c_uint64),
         ("leased", c_bool),
+        ("model_id", c_char * 65),
+    ]
+
+
+class zc_import_options(Structure):
+    _fields_ = [
+        ("name", c_char_p),
+        ("model_id", c_char_p),
+        ("check_fingerprint", c_bool),
+        ("fingerprint", c_uint64),
+        ("views", c_int),
     ]
 
 
