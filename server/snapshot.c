@@ -133,7 +133,7 @@ int snapshot_header_verify(const struct snapshot_header *h, char *why, size_t si
 		return fail(ZC_ECORRUPT, why, size, "not a zipcache snapshot (header magic)");
 	if (h->version != SNAPSHOT_VERSION)
 		return fail(ZC_ECORRUPT, why, size,
-			    "snapshot format version %u; this daemon reads version %u", h->version,
+			    "header: snapshot format version %u; this daemon reads version %u", h->version,
 			    SNAPSHOT_VERSION);
 	if (h->checksum != XXH3_64bits(h, offsetof(struct snapshot_header, checksum)))
 		return fail(ZC_ECORRUPT, why, size, "header checksum mismatch (bytes 0..%zu)",
