@@ -552,7 +552,11 @@ void zc_import_options_default(zc_import_options *options)
 
 int zc_session_export(zc_session *session, int fd, uint64_t *bytes)
 {
-	zc_client *client = session->client;
+	return zc_client_export(session->client, session->info.id, fd, bytes);
+}
+
+int zc_client_export(zc_client *client, uint64_t session_id, int fd, uint64_t *bytes)
+{
 	wire_request request = { 0 };
 	wire_response response;
 
@@ -561,7 +565,7 @@ int zc_session_export(zc_session *session, int fd, uint64_t *bytes)
 	if (fd < 0)
 		return error_set(client, ZC_EINVALID, "export needs a descriptor");
 	request.op = WIRE_OP_EXPORT_SESSION;
-	request.export_session.session_id = session->info.id;
+	request.export_session.session_id = session_id;
 	int none[1];
 	int rc = call_fd(client, &request, &response, none, 0, fd);
 	if (rc < 0)

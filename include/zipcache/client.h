@@ -364,6 +364,8 @@ typedef struct zc_import_options {
 
 void zc_import_options_default(zc_import_options *options);
 int zc_session_export(zc_session *session, int fd, uint64_t *bytes);
+/* The same by id, without a handle (zipcachectl export). */
+int zc_client_export(zc_client *client, uint64_t session_id, int fd, uint64_t *bytes);
 int zc_session_import(zc_client *client, int fd, const zc_import_options *options,
 		      zc_session **out);
 
