@@ -16,7 +16,12 @@
  *            written into fresh pool extents and a new session file;
  *   memcpy   the same snapshot bytes copied between two warm buffers (the
  *            goal's limit), and into fresh pages (mmap'd per run: what a
- *            copy into new memory costs, as the import's blocks are).
+ *            copy into new memory costs, as the import's blocks are);
+ *   write    the same bytes written with write(2) from a hot 256 KiB
+ *            buffer over a tmpfs file in place (the kernel's copy into
+ *            tmpfs pages: the floor under any export to a tmpfs file), and
+ *            into a new tmpfs file (fresh pages: the floor under an import,
+ *            which must create its blocks' pages).
  *
  * Ratios are throughputs: (bytes / export seconds) / (bytes / memcpy
  * seconds). Output: a table, then one JSON object per line.
@@ -50,6 +55,7 @@
 #define RUNS 7
 #define QUICK_RUNS 2
 #define GOAL 0.5
+#define WRITE_CHUNK (256u << 10)
 
 struct options {
 	bool quick;
@@ -169,6 +175,14 @@ int main(int argc, char **argv)
 	double *ti = calloc((size_t)opt.runs, sizeof(double));
 	double *tm = calloc((size_t)opt.runs, sizeof(double));
 	double *tf = calloc((size_t)opt.runs, sizeof(double));
+	double *tw = calloc((size_t)opt.runs, sizeof(double));
+	double *tn = calloc((size_t)opt.runs, sizeof(double));
+	char plain[] = "/dev/shm/zc-snapshot-write-XXXXXX";
+	int plain_fd = mkstemp(plain);
+	if (plain_fd < 0) {
+		bench_fail("write file", -errno);
+		goto out;
+	}
 	uint64_t bytes = 0;
 	for (int run = -1; run < opt.runs; run++) {
 		/* export */
@@ -220,7 +234,27 @@ int main(int argc, char **argv)
 		memcpy_fn(fresh, src, bytes);
 		double t7 = bench_now_s();
 		munmap(fresh, bytes);
+		/* write(2) over the same tmpfs pages, then into fresh ones */
+		double tws[2];
+		for (int k = 0; k < 2; k++) {
+			if (k == 1 && ftruncate(plain_fd, 0) < 0) {
+				bench_fail("ftruncate", -errno);
+				goto out;
+			}
+			lseek(plain_fd, 0, SEEK_SET);
+			double w0 = bench_now_s();
+			for (uint64_t at = 0; at < bytes; at += WRITE_CHUNK) {
+				size_t n = bytes - at < WRITE_CHUNK ? (size_t)(bytes - at) : WRITE_CHUNK;
+				if (write(plain_fd, src + (at % (4 * WRITE_CHUNK)), n) != (ssize_t)n) {
+					bench_fail("write", -errno);
+					goto out;
+				}
+			}
+			tws[k] = bench_now_s() - w0;
+		}
 		if (run >= 0) {
+			tw[run] = tws[0];
+			tn[run] = tws[1];
 			te[run] = t1 - t0;
 			ti[run] = t3 - t2;
 			tm[run] = t5 - t4;
@@ -229,6 +263,9 @@ int main(int argc, char **argv)
 	}
 	double e = bench_median(te, (size_t)opt.runs), i = bench_median(ti, (size_t)opt.runs);
 	double m = bench_median(tm, (size_t)opt.runs), f = bench_median(tf, (size_t)opt.runs);
+	double wr = bench_median(tw, (size_t)opt.runs), wn = bench_median(tn, (size_t)opt.runs);
+	close(plain_fd);
+	unlink(plain);
 	double gb = (double)bytes / 1e9;
 	uint64_t fp16 = (uint64_t)opt.layers * (opt.tokens + DECODE_STEPS) * HEADS * HEAD_DIM * 2 * 2;
 	printf("snapshot benchmark: zipcached %s, %u layers x %u tokens (+%u decoded), B=1 H=%u "
@@ -237,22 +274,31 @@ int main(int argc, char **argv)
 	       HEADS, HEAD_DIM, opt.runs, opt.quick ? " (QUICK: a smoke test, not a measurement)" : "");
 	printf("snapshot %.1f MiB (%.3f of the %.1f MiB fp16)\n", (double)bytes / 1048576.0,
 	       (double)bytes / (double)fp16, (double)fp16 / 1048576.0);
-	printf("  %-22s %10s %10s %14s %14s\n", "op", "ms", "GB/s", "/ memcpy warm", "/ memcpy fresh");
-	printf("  %-22s %10.2f %10.2f %14.3f %14.3f\n", "export", e * 1e3, gb / e, m / e, f / e);
-	printf("  %-22s %10.2f %10.2f %14.3f %14.3f\n", "import", i * 1e3, gb / i, m / i, f / i);
-	printf("  %-22s %10.2f %10.2f\n", "memcpy (warm)", m * 1e3, gb / m);
-	printf("  %-22s %10.2f %10.2f\n", "memcpy (fresh pages)", f * 1e3, gb / f);
+	printf("  %-26s %9s %8s %14s %14s %12s\n", "op", "ms", "GB/s", "/ memcpy warm",
+	       "/ memcpy fresh", "/ write(2)");
+	printf("  %-26s %9.2f %8.2f %14.3f %14.3f %12.3f\n", "export", e * 1e3, gb / e, m / e, f / e,
+	       wr / e);
+	printf("  %-26s %9.2f %8.2f %14.3f %14.3f %12.3f\n", "import", i * 1e3, gb / i, m / i, f / i,
+	       wn / i);
+	printf("  %-26s %9.2f %8.2f\n", "memcpy (warm)", m * 1e3, gb / m);
+	printf("  %-26s %9.2f %8.2f\n", "memcpy (fresh pages)", f * 1e3, gb / f);
+	printf("  %-26s %9.2f %8.2f   (export's floor)\n", "write(2), tmpfs in place", wr * 1e3,
+	       gb / wr);
+	printf("  %-26s %9.2f %8.2f   (import's floor)\n", "write(2), new tmpfs file", wn * 1e3,
+	       gb / wn);
 	printf("goal: export and import / memcpy (warm) >= %.1f: export %s, import %s\n", GOAL,
 	       m / e >= GOAL ? "met" : "NOT met", m / i >= GOAL ? "met" : "NOT met");
 	for (int k = 0; k < 2; k++) {
 		double t = k == 0 ? e : i;
 		printf("{\"bench\":\"snapshot\",\"op\":\"%s\",\"layers\":%u,\"tokens\":%u,\"bytes\":%llu,"
 		       "\"fp16_bytes\":%llu,\"runs\":%d,\"median_ms\":%.3f,\"gbps\":%.3f,"
-		       "\"memcpy_gbps\":%.3f,\"memcpy_fresh_gbps\":%.3f,\"ratio\":%.3f,"
-		       "\"ratio_fresh\":%.3f,\"goal\":%.1f,\"quick\":%s}\n",
+		       "\"memcpy_gbps\":%.3f,\"memcpy_fresh_gbps\":%.3f,\"write_gbps\":%.3f,"
+		       "\"ratio\":%.3f,\"ratio_fresh\":%.3f,\"ratio_write\":%.3f,\"goal\":%.1f,"
+		       "\"quick\":%s}\n",
 		       k == 0 ? "export" : "import", opt.layers, opt.tokens, (unsigned long long)bytes,
-		       (unsigned long long)fp16, opt.runs, t * 1e3, gb / t, gb / m, gb / f, m / t, f / t,
-		       GOAL, opt.quick ? "true" : "false");
+		       (unsigned long long)fp16, opt.runs, t * 1e3, gb / t, gb / m, gb / f,
+		       gb / (k == 0 ? wr : wn), m / t, f / t, (k == 0 ? wr : wn) / t, GOAL,
+		       opt.quick ? "true" : "false");
 	}
 	status = 0;
 out:

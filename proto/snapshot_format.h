@@ -9,7 +9,7 @@
  *   [struct snapshot_header]                         SNAPSHOT_HEADER_BYTES
  *   [layers x struct snapshot_layer][u64 checksum]   the layer table
  *   per layer, in order:
- *     blocks x ([struct snapshot_block][K payload][V payload])
+ *     blocks x ([struct snapshot_block][K payload][V payload][u64 payload checksum])
  *     [K residual rows [batch][kv_heads][residual_tokens][head_dim_k] fp16]
  *     [V residual rows, likewise with head_dim_v]
  *   [struct snapshot_trailer]                        SNAPSHOT_TRAILER_BYTES
@@ -82,7 +82,9 @@ struct snapshot_layer {
 };
 
 /* The header of one block record; its K then V payloads follow, exactly
- * as the pool holds them (docs/CODEC.md). */
+ * as the pool holds them (docs/CODEC.md), then the payloads' checksum
+ * (XXH3 over K then V), after them so that a writer streams the payloads
+ * straight through without holding a whole block. */
 struct snapshot_block {
 	char magic[8];             /* SNAPSHOT_BLOCK_MAGIC */
 	uint64_t fingerprint;      /* the snapshot's: a record never joins another config */
@@ -94,7 +96,6 @@ struct snapshot_block {
 	uint32_t flags;            /* 0 */
 	uint64_t key_bytes;
 	uint64_t value_bytes;
-	uint64_t payload_checksum; /* over K then V payload */
 	uint64_t checksum;         /* over every byte of this header above */
 };
 
@@ -113,11 +114,18 @@ struct snapshot_trailer {
 #define SNAPSHOT_LAYER_BYTES ((uint32_t)sizeof(struct snapshot_layer))
 #define SNAPSHOT_BLOCK_BYTES ((uint32_t)sizeof(struct snapshot_block))
 #define SNAPSHOT_TRAILER_BYTES ((uint32_t)sizeof(struct snapshot_trailer))
+#define SNAPSHOT_BLOCK_END_BYTES ((uint32_t)sizeof(uint64_t))   /* the payload checksum */
+
+/* Bytes of one block record with payloads of these sizes: the one formula. */
+static inline uint64_t snapshot_record_bytes(uint64_t key_bytes, uint64_t value_bytes)
+{
+	return SNAPSHOT_BLOCK_BYTES + key_bytes + value_bytes + SNAPSHOT_BLOCK_END_BYTES;
+}
 
 _Static_assert(sizeof(struct snapshot_config) == 128, "snapshot_config layout");
 _Static_assert(sizeof(struct snapshot_header) == 224, "snapshot_header layout");
 _Static_assert(sizeof(struct snapshot_layer) == 40, "snapshot_layer layout");
-_Static_assert(sizeof(struct snapshot_block) == 72, "snapshot_block layout");
+_Static_assert(sizeof(struct snapshot_block) == 64, "snapshot_block layout");
 _Static_assert(sizeof(struct snapshot_trailer) == 24, "snapshot_trailer layout");
 
 #endif

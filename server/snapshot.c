@@ -43,10 +43,10 @@ _Static_assert(SNAPSHOT_MODEL_ID_BYTES == ZC_MODEL_ID_MAX + 1 &&
  * the session's later requests wait behind the export. */
 #define SNAPSHOT_PIPE_STALL_MS 30000
 
-/* Verification reads payloads in chunks of this size: big enough for
- * pread's per-call cost to vanish, small enough to stay in cache while
- * it is hashed. */
-#define SNAPSHOT_CHUNK_BYTES (1u << 20)
+/* Export and verification move payloads in chunks of this size: big
+ * enough for a syscall's cost to vanish, small enough to stay in L2
+ * between the read, the hash and the write. */
+#define SNAPSHOT_CHUNK_BYTES (256u << 10)
 
 __attribute__((format(printf, 4, 5)))
 static int fail(int rc, char *why, size_t size, const char *format, ...)
@@ -193,9 +193,9 @@ void snapshot_payload_bytes(const struct snapshot_config *config, uint32_t token
 	*value_bytes = value.compressed;
 }
 
-void snapshot_block_encode(uint64_t fingerprint, uint32_t layer, uint32_t index,
-			   const store_block *entry, const void *key, const void *value,
-			   struct snapshot_block *out)
+/* The record header alone (the payload checksum is written after the payloads). */
+static void block_header_encode(uint64_t fingerprint, uint32_t layer, uint32_t index,
+				const store_block *entry, struct snapshot_block *out)
 {
 	memset(out, 0, sizeof(*out));
 	memcpy(out->magic, SNAPSHOT_BLOCK_MAGIC, sizeof(out->magic));
@@ -207,12 +207,25 @@ void snapshot_block_encode(uint64_t fingerprint, uint32_t layer, uint32_t index,
 	out->valid_tokens = entry->valid_tokens;
 	out->key_bytes = entry->key_bytes;
 	out->value_bytes = entry->value_bytes;
+	out->checksum = XXH3_64bits(out, offsetof(struct snapshot_block, checksum));
+}
+
+void snapshot_block_encode(uint64_t fingerprint, uint32_t layer, uint32_t index,
+			   const store_block *entry, const void *key, const void *value,
+			   uint8_t *record)
+{
+	struct snapshot_block h;
+	block_header_encode(fingerprint, layer, index, entry, &h);
+	memcpy(record, &h, sizeof(h));
+	memcpy(record + SNAPSHOT_BLOCK_BYTES, key, entry->key_bytes);
+	memcpy(record + SNAPSHOT_BLOCK_BYTES + entry->key_bytes, value, entry->value_bytes);
 	XXH3_state_t state;
 	XXH3_64bits_reset(&state);
 	XXH3_64bits_update(&state, key, entry->key_bytes);
 	XXH3_64bits_update(&state, value, entry->value_bytes);
-	out->payload_checksum = XXH3_64bits_digest(&state);
-	out->checksum = XXH3_64bits(out, offsetof(struct snapshot_block, checksum));
+	uint64_t sum = XXH3_64bits_digest(&state);
+	memcpy(record + SNAPSHOT_BLOCK_BYTES + entry->key_bytes + entry->value_bytes, &sum,
+	       sizeof(sum));
 }
 
 /* A block record's header on its own: everything but the payload's hash. */
@@ -273,12 +286,15 @@ int snapshot_block_verify(const struct snapshot_header *h, uint32_t layer, uint3
 	int rc = block_header_check(h, layer, index, &b, why, size);
 	if (rc < 0)
 		return rc;
-	if (len != SNAPSHOT_BLOCK_BYTES + b.key_bytes + b.value_bytes)
+	if (len != snapshot_record_bytes(b.key_bytes, b.value_bytes))
 		return fail(ZC_ECORRUPT, why, size, "layer %u block %u: record is %llu bytes, not %llu",
 			    layer, index, (unsigned long long)len,
-			    (unsigned long long)(SNAPSHOT_BLOCK_BYTES + b.key_bytes + b.value_bytes));
+			    (unsigned long long)snapshot_record_bytes(b.key_bytes, b.value_bytes));
+	uint64_t sum;
+	memcpy(&sum, (const uint8_t *)record + SNAPSHOT_BLOCK_BYTES + b.key_bytes + b.value_bytes,
+	       sizeof(sum));
 	if (XXH3_64bits((const uint8_t *)record + SNAPSHOT_BLOCK_BYTES, b.key_bytes + b.value_bytes) !=
-	    b.payload_checksum)
+	    sum)
 		return fail(ZC_ECORRUPT, why, size, "layer %u block %u: payload checksum mismatch", layer,
 			    index);
 	entry_of(&b, entry);
@@ -422,9 +438,69 @@ static int buffer_fit(uint8_t **buf, uint64_t *capacity, uint64_t bytes)
 	return 0;
 }
 
+/* A chunk-sized buffer in front of the descriptor: block bytes are read
+ * from the pool into it, hashed there and written out while in cache. */
+struct writer {
+	int fd;
+	bool pipe;
+	uint8_t *buf;
+	size_t used;
+};
+
+static int writer_flush(struct writer *w)
+{
+	int rc = write_all(w->fd, w->pipe, w->buf, w->used);
+	w->used = 0;
+	return rc;
+}
+
+static int writer_put(struct writer *w, const void *data, uint64_t n)
+{
+	const uint8_t *p = data;
+	while (n > 0) {
+		size_t take = SNAPSHOT_CHUNK_BYTES - w->used;
+		if (take > n)
+			take = (size_t)n;
+		memcpy(w->buf + w->used, p, take);
+		w->used += take;
+		p += take;
+		n -= take;
+		if (w->used == SNAPSHOT_CHUNK_BYTES) {
+			int rc = writer_flush(w);
+			if (rc < 0)
+				return rc;
+		}
+	}
+	return 0;
+}
+
+static int writer_from_pool(struct writer *w, struct pool *pool, uint64_t offset, uint64_t n,
+			    XXH3_state_t *hash)
+{
+	while (n > 0) {
+		size_t take = SNAPSHOT_CHUNK_BYTES - w->used;
+		if (take > n)
+			take = (size_t)n;
+		int rc = pool_read(pool, offset, w->buf + w->used, take);
+		if (rc < 0)
+			return rc;
+		XXH3_64bits_update(hash, w->buf + w->used, take);
+		w->used += take;
+		offset += take;
+		n -= take;
+		if (w->used == SNAPSHOT_CHUNK_BYTES) {
+			rc = writer_flush(w);
+			if (rc < 0)
+				return rc;
+		}
+	}
+	return 0;
+}
+
 int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_result *result,
 		    char *why, size_t size)
 {
+	struct writer w = { .buf = NULL };
 	const struct store_header *sh = store_header(store);
 	struct snapshot_config config;
 	struct snapshot_header header;
@@ -450,8 +526,8 @@ int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_resu
 			.blocks = cut.blocks, .offset = offset,
 		};
 		for (uint32_t b = 0; b < cut.blocks; b++)
-			table[i].bytes += SNAPSHOT_BLOCK_BYTES + cut.entries[b].key_bytes +
-					  cut.entries[b].value_bytes;
+			table[i].bytes += snapshot_record_bytes(cut.entries[b].key_bytes,
+								cut.entries[b].value_bytes);
 		table[i].bytes += (uint64_t)cut.residual_tokens * residual_row_bytes(&config);
 		offset += table[i].bytes;
 		tokens += cut.tokens;
@@ -483,40 +559,46 @@ int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_resu
 	XXH3_64bits_update(&whole, &header, sizeof(header));
 	XXH3_64bits_update(&whole, table, (size_t)layers * SNAPSHOT_LAYER_BYTES);
 	XXH3_64bits_update(&whole, &table_checksum, sizeof(table_checksum));
-	rc = write_all(fd, pipe, &header, sizeof(header));
+
+	w = (struct writer){ .fd = fd, .pipe = pipe };
+	w.buf = malloc(SNAPSHOT_CHUNK_BYTES);
+	if (!w.buf)
+		goto out_nomem;
+	rc = writer_put(&w, &header, sizeof(header));
 	if (rc == 0)
-		rc = write_all(fd, pipe, table, (size_t)layers * SNAPSHOT_LAYER_BYTES);
+		rc = writer_put(&w, table, (size_t)layers * SNAPSHOT_LAYER_BYTES);
 	if (rc == 0)
-		rc = write_all(fd, pipe, &table_checksum, sizeof(table_checksum));
+		rc = writer_put(&w, &table_checksum, sizeof(table_checksum));
 	if (rc < 0)
 		goto out_write;
-
 	for (uint32_t i = 0; i < layers; i++) {
 		struct store_cut cut;
 		store_layer_cut(store, i, &cut);
 		for (uint32_t b = 0; b < cut.blocks; b++) {
 			const store_block *e = &cut.entries[b];
-			uint64_t record = SNAPSHOT_BLOCK_BYTES + e->key_bytes + e->value_bytes;
-			rc = buffer_fit(&buf, &capacity, record);
-			if (rc < 0)
-				goto out_nomem;
-			uint8_t *key = buf + SNAPSHOT_BLOCK_BYTES, *value = key + e->key_bytes;
-			rc = pool_read(store_pool(store), e->key_offset, key, e->key_bytes);
+			struct snapshot_block h;
+			XXH3_state_t payload;
+			block_header_encode(fingerprint, i, b, e, &h);
+			XXH3_64bits_reset(&payload);
+			rc = writer_put(&w, &h, sizeof(h));
 			if (rc == 0)
-				rc = pool_read(store_pool(store), e->value_offset, value, e->value_bytes);
-			if (rc < 0) {
+				rc = writer_from_pool(&w, store_pool(store), e->key_offset, e->key_bytes,
+						      &payload);
+			if (rc == 0)
+				rc = writer_from_pool(&w, store_pool(store), e->value_offset,
+						      e->value_bytes, &payload);
+			if (rc == ZC_ECORRUPT) {
 				rc = fail(rc, why, size, "cannot read layer %u block %u from the pool: %s",
 					  i, b, zc_strerror(rc));
 				goto out;
 			}
-			struct snapshot_block h;
-			snapshot_block_encode(fingerprint, i, b, e, key, value, &h);
-			memcpy(buf, &h, sizeof(h));
-			XXH3_64bits_update(&whole, &h.checksum, sizeof(h.checksum));
-			XXH3_64bits_update(&whole, &h.payload_checksum, sizeof(h.payload_checksum));
-			rc = write_all(fd, pipe, buf, record);
+			uint64_t sum = XXH3_64bits_digest(&payload);
+			if (rc == 0)
+				rc = writer_put(&w, &sum, sizeof(sum));
 			if (rc < 0)
 				goto out_write;
+			XXH3_64bits_update(&whole, &h.checksum, sizeof(h.checksum));
+			XXH3_64bits_update(&whole, &sum, sizeof(sum));
 		}
 		uint64_t bytes = (uint64_t)cut.residual_tokens * residual_row_bytes(&config);
 		if (bytes) {
@@ -525,7 +607,7 @@ int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_resu
 				      heads, sh->head_dim_k);
 			residual_pack(buf + key_part, cut.value_residual, cut.residual_capacity,
 				      cut.residual_tokens, heads, sh->head_dim_v);
-			rc = write_all(fd, pipe, buf, bytes);
+			rc = writer_put(&w, buf, bytes);
 			if (rc < 0)
 				goto out_write;
 		}
@@ -534,7 +616,9 @@ int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_resu
 	struct snapshot_trailer trailer = { .file_bytes = file_bytes };
 	memcpy(trailer.magic, SNAPSHOT_TRAILER_MAGIC, sizeof(trailer.magic));
 	trailer.checksum = XXH3_64bits_digest(&whole);
-	rc = write_all(fd, pipe, &trailer, sizeof(trailer));
+	rc = writer_put(&w, &trailer, sizeof(trailer));
+	if (rc == 0)
+		rc = writer_flush(&w);
 	if (rc < 0)
 		goto out_write;
 	*result = (struct snapshot_result){ file_bytes, fingerprint, tokens };
@@ -548,6 +632,7 @@ out_write:
 	rc = fail(rc, why, size, "cannot write the snapshot: %s",
 		  rc == -ETIMEDOUT ? "the pipe's reader stopped reading" : strerror(-rc));
 out:
+	free(w.buf);
 	free(buf);
 	free(table);
 	return rc;
@@ -629,7 +714,7 @@ static int head_read(int fd, uint64_t file_bytes, struct snapshot_header *h,
 		else if (l->offset != offset)
 			bad = "does not start where the layer before it ends";
 		else if (l->bytes > file_bytes - offset ||
-			 l->bytes < (uint64_t)l->blocks * SNAPSHOT_BLOCK_BYTES +
+			 l->bytes < (uint64_t)l->blocks * snapshot_record_bytes(0, 0) +
 					    (uint64_t)l->residual_tokens * residual_row_bytes(&h->config))
 			bad = "byte count does not fit its blocks and residual in the file";
 		if (bad) {
@@ -725,23 +810,26 @@ int snapshot_verify(int fd, const struct snapshot_expect *expect, struct snapsho
 				rc = tiling_check(i, k, &prev, &b, why, size);
 			if (rc < 0)
 				goto out;
-			at += SNAPSHOT_BLOCK_BYTES;
-			if (b.key_bytes + b.value_bytes > end - at) {
+			if (snapshot_record_bytes(b.key_bytes, b.value_bytes) > end - at) {
 				rc = fail(ZC_ECORRUPT, why, size, "%s: payload past the end of its layer",
 					  what);
 				goto out;
 			}
-			uint64_t sum;
+			at += SNAPSHOT_BLOCK_BYTES;
+			uint64_t sum, stored;
 			rc = hash_range(fd, at, b.key_bytes + b.value_bytes, chunk, &sum, what, why, size);
+			if (rc == 0)
+				rc = read_at(fd, at + b.key_bytes + b.value_bytes, &stored, sizeof(stored),
+					     what, why, size);
 			if (rc < 0)
 				goto out;
-			if (sum != b.payload_checksum) {
+			if (sum != stored) {
 				rc = fail(ZC_ECORRUPT, why, size, "%s: payload checksum mismatch", what);
 				goto out;
 			}
 			XXH3_64bits_update(&whole, &b.checksum, sizeof(b.checksum));
-			XXH3_64bits_update(&whole, &b.payload_checksum, sizeof(b.payload_checksum));
-			at += b.key_bytes + b.value_bytes;
+			XXH3_64bits_update(&whole, &stored, sizeof(stored));
+			at += b.key_bytes + b.value_bytes + SNAPSHOT_BLOCK_END_BYTES;
 			prev = b;
 		}
 		rc = last_block_check(i, l, &prev, why, size);
@@ -835,7 +923,7 @@ int snapshot_import(int fd, const struct snapshot_header *verified, const struct
 			rc = read_at(fd, at, &b, sizeof(b), "a block record", why, size);
 			if (rc < 0)
 				goto out;
-			uint64_t record = SNAPSHOT_BLOCK_BYTES + b.key_bytes + b.value_bytes;
+			uint64_t record = snapshot_record_bytes(b.key_bytes, b.value_bytes);
 			if (b.key_bytes > file_bytes || b.value_bytes > file_bytes ||
 			    record > l->offset + l->bytes - at) {
 				rc = fail(ZC_ECORRUPT, why, size, "the snapshot changed while it was imported");

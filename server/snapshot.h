@@ -39,13 +39,16 @@ int snapshot_header_verify(const struct snapshot_header *h, char *why, size_t wh
 void snapshot_payload_bytes(const struct snapshot_config *config, uint32_t tokens,
 			    uint64_t *key_bytes, uint64_t *value_bytes);
 
-/* Fills a block record's header for a pool entry and its payloads. */
+/* Encodes one whole block record (header, payloads, payload checksum:
+ * snapshot_record_bytes(entry->key_bytes, entry->value_bytes) bytes at
+ * record) for a pool entry and its payloads. */
 void snapshot_block_encode(uint64_t fingerprint, uint32_t layer, uint32_t index,
 			   const store_block *entry, const void *key, const void *value,
-			   struct snapshot_block *out);
+			   uint8_t *record);
 
 /*
- * Verifies one block record (header then `len` bytes in all) against the
+ * Verifies one block record (`len` bytes: header, payloads, payload
+ * checksum) against the
  * snapshot's header: magic, checksums, fingerprint, that it is block
  * `index` of `layer`, token counts, payload sizes the codec gives its
  * shape. On success *entry holds its table entry (offsets 0) and the

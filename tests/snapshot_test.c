@@ -379,7 +379,7 @@ END_TEST
 /* A byte region of a snapshot, named as the daemon's messages name it. */
 struct region {
 	uint64_t start, bytes;
-	char what[48];      /* for the test's messages */
+	char what[64];      /* for the test's messages */
 	char needle[48];    /* what the daemon's sentence must mention */
 };
 
@@ -410,7 +410,7 @@ static size_t regions_of(const uint8_t *file, size_t len, struct region *out, si
 		for (uint32_t k = 0; k < l.blocks; k++) {
 			struct snapshot_block b;
 			memcpy(&b, file + at, sizeof(b));
-			ck_assert_uint_lt(n + 3, max);
+			ck_assert_uint_lt(n + 4, max);
 			struct region *r = &out[n++];
 			*r = region_make(at, SNAPSHOT_BLOCK_BYTES, "", "");
 			snprintf(r->what, sizeof(r->what), "layer %u block %u header", i, k);
@@ -423,7 +423,12 @@ static size_t regions_of(const uint8_t *file, size_t len, struct region *out, si
 			*r = region_make(at + SNAPSHOT_BLOCK_BYTES + b.key_bytes, b.value_bytes, "", "");
 			snprintf(r->what, sizeof(r->what), "layer %u block %u V payload", i, k);
 			snprintf(r->needle, sizeof(r->needle), "layer %u block %u: payload", i, k);
-			at += SNAPSHOT_BLOCK_BYTES + b.key_bytes + b.value_bytes;
+			r = &out[n++];
+			*r = region_make(at + SNAPSHOT_BLOCK_BYTES + b.key_bytes + b.value_bytes,
+					 SNAPSHOT_BLOCK_END_BYTES, "", "");
+			snprintf(r->what, sizeof(r->what), "layer %u block %u payload checksum", i, k);
+			snprintf(r->needle, sizeof(r->needle), "layer %u block %u: payload", i, k);
+			at += snapshot_record_bytes(b.key_bytes, b.value_bytes);
 		}
 		uint64_t residual = heads * l.residual_tokens *
 				    (h.config.head_dim_k + h.config.head_dim_v) * 2;
@@ -480,7 +485,7 @@ START_TEST(every_region_flipped_or_cut_is_refused)
 	export_file(session, good);
 	uint8_t *file = (uint8_t *)file_read_whole(good, &len);
 	size_t n = regions_of(file, len, regions, 64);
-	ck_assert_uint_ge(n, 2 + 2 * (2 * 3 + 1) + 1);
+	ck_assert_uint_ge(n, 2 + 2 * (2 * 4 + 1) + 1);
 
 	uint8_t *copy = allocate(len);
 	for (size_t i = 0; i < n; i++) {
