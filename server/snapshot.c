@@ -917,6 +917,7 @@ int snapshot_import(int fd, const struct snapshot_header *verified, const struct
 	for (uint32_t i = 0; i < c->layers; i++) {
 		const struct snapshot_layer *l = &table[i];
 		uint64_t at = l->offset;
+		struct snapshot_block prev = { 0 };
 		for (uint32_t k = 0; k < l->blocks; k++) {
 			struct snapshot_block b;
 			store_block entry;
@@ -937,6 +938,11 @@ int snapshot_import(int fd, const struct snapshot_header *verified, const struct
 			rc = read_at(fd, at, buf, record, "a block record", why, size);
 			if (rc == 0)
 				rc = snapshot_block_verify(&h, i, k, buf, record, &entry, why, size);
+			/* The table came from the file again: its tiling too. */
+			if (rc == 0)
+				memcpy(&b, buf, sizeof(b));
+			if (rc == 0)
+				rc = tiling_check(i, k, &prev, &b, why, size);
 			if (rc < 0) {
 				if (rc == ZC_ECORRUPT)
 					fail(rc, why, size, "the snapshot changed while it was imported");
@@ -951,8 +957,14 @@ int snapshot_import(int fd, const struct snapshot_header *verified, const struct
 				goto out;
 			}
 			at += record;
+			prev = b;
 		}
 		uint64_t residual = (uint64_t)l->residual_tokens * residual_row_bytes(c);
+		rc = last_block_check(i, l, &prev, why, size);
+		if (rc == 0 && at + residual != l->offset + l->bytes)
+			rc = fail(ZC_ECORRUPT, why, size, "the snapshot changed while it was imported");
+		if (rc < 0)
+			goto out;
 		rc = buffer_fit(&buf, &capacity, residual ? residual : 1);
 		if (rc < 0) {
 			fail(rc, why, size, "out of memory");
