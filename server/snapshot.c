@@ -17,6 +17,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -438,19 +439,118 @@ static int buffer_fit(uint8_t **buf, uint64_t *capacity, uint64_t bytes)
 	return 0;
 }
 
-/* A chunk-sized buffer in front of the descriptor: block bytes are read
- * from the pool into it, hashed there and written out while in cache. */
+/*
+ * Two chunk-sized buffers in front of the descriptor, and a thread of
+ * the export's own that writes one while the export fills the other:
+ * block bytes are read from the pool into a buffer and hashed there while
+ * in cache, and the kernel's copy into the destination (the larger cost,
+ * BENCHMARKS.md) overlaps the next read. Without the thread (it could not
+ * be made) every flush writes in line.
+ */
 struct writer {
 	int fd;
 	bool pipe;
-	uint8_t *buf;
+	uint8_t *bufs[2];
+	uint8_t *buf;              /* the one being filled */
 	size_t used;
+	bool threaded;
+	pthread_t thread;
+	pthread_mutex_t lock;
+	pthread_cond_t cond;
+	const uint8_t *pending;    /* handed to the thread, not yet written */
+	size_t pending_len;
+	bool stop;
+	int rc;                    /* the thread's first failure */
 };
 
+static void *writer_thread(void *arg)
+{
+	struct writer *w = arg;
+	pthread_mutex_lock(&w->lock);
+	for (;;) {
+		while (!w->pending && !w->stop)
+			pthread_cond_wait(&w->cond, &w->lock);
+		if (!w->pending)
+			break;
+		const uint8_t *p = w->pending;
+		size_t n = w->pending_len;
+		pthread_mutex_unlock(&w->lock);
+		int rc = write_all(w->fd, w->pipe, p, n);
+		pthread_mutex_lock(&w->lock);
+		if (rc < 0 && w->rc == 0)
+			w->rc = rc;
+		w->pending = NULL;
+		pthread_cond_broadcast(&w->cond);
+	}
+	pthread_mutex_unlock(&w->lock);
+	return NULL;
+}
+
+static int writer_open(struct writer *w, int fd, bool pipe)
+{
+	*w = (struct writer){ .fd = fd, .pipe = pipe };
+	w->bufs[0] = malloc(SNAPSHOT_CHUNK_BYTES);
+	w->bufs[1] = malloc(SNAPSHOT_CHUNK_BYTES);
+	if (!w->bufs[0] || !w->bufs[1])
+		return -ENOMEM;
+	w->buf = w->bufs[0];
+	if (pthread_mutex_init(&w->lock, NULL) == 0) {
+		if (pthread_cond_init(&w->cond, NULL) == 0) {
+			w->threaded = pthread_create(&w->thread, NULL, writer_thread, w) == 0;
+			if (!w->threaded)
+				pthread_cond_destroy(&w->cond);
+		}
+		if (!w->threaded)
+			pthread_mutex_destroy(&w->lock);
+	}
+	return 0;
+}
+
+/* Hands the filled buffer over (or writes it), once the other is written. */
 static int writer_flush(struct writer *w)
 {
-	int rc = write_all(w->fd, w->pipe, w->buf, w->used);
+	if (!w->threaded) {
+		int rc = write_all(w->fd, w->pipe, w->buf, w->used);
+		w->used = 0;
+		return rc;
+	}
+	pthread_mutex_lock(&w->lock);
+	while (w->pending && w->rc == 0)
+		pthread_cond_wait(&w->cond, &w->lock);
+	int rc = w->rc;
+	if (rc == 0 && w->used) {
+		w->pending = w->buf;
+		w->pending_len = w->used;
+		pthread_cond_broadcast(&w->cond);
+		w->buf = w->buf == w->bufs[0] ? w->bufs[1] : w->bufs[0];
+	}
+	pthread_mutex_unlock(&w->lock);
 	w->used = 0;
+	return rc;
+}
+
+/* Everything written (or the first failure); the thread is gone after. */
+static int writer_close(struct writer *w, bool finish)
+{
+	int rc = finish ? writer_flush(w) : 0;
+	if (w->threaded) {
+		pthread_mutex_lock(&w->lock);
+		while (w->pending && w->rc == 0)
+			pthread_cond_wait(&w->cond, &w->lock);
+		if (rc == 0)
+			rc = w->rc;
+		w->stop = true;
+		w->pending = NULL;   /* after a failure nothing more is written */
+		pthread_cond_broadcast(&w->cond);
+		pthread_mutex_unlock(&w->lock);
+		pthread_join(w->thread, NULL);
+		pthread_cond_destroy(&w->cond);
+		pthread_mutex_destroy(&w->lock);
+		w->threaded = false;
+	}
+	free(w->bufs[0]);
+	free(w->bufs[1]);
+	w->bufs[0] = w->bufs[1] = w->buf = NULL;
 	return rc;
 }
 
@@ -501,6 +601,7 @@ int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_resu
 		    char *why, size_t size)
 {
 	struct writer w = { .buf = NULL };
+	bool writer_made = false;
 	const struct store_header *sh = store_header(store);
 	struct snapshot_config config;
 	struct snapshot_header header;
@@ -560,9 +661,8 @@ int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_resu
 	XXH3_64bits_update(&whole, table, (size_t)layers * SNAPSHOT_LAYER_BYTES);
 	XXH3_64bits_update(&whole, &table_checksum, sizeof(table_checksum));
 
-	w = (struct writer){ .fd = fd, .pipe = pipe };
-	w.buf = malloc(SNAPSHOT_CHUNK_BYTES);
-	if (!w.buf)
+	writer_made = true;
+	if (writer_open(&w, fd, pipe) < 0)
 		goto out_nomem;
 	rc = writer_put(&w, &header, sizeof(header));
 	if (rc == 0)
@@ -618,7 +718,8 @@ int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_resu
 	trailer.checksum = XXH3_64bits_digest(&whole);
 	rc = writer_put(&w, &trailer, sizeof(trailer));
 	if (rc == 0)
-		rc = writer_flush(&w);
+		rc = writer_close(&w, true);
+	writer_made = false;
 	if (rc < 0)
 		goto out_write;
 	*result = (struct snapshot_result){ file_bytes, fingerprint, tokens };
@@ -632,7 +733,8 @@ out_write:
 	rc = fail(rc, why, size, "cannot write the snapshot: %s",
 		  rc == -ETIMEDOUT ? "the pipe's reader stopped reading" : strerror(-rc));
 out:
-	free(w.buf);
+	if (writer_made)
+		writer_close(&w, false);
 	free(buf);
 	free(table);
 	return rc;
