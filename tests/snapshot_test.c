@@ -686,6 +686,13 @@ START_TEST(bad_descriptors_are_refused)
 	import_fd_refused(&service, dir, "a directory", "import from a directory");
 	import_fd_refused(&service, pair[0], "a socket", "import from a socket");
 	import_fd_refused(&service, write_only, "open for reading", "import from a write-only file");
+	/* A pipe whose reader is gone: the export fails and says why. */
+	int gone_reader[2];
+	ck_assert_int_eq(pipe2(gone_reader, O_CLOEXEC), 0);
+	close(gone_reader[0]);
+	export_refused(&service, session, gone_reader[1], ZC_EINTERNAL, "cannot write the snapshot",
+		       "export to a pipe nobody reads");
+	close(gone_reader[1]);
 	/* The connection is still in step after every refusal. */
 	CHECK(session_matches, session, &model);
 
