@@ -1207,6 +1207,12 @@ static void import_run(struct job *base)
 		job_fail(job, rc, "cannot import: %s; nothing was made", why);
 		return;
 	}
+	if (header.max_tokens > server->options.max_tokens) {
+		job_fail(job, ZC_EEXHAUSTED, "cannot import: the snapshot's max_tokens %u is above this "
+			 "daemon's --max-tokens %u; nothing was made", header.max_tokens,
+			 server->options.max_tokens);
+		return;
+	}
 	fault_point("import.verified");
 	job->fork_params.name = job->fork_name;
 	if (!job->views_given)

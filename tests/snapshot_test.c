@@ -821,6 +821,11 @@ START_TEST(an_import_past_the_budget_makes_nothing)
 	zc_session_config tiny = shaped_config("tiny", 1, 1, 1, 16, 16, 64, ZC_POLICY_STREAMING, 8);
 	open_session(small.client, &tiny);
 	import_refused(&small, path, NULL, ZC_EEXHAUSTED, "memory budget", "past the budget");
+	service_stop(&small);
+	/* A session longer than another daemon's --max-tokens allows. */
+	const char *const short_args[] = { "--max-tokens", "4096", NULL };
+	service_start(&small, short_args);
+	import_refused(&small, path, NULL, ZC_EEXHAUSTED, "--max-tokens 4096", "past --max-tokens");
 	model_free(&model);
 	service_stop(&small);
 	service_stop(&big);
