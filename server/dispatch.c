@@ -78,6 +78,7 @@ struct request_job {
 	struct snapshot_expect expect;
 	char expect_model_id[ZC_MODEL_ID_MAX + 1];
 	bool views_given;
+	struct snapshot_header snapshot;  /* as verified */
 	struct pool *pool;
 	/* results */
 	int rc;
@@ -1195,31 +1196,72 @@ static uint64_t budget_room(const struct store_budget *budget)
 	return room;
 }
 
-static void import_run(struct job *base)
+/* The first job: everything verified, nothing made (not even the uid's pool). */
+static void import_verify_run(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
 	struct server *server = job->rq.server;
-	struct snapshot_header header;
 	char why[180];
 
-	int rc = snapshot_verify(job->snapshot_fd, &job->expect, &header, why, sizeof(why));
+	int rc = snapshot_verify(job->snapshot_fd, &job->expect, &job->snapshot, why, sizeof(why));
 	if (rc < 0) {
 		job_fail(job, rc, "cannot import: %s; nothing was made", why);
 		return;
 	}
-	if (header.max_tokens > server->options.max_tokens) {
+	if (job->snapshot.max_tokens > server->options.max_tokens)
 		job_fail(job, ZC_EEXHAUSTED, "cannot import: the snapshot's max_tokens %u is above this "
-			 "daemon's --max-tokens %u; nothing was made", header.max_tokens,
+			 "daemon's --max-tokens %u; nothing was made", job->snapshot.max_tokens,
 			 server->options.max_tokens);
+}
+
+static void import_build_run(struct job *base);
+static void import_done(struct job *base);
+
+/* On the loop: the uid's pool (made now if it is the uid's first
+ * session), then the second job builds the session. */
+static void import_verified_done(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct server *server = job->rq.server;
+	char pool_reason[200] = "";
+
+	if (job->rc < 0) {
+		reply_error(&job->rq, job->rc, "%s", job->message);
+		log_info("session", "import refused", "name=%s uid=%u reason=\"%s\"", job->fork_name,
+			 job->rq.peer->uid, job->message);
+		job_end(job);
 		return;
 	}
+	int rc = pool_set_get(&server->pools, job->rq.peer->uid, &job->rq.peer->quota->memory,
+			      &job->pool, NULL, pool_reason, sizeof(pool_reason));
+	if (rc < 0) {
+		reply_error(&job->rq, rc == ZC_ECORRUPT ? ZC_EINTERNAL : rc,
+			    "cannot use the block pool of uid %u: %s; nothing was made",
+			    (unsigned)job->rq.peer->uid,
+			    rc == ZC_ECORRUPT ? pool_reason : zc_strerror(rc));
+		job_end(job);
+		return;
+	}
+	job->job.run = import_build_run;
+	job->job.done = import_done;
+	session_table_run_detached(&server->sessions, &job->job);
+}
+
+static void import_build_run(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct server *server = job->rq.server;
+	char why[180];
+
 	fault_point("import.verified");
 	job->fork_params.name = job->fork_name;
 	if (!job->views_given)
-		job->fork_params.views = header.views == ZC_VIEWS_NONE ? ZC_VIEWS_NONE : ZC_VIEWS_FULL;
-	rc = snapshot_import(job->snapshot_fd, &header, &job->fork_params, server->shm_dir_fd,
-			     server->options.shm_dir, &job->rq.peer->quota->memory, job->pool,
-			     &job->fork_store, why, sizeof(why));
+		job->fork_params.views = job->snapshot.views == ZC_VIEWS_NONE ? ZC_VIEWS_NONE :
+										ZC_VIEWS_FULL;
+	int rc = snapshot_import(job->snapshot_fd, &job->snapshot, &job->fork_params,
+				 server->shm_dir_fd, server->options.shm_dir,
+				 &job->rq.peer->quota->memory, job->pool, &job->fork_store, why,
+				 sizeof(why));
 	if (rc == STORE_EBUDGET) {
 		job->rc = rc;   /* import_done may free memory and run the job again */
 		return;
@@ -1315,17 +1357,6 @@ static bool handle_import(const struct request *rq, const wire_request *request)
 		return false;
 	}
 	struct store_budget *budget = &rq->peer->quota->memory;
-	struct pool *pool = NULL;
-	char pool_reason[200] = "";
-	int rc = pool_set_get(&server->pools, rq->peer->uid, budget, &pool, NULL, pool_reason,
-			      sizeof(pool_reason));
-	if (rc < 0) {
-		close(fd);
-		reply_error(rq, rc == ZC_ECORRUPT ? ZC_EINTERNAL : rc,
-			    "cannot use the block pool of uid %u: %s", (unsigned)rq->peer->uid,
-			    rc == ZC_ECORRUPT ? pool_reason : zc_strerror(rc));
-		return false;
-	}
 	struct request_job *job = calloc(1, sizeof(*job));
 	if (!job) {
 		close(fd);
@@ -1335,7 +1366,6 @@ static bool handle_import(const struct request *rq, const wire_request *request)
 	job->kind = JOB_IMPORT;
 	job->rq = *rq;
 	job->snapshot_fd = fd;
-	job->pool = pool;
 	snprintf(job->fork_name, sizeof(job->fork_name), "%s", name);
 	if (import->has_model_id) {
 		snprintf(job->expect_model_id, sizeof(job->expect_model_id), "%s", import->model_id);
@@ -1353,8 +1383,8 @@ static bool handle_import(const struct request *rq, const wire_request *request)
 		.owner_uid = rq->peer->uid,
 		.views = import->views == ZC_VIEWS_NONE ? ZC_VIEWS_NONE : ZC_VIEWS_FULL,
 	};
-	job->job.run = import_run;
-	job->job.done = import_done;
+	job->job.run = import_verify_run;
+	job->job.done = import_verified_done;
 	session_table_run_detached(&server->sessions, &job->job);
 	return true;
 }
