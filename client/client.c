@@ -103,8 +103,8 @@ static int64_t now_ms(void)
 /* Sends one request and waits for its reply; on success *response holds
  * it (free with wire_response_free) and any descriptors it carried are in
  * fds[0..n_fds). */
-static int call(zc_client *client, wire_request *request, wire_response *response,
-		int *fds, int max_fds)
+static int call_fd(zc_client *client, wire_request *request, wire_response *response,
+		   int *fds, int max_fds, int send_fd)
 {
 	size_t size, len;
 	const uint8_t *frame;
@@ -130,7 +130,9 @@ static int call(zc_client *client, wire_request *request, wire_response *respons
 		return error_set(client, rc, "request cannot be encoded");
 	/* From here on a failure leaves the request's fate unknown and the
 	 * stream out of step: each one breaks the connection. */
-	int sent = transport_send(&client->transport, client->send_buffer, len);
+	int sent = send_fd >= 0 ?
+		   transport_send_fd(&client->transport, client->send_buffer, len, send_fd) :
+		   transport_send(&client->transport, client->send_buffer, len);
 	if (sent < 0 && sent != -EPIPE && sent != -ECONNRESET)
 		return client_break(client, sent, sent == -ETIMEDOUT ?
 				    "timed out sending the request" : "cannot send the request");
@@ -191,6 +193,12 @@ static int call(zc_client *client, wire_request *request, wire_response *respons
 		return rc;
 	}
 	return n_fds;
+}
+
+static int call(zc_client *client, wire_request *request, wire_response *response,
+		int *fds, int max_fds)
+{
+	return call_fd(client, request, response, fds, max_fds, -1);
 }
 
 static int hello(zc_client *client)
@@ -447,13 +455,13 @@ int zc_session_fork(zc_session *source, uint32_t tokens, const char *name, int v
 
 /* Sends an open (or fork) and maps the session its reply names: the
  * session map and the pool, two descriptors. */
-static int session_from_call(zc_client *client, wire_request *request, enum wire_op op,
-			     zc_session **out)
+static int session_from_call_fd(zc_client *client, wire_request *request, enum wire_op op,
+				int send_fd, zc_session **out)
 {
 	wire_response response;
 	int fds[2] = { -1, -1 };
 	int64_t before = now_ms();
-	int rc = call(client, request, &response, fds, 2);
+	int rc = call_fd(client, request, &response, fds, 2, send_fd);
 	if (rc < 0)
 		return rc;
 	if (rc != 2 || response.op != op || !response.open_session.has_view) {
@@ -494,6 +502,12 @@ out_close:
 	return rc;
 }
 
+static int session_from_call(zc_client *client, wire_request *request, enum wire_op op,
+			     zc_session **out)
+{
+	return session_from_call_fd(client, request, op, -1, out);
+}
+
 int zc_session_open(zc_client *client, const zc_session_config *config, zc_session **out)
 {
 	wire_request request = { 0 };
@@ -522,9 +536,84 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 		open->residual_tokens = config->residual_tokens;
 	}
 	open->attach = config->attach;
-
+	if (config->model_id && strlen(config->model_id) > ZC_MODEL_ID_MAX)
+		return error_set(client, ZC_EINVALID, "model id too long");
+	if (config->model_id)
+		snprintf(open->model_id, sizeof(open->model_id), "%s", config->model_id);
 	open->views = config->views == ZC_VIEWS_NONE ? ZC_VIEWS_NONE : ZC_VIEWS_FULL;
 	return session_from_call(client, &request, WIRE_OP_OPEN_SESSION, out);
+}
+
+void zc_import_options_default(zc_import_options *options)
+{
+	memset(options, 0, sizeof(*options));
+	options->views = ZC_VIEWS_SOURCE;
+}
+
+int zc_session_export(zc_session *session, int fd, uint64_t *bytes)
+{
+	return zc_client_export(session->client, session->info.id, fd, bytes);
+}
+
+int zc_client_export(zc_client *client, uint64_t session_id, int fd, uint64_t *bytes)
+{
+	wire_request request = { 0 };
+	wire_response response;
+
+	if (client->broken)
+		return client_refuse_broken(client);
+	if (fd < 0)
+		return error_set(client, ZC_EINVALID, "export needs a descriptor");
+	request.op = WIRE_OP_EXPORT_SESSION;
+	request.export_session.session_id = session_id;
+	int none[1];
+	int rc = call_fd(client, &request, &response, none, 0, fd);
+	if (rc < 0)
+		return rc;
+	if (response.op != WIRE_OP_EXPORT_SESSION) {
+		wire_response_free(&response);
+		return client_break(client, ZC_EPROTOCOL, "export reply of another op");
+	}
+	if (bytes)
+		*bytes = response.export_session.bytes;
+	wire_response_free(&response);
+	return 0;
+}
+
+int zc_session_import(zc_client *client, int fd, const zc_import_options *options,
+		      zc_session **out)
+{
+	wire_request request = { 0 };
+	struct wire_import_request *import = &request.import_session;
+	zc_import_options defaults;
+
+	if (client->broken)
+		return client_refuse_broken(client);
+	if (!options) {
+		zc_import_options_default(&defaults);
+		options = &defaults;
+	}
+	if (fd < 0)
+		return error_set(client, ZC_EINVALID, "import needs a descriptor");
+	if (options->name && strlen(options->name) > ZC_SESSION_NAME_MAX)
+		return error_set(client, ZC_EINVALID, "session name too long");
+	if (options->model_id && strlen(options->model_id) > ZC_MODEL_ID_MAX)
+		return error_set(client, ZC_EINVALID, "model id too long");
+	if (options->views != ZC_VIEWS_SOURCE && options->views != ZC_VIEWS_FULL &&
+	    options->views != ZC_VIEWS_NONE)
+		return error_set(client, ZC_EINVALID, "views must be ZC_VIEWS_FULL, ZC_VIEWS_NONE or "
+					  "ZC_VIEWS_SOURCE");
+	request.op = WIRE_OP_IMPORT_SESSION;
+	if (options->name)
+		snprintf(import->name, sizeof(import->name), "%s", options->name);
+	import->has_model_id = options->model_id != NULL;
+	if (options->model_id)
+		snprintf(import->model_id, sizeof(import->model_id), "%s", options->model_id);
+	import->has_fingerprint = options->check_fingerprint;
+	import->fingerprint = options->fingerprint;
+	import->has_views = options->views != ZC_VIEWS_SOURCE;
+	import->views = options->views == ZC_VIEWS_NONE ? ZC_VIEWS_NONE : ZC_VIEWS_FULL;
+	return session_from_call_fd(client, &request, WIRE_OP_IMPORT_SESSION, fd, out);
 }
 
 void zc_session_release(zc_session *session)

@@ -227,3 +227,41 @@ int transport_peer_closed(const struct transport *transport)
 		return -ECONNRESET;
 	return 0;
 }
+
+int transport_send_fd(struct transport *transport, const uint8_t *data, size_t len, int fd)
+{
+	int64_t deadline = deadline_of(transport);
+	union {
+		char bytes[CMSG_SPACE(sizeof(int))];
+		struct cmsghdr align;
+	} control;
+	if (transport->fd < 0)
+		return -ENOTCONN;
+	for (;;) {
+		struct iovec iov = { .iov_base = (void *)data, .iov_len = len };
+		struct msghdr message = {
+			.msg_iov = &iov,
+			.msg_iovlen = 1,
+			.msg_control = control.bytes,
+			.msg_controllen = sizeof(control.bytes),
+		};
+		struct cmsghdr *cmsg = CMSG_FIRSTHDR(&message);
+		cmsg->cmsg_level = SOL_SOCKET;
+		cmsg->cmsg_type = SCM_RIGHTS;
+		cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+		memcpy(CMSG_DATA(cmsg), &fd, sizeof(int));
+		ssize_t n = sendmsg(transport->fd, &message, MSG_NOSIGNAL);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+			int rc = wait_for(transport->fd, POLLOUT, deadline);
+			if (rc < 0)
+				return rc;
+			continue;
+		}
+		if (n < 0)
+			return -errno;
+		/* The descriptor went with the first byte; the rest is plain. */
+		return transport_send(transport, data + n, len - (size_t)n);
+	}
+}

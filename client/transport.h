@@ -27,6 +27,9 @@ void transport_close(struct transport *transport);
 /* Writes all len bytes (a whole frame). */
 int transport_send(struct transport *transport, const uint8_t *data, size_t len);
 
+/* The same, with one descriptor (SCM_RIGHTS) on the frame's first byte. */
+int transport_send_fd(struct transport *transport, const uint8_t *data, size_t len, int fd);
+
 /* Blocks until a whole frame is buffered; *frame stays valid until
  * transport_consume(). */
 int transport_receive(struct transport *transport, const uint8_t **frame, size_t *len);

@@ -117,6 +117,30 @@ static void fork_session(struct seed *s, uint64_t source, uint32_t tokens, const
 	add(s, &req);
 }
 
+/* Export and import: the fuzzer's socket sends no descriptor, so these
+ * reach the refusal ("needs a descriptor") and the decoding of their fields. */
+static void export_session(struct seed *s, uint64_t session)
+{
+	wire_pb_request req = request_new(zipcache_v1_Request_export_session_tag);
+	req.msg.op.export_session.session_id = session;
+	add(s, &req);
+}
+
+static void import_session(struct seed *s, const char *name, const char *model_id,
+			   bool has_fingerprint, int views)
+{
+	wire_pb_request req = request_new(zipcache_v1_Request_import_session_tag);
+	zipcache_v1_ImportSessionRequest *m = &req.msg.op.import_session;
+	snprintf(m->name, sizeof(m->name), "%s", name);
+	m->has_model_id = model_id != NULL;
+	snprintf(m->model_id, sizeof(m->model_id), "%s", model_id ? model_id : "");
+	m->has_fingerprint = has_fingerprint;
+	m->fingerprint = 0x0123456789abcdefull;
+	m->has_views = views >= 0;
+	m->views = views >= 0 ? (zipcache_v1_Views)views : zipcache_v1_Views_VIEWS_FULL;
+	add(s, &req);
+}
+
 static void release(struct seed *s, uint64_t session)
 {
 	wire_pb_request req = request_new(zipcache_v1_Request_release_tag);
@@ -417,6 +441,22 @@ int main(int argc, char **argv)
 	fork_session(&s, 1, 4, "full", 0);
 	stats(&s, 1);
 	seed_write(&s, "views-none");
+
+	/* Snapshots without a descriptor, and a model id on an open. */
+	seed_begin(&s);
+	{
+		wire_pb_request req;
+		zipcache_v1_OpenSessionRequest *open = open_prepare(&req, "modelled", SMALL, 64);
+		snprintf(open->model_id, sizeof(open->model_id), "%s", "llama-3-8b");
+		add(&s, &req);
+	}
+	update_inline(&s, 1, 0, 9, SMALL, 28, 0, 0);
+	export_session(&s, 1);
+	export_session(&s, 99);
+	import_session(&s, "copy", "llama-3-8b", true, 1);
+	import_session(&s, "", NULL, false, -1);
+	list(&s);
+	seed_write(&s, "snapshot-no-descriptor");
 
 	/* Staged blocks: in range, odd offsets, past the end, replaced buffer. */
 	seed_begin(&s);

@@ -29,7 +29,9 @@
 #include "zipcache/map.h"
 
 #define STORE_MAGIC "ZCSTORE1"
-#define STORE_VERSION 3u
+/* 4 added model_id; a version 3 file (zeros there) is read as one without. */
+#define STORE_VERSION 4u
+#define STORE_VERSION_NO_MODEL_ID 3u
 #define STORE_NAME_BYTES 65
 
 /* A block index entry is the public block entry (zipcache/map.h). */
@@ -85,6 +87,8 @@ struct store_header {
 	uint64_t index_offset;
 	char name[STORE_NAME_BYTES];
 	char pad[7];
+	char model_id[STORE_NAME_BYTES]; /* the caller's model id (snapshots' fingerprint), "" if none */
+	char pad2[7];
 };
 
 #endif

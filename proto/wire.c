@@ -196,6 +196,8 @@ WIRE_NAMES(StatsRequest);
 WIRE_NAMES(StagingRequest);
 WIRE_NAMES(ForkSessionRequest);
 WIRE_NAMES(ReleaseRequest);
+WIRE_NAMES(ExportSessionRequest);
+WIRE_NAMES(ImportSessionRequest);
 
 #define WIRE_NAMES_ENTRY(message)                                                  \
 	{ &zipcache_v1_##message##_msg, names_##message,                             \
@@ -212,6 +214,7 @@ static const struct message_names {
 	WIRE_NAMES_ENTRY(TrimRequest), WIRE_NAMES_ENTRY(CloseSessionRequest),
 	WIRE_NAMES_ENTRY(StatsRequest), WIRE_NAMES_ENTRY(StagingRequest),
 	WIRE_NAMES_ENTRY(ForkSessionRequest), WIRE_NAMES_ENTRY(ReleaseRequest),
+	WIRE_NAMES_ENTRY(ExportSessionRequest), WIRE_NAMES_ENTRY(ImportSessionRequest),
 };
 
 /* The enums of requests; nanopb's descriptors store them as plain uint32. */
@@ -227,6 +230,8 @@ static const struct enum_field {
 	{ &zipcache_v1_OpenSessionRequest_msg, zipcache_v1_OpenSessionRequest_views_tag,
 	  _zipcache_v1_Views_MIN, _zipcache_v1_Views_MAX, "0 (VIEWS_FULL) or 1 (VIEWS_NONE)" },
 	{ &zipcache_v1_ForkSessionRequest_msg, zipcache_v1_ForkSessionRequest_views_tag,
+	  _zipcache_v1_Views_MIN, _zipcache_v1_Views_MAX, "0 (VIEWS_FULL) or 1 (VIEWS_NONE)" },
+	{ &zipcache_v1_ImportSessionRequest_msg, zipcache_v1_ImportSessionRequest_views_tag,
 	  _zipcache_v1_Views_MIN, _zipcache_v1_Views_MAX, "0 (VIEWS_FULL) or 1 (VIEWS_NONE)" },
 };
 
@@ -397,7 +402,8 @@ int wire_pb_request_decode(const uint8_t *frame, size_t len, wire_pb_request *ou
 		goto out_malformed;
 	if (out->msg.which_op == zipcache_v1_Request_hello_tag ||
 	    out->msg.which_op == zipcache_v1_Request_open_session_tag ||
-	    out->msg.which_op == zipcache_v1_Request_fork_session_tag) {
+	    out->msg.which_op == zipcache_v1_Request_fork_session_tag ||
+	    out->msg.which_op == zipcache_v1_Request_import_session_tag) {
 		/* The ops with strings and enums: see request_check(). */
 		request_check(frame, len, out);
 		if (out->reason[0])
@@ -723,6 +729,8 @@ enum wire_status wire_status_from_error(int zc_error)
 		return WIRE_STATUS_PERMISSION_DENIED;
 	case ZC_EPRECONDITION:
 		return WIRE_STATUS_FAILED_PRECONDITION;
+	case ZC_ECORRUPT:
+		return WIRE_STATUS_DATA_LOSS;
 	default:
 		return WIRE_STATUS_INTERNAL;
 	}
@@ -745,6 +753,8 @@ int wire_error_from_status(int status)
 		return ZC_EDENIED;
 	case WIRE_STATUS_FAILED_PRECONDITION:
 		return ZC_EPRECONDITION;
+	case WIRE_STATUS_DATA_LOSS:
+		return ZC_ECORRUPT;
 	case WIRE_STATUS_INTERNAL:
 	default:
 		return ZC_EINTERNAL;
@@ -770,6 +780,15 @@ WIRE_SAME_SIZE(((zipcache_v1_StatsResponse *)0)->set_aside,
 	       ((struct wire_stats_response *)0)->set_aside);
 WIRE_SAME_SIZE(((zipcache_v1_SetAsideFile *)0)->file, ((zc_set_aside_file *)0)->file);
 WIRE_SAME_SIZE(((zipcache_v1_SetAsideFile *)0)->reason, ((zc_set_aside_file *)0)->reason);
+WIRE_SAME_SIZE(((zipcache_v1_OpenSessionRequest *)0)->model_id,
+	       ((struct wire_open_request *)0)->model_id);
+WIRE_SAME_SIZE(((zipcache_v1_SessionInfo *)0)->model_id, ((zc_session_info *)0)->model_id);
+WIRE_SAME_SIZE(((zipcache_v1_ImportSessionRequest *)0)->name,
+	       ((struct wire_import_request *)0)->name);
+WIRE_SAME_SIZE(((zipcache_v1_ImportSessionRequest *)0)->model_id,
+	       ((struct wire_import_request *)0)->model_id);
+_Static_assert(WIRE_STATUS_DATA_LOSS == (int)zipcache_v1_Status_DATA_LOSS,
+	       "enum wire_status follows zipcache.v1.Status");
 _Static_assert(WIRE_STATUS_INTERNAL == (int)zipcache_v1_Status_INTERNAL &&
 	       WIRE_STATUS_RESOURCE_EXHAUSTED == (int)zipcache_v1_Status_RESOURCE_EXHAUSTED,
 	       "enum wire_status follows zipcache.v1.Status");
@@ -861,6 +880,8 @@ static void session_to_pb(const zc_session_info *info, zipcache_v1_SessionInfo *
 						    zipcache_v1_Views_VIEWS_FULL;
 	out->shared_bytes = info->shared_bytes;
 	out->leased = info->leased;
+	memcpy(out->model_id, info->model_id, sizeof(out->model_id));
+	out->model_id[sizeof(out->model_id) - 1] = '\0';
 }
 
 static void session_from_pb(const zipcache_v1_SessionInfo *w, zc_session_info *info)
@@ -887,6 +908,7 @@ static void session_from_pb(const zipcache_v1_SessionInfo *w, zc_session_info *i
 	info->views = w->views == zipcache_v1_Views_VIEWS_NONE ? ZC_VIEWS_NONE : ZC_VIEWS_FULL;
 	info->shared_bytes = w->shared_bytes;
 	info->leased = w->leased;
+	memcpy(info->model_id, w->model_id, sizeof(info->model_id));
 }
 
 static void layer_to_pb(const zc_layer_stats *s, zipcache_v1_LayerStats *out)
@@ -964,6 +986,25 @@ static void request_to_pb(const wire_request *req, wire_pb_request *out)
 		p->residual_tokens = o->residual_tokens;
 		p->attach = o->attach;
 		p->views = (zipcache_v1_Views)o->views;
+		memcpy(p->model_id, o->model_id, sizeof(p->model_id));
+		break;
+	}
+	case WIRE_OP_EXPORT_SESSION:
+		msg->which_op = zipcache_v1_Request_export_session_tag;
+		msg->op.export_session.session_id = req->export_session.session_id;
+		break;
+	case WIRE_OP_IMPORT_SESSION: {
+		const struct wire_import_request *m = &req->import_session;
+		zipcache_v1_ImportSessionRequest *p = &msg->op.import_session;
+
+		msg->which_op = zipcache_v1_Request_import_session_tag;
+		memcpy(p->name, m->name, sizeof(p->name));
+		p->has_model_id = m->has_model_id;
+		memcpy(p->model_id, m->model_id, sizeof(p->model_id));
+		p->has_fingerprint = m->has_fingerprint;
+		p->fingerprint = m->fingerprint;
+		p->has_views = m->has_views;
+		p->views = (zipcache_v1_Views)m->views;
 		break;
 	}
 	case WIRE_OP_FORK_SESSION: {
@@ -1051,6 +1092,25 @@ static void request_from_pb(const wire_pb_request *in, wire_request *out)
 		o->residual_tokens = p->residual_tokens;
 		o->attach = p->attach;
 		o->views = (int)p->views;
+		memcpy(o->model_id, p->model_id, sizeof(o->model_id));
+		break;
+	}
+	case zipcache_v1_Request_export_session_tag:
+		out->op = WIRE_OP_EXPORT_SESSION;
+		out->export_session.session_id = msg->op.export_session.session_id;
+		break;
+	case zipcache_v1_Request_import_session_tag: {
+		const zipcache_v1_ImportSessionRequest *p = &msg->op.import_session;
+		struct wire_import_request *m = &out->import_session;
+
+		out->op = WIRE_OP_IMPORT_SESSION;
+		memcpy(m->name, p->name, sizeof(m->name));
+		m->has_model_id = p->has_model_id;
+		memcpy(m->model_id, p->model_id, sizeof(m->model_id));
+		m->has_fingerprint = p->has_fingerprint;
+		m->fingerprint = p->fingerprint;
+		m->has_views = p->has_views;
+		m->views = (int)p->views;
 		break;
 	}
 	case zipcache_v1_Request_fork_session_tag: {
@@ -1278,13 +1338,18 @@ static const zipcache_v1_Response *plain_response_prepare(const wire_response *r
 		break;
 	}
 	case WIRE_OP_OPEN_SESSION:
-	case WIRE_OP_FORK_SESSION: {
+	case WIRE_OP_FORK_SESSION:
+	case WIRE_OP_IMPORT_SESSION: {
 		const struct wire_open_response *o = &resp->open_session;
-		bool fork = resp->op == WIRE_OP_FORK_SESSION;
-		zipcache_v1_OpenSessionResponse *p = fork ? &msg->op.fork_session : &msg->op.open_session;
+		zipcache_v1_OpenSessionResponse *p =
+			resp->op == WIRE_OP_FORK_SESSION ? &msg->op.fork_session :
+			resp->op == WIRE_OP_IMPORT_SESSION ? &msg->op.import_session :
+							     &msg->op.open_session;
 
-		msg->which_op = fork ? zipcache_v1_Response_fork_session_tag :
-				       zipcache_v1_Response_open_session_tag;
+		msg->which_op = resp->op == WIRE_OP_FORK_SESSION ? zipcache_v1_Response_fork_session_tag :
+				resp->op == WIRE_OP_IMPORT_SESSION ?
+						    zipcache_v1_Response_import_session_tag :
+						    zipcache_v1_Response_open_session_tag;
 		memset(p, 0, sizeof(*p));
 		p->has_session = o->has_session;
 		if (o->has_session)
@@ -1335,6 +1400,13 @@ static const zipcache_v1_Response *plain_response_prepare(const wire_response *r
 	case WIRE_OP_RELEASE:
 		msg->which_op = zipcache_v1_Response_release_tag;
 		memset(&msg->op.release, 0, sizeof(msg->op.release));
+		break;
+	case WIRE_OP_EXPORT_SESSION:
+		msg->which_op = zipcache_v1_Response_export_session_tag;
+		msg->op.export_session = (zipcache_v1_ExportSessionResponse){
+			resp->export_session.bytes, resp->export_session.fingerprint,
+			resp->export_session.tokens
+		};
 		break;
 	case WIRE_OP_NONE:
 		msg->which_op = 0;
@@ -1429,12 +1501,16 @@ int wire_response_decode(const uint8_t *frame, size_t len, wire_response *out)
 		break;
 	}
 	case zipcache_v1_Response_open_session_tag:
-	case zipcache_v1_Response_fork_session_tag: {
+	case zipcache_v1_Response_fork_session_tag:
+	case zipcache_v1_Response_import_session_tag: {
 		bool fork = msg->which_op == zipcache_v1_Response_fork_session_tag;
+		bool import = msg->which_op == zipcache_v1_Response_import_session_tag;
 		const zipcache_v1_OpenSessionResponse *p = fork ? &msg->op.fork_session :
-								  &msg->op.open_session;
+							   import ? &msg->op.import_session :
+								    &msg->op.open_session;
 
-		out->op = fork ? WIRE_OP_FORK_SESSION : WIRE_OP_OPEN_SESSION;
+		out->op = fork ? WIRE_OP_FORK_SESSION : import ? WIRE_OP_IMPORT_SESSION :
+								WIRE_OP_OPEN_SESSION;
 		out->open_session.has_session = p->has_session;
 		session_from_pb(&p->session, &out->open_session.session);
 		out->open_session.has_view = p->has_view;
@@ -1470,6 +1546,12 @@ int wire_response_decode(const uint8_t *frame, size_t len, wire_response *out)
 		break;
 	case zipcache_v1_Response_release_tag:
 		out->op = WIRE_OP_RELEASE;
+		break;
+	case zipcache_v1_Response_export_session_tag:
+		out->op = WIRE_OP_EXPORT_SESSION;
+		out->export_session.bytes = msg->op.export_session.bytes;
+		out->export_session.fingerprint = msg->op.export_session.fingerprint;
+		out->export_session.tokens = msg->op.export_session.tokens;
 		break;
 	default:
 		out->op = WIRE_OP_NONE;

@@ -56,7 +56,9 @@ enum wire_op {
 	WIRE_OP_LIST_SESSIONS,
 	WIRE_OP_STAGING,
 	WIRE_OP_FORK_SESSION,
-	WIRE_OP_RELEASE
+	WIRE_OP_RELEASE,
+	WIRE_OP_EXPORT_SESSION,
+	WIRE_OP_IMPORT_SESSION
 };
 
 /* zipcache.v1.Status, value for value. */
@@ -69,6 +71,7 @@ enum wire_status {
 	WIRE_STATUS_PERMISSION_DENIED = 5,
 	WIRE_STATUS_FAILED_PRECONDITION = 6,
 	WIRE_STATUS_INTERNAL = 7,
+	WIRE_STATUS_DATA_LOSS = 8,
 	WIRE_STATUS_COUNT
 };
 
@@ -109,12 +112,28 @@ struct wire_open_request {
 	uint32_t residual_tokens;
 	bool attach;
 	int views;                    /* a zc_views */
+	char model_id[ZC_MODEL_ID_MAX + 1];
 };
 
 struct wire_fork_request {
 	uint64_t source_id;
 	uint32_t tokens;
 	char name[ZC_SESSION_NAME_MAX + 1];
+	bool has_views;
+	int views;                    /* a zc_views */
+};
+
+/* export_session and import_session: each comes with one descriptor. */
+struct wire_export_request {
+	uint64_t session_id;
+};
+
+struct wire_import_request {
+	char name[ZC_SESSION_NAME_MAX + 1];
+	bool has_model_id;
+	char model_id[ZC_MODEL_ID_MAX + 1];
+	bool has_fingerprint;
+	uint64_t fingerprint;
 	bool has_views;
 	int views;                    /* a zc_views */
 };
@@ -168,6 +187,8 @@ typedef struct wire_request {
 		struct wire_staging staging;
 		struct wire_fork_request fork_session;
 		struct wire_session_request release;
+		struct wire_export_request export_session;
+		struct wire_import_request import_session;
 	};
 	/* After a failed decode: why, a static string or `reason` below (so
 	 * valid as long as this struct). NULL otherwise. */
@@ -199,6 +220,12 @@ struct wire_update_response {
 	bool has_stats;
 	zc_layer_stats stats;
 	uint64_t sequence;
+};
+
+struct wire_export_response {
+	uint64_t bytes;
+	uint64_t fingerprint;
+	uint64_t tokens;
 };
 
 struct wire_trim_response {
@@ -253,7 +280,8 @@ typedef struct wire_response {
 	enum wire_op op;
 	union {
 		zc_server_info hello;
-		struct wire_open_response open_session;   /* also fork_session's */
+		struct wire_open_response open_session;   /* also fork_session's and import_session's */
+		struct wire_export_response export_session;
 		struct wire_update_response update_and_fetch;
 		struct wire_trim_response trim;
 		struct wire_stats_response stats;
@@ -337,7 +365,8 @@ void wire_response_set_status(wire_response *resp, int zc_error, const char *mes
  * ZC_ENONFINITE, ZC_ETENSOR), ZC_EINVALID and ZC_EPROTOCOL (a malformed
  * request) are INVALID_ARGUMENT; ZC_EEXHAUSTED, ZC_EFRAMESIZE and the
  * errnos of a resource running out (-ENOMEM, -ENOSPC, -EMFILE, -ENFILE,
- * -EAGAIN, -ENOBUFS) are RESOURCE_EXHAUSTED; everything unlisted is INTERNAL. Back
+ * -EAGAIN, -ENOBUFS) are RESOURCE_EXHAUSTED; ZC_ECORRUPT (damaged data a
+ * client handed over) is DATA_LOSS; everything unlisted is INTERNAL. Back
  * from a status each maps to its one ZC_E* code; an unknown status value
  * (a newer daemon) is ZC_EINTERNAL.
  */

@@ -110,11 +110,31 @@ void connection_set_total_over(struct connection *connection, bool over)
 		flow_update(connection);
 }
 
+/* Closes the received descriptors no frame claimed. */
+static void in_fds_close(struct connection *connection)
+{
+	for (int i = 0; i < connection->n_in_fds; i++)
+		close(connection->in_fds[i]);
+	connection->n_in_fds = 0;
+}
+
+int connection_take_fd(struct connection *connection)
+{
+	if (connection->n_in_fds == 0)
+		return -1;
+	int fd = connection->in_fds[0];
+	connection->n_in_fds--;
+	memmove(connection->in_fds, connection->in_fds + 1,
+		sizeof(int) * (size_t)connection->n_in_fds);
+	return fd;
+}
+
 void connection_close(struct connection *connection)
 {
 	if (connection->state == CONNECTION_CLOSING)
 		return;
 	connection->state = CONNECTION_CLOSING;
+	in_fds_close(connection);
 	while (connection->out_head) {
 		struct out_frame *frame = connection->out_head;
 		connection->out_head = frame->next;
@@ -330,6 +350,10 @@ static void frames_dispatch(struct connection *connection)
 		flow_update(connection);
 	}
 	connection->dispatching = false;
+	/* A descriptor arrives with the first byte of its frame: with no
+	 * frame left, whole or partial, none is waiting for it. */
+	if (frame_reader_buffered(&connection->reader) == 0)
+		in_fds_close(connection);
 	if (connection->state != CONNECTION_OPEN)
 		return;
 	if (rc < 0) {
@@ -352,6 +376,42 @@ static void on_resume(uv_idle_t *handle)
 		frames_dispatch(connection);
 }
 
+/* One recvmsg: bytes into the frame reader, a descriptor into in_fds.
+ * Past CONNECTION_MAX_RECEIVED_FDS the rest are closed (the kernel closes
+ * those that did not fit the control buffer). */
+static ssize_t receive(struct connection *connection, uint8_t *buffer, size_t room)
+{
+	union {
+		char bytes[CMSG_SPACE(sizeof(int) * CONNECTION_MAX_RECEIVED_FDS)];
+		struct cmsghdr align;
+	} control;
+	struct iovec iov = { .iov_base = buffer, .iov_len = room };
+	struct msghdr message = {
+		.msg_iov = &iov,
+		.msg_iovlen = 1,
+		.msg_control = control.bytes,
+		.msg_controllen = sizeof(control.bytes),
+	};
+	ssize_t n = recvmsg(connection->fd, &message, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+	if (n < 0)
+		return n;
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&message); c; c = CMSG_NXTHDR(&message, c)) {
+		if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+			continue;
+		int count = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+		const unsigned char *data = CMSG_DATA(c);
+		for (int i = 0; i < count; i++) {
+			int fd;
+			memcpy(&fd, data + (size_t)i * sizeof(int), sizeof(int));
+			if (connection->n_in_fds < CONNECTION_MAX_RECEIVED_FDS)
+				connection->in_fds[connection->n_in_fds++] = fd;
+			else
+				close(fd);
+		}
+	}
+	return n;
+}
+
 static void read_some(struct connection *connection)
 {
 	for (int i = 0; i < READS_PER_EVENT && connection->state == CONNECTION_OPEN; i++) {
@@ -362,7 +422,7 @@ static void read_some(struct connection *connection)
 			frames_dispatch(connection);
 			return;
 		}
-		ssize_t n = recv(connection->fd, buffer, room, MSG_DONTWAIT);
+		ssize_t n = receive(connection, buffer, room);
 		if (n == 0) {
 			connection->peer_closed = true;
 			frames_dispatch(connection);

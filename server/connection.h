@@ -38,9 +38,14 @@ struct out_frame;
  * would otherwise pin a descriptor per reply. */
 #define CONNECTION_MAX_QUEUED_FDS 4
 
-/* Descriptors one connection may hold: its socket, its staging buffer
- * and those of its queued replies. */
-#define CONNECTION_DESCRIPTORS (2 + CONNECTION_MAX_QUEUED_FDS)
+/* Descriptors a client may send (SCM_RIGHTS) ahead of the frames that
+ * claim them: one per request that takes one (export_session,
+ * import_session). More are closed on arrival. */
+#define CONNECTION_MAX_RECEIVED_FDS 1
+
+/* Descriptors one connection may hold: its socket, its staging buffer,
+ * those of its queued replies and one received. */
+#define CONNECTION_DESCRIPTORS (2 + CONNECTION_MAX_QUEUED_FDS + CONNECTION_MAX_RECEIVED_FDS)
 
 enum connection_state {
 	CONNECTION_OPEN,
@@ -96,6 +101,10 @@ struct connection {
 	size_t out_reported;       /* of out_bytes, what the owner was told (queued) */
 	size_t out_peak;           /* most out_bytes since the queue was last empty */
 	int out_fds;               /* descriptors the queued frames hold */
+	/* Descriptors the client sent, oldest first, not yet claimed by the
+	 * frame they came with (connection_take_fd). */
+	int in_fds[CONNECTION_MAX_RECEIVED_FDS];
+	int n_in_fds;
 	bool total_over;           /* the owner's total of unsent replies is past its bound */
 	unsigned in_flight;        /* requests begun, not yet ended */
 	bool peer_closed;          /* EOF read; frames still buffered are served */
@@ -122,6 +131,15 @@ int connection_init(struct connection *connection, uv_loop_t *loop, int fd, uint
  */
 int connection_send(struct connection *connection, uint8_t *frame, size_t len,
 		    const int *fds, int n_fds);
+
+/*
+ * The descriptor the client sent with the frame being handed over (or
+ * with one before it that took none), whose ownership passes to the
+ * caller; -1 when none came. Called from the `frame` callback. A
+ * descriptor no frame claimed is closed once every whole frame read so
+ * far was handed over and no part of another one is buffered.
+ */
+int connection_take_fd(struct connection *connection);
 
 /* One more request will be answered on this connection (begun by the
  * owner, not by a frame: an attach that waits for its job). */

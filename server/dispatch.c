@@ -14,10 +14,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "adopt.h"
+#include "fault.h"
 #include "kv_layout.h"
 #include "log.h"
 #include "metrics.h"
@@ -26,6 +29,7 @@
 #include "reply.h"
 #include "server.h"
 #include "session.h"
+#include "snapshot.h"
 #include "staging.h"
 #include "store.h"
 #include "pool.h"
@@ -44,7 +48,9 @@ enum job_kind {
 	JOB_STATS,
 	JOB_CLOSE,
 	JOB_ATTACH,
-	JOB_FORK
+	JOB_FORK,
+	JOB_EXPORT,
+	JOB_IMPORT
 };
 
 struct request_job {
@@ -64,6 +70,16 @@ struct request_job {
 	struct store_params fork_params;
 	char fork_name[STORE_NAME_BYTES];
 	struct store *fork_store;     /* made by fork_run, owned by the job until added */
+	/* export and import (fork_params, fork_name and fork_store serve an
+	 * import as they serve a fork) */
+	int snapshot_fd;              /* the client's descriptor, owned; -1 when none */
+	bool snapshot_pipe;
+	struct snapshot_result exported;
+	struct snapshot_expect expect;
+	char expect_model_id[ZC_MODEL_ID_MAX + 1];
+	bool views_given;
+	struct snapshot_header snapshot;  /* as verified */
+	struct pool *pool;
 	/* results */
 	int rc;
 	char message[200];
@@ -247,9 +263,9 @@ static void handle_open(const struct request *rq, const wire_request *request)
 	char name[STORE_NAME_BYTES];
 	int rc;
 
-	if (!name_acceptable(open->name)) {
+	if (!name_acceptable(open->name) || !name_acceptable(open->model_id)) {
 		reply_error(rq, ZC_EINVALID,
-			    "session names must be UTF-8 without control characters");
+			    "session names and model ids must be UTF-8 without control characters");
 		return;
 	}
 	if (open->name[0]) {
@@ -341,6 +357,7 @@ static void handle_open(const struct request *rq, const wire_request *request)
 		.residual_tokens = open->has_residual_tokens ? open->residual_tokens :
 							       ZC_DEFAULT_RESIDUAL_TOKENS,
 		.views = open->views == ZC_VIEWS_NONE ? ZC_VIEWS_NONE : ZC_VIEWS_FULL,
+		.model_id = open->model_id,
 	};
 	if (!open->name[0])
 		snprintf(name, sizeof(name), "session-%llu", (unsigned long long)params.session_id);
@@ -427,6 +444,8 @@ static void handle_open(const struct request *rq, const wire_request *request)
 
 static void job_free(struct request_job *job)
 {
+	if (job->snapshot_fd >= 0)
+		close(job->snapshot_fd);
 	free(job->inline_copy);
 	staging_unref(job->staging);
 	free(job->layer_stats);
@@ -555,6 +574,7 @@ static struct request_job *job_new(const struct request *rq, struct session *ses
 		return NULL;
 	job->kind = kind;
 	job->rq = *rq;
+	job->snapshot_fd = -1;
 	job->job.session = session;
 	/* Every call on a session renews the caller's lease on its views. */
 	session_lease(session, rq->peer->id,
@@ -904,6 +924,8 @@ static bool handle_session_job(const struct request *rq, const wire_request *req
 	case JOB_UPDATE:
 	case JOB_ATTACH:
 	case JOB_FORK:
+	case JOB_EXPORT:
+	case JOB_IMPORT:
 		break;
 	}
 	/* Trim and close cost nothing: they move counters, not elements. */
@@ -1037,6 +1059,336 @@ static bool handle_fork(const struct request *rq, const wire_request *request)
 	return true;
 }
 
+/* ---- export and import (docs/SNAPSHOT.md) ---- */
+
+static const char *file_type_text(mode_t mode)
+{
+	return S_ISDIR(mode) ? "a directory" : S_ISSOCK(mode) ? "a socket" :
+	       S_ISCHR(mode) ? "a character device" : S_ISBLK(mode) ? "a block device" :
+	       S_ISFIFO(mode) ? "a pipe" : S_ISREG(mode) ? "a regular file" : "of an unknown type";
+}
+
+/*
+ * The descriptor an export or import came with, checked: for an export a
+ * regular file or a pipe open for writing, for an import a regular file
+ * open for reading. -1 when the refusal was sent (the descriptor closed).
+ */
+static int snapshot_fd_take(const struct request *rq, bool export, bool *pipe)
+{
+	const char *op = export ? "export_session" : "import_session";
+	int fd = rq->responder->ops->take_fd ? rq->responder->ops->take_fd(rq->responder) : -1;
+	struct stat st;
+
+	if (fd < 0) {
+		reply_error(rq, ZC_EINVALID, "%s needs a descriptor sent with its frame (SCM_RIGHTS)", op);
+		return -1;
+	}
+	int flags = fcntl(fd, F_GETFL);
+	if (fstat(fd, &st) < 0 || flags < 0) {
+		int rc = -errno;
+		close(fd);
+		reply_error(rq, ZC_EINVALID, "%s: cannot look at the descriptor: %s", op, strerror(-rc));
+		return -1;
+	}
+	int mode = flags & O_ACCMODE;
+	const char *bad = NULL;
+	if (export && !S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode))
+		bad = "needs a regular file or a pipe";
+	else if (!export && !S_ISREG(st.st_mode))
+		bad = "needs a regular file";
+	else if (export && mode != O_WRONLY && mode != O_RDWR)
+		bad = "needs a descriptor open for writing";
+	else if (!export && mode != O_RDONLY && mode != O_RDWR)
+		bad = "needs a descriptor open for reading";
+	if (bad) {
+		close(fd);
+		reply_error(rq, ZC_EINVALID, "%s %s; the descriptor is %s%s", op, bad,
+			    file_type_text(st.st_mode),
+			    S_ISREG(st.st_mode) || S_ISFIFO(st.st_mode) ?
+				    (mode == O_RDONLY ? " open read-only" : " open write-only") : "");
+		return -1;
+	}
+	*pipe = S_ISFIFO(st.st_mode);
+	return fd;
+}
+
+static void export_run(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct session *session = base->session;
+	char why[180];
+
+	if (session->closed) {
+		job_fail(job, ZC_ENOTFOUND, "session %llu was closed", (unsigned long long)session->id);
+		return;
+	}
+	int rc = snapshot_export(session->store, job->snapshot_fd, job->snapshot_pipe, &job->exported,
+				 why, sizeof(why));
+	if (rc < 0)
+		job_fail(job, rc == ZC_ECORRUPT ? ZC_EINTERNAL : rc, "cannot export session %llu: %s",
+			 (unsigned long long)session->id, why);
+}
+
+static void export_done(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+
+	if (job->rc < 0) {
+		reply_error(&job->rq, job->rc, "%s", job->message);
+	} else {
+		wire_response response;
+		wire_response_init(&response, job->rq.id, WIRE_OP_EXPORT_SESSION);
+		response.export_session.bytes = job->exported.bytes;
+		response.export_session.fingerprint = job->exported.fingerprint;
+		response.export_session.tokens = job->exported.tokens;
+		reply_send(&job->rq, &response, NULL, 0);
+		log_info("session", "exported", "session=%llu bytes=%llu fingerprint=%016llx uid=%u",
+			 (unsigned long long)base->session->id, (unsigned long long)job->exported.bytes,
+			 (unsigned long long)job->exported.fingerprint, job->rq.peer->uid);
+	}
+	job_end(job);
+}
+
+/* Returns true when a job was queued. */
+static bool handle_export(const struct request *rq, const wire_request *request)
+{
+	struct server *server = rq->server;
+	bool pipe = false;
+	int fd = snapshot_fd_take(rq, true, &pipe);
+	if (fd < 0)
+		return false;
+	uint64_t id = request->export_session.session_id;
+	struct session *session = session_find(&server->sessions, id, rq->peer->uid);
+	if (!session) {
+		close(fd);
+		reply_error(rq, ZC_ENOTFOUND, "no session %llu", (unsigned long long)id);
+		return false;
+	}
+	struct request_job *job = job_new(rq, session, JOB_EXPORT);
+	if (!job) {
+		close(fd);
+		reply_error(rq, -ENOMEM, "out of memory");
+		return false;
+	}
+	job->snapshot_fd = fd;
+	job->snapshot_pipe = pipe;
+	job->job.run = export_run;
+	job->job.done = export_done;
+	/* Descriptor I/O: always on the thread pool, never on the loop. */
+	job->job.cost = UINT64_MAX;
+	job->job.observe_only = true;
+	session_submit(&server->sessions, &job->job);
+	return true;
+}
+
+/* What the budget (and every budget above it) has room for. */
+static uint64_t budget_room(const struct store_budget *budget)
+{
+	uint64_t room = UINT64_MAX;
+	for (const struct store_budget *b = budget; b; b = b->parent) {
+		if (!b->limit)
+			continue;
+		uint64_t used = __atomic_load_n(&b->used, __ATOMIC_RELAXED);
+		uint64_t left = b->limit > used ? b->limit - used : 0;
+		if (left < room)
+			room = left;
+	}
+	return room;
+}
+
+/* The first job: everything verified, nothing made (not even the uid's pool). */
+static void import_verify_run(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct server *server = job->rq.server;
+	char why[180];
+
+	int rc = snapshot_verify(job->snapshot_fd, &job->expect, &job->snapshot, why, sizeof(why));
+	if (rc < 0) {
+		job_fail(job, rc, "cannot import: %s; nothing was made", why);
+		return;
+	}
+	if (job->snapshot.max_tokens > server->options.max_tokens)
+		job_fail(job, ZC_EEXHAUSTED, "cannot import: the snapshot's max_tokens %u is above this "
+			 "daemon's --max-tokens %u; nothing was made", job->snapshot.max_tokens,
+			 server->options.max_tokens);
+}
+
+static void import_build_run(struct job *base);
+static void import_done(struct job *base);
+
+/* On the loop: the uid's pool (made now if it is the uid's first
+ * session), then the second job builds the session. */
+static void import_verified_done(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct server *server = job->rq.server;
+	char pool_reason[200] = "";
+
+	if (job->rc < 0) {
+		reply_error(&job->rq, job->rc, "%s", job->message);
+		log_info("session", "import refused", "name=%s uid=%u reason=\"%s\"", job->fork_name,
+			 job->rq.peer->uid, job->message);
+		job_end(job);
+		return;
+	}
+	int rc = pool_set_get(&server->pools, job->rq.peer->uid, &job->rq.peer->quota->memory,
+			      &job->pool, NULL, pool_reason, sizeof(pool_reason));
+	if (rc < 0) {
+		reply_error(&job->rq, rc == ZC_ECORRUPT ? ZC_EINTERNAL : rc,
+			    "cannot use the block pool of uid %u: %s; nothing was made",
+			    (unsigned)job->rq.peer->uid,
+			    rc == ZC_ECORRUPT ? pool_reason : zc_strerror(rc));
+		job_end(job);
+		return;
+	}
+	job->job.run = import_build_run;
+	job->job.done = import_done;
+	session_table_run_detached(&server->sessions, &job->job);
+}
+
+static void import_build_run(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct server *server = job->rq.server;
+	char why[180];
+
+	fault_point("import.verified");
+	job->fork_params.name = job->fork_name;
+	if (!job->views_given)
+		job->fork_params.views = job->snapshot.views == ZC_VIEWS_NONE ? ZC_VIEWS_NONE :
+										ZC_VIEWS_FULL;
+	int rc = snapshot_import(job->snapshot_fd, &job->snapshot, &job->fork_params,
+				 server->shm_dir_fd, server->options.shm_dir,
+				 &job->rq.peer->quota->memory, job->pool, &job->fork_store, why,
+				 sizeof(why));
+	if (rc == STORE_EBUDGET) {
+		job->rc = rc;   /* import_done may free memory and run the job again */
+		return;
+	}
+	if (rc < 0)
+		job_fail(job, rc, "cannot import: %s; nothing was made",
+			 rc == ZC_EEXISTS ? "a file holds the new session's id" : why);
+}
+
+static void import_done(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct server *server = job->rq.server;
+	struct session *session;
+	char why[200];
+
+	if (job->rc == STORE_EBUDGET) {
+		if (!job->retried &&
+		    relief_run(server, 4u << 20, NULL, job->rq.peer->uid, false, why, sizeof(why)) == 0) {
+			job->retried = true;
+			job->rc = 0;
+			session_table_run_detached(&server->sessions, &job->job);
+			return;
+		}
+		job_fail(job, ZC_EEXHAUSTED, "cannot import: the memory budget is exhausted; nothing "
+			 "was made");
+	}
+	if (job->rc == 0 && session_find_name(&server->sessions, job->fork_name, job->rq.peer->uid)) {
+		/* Another open took the name while the import ran. */
+		store_close(job->fork_store, true);
+		job_fail(job, ZC_EEXISTS, "session '%s' already exists; nothing was made", job->fork_name);
+	}
+	if (job->rc < 0) {
+		reply_error(&job->rq, job->rc, "%s", job->message);
+		log_info("session", "import refused", "name=%s uid=%u reason=\"%s\"", job->fork_name,
+			 job->rq.peer->uid, job->message);
+		job_end(job);
+		return;
+	}
+	int rc = session_table_add(&server->sessions, job->fork_store, &session);
+	if (rc < 0) {
+		store_close(job->fork_store, true);
+		reply_error(&job->rq, rc, "cannot import: %s; nothing was made",
+			    reply_resource_text(server, rc, why, sizeof(why)));
+		job_end(job);
+		return;
+	}
+	session_lease(session, job->rq.peer->id,
+		      session_now_ms() + server->options.lease_seconds * 1000);
+	if (reply_import(&job->rq, session) < 0) {
+		session_retire(&server->sessions, session, true);
+		session_release_if_unused(session);
+	} else {
+		log_info("session", "imported", "session=%llu name=%s model_id=%s uid=%u",
+			 (unsigned long long)session->id, session->name,
+			 store_header(session->store)->model_id, session->owner_uid);
+	}
+	job_end(job);
+}
+
+/* Returns true when a job was queued. */
+static bool handle_import(const struct request *rq, const wire_request *request)
+{
+	struct server *server = rq->server;
+	const struct wire_import_request *import = &request->import_session;
+	char name[STORE_NAME_BYTES];
+	bool pipe = false;
+	int fd = snapshot_fd_take(rq, false, &pipe);
+	if (fd < 0)
+		return false;
+	if (!name_acceptable(import->name) || !name_acceptable(import->model_id)) {
+		close(fd);
+		reply_error(rq, ZC_EINVALID,
+			    "session names and model ids must be UTF-8 without control characters");
+		return false;
+	}
+	if (!session_room(rq)) {
+		close(fd);
+		return false;
+	}
+	uint64_t id = server->sessions.next_id++;
+	if (import->name[0])
+		snprintf(name, sizeof(name), "%s", import->name);
+	else
+		snprintf(name, sizeof(name), "session-%llu", (unsigned long long)id);
+	if (session_find_name(&server->sessions, name, rq->peer->uid)) {
+		close(fd);
+		reply_error(rq, ZC_EEXISTS, "session '%s' already exists", name);
+		return false;
+	}
+	if (!name_not_pending(rq, name)) {
+		close(fd);
+		return false;
+	}
+	struct store_budget *budget = &rq->peer->quota->memory;
+	struct request_job *job = calloc(1, sizeof(*job));
+	if (!job) {
+		close(fd);
+		reply_error(rq, -ENOMEM, "out of memory");
+		return false;
+	}
+	job->kind = JOB_IMPORT;
+	job->rq = *rq;
+	job->snapshot_fd = fd;
+	snprintf(job->fork_name, sizeof(job->fork_name), "%s", name);
+	if (import->has_model_id) {
+		snprintf(job->expect_model_id, sizeof(job->expect_model_id), "%s", import->model_id);
+		job->expect.model_id = job->expect_model_id;
+	}
+	job->expect.has_fingerprint = import->has_fingerprint;
+	job->expect.fingerprint = import->fingerprint;
+	/* A snapshot is about the size of the blocks it makes: one that
+	 * cannot fit the budget's room is refused before it is read. */
+	job->expect.max_bytes = budget_room(budget);
+	job->views_given = import->has_views;
+	job->fork_params = (struct store_params){
+		.session_id = id,
+		.boot_epoch = server->boot_epoch,
+		.owner_uid = rq->peer->uid,
+		.views = import->views == ZC_VIEWS_NONE ? ZC_VIEWS_NONE : ZC_VIEWS_FULL,
+	};
+	job->job.run = import_verify_run;
+	job->job.done = import_verified_done;
+	session_table_run_detached(&server->sessions, &job->job);
+	return true;
+}
+
 /* ---- staging ---- */
 
 static void handle_staging(const struct request *rq, const wire_request *request)
@@ -1149,6 +1501,12 @@ void dispatch_request(struct server *server, struct peer *peer, struct responder
 		break;
 	case WIRE_OP_FORK_SESSION:
 		queued = handle_fork(&rq, &request);
+		break;
+	case WIRE_OP_EXPORT_SESSION:
+		queued = handle_export(&rq, &request);
+		break;
+	case WIRE_OP_IMPORT_SESSION:
+		queued = handle_import(&rq, &request);
 		break;
 	case WIRE_OP_RELEASE: {
 		struct session *session = session_find(&server->sessions, request.release.session_id,

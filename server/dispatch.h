@@ -44,6 +44,9 @@ struct responder_ops {
 	void (*begin)(struct responder *responder);
 	/* A request was answered. */
 	void (*end)(struct responder *responder);
+	/* The descriptor that came with the request's frame (ownership
+	 * passes), or -1; may be NULL for peers that cannot send any. */
+	int (*take_fd)(struct responder *responder);
 };
 
 struct responder {

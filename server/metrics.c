@@ -23,18 +23,19 @@
 
 static const char *const op_names[METRICS_OP_COUNT] = {
 	"hello", "open_session", "update_and_fetch", "trim", "close_session",
-	"stats", "list_sessions", "staging", "fork_session", "release", "invalid",
+	"stats", "list_sessions", "staging", "fork_session", "release", "export_session",
+	"import_session", "invalid",
 };
 
 static const char *const status_names[METRICS_STATUS_COUNT] = {
 	"ok", "invalid_argument", "not_found", "already_exists", "resource_exhausted",
-	"permission_denied", "failed_precondition", "internal",
+	"permission_denied", "failed_precondition", "internal", "data_loss",
 };
 
 static const char *const reason_names[METRICS_REASON_COUNT] = {
 	"invalid_argument", "malformed_request", "frame_too_large", "nonfinite_input",
 	"not_found", "already_exists", "resource_exhausted", "permission_denied",
-	"failed_precondition", "internal", "connection_refused",
+	"failed_precondition", "internal", "connection_refused", "data_loss",
 };
 
 static const char *const relief_step_names[METRICS_RELIEF_STEP_COUNT] = {
@@ -80,6 +81,10 @@ enum metrics_op metrics_op_of(enum wire_op op)
 		return METRICS_OP_FORK_SESSION;
 	case WIRE_OP_RELEASE:
 		return METRICS_OP_RELEASE;
+	case WIRE_OP_EXPORT_SESSION:
+		return METRICS_OP_EXPORT_SESSION;
+	case WIRE_OP_IMPORT_SESSION:
+		return METRICS_OP_IMPORT_SESSION;
 	case WIRE_OP_NONE:
 		break;
 	}
@@ -141,6 +146,9 @@ void metrics_error(struct metrics *metrics, int error)
 			break;
 		case WIRE_STATUS_FAILED_PRECONDITION:
 			reason = METRICS_REASON_FAILED_PRECONDITION;
+			break;
+		case WIRE_STATUS_DATA_LOSS:
+			reason = METRICS_REASON_DATA_LOSS;
 			break;
 		default:
 			reason = METRICS_REASON_INTERNAL;

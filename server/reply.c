@@ -116,6 +116,7 @@ void reply_session_info(const struct session *session, zc_session_info *info)
 	info->views = store_views_full(session->store) ? ZC_VIEWS_FULL : ZC_VIEWS_NONE;
 	info->shared_bytes = store_shared_bytes(session->store);
 	info->leased = session_leased(session, session_now_ms());
+	snprintf(info->model_id, sizeof(info->model_id), "%s", h->model_id);
 }
 
 void reply_layer_stats(const struct store_layer_stats *s, zc_layer_stats *out)
@@ -240,6 +241,11 @@ int reply_open(const struct request *rq, struct session *session, bool attached)
 int reply_fork(const struct request *rq, struct session *session)
 {
 	return open_reply(rq, session, false, WIRE_OP_FORK_SESSION);
+}
+
+int reply_import(const struct request *rq, struct session *session)
+{
+	return open_reply(rq, session, false, WIRE_OP_IMPORT_SESSION);
 }
 
 static int open_reply(const struct request *rq, struct session *session, bool attached,

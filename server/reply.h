@@ -57,6 +57,8 @@ void reply_hello(const struct request *rq);
 int reply_open(const struct request *rq, struct session *session, bool attached);
 /* The same for a fork's new session (the reply of fork_session). */
 int reply_fork(const struct request *rq, struct session *session);
+/* The same for an imported session (import_session's reply). */
+int reply_import(const struct request *rq, struct session *session);
 
 /* A session's stats: per layer, their sum, and the daemon's figures. */
 void reply_session_stats(const struct request *rq, const struct session *session,

@@ -176,11 +176,17 @@ static void responder_end(struct responder *responder)
 	connection_request_end(&client_of_responder(responder)->connection);
 }
 
+static int responder_take_fd(struct responder *responder)
+{
+	return connection_take_fd(&client_of_responder(responder)->connection);
+}
+
 static const struct responder_ops client_responder = {
 	.send = responder_send,
 	.abort = responder_abort,
 	.begin = responder_begin,
 	.end = responder_end,
+	.take_fd = responder_take_fd,
 };
 
 /* Counts, logs and tells a connection we will not serve why (one

@@ -331,3 +331,25 @@ void session_submit_front(struct session_table *table, struct job *job)
 		session->queue_tail = job;
 	session_start_next(table, session);
 }
+
+static void detached_after_work(uv_work_t *work, int status)
+{
+	struct job *job = (struct job *)work;
+	(void)status;   /* never cancelled */
+	job->table->jobs_in_flight--;
+	job->done(job);
+}
+
+void session_table_run_detached(struct session_table *table, struct job *job)
+{
+	job->next = NULL;
+	job->table = table;
+	job->session = NULL;
+	table->jobs_in_flight++;
+	if (uv_queue_work(table->loop, &job->work, job_work, detached_after_work) == 0)
+		return;
+	log_warn("session", "thread pool refused job; running inline", "session=none");
+	job->run(job);
+	table->jobs_in_flight--;
+	job->done(job);
+}

@@ -117,6 +117,11 @@ void session_submit_front(struct session_table *table, struct job *job);
 
 bool session_idle(const struct session *session);
 
+/* Runs a job that belongs to no session yet (an import: it makes one) on
+ * the thread pool; done runs on the loop thread. Counted in flight, so a
+ * stopping server waits for it. job->session is NULL. */
+void session_table_run_detached(struct session_table *table, struct job *job);
+
 /* Open sessions `uid` holds. */
 uint32_t session_count_of_uid(const struct session_table *table, uint32_t uid);
 

@@ -652,6 +652,8 @@ static int params_validate(const struct store_params *p)
 		return ZC_EINVALID;
 	if (!p->name || strlen(p->name) >= STORE_NAME_BYTES)
 		return ZC_EINVALID;
+	if (p->model_id && strlen(p->model_id) >= STORE_NAME_BYTES)
+		return ZC_EINVALID;
 	return 0;
 }
 
@@ -952,6 +954,8 @@ static void layout_from_params(struct store_header *layout, const struct store_p
 	layout->quantize_values = params->codec.quantize_values;
 	layout->views = (uint32_t)params->views;
 	snprintf(layout->name, sizeof(layout->name), "%s", params->name);
+	snprintf(layout->model_id, sizeof(layout->model_id), "%s",
+		 params->model_id ? params->model_id : "");
 }
 
 /* The file and map sizes a session needs, checked. */
@@ -1219,6 +1223,7 @@ int store_fork(struct store *source, uint32_t tokens, int dir_fd, const char *di
 		.boot_epoch = params->boot_epoch,
 		.owner_uid = h->owner_uid,
 		.name = params->name,
+		.model_id = h->model_id,  /* a fork is of the same model */
 		.layers = h->layers, .batch = h->batch, .kv_heads = h->kv_heads,
 		.head_dim_k = h->head_dim_k, .head_dim_v = h->head_dim_v,
 		.max_tokens = h->max_tokens,
@@ -1272,9 +1277,9 @@ static int header_check(const struct store_header *h, uint64_t file_bytes, char 
 
 	if (memcmp(h->magic, STORE_MAGIC, sizeof(h->magic)) != 0)
 		return corrupt(reason, size, "no store magic (the file was never finished)");
-	if (h->version != STORE_VERSION)
-		return corrupt(reason, size, "format version %u, this daemon reads %u", h->version,
-			       STORE_VERSION);
+	if (h->version != STORE_VERSION && h->version != STORE_VERSION_NO_MODEL_ID)
+		return corrupt(reason, size, "format version %u, this daemon reads %u and %u",
+			       h->version, STORE_VERSION_NO_MODEL_ID, STORE_VERSION);
 	expected.layers = h->layers;
 	expected.batch = h->batch;
 	expected.kv_heads = h->kv_heads;
@@ -1311,6 +1316,8 @@ static int header_check(const struct store_header *h, uint64_t file_bytes, char 
 		return corrupt(reason, size, "codec config out of range");
 	if (memchr(h->name, '\0', sizeof(h->name)) == NULL)
 		return corrupt(reason, size, "session name not terminated");
+	if (memchr(h->model_id, '\0', sizeof(h->model_id)) == NULL)
+		return corrupt(reason, size, "model id not terminated");
 	return 0;
 }
 
@@ -2377,4 +2384,132 @@ bool store_views_full(const struct store *store)
 uint64_t store_view_generation(const struct store *store, uint32_t layer)
 {
 	return __atomic_load_n(&store->room[layer].generation, __ATOMIC_RELAXED);
+}
+
+/* ---- snapshots (server/snapshot.c) ------------------------------------------ */
+
+uint32_t store_residual_capacity(uint32_t residual_tokens, uint32_t max_tokens)
+{
+	return residual_capacity_of(residual_tokens, max_tokens);
+}
+
+void store_layer_cut(const struct store *store, uint32_t layer, struct store_cut *out)
+{
+	const struct layer_state *l = &store->layer[layer];
+	*out = (struct store_cut){
+		.tokens = l->tokens,
+		.residual_tokens = l->residual_tokens,
+		.blocks = l->blocks,
+		.entries = store->index[layer].entries,
+		.key_residual = key_residual(store, layer),
+		.value_residual = value_residual(store, layer),
+		.residual_capacity = store->header->residual_capacity,
+	};
+}
+
+int store_import_begin(int dir_fd, const char *dir_path, const struct store_params *params,
+		       struct store_budget *budget, struct pool *pool, struct store **out)
+{
+	return store_build(dir_fd, dir_path, params, budget, pool, out);
+}
+
+/*
+ * One block of an import into a fresh pool extent and the next entry of
+ * the layer's index (scratch until the rename). Counted in the layer at
+ * once, so store_import_abandon drops its reference.
+ */
+int store_import_block(struct store *store, uint32_t layer, const store_block *entry,
+		       const void *key, const void *value)
+{
+	const struct store_header *h = store->header;
+	struct layer_state *l = &store->layer[layer];
+	uint32_t at = l->blocks;
+	int rc = index_grow(store, layer, at);
+	if (rc == 0)
+		rc = reserve_index_entry(store, layer, at);
+	uint64_t key_offset = 0;
+	if (rc == 0)
+		rc = pool_write(store->pool, key, entry->key_bytes, value, entry->value_bytes,
+				&key_offset);
+	if (rc < 0)
+		return rc;
+	store_block b = *entry;
+	b.key_offset = key_offset;
+	b.value_offset = pool_value_offset(key_offset, entry->key_bytes);
+	b.flags = 0;
+	pthread_mutex_lock(&store->index_lock);
+	store->index[layer].entries[at] = b;
+	pthread_mutex_unlock(&store->index_lock);
+	file_index(store, layer)[at] = b;
+	zc_block_shape key_shape = { h->batch, h->kv_heads, b.tokens, h->head_dim_k };
+	zc_block_shape value_shape = { h->batch, h->kv_heads, b.tokens, h->head_dim_v };
+	zc_byte_count key_count = { 0 }, value_count = { 0 };
+	zc_block_count_bytes(&store->codec, ZC_TENSOR_KEYS, &key_shape, &key_count);
+	zc_block_count_bytes(&store->codec, ZC_TENSOR_VALUES, &value_shape, &value_count);
+	l->key_compressed += key_count.compressed;
+	l->key_baseline += key_count.baseline;
+	l->value_compressed += value_count.compressed;
+	l->value_baseline += value_count.baseline;
+	__atomic_store_n(&l->blocks, at + 1, __ATOMIC_RELEASE);
+	fault_point("import.block");
+	return 0;
+}
+
+/*
+ * Finishes one layer of an import: its residual rows (compact
+ * [batch][kv_heads][rows][D], K then V) copied in, its record of
+ * generation 1 (committed with the rename), the readers' table. Views
+ * start dropped and are rebuilt on first use, as after memory relief: an
+ * import costs the bytes it moves, not a reconstruction of every token.
+ */
+int store_import_layer(struct store *store, uint32_t layer, uint32_t tokens,
+		       uint32_t residual_tokens, const uint16_t *key_rows, const uint16_t *value_rows)
+{
+	const struct store_header *h = store->header;
+	struct layer_state next = store->layer[layer];
+	if (residual_tokens > 0) {
+		int rc = reserve_residual(store, layer, residual_tokens);
+		if (rc < 0)
+			return rc;
+		for (int tensor = 0; tensor < 2; tensor++) {
+			uint32_t dim = tensor == 0 ? h->head_dim_k : h->head_dim_v;
+			zc_strides strides = residual_strides(h, dim);
+			zc_strides compact = { .batch = (size_t)h->kv_heads * residual_tokens * dim,
+					       .head = (size_t)residual_tokens * dim };
+			const uint16_t *rows = tensor == 0 ? key_rows : value_rows;
+			rows_move(tensor == 0 ? key_residual(store, layer) : value_residual(store, layer),
+				  &strides, 0, rows, &compact, 0, h, residual_tokens, dim);
+			if (store->layout.residual_offset)
+				rows_move(map_residual(store, layer, tensor == 0), &strides, 0, rows,
+					  &compact, 0, h, residual_tokens, dim);
+		}
+	}
+	next.tokens = tokens;
+	next.residual_tokens = residual_tokens;
+	next.active = 0;
+	struct store_layer_commit *r = record_slot(store, layer, 0);
+	r->generation = 1;
+	r->tokens = next.tokens;
+	r->residual_tokens = next.residual_tokens;
+	r->blocks = next.blocks;
+	layer_state_set(store, layer, &next);
+	map_entries_write(store, layer, 0);
+	if (views_full(store))
+		store->room[layer].view_valid = tokens == 0;
+	return 0;
+}
+
+int store_import_commit(struct store *store)
+{
+	store->generation = 1;
+	store->commit->generation = 1;
+	for (uint32_t i = 0; i < store->header->layers; i++)
+		mirror_layer(store, i);
+	fault_point("import.layers");
+	return store_publish(store);
+}
+
+void store_import_abandon(struct store *store)
+{
+	store_discard(store);
 }

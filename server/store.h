@@ -35,6 +35,7 @@ struct store_params {
 	uint64_t boot_epoch;
 	uint32_t owner_uid;
 	const char *name;
+	const char *model_id;      /* NULL or "": none; at most ZC_MODEL_ID_MAX bytes */
 	uint32_t layers, batch, kv_heads, head_dim_k, head_dim_v;
 	uint32_t max_tokens;
 	zc_codec_config codec;
@@ -213,5 +214,41 @@ uint64_t store_view_rebuilds_total(void);
  * hint when read while a job runs on the store (the loop thread uses it to
  * price a job, as store_update_compresses). */
 uint64_t store_rebuild_elements(const struct store *store, uint32_t layer);
+
+/* ---- snapshots (server/snapshot.c) ---- */
+
+/* Rows a streaming residual of this threshold may hold (the one formula). */
+uint32_t store_residual_capacity(uint32_t residual_tokens, uint32_t max_tokens);
+
+/* One layer as it stands: counts, its block index (the pool entries, as
+ * committed) and its residual rows ([batch][kv_heads][residual_capacity][D]
+ * per tensor, the first residual_tokens rows of each head valid). Pointers
+ * are the store's, valid while the caller has the session to itself. */
+struct store_cut {
+	uint32_t tokens, residual_tokens, blocks;
+	const store_block *entries;
+	const uint16_t *key_residual, *value_residual;
+	uint32_t residual_capacity;
+};
+void store_layer_cut(const struct store *store, uint32_t layer, struct store_cut *out);
+
+/*
+ * An import, built as a fork is (docs/SNAPSHOT.md): begin makes the
+ * temporary file (params as for store_create); per layer, its blocks in
+ * order (store_import_block: the payloads into fresh pool extents, the
+ * entry's offsets ignored) and then the layer (store_import_layer: its
+ * tokens and compact residual rows); commit renames the file into place
+ * (the commit point; on failure the store is gone). abandon throws away
+ * everything made so far, blocks included. The caller checked the counts
+ * and sizes (snapshot.c verifies everything first).
+ */
+int store_import_begin(int dir_fd, const char *dir_path, const struct store_params *params,
+		       struct store_budget *budget, struct pool *pool, struct store **out);
+int store_import_block(struct store *store, uint32_t layer, const store_block *entry,
+		       const void *key, const void *value);
+int store_import_layer(struct store *store, uint32_t layer, uint32_t tokens,
+		       uint32_t residual_tokens, const uint16_t *key_rows, const uint16_t *value_rows);
+int store_import_commit(struct store *store);
+void store_import_abandon(struct store *store);
 
 #endif

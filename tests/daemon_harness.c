@@ -459,6 +459,7 @@ const char *response_status_name(zipcache_v1_Status status)
 	case zipcache_v1_Status_PERMISSION_DENIED: return "PERMISSION_DENIED";
 	case zipcache_v1_Status_FAILED_PRECONDITION: return "FAILED_PRECONDITION";
 	case zipcache_v1_Status_INTERNAL: return "INTERNAL";
+	case zipcache_v1_Status_DATA_LOSS: return "DATA_LOSS";
 	}
 	return "unknown status";
 }

@@ -67,13 +67,16 @@ static void daemon_alive_check(zc_client *client, const char *after,
 
 /* ---- the script ------------------------------------------------------------ */
 
-enum op_kind { OP_OPEN, OP_UPDATE, OP_TRIM, OP_TRIM_LAYER, OP_ATTACH, OP_CLOSE, OP_RELEASE, OP_FORK };
+enum op_kind { OP_OPEN, OP_UPDATE, OP_TRIM, OP_TRIM_LAYER, OP_ATTACH, OP_CLOSE, OP_RELEASE, OP_FORK,
+	       OP_IMPORT };
 
-#define SESSIONS 5
+#define SESSIONS 6
 
-enum { S_STREAM, S_PER_CALL, S_IDLE, S_GROWER, S_FORK };
+enum { S_STREAM, S_PER_CALL, S_IDLE, S_GROWER, S_FORK, S_IMPORT };
 
-/* OP_FORK: session is the fork, layer the source, tokens where it forks. */
+/* OP_FORK: session is the fork, layer the source, tokens where it forks.
+ * OP_IMPORT: session is the import, layer the session exported (whole)
+ * just before; the export changes nothing and is not the op in flight. */
 
 struct op {
 	enum op_kind kind;
@@ -87,13 +90,15 @@ struct op {
 
 static zc_session_config script_config(int session)
 {
-	static const char *const names[SESSIONS] = { "stream", "per-call", "idle", "grower", "fork" };
+	static const char *const names[SESSIONS] = { "stream", "per-call", "idle", "grower", "fork",
+						     "imported" };
 	zc_session_config c;
 	zc_session_config_default(&c);
 	c.name = names[session];
 	c.batch = 1;
 	switch (session) {
 	case S_STREAM:
+	case S_IMPORT:   /* a copy of S_STREAM */
 	case S_FORK:
 		c.layers = 2, c.kv_heads = 2, c.head_dim_k = c.head_dim_v = 32, c.max_tokens = 1024;
 		/* The fork keeps no fp16: blocks and a readers' residual only. */
@@ -137,6 +142,9 @@ static size_t script_make(struct op *ops, size_t capacity)
 	OP(OP_UPDATE, S_FORK, 0, 3);
 	OP(OP_UPDATE, S_FORK, 1, 9);
 	OP(OP_TRIM, S_FORK, 0, 5);
+	OP(OP_IMPORT, S_IMPORT, S_STREAM, 0);  /* every block, a residual, a trimmed block */
+	OP(OP_UPDATE, S_IMPORT, 0, 3);
+	OP(OP_UPDATE, S_IMPORT, 1, 12);
 	for (int i = 0; i < 3; i++) {
 		OP(OP_UPDATE, S_PER_CALL, 0, 1);
 		OP(OP_UPDATE, S_PER_CALL, 1, 1 + (uint32_t)i);
@@ -241,6 +249,25 @@ static size_t script_run(const struct daemon_harness *daemon, const struct op *o
 				open[op->session] = true;
 			}
 			break;
+		case OP_IMPORT: {
+			char path[PATH_MAX];
+			snprintf(path, sizeof(path), "%s/export.zcsnap", daemon->dir);
+			int fd = openat(AT_FDCWD, path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+			ck_assert_int_ge(fd, 0);
+			rc = zc_session_export(sessions[op->layer], fd, NULL);
+			if (rc == 0) {
+				zc_import_options options;
+				zc_import_options_default(&options);
+				options.name = config.name;
+				rc = zc_session_import(client, fd, &options, &sessions[op->session]);
+			}
+			close(fd);
+			if (rc == 0 && !open[op->session]) {
+				model_init(&models[op->session], &config);
+				open[op->session] = true;
+			}
+			break;
+		}
 		}
 		if (rc < 0 && daemon_lost(rc)) {
 			*died = true;
@@ -324,6 +351,12 @@ static void op_apply(struct expected *e, const struct op *ops, size_t i, enum va
 		model_fork(m, &e->models[op->layer], op->tokens);
 		e->exists[op->session] = true;
 		break;
+	case OP_IMPORT:
+		if (e->exists[op->session])
+			model_free(m);
+		model_fork(m, &e->models[op->layer], UINT32_MAX);
+		e->exists[op->session] = true;
+		break;
 	}
 }
 
@@ -366,7 +399,7 @@ static bool daemon_matches(zc_client *client, const struct expected *e, char *wh
 static const char *op_name(enum op_kind kind)
 {
 	static const char *const names[] = { "open", "update", "trim", "trim_layer", "attach", "close",
-					     "release", "fork" };
+					     "release", "fork", "import" };
 	return names[kind];
 }
 

@@ -1017,7 +1017,7 @@ START_TEST(status_mapping)
 		{ ZC_EDENIED, zipcache_v1_Status_PERMISSION_DENIED },
 		{ ZC_EPRECONDITION, zipcache_v1_Status_FAILED_PRECONDITION },
 		{ ZC_EINTERNAL, zipcache_v1_Status_INTERNAL },
-		{ ZC_ECORRUPT, zipcache_v1_Status_INTERNAL },
+		{ ZC_ECORRUPT, zipcache_v1_Status_DATA_LOSS },
 		{ ZC_EBUFFER, zipcache_v1_Status_INTERNAL },
 		{ ZC_ERESTARTED, zipcache_v1_Status_INTERNAL },
 		{ -EIO, zipcache_v1_Status_INTERNAL },
@@ -1037,7 +1037,8 @@ START_TEST(status_mapping)
 		{ zipcache_v1_Status_PERMISSION_DENIED, ZC_EDENIED },
 		{ zipcache_v1_Status_FAILED_PRECONDITION, ZC_EPRECONDITION },
 		{ zipcache_v1_Status_INTERNAL, ZC_EINTERNAL },
-		{ (zipcache_v1_Status)8, ZC_EINTERNAL },
+		{ zipcache_v1_Status_DATA_LOSS, ZC_ECORRUPT },
+		{ (zipcache_v1_Status)9, ZC_EINTERNAL },
 		{ (zipcache_v1_Status)1000, ZC_EINTERNAL },
 	};
 

@@ -823,6 +823,70 @@ START_TEST(test_close)
 }
 END_TEST
 
+/* export ID FILE and import FILE: the tool opens the file; the import
+ * equals the original; a damaged file is refused by name and makes nothing. */
+START_TEST(test_export_import)
+{
+	zc_client *client = test_connect();
+	zc_session_config config;
+	zc_session_config_default(&config);
+	config.name = "exported";
+	config.layers = 2;
+	config.kv_heads = 2;
+	config.head_dim_k = config.head_dim_v = 32;
+	config.max_tokens = 256;
+	config.residual_tokens = 16;
+	config.model_id = "tiny-model";
+	zc_session *session;
+	ck_assert_int_eq(zc_session_open(client, &config, &session), 0);
+	append(session, 0, 40, 1);
+	append(session, 1, 7, 2);
+	uint64_t id = zc_session_get_info(session)->id;
+	run_result result = { 0 };
+	char argument[32], file[PATH_MAX + 16], expected[PATH_MAX + 128];
+	snprintf(argument, sizeof(argument), "%" PRIu64, id);
+	snprintf(file, sizeof(file), "%s/s.zcsnap", work_dir);
+
+	run_ctl(&result, "export", argument, file, NULL);
+	assert_ok(&result);
+	struct stat st;
+	ck_assert_int_eq(stat(file, &st), 0);
+	snprintf(expected, sizeof(expected), "exported session %" PRIu64 " to %s: %llu bytes\n", id,
+		 file, (unsigned long long)st.st_size);
+	ck_assert_str_eq(result.out, expected);
+	run_result_free(&result);
+
+	run_ctl(&result, "import", file, "--name", "copy", "--model-id", "tiny-model", NULL);
+	assert_ok(&result);
+	ck_assert_msg(strstr(result.out, "(copy) from ") != NULL, "%s", result.out);
+	run_result_free(&result);
+	zc_session_info listed[4];
+	ck_assert_uint_eq(api_list(client, listed, 4), 2);
+	const zc_session_info *copy = strcmp(listed[0].name, "copy") == 0 ? &listed[0] : &listed[1];
+	ck_assert_str_eq(copy->name, "copy");
+	ck_assert_str_eq(copy->model_id, "tiny-model");
+	ck_assert_uint_eq(copy->max_layer_tokens, 40);
+	ck_assert_uint_eq(copy->min_tokens, 7);
+
+	/* Another model, and a flipped byte: refused, nothing made. */
+	run_ctl(&result, "import", file, "--model-id", "other", NULL);
+	assert_error(&result, 1, "not 'other'");
+	run_result_free(&result);
+	int fd = open(file, O_RDWR);
+	uint8_t byte;
+	ck_assert_int_eq(pread(fd, &byte, 1, st.st_size / 2), 1);
+	byte ^= 0x10;
+	ck_assert_int_eq(pwrite(fd, &byte, 1, st.st_size / 2), 1);
+	close(fd);
+	run_ctl(&result, "import", file, NULL);
+	assert_error(&result, 1, "checksum mismatch");
+	run_result_free(&result);
+	ck_assert_uint_eq(api_list(client, listed, 4), 2);
+	zc_session_release(session);
+	zc_client_close(client);
+}
+END_TEST
+
 /* ---- errors -------------------------------------------------------------- */
 
 struct error_case {
@@ -851,6 +915,12 @@ static const struct error_case error_cases[] = {
 	{ { "watch", "--count", "0" }, 2, "--count must be a positive integer" },
 	{ { "stats", "--timeout" }, 2, "--timeout needs a value" },
 	{ { "--json=yes", "stats" }, 2, "--json takes no value" },
+	{ { "export", "1" }, 2, "export needs a session ID and a FILE" },
+	{ { "export", "x", "f" }, 2, "session ID must be a number: 'x'" },
+	{ { "import" }, 2, "import needs a FILE" },
+	{ { "stats", "--name", "n" }, 2, "--name applies only to import" },
+	{ { "export", "4242", "/dev/null" }, 1, "no session 4242" },
+	{ { "import", "/nonexistent/snapshot" }, 1, "cannot open /nonexistent/snapshot" },
 };
 
 START_TEST(test_error_exit)
@@ -1294,6 +1364,7 @@ static Suite *zipcachectl_suite(void)
 	tcase_add_test(commands, test_sessions_empty);
 	tcase_add_test(commands, test_session_accounting);
 	tcase_add_test(commands, test_close);
+	tcase_add_test(commands, test_export_import);
 	tcase_add_test(commands, test_hostile_names);
 	tcase_add_test(commands, test_socket_from_environment);
 	suite_add_tcase(suite, commands);

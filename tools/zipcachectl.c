@@ -28,6 +28,7 @@
  * with zc_client_close_session().
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
@@ -77,8 +78,14 @@ enum ctl_command {
 	CMD_CLOSE,
 	CMD_WATCH,
 	CMD_SET_ASIDE,
+	CMD_EXPORT,
+	CMD_IMPORT,
 	CMD_HELP
 };
+
+/* Export and import move a whole session: they wait at least this long
+ * for the daemon's reply, whatever --timeout says (0 still waits forever). */
+#define CTL_SNAPSHOT_TIMEOUT_MS 600000
 
 struct ctl {
 	enum ctl_command command;
@@ -94,6 +101,9 @@ struct ctl {
 	char *out_text;
 	size_t out_length;
 	uint64_t own_requests;      /* requests this process sent, for watch's rate */
+	const char *file;           /* export, import */
+	const char *name;           /* import --name */
+	const char *model_id;       /* import --model-id */
 };
 
 static void ctl_usage(FILE *stream)
@@ -115,6 +125,11 @@ static void ctl_usage(FILE *stream)
 		"                       (default 1) until interrupted, or N times\n"
 		"  set-aside            session files the daemon did not adopt (corrupt, or\n"
 		"                       another uid's) and why; root and the daemon's user only\n"
+		"  export ID FILE       write a verified snapshot of a session to FILE (\"-\":\n"
+		"                       standard output); this tool opens it, not the daemon\n"
+		"  import FILE [--name N] [--model-id M]\n"
+		"                       a new session from a snapshot, verified whole before\n"
+		"                       anything is made; with --model-id, only of that model\n"
 		"  help                 this text\n"
 		"\n"
 		"options:\n"
@@ -669,6 +684,7 @@ static void json_session_info(struct json *json, const zc_session_info *info)
 	json_text(json, "views", info->views == ZC_VIEWS_NONE ? "none" : "full");
 	json_uint(json, "shared_bytes", info->shared_bytes);
 	json_bool(json, "leased", info->leased);
+	json_text(json, "model_id", info->model_id);
 	json_close(json, '}');
 }
 
@@ -929,6 +945,106 @@ static int cmd_close(struct ctl *ctl)
 			if ((unsigned char)*c < 0x20 || *c == 0x7f)
 				*c = '?';
 		fprintf(ctl->out, "closed session %" PRIu64 " (%s)\n", info.id, name);
+	}
+	return 0;
+}
+
+/* ---- export ID FILE, import FILE ------------------------------------------ */
+
+static int ctl_connect_for_snapshot(struct ctl *ctl)
+{
+	int rc = ctl_connect(ctl);
+	if (rc == 0 && ctl->timeout_ms != 0 && ctl->timeout_ms < CTL_SNAPSHOT_TIMEOUT_MS)
+		zc_client_set_timeout(ctl->client, CTL_SNAPSHOT_TIMEOUT_MS);
+	return rc;
+}
+
+static int cmd_export(struct ctl *ctl)
+{
+	zc_session_info info;
+	char what[64];
+	int rc = ctl_connect_for_snapshot(ctl);
+
+	if (rc)
+		return rc;
+	snprintf(what, sizeof(what), "export %" PRIu64, ctl->session_id);
+	rc = ctl_find_session(ctl, ctl->session_id, &info);
+	if (rc == ZC_ENOTFOUND)
+		return ctl_fail(CTL_EXIT_FAILURE, "no session %" PRIu64, ctl->session_id);
+	if (rc < 0)
+		return ctl_fail_call(ctl, rc, what);
+	bool to_stdout = strcmp(ctl->file, "-") == 0;
+	int fd = to_stdout ? STDOUT_FILENO :
+			     open(ctl->file, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+	if (fd < 0)
+		return ctl_fail(CTL_EXIT_FAILURE, "cannot open %s: %s", ctl->file, strerror(errno));
+	uint64_t bytes = 0;
+	ctl->own_requests++;
+	rc = zc_client_export(ctl->client, ctl->session_id, fd, &bytes);
+	if (!to_stdout && close(fd) < 0 && rc == 0)
+		return ctl_fail(CTL_EXIT_FAILURE, "cannot write %s: %s", ctl->file, strerror(errno));
+	if (rc < 0) {
+		if (!to_stdout)
+			unlink(ctl->file);   /* a partial snapshot is worth nothing */
+		return ctl_fail_call(ctl, rc, what);
+	}
+	/* Standard output carries the snapshot: the report goes to stderr. */
+	FILE *report = to_stdout ? stderr : ctl->out;
+	if (ctl->json) {
+		struct json json = { report, false };
+		json_open(&json, NULL, '{');
+		json_key(&json, "exported");
+		json_open(&json, NULL, '{');
+		json_uint(&json, "id", info.id);
+		json_text(&json, "name", info.name);
+		json_text(&json, "file", ctl->file);
+		json_uint(&json, "bytes", bytes);
+		json_close(&json, '}');
+		json_close(&json, '}');
+		fputc('\n', report);
+	} else {
+		fprintf(report, "exported session %" PRIu64 " to %s: %" PRIu64 " bytes\n", info.id,
+			ctl->file, bytes);
+	}
+	return 0;
+}
+
+static int cmd_import(struct ctl *ctl)
+{
+	zc_import_options options;
+	zc_session *session;
+	int rc = ctl_connect_for_snapshot(ctl);
+
+	if (rc)
+		return rc;
+	int fd = open(ctl->file, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return ctl_fail(CTL_EXIT_FAILURE, "cannot open %s: %s", ctl->file, strerror(errno));
+	zc_import_options_default(&options);
+	options.name = ctl->name;
+	options.model_id = ctl->model_id;
+	ctl->own_requests++;
+	rc = zc_session_import(ctl->client, fd, &options, &session);
+	close(fd);
+	if (rc < 0)
+		return ctl_fail_call(ctl, rc, "import");
+	zc_session_info info = *zc_session_get_info(session);
+	zc_session_release(session);
+	if (ctl->json) {
+		struct json json = { ctl->out, false };
+		json_open(&json, NULL, '{');
+		json_key(&json, "imported");
+		json_session_info(&json, &info);
+		json_close(&json, '}');
+		fputc('\n', ctl->out);
+	} else {
+		char name[sizeof(info.name)];
+		snprintf(name, sizeof(name), "%s", info.name);
+		for (char *c = name; *c; c++)
+			if ((unsigned char)*c < 0x20 || *c == 0x7f)
+				*c = '?';
+		fprintf(ctl->out, "imported session %" PRIu64 " (%s) from %s: %u layers, %u tokens in "
+			"the longest\n", info.id, name, ctl->file, info.layers, info.max_layer_tokens);
 	}
 	return 0;
 }
@@ -1283,6 +1399,8 @@ static const struct {
 	{ "close", CMD_CLOSE, true },
 	{ "watch", CMD_WATCH, false },
 	{ "set-aside", CMD_SET_ASIDE, false },
+	{ "export", CMD_EXPORT, true },
+	{ "import", CMD_IMPORT, false },
 	{ "help", CMD_HELP, false },
 };
 
@@ -1332,7 +1450,8 @@ static int parse_arguments(struct ctl *ctl, int argc, char **argv)
 			continue;
 		}
 		if (strcmp(name, "--socket") != 0 && strcmp(name, "--timeout") != 0 &&
-		    strcmp(name, "--interval") != 0 && strcmp(name, "--count") != 0)
+		    strcmp(name, "--interval") != 0 && strcmp(name, "--count") != 0 &&
+		    strcmp(name, "--name") != 0 && strcmp(name, "--model-id") != 0)
 			return ctl_fail(CTL_EXIT_USAGE, "unknown option '%s' (see --help)", arg);
 		if (equals) {
 			value = equals + 1;
@@ -1341,7 +1460,11 @@ static int parse_arguments(struct ctl *ctl, int argc, char **argv)
 				return ctl_fail(CTL_EXIT_USAGE, "%s needs a value", name);
 			value = argv[++i];
 		}
-		if (strcmp(name, "--socket") == 0) {
+		if (strcmp(name, "--name") == 0) {
+			ctl->name = value;
+		} else if (strcmp(name, "--model-id") == 0) {
+			ctl->model_id = value;
+		} else if (strcmp(name, "--socket") == 0) {
 			if (!*value)
 				return ctl_fail(CTL_EXIT_USAGE, "--socket needs a path");
 			ctl->socket_path = value;
@@ -1377,7 +1500,22 @@ static int parse_arguments(struct ctl *ctl, int argc, char **argv)
 	if (command_index == sizeof(command_table) / sizeof(command_table[0]))
 		return ctl_fail(CTL_EXIT_USAGE, "unknown command '%s' (see --help)", positional[0]);
 	ctl->command = command_table[command_index].command;
-	if (command_table[command_index].takes_id) {
+	if ((ctl->name || ctl->model_id) && ctl->command != CMD_IMPORT)
+		return ctl_fail(CTL_EXIT_USAGE, "%s applies only to import",
+				ctl->name ? "--name" : "--model-id");
+	if (ctl->command == CMD_EXPORT || ctl->command == CMD_IMPORT) {
+		size_t want = ctl->command == CMD_EXPORT ? 3 : 2;
+		if (n_positional < want)
+			return ctl_fail(CTL_EXIT_USAGE, "%s needs %s (see --help)", positional[0],
+					ctl->command == CMD_EXPORT ? "a session ID and a FILE" : "a FILE");
+		if (n_positional > want)
+			return ctl_fail(CTL_EXIT_USAGE, "unexpected argument '%s' (see --help)",
+					positional[want]);
+		if (ctl->command == CMD_EXPORT && !parse_u64(positional[1], &ctl->session_id))
+			return ctl_fail(CTL_EXIT_USAGE, "export: session ID must be a number: '%s'",
+					positional[1]);
+		ctl->file = positional[want - 1];
+	} else if (command_table[command_index].takes_id) {
 		if (n_positional < 2)
 			return ctl_fail(CTL_EXIT_USAGE, "%s needs a session ID (see `" CTL_NAME " sessions`)",
 					positional[0]);
@@ -1455,6 +1593,12 @@ int main(int argc, char **argv)
 		break;
 	case CMD_SET_ASIDE:
 		rc = cmd_set_aside(&ctl);
+		break;
+	case CMD_EXPORT:
+		rc = cmd_export(&ctl);
+		break;
+	case CMD_IMPORT:
+		rc = cmd_import(&ctl);
 		break;
 	default:
 		rc = ctl_fail(CTL_EXIT_USAGE, "no command given (see --help)");

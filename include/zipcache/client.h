@@ -120,6 +120,7 @@
 #define ZC_MAX_HEADS 65536u            /* batch x kv_heads */
 #define ZC_MAX_RESIDUAL_TOKENS 65536u
 #define ZC_SESSION_NAME_MAX 64u        /* bytes of UTF-8, without the NUL */
+#define ZC_MODEL_ID_MAX 64u            /* a model id's bytes, likewise */
 #define ZC_DEFAULT_RESIDUAL_TOKENS 128u
 
 typedef struct zc_client zc_client;
@@ -148,6 +149,9 @@ typedef struct zc_session_config {
 	zc_views views;            /* ZC_VIEWS_FULL (default) or ZC_VIEWS_NONE:
 				    * no fp16 is materialized, the session costs
 				    * its compressed bytes and its residual */
+	const char *model_id;      /* NULL or "": none; at most ZC_MODEL_ID_MAX bytes,
+				    * kept with the session and part of its
+				    * snapshots' fingerprint (not compared by attach) */
 } zc_session_config;
 
 /* A layer's fp16 K and V as the daemon holds them, read-only. Element
@@ -193,6 +197,7 @@ typedef struct zc_session_info {
 	zc_views views;
 	uint64_t shared_bytes;     /* of its blocks, bytes another session refers to too */
 	bool leased;               /* a client holds a lease on its views */
+	char model_id[ZC_MODEL_ID_MAX + 1]; /* "" when none was given */
 } zc_session_info;
 
 typedef struct zc_server_info {
@@ -333,6 +338,36 @@ const zc_session_info *zc_session_get_info(const zc_session *session);
 #define ZC_VIEWS_SOURCE (-1)
 int zc_session_fork(zc_session *source, uint32_t tokens, const char *name, int views,
 		    zc_session **out);
+
+/*
+ * Snapshots (docs/SNAPSHOT.md). zc_session_export writes a verified
+ * snapshot of the session to fd, a regular file or a pipe the caller
+ * opened for writing (the descriptor is passed to the daemon, which never
+ * opens a path; it writes from the descriptor's current position). It is
+ * a consistent cut: after every earlier call on the session. *bytes (may
+ * be NULL) is what was written.
+ *
+ * zc_session_import makes a new session from the snapshot in fd, a
+ * regular file open for reading (read from offset 0). The daemon verifies
+ * everything before it makes anything: a damaged snapshot is ZC_ECORRUPT,
+ * one of another model than options->model_id (or fingerprint) asks is
+ * ZC_EPRECONDITION, each with zc_client_last_error() naming what is
+ * wrong; nothing is made then. options may be NULL.
+ */
+typedef struct zc_import_options {
+	const char *name;          /* NULL or "": session-ID */
+	const char *model_id;      /* NULL: any; else the snapshot must be of this model */
+	bool check_fingerprint;
+	uint64_t fingerprint;      /* with check_fingerprint: the snapshot must have it */
+	int views;                 /* ZC_VIEWS_FULL, ZC_VIEWS_NONE or ZC_VIEWS_SOURCE (the exported session's) */
+} zc_import_options;
+
+void zc_import_options_default(zc_import_options *options);
+int zc_session_export(zc_session *session, int fd, uint64_t *bytes);
+/* The same by id, without a handle (zipcachectl export). */
+int zc_client_export(zc_client *client, uint64_t session_id, int fd, uint64_t *bytes);
+int zc_session_import(zc_client *client, int fd, const zc_import_options *options,
+		      zc_session **out);
 
 /*
  * Leases. A view returned by zc_update_and_fetch, zc_session_view or an

@@ -20,7 +20,8 @@ enum zc_error {
 	ZC_ESHAPE = ZC_ERROR_BASE - 4,         /* a zero or oversized dimension */
 	ZC_ENONFINITE = ZC_ERROR_BASE - 5,     /* NaN or Inf in the input */
 	ZC_EBUFFER = ZC_ERROR_BASE - 6,        /* output buffer too small */
-	ZC_ECORRUPT = ZC_ERROR_BASE - 7,       /* compressed data does not match its layout */
+	ZC_ECORRUPT = ZC_ERROR_BASE - 7,       /* compressed data does not match its layout, or a
+						* snapshot is damaged (DATA_LOSS on the wire) */
 	ZC_ETENSOR = ZC_ERROR_BASE - 8,        /* unknown tensor kind */
 	ZC_EPROTOCOL = ZC_ERROR_BASE - 9,      /* peer broke the wire protocol */
 	ZC_EFRAMESIZE = ZC_ERROR_BASE - 10,    /* frame larger than the agreed maximum */

@@ -206,6 +206,7 @@ class zc_session_config(Structure):
         ("residual_tokens", c_uint32),
         ("attach", c_bool),
         ("views", c_int),
+        ("model_id", c_char_p),
     ]
 
 
@@ -261,6 +262,17 @@ class zc_session_info(Structure):
         ("views", c_int),
         ("shared_bytes", c_uint64),
         ("leased", c_bool),
+        ("model_id", c_char * 65),
+    ]
+
+
+class zc_import_options(Structure):
+    _fields_ = [
+        ("name", c_char_p),
+        ("model_id", c_char_p),
+        ("check_fingerprint", c_bool),
+        ("fingerprint", c_uint64),
+        ("views", c_int),
     ]
 
 
@@ -444,6 +456,11 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "zc_session_get_info": (POINTER(zc_session_info), [zc_session_p]),
     "zc_session_fork": (c_int, [zc_session_p, c_uint32, c_char_p, c_int, POINTER(zc_session_p)]),
     "zc_session_release_views": (c_int, [zc_session_p]),
+    "zc_import_options_default": (None, [POINTER(zc_import_options)]),
+    "zc_session_export": (c_int, [zc_session_p, c_int, POINTER(c_uint64)]),
+    "zc_client_export": (c_int, [zc_client_p, c_uint64, c_int, POINTER(c_uint64)]),
+    "zc_session_import": (c_int, [zc_client_p, c_int, POINTER(zc_import_options),
+                                  POINTER(zc_session_p)]),
     "zc_session_lease_check": (c_int, [zc_session_p]),
     # K/V input as void*: an address (ndarray.ctypes.data) passes without
     # building a ctypes pointer object on every decode step.

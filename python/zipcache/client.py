@@ -179,6 +179,7 @@ class SessionInfo:
     views: str = "full"        # "full" or "none"
     shared_bytes: int = 0      # of its blocks, bytes another session (a fork) refers to too
     leased: bool = False       # some client holds a lease on its views
+    model_id: str = ""         # the caller's model id (open_session's model_id), "" if none
 
     @classmethod
     def from_c(cls, i: _lib.zc_session_info) -> "SessionInfo":
@@ -200,6 +201,7 @@ class SessionInfo:
             "none" if i.views == _lib.ZC_VIEWS_NONE else "full",
             i.shared_bytes,
             bool(i.leased),
+            i.model_id.decode(errors="replace"),
         )
 
 
@@ -466,6 +468,37 @@ class Client:
             handle.check(lib.zc_client_memory_stats(handle.ptr, ctypes.byref(m)), "memory_stats")
         return MemoryStats(*(getattr(m, name) for name, _ in _lib.zc_memory_stats._fields_))
 
+    def import_session(self, source: Any, name: str | None = None, *,
+                       model_id: str | None = None, fingerprint: int | None = None,
+                       views: str = "source", check_finite: bool = False) -> "Session":
+        """A new session from a snapshot (docs/SNAPSHOT.md).
+
+        ``source`` is a path or a file object open for reading (its
+        descriptor is passed to the daemon, which never opens a path). The
+        daemon verifies everything before it makes anything: a damaged
+        snapshot raises DataLoss naming the region, one of another model
+        than ``model_id`` (or ``fingerprint``) FailedPrecondition.
+        ``views``: "source" (the exported session's), "full" or "none".
+        """
+        options = _lib.zc_import_options()
+        lib.zc_import_options_default(ctypes.byref(options))
+        name_bytes = name.encode() if name else None
+        model_bytes = model_id.encode() if model_id is not None else None
+        options.name = name_bytes
+        options.model_id = model_bytes
+        if fingerprint is not None:
+            options.check_fingerprint = True
+            options.fingerprint = fingerprint
+        options.views = _lib.ZC_VIEWS_SOURCE if views == "source" else \
+            _views_code(views, "import_session")
+        handle = self._native()
+        ptr = _lib.zc_session_p()
+        with _descriptor(source, os.O_RDONLY) as fd:
+            with handle.lock:
+                handle.check(lib.zc_session_import(handle.ptr, fd, ctypes.byref(options),
+                                                   ctypes.byref(ptr)), "import_session")
+        return Session._wrap(self, ptr.value, check_finite)
+
     def list_sessions(self) -> list[SessionInfo]:
         """This user's sessions on the daemon (not only this client's)."""
         handle = self._native()
@@ -514,6 +547,32 @@ def _check_block(x: Any, what: str, batch: int, heads: int, head_dim: int,
         raise InvalidArgument(_lib.ZC_ESHAPE, f"{what}: {s} tokens in one block is too many",
                               operation="update_and_fetch")
     return np.ascontiguousarray(array, dtype="<f2")
+
+
+class _descriptor:
+    """A descriptor for a path (opened here, closed after) or a file
+    object (its own, flushed first), for export and import."""
+
+    def __init__(self, source: Any, flags: int) -> None:
+        self._source = source
+        self._flags = flags
+        self._owned: int | None = None
+
+    def __enter__(self) -> int:
+        if isinstance(self._source, (str, bytes, os.PathLike)):
+            mode = self._flags | os.O_CLOEXEC
+            if self._flags & os.O_WRONLY:
+                mode |= os.O_CREAT | os.O_TRUNC
+            self._owned = os.open(self._source, mode, 0o600)
+            return self._owned
+        flush = getattr(self._source, "flush", None)
+        if flush is not None:
+            flush()
+        return self._source.fileno()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._owned is not None:
+            os.close(self._owned)
 
 
 def _views_code(views: str, operation: str) -> int:
@@ -565,6 +624,7 @@ class Session:
         attach: bool = False,
         check_finite: bool = False,
         views: str = "full",
+        model_id: str | None = None,
         _fork_of: tuple["Session", int] | None = None,
     ) -> None:
         self._client = client
@@ -597,6 +657,8 @@ class Session:
             raise InvalidArgument(_lib.ZC_EINVALID, "views must be 'full' or 'none'",
                                   operation="open_session")
         config.views = _views_code(views, "open_session")
+        model_bytes = model_id.encode() if model_id else None
+        config.model_id = model_bytes
         ptr = _lib.zc_session_p()
         with client_handle.lock:
             if _fork_of is None:
@@ -610,8 +672,21 @@ class Session:
                                         _lib.ZC_VIEWS_SOURCE if views == "source" else
                                         config.views, ctypes.byref(ptr)),
                     "fork_session")
-            self._handle: _SessionHandle | None = _SessionHandle(ptr.value, client_handle)
-            self._info = SessionInfo.from_c(lib.zc_session_get_info(ptr.value).contents)
+            self._adopt_handle(client_handle, ptr.value)
+
+    @classmethod
+    def _wrap(cls, client: Client, ptr: Any, check_finite: bool) -> "Session":
+        """A Session over a native handle made elsewhere (an import)."""
+        self = cls.__new__(cls)
+        self._client = client
+        self.check_finite = check_finite
+        self._adopt_handle(client._native(), ptr)
+        return self
+
+    def _adopt_handle(self, client_handle: Any, ptr: Any) -> None:
+        client = self._client
+        self._handle: _SessionHandle | None = _SessionHandle(ptr, client_handle)
+        self._info = SessionInfo.from_c(lib.zc_session_get_info(ptr).contents)
         client._sessions.add(self)
         self._state = "open"  # "closed" (on the daemon) or "released" (handle only)
         n = self._info.layers
@@ -764,6 +839,22 @@ class Session:
                        codec=i.codec, policy=i.policy, residual_tokens=i.residual_tokens,
                        name=name, views=views,
                        check_finite=self.check_finite, _fork_of=(self, int(tokens)))
+
+    def export(self, target: Any) -> int:
+        """Writes a verified snapshot of this session (docs/SNAPSHOT.md).
+
+        ``target`` is a path (created or truncated, mode 0600) or a file
+        object open for writing (a regular file or a pipe; written from its
+        current position). The snapshot is a consistent cut after every
+        earlier call on the session. Returns the bytes written.
+        """
+        handle = self._native()
+        written = ctypes.c_uint64(0)
+        with _descriptor(target, os.O_WRONLY) as fd:
+            with handle.client.lock:
+                handle.client.check(lib.zc_session_export(handle.ptr, fd, ctypes.byref(written)),
+                                    "export_session")
+        return written.value
 
     def release_views(self) -> None:
         """Ends this client's lease on the views: memory relief may drop them now.

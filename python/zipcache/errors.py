@@ -111,6 +111,12 @@ class Internal(ZipCacheError):
     status = "INTERNAL"
 
 
+class DataLoss(Internal):
+    """Data handed over is damaged: a snapshot that is truncated, fails a
+    checksum or contradicts itself (ZC_ECORRUPT); the message names the
+    region. Nothing was made."""
+
+
 class Unavailable(ZipCacheError, ConnectionError):
     """The daemon could not be reached, or dropped the connection (reconnect)."""
 
@@ -169,7 +175,7 @@ _BY_CODE: dict[int, type[ZipCacheError]] = {
     -_errno.EPERM: PermissionDenied,
     _lib.ZC_EPRECONDITION: FailedPrecondition,
     _lib.ZC_EINTERNAL: Internal,
-    _lib.ZC_ECORRUPT: Internal,
+    _lib.ZC_ECORRUPT: DataLoss,
     _lib.ZC_EDEVICE: Internal,
     _lib.ZC_EREMOTE: Unavailable,
     # A client-side ZC_EPROTOCOL means the reply made no sense: the

@@ -1,0 +1,1105 @@
+/*
+ * Session snapshots: encode, verify, export, import (snapshot.h,
+ * docs/SNAPSHOT.md). The parts (a header, a block record) are encoded and
+ * checked without I/O; the file functions read and write only the
+ * descriptor they are given.
+ *
+ * Import reads the file twice. The first pass verifies every byte
+ * (chunk by chunk, so memory stays bounded by the largest block, not the
+ * snapshot) and makes nothing; only a snapshot that passed it is built,
+ * in a second pass that checks each record again as it goes (the file is
+ * the client's and may change between the passes) and throws away what
+ * it made if one fails.
+ */
+#include "snapshot.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "fault.h"
+#include "pool.h"
+#include "zipcache/client.h"
+#include "zipcache/error.h"
+
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+	       "snapshots are written as little-endian structs");
+_Static_assert(SNAPSHOT_MODEL_ID_BYTES == ZC_MODEL_ID_MAX + 1 &&
+	       SNAPSHOT_MODEL_ID_BYTES == STORE_NAME_BYTES,
+	       "one bound for a model id");
+
+/* How long an export to a pipe waits for its reader before giving up:
+ * the session's later requests wait behind the export. */
+#define SNAPSHOT_PIPE_STALL_MS 30000
+
+/* Export and verification move payloads in chunks of this size: big
+ * enough for a syscall's cost to vanish, small enough to stay in L2
+ * between the read, the hash and the write. */
+#define SNAPSHOT_CHUNK_BYTES (256u << 10)
+
+__attribute__((format(printf, 4, 5)))
+static int fail(int rc, char *why, size_t size, const char *format, ...)
+{
+	va_list args;
+	if (why && size) {
+		va_start(args, format);
+		vsnprintf(why, size, format, args);
+		va_end(args);
+	}
+	return rc;
+}
+
+/* ---- the parts ------------------------------------------------------------- */
+
+void snapshot_config_of(const struct store_header *h, struct snapshot_config *out)
+{
+	memset(out, 0, sizeof(*out));
+	out->layers = h->layers;
+	out->batch = h->batch;
+	out->kv_heads = h->kv_heads;
+	out->head_dim_k = h->head_dim_k;
+	out->head_dim_v = h->head_dim_v;
+	out->policy = h->policy;
+	out->residual_tokens = h->residual_tokens;
+	out->hi_bits = h->hi_bits;
+	out->lo_bits = h->lo_bits;
+	out->group_size = h->group_size;
+	out->hi_fraction = h->hi_fraction;
+	out->quantize_values = h->quantize_values;
+	snprintf(out->model_id, sizeof(out->model_id), "%s", h->model_id);
+}
+
+/* The config as a codec config. */
+static zc_codec_config config_codec(const struct snapshot_config *c)
+{
+	zc_codec_config codec;
+	zc_codec_config_default(&codec);
+	codec.hi_bits = c->hi_bits;
+	codec.lo_bits = c->lo_bits;
+	codec.hi_fraction = c->hi_fraction;
+	codec.group_size = c->group_size;
+	codec.quantize_values = c->quantize_values != 0;
+	return codec;
+}
+
+uint64_t snapshot_fingerprint(const struct snapshot_config *config)
+{
+	/* Hashed as a copy with the padding and the model id's tail zeroed,
+	 * so two equal configs always have one fingerprint. */
+	struct snapshot_config c;
+	memset(&c, 0, sizeof(c));
+	c = *config;
+	c.pad = 0;
+	memset(c.pad2, 0, sizeof(c.pad2));
+	size_t used = strnlen(config->model_id, sizeof(c.model_id) - 1);
+	memset(c.model_id + used, 0, sizeof(c.model_id) - used);
+	return XXH3_64bits(&c, sizeof(c));
+}
+
+void snapshot_header_encode(const struct snapshot_config *config, uint32_t max_tokens,
+			    uint32_t views, uint64_t tokens, uint64_t blocks, uint64_t file_bytes,
+			    struct snapshot_header *out)
+{
+	memset(out, 0, sizeof(*out));
+	memcpy(out->magic, SNAPSHOT_MAGIC, sizeof(out->magic));
+	out->version = SNAPSHOT_VERSION;
+	out->header_bytes = SNAPSHOT_HEADER_BYTES;
+	out->config = *config;
+	out->fingerprint = snapshot_fingerprint(config);
+	out->max_tokens = max_tokens;
+	out->views = views;
+	out->tokens = tokens;
+	out->blocks = blocks;
+	out->file_bytes = file_bytes;
+	out->checksum = XXH3_64bits(out, offsetof(struct snapshot_header, checksum));
+}
+
+int snapshot_header_verify(const struct snapshot_header *h, char *why, size_t size)
+{
+	const struct snapshot_config *c = &h->config;
+
+	if (memcmp(h->magic, SNAPSHOT_MAGIC, sizeof(h->magic)) != 0)
+		return fail(ZC_ECORRUPT, why, size, "not a zipcache snapshot (header magic)");
+	if (h->version != SNAPSHOT_VERSION)
+		return fail(ZC_ECORRUPT, why, size,
+			    "header: snapshot format version %u; this daemon reads version %u", h->version,
+			    SNAPSHOT_VERSION);
+	if (h->checksum != XXH3_64bits(h, offsetof(struct snapshot_header, checksum)))
+		return fail(ZC_ECORRUPT, why, size, "header checksum mismatch (bytes 0..%zu)",
+			    sizeof(*h));
+	if (h->header_bytes != SNAPSHOT_HEADER_BYTES)
+		return fail(ZC_ECORRUPT, why, size, "header says it is %u bytes, not %u",
+			    h->header_bytes, SNAPSHOT_HEADER_BYTES);
+	if (memchr(c->model_id, '\0', sizeof(c->model_id)) == NULL)
+		return fail(ZC_ECORRUPT, why, size, "header: model id not terminated");
+	if (h->fingerprint != snapshot_fingerprint(c))
+		return fail(ZC_ECORRUPT, why, size, "header: fingerprint does not match its config");
+	for (size_t i = 0; i < sizeof(h->reserved) / sizeof(h->reserved[0]); i++)
+		if (h->reserved[i])
+			return fail(ZC_ECORRUPT, why, size, "header: reserved field %zu is not 0", i);
+	/* Sound checksums over a config no session may have: a snapshot
+	 * written by something else, refused as the open would refuse it. */
+	if (c->layers == 0 || c->layers > ZC_MAX_LAYERS || c->batch == 0 || c->kv_heads == 0 ||
+	    c->head_dim_k == 0 || c->head_dim_k > ZC_MAX_HEAD_DIM || c->head_dim_v == 0 ||
+	    c->head_dim_v > ZC_MAX_HEAD_DIM || (uint64_t)c->batch * c->kv_heads > ZC_MAX_HEADS)
+		return fail(ZC_EINVALID, why, size,
+			    "bad config: shape layers %u batch %u kv_heads %u head_dim_k %u "
+			    "head_dim_v %u is outside the limits", c->layers, c->batch, c->kv_heads,
+			    c->head_dim_k, c->head_dim_v);
+	if (h->max_tokens == 0 || h->max_tokens > ZC_MAX_BLOCK_TOKENS)
+		return fail(ZC_EINVALID, why, size, "bad config: max_tokens %u", h->max_tokens);
+	if (c->policy > STORE_POLICY_PER_CALL ||
+	    (c->policy == STORE_POLICY_STREAMING &&
+	     (c->residual_tokens == 0 || c->residual_tokens > ZC_MAX_RESIDUAL_TOKENS)) ||
+	    (c->policy == STORE_POLICY_PER_CALL && c->residual_tokens != 0))
+		return fail(ZC_EINVALID, why, size, "bad config: policy %u with residual_tokens %u",
+			    c->policy, c->residual_tokens);
+	if (h->views != ZC_VIEWS_FULL && h->views != ZC_VIEWS_NONE)
+		return fail(ZC_EINVALID, why, size, "bad config: views %u", h->views);
+	zc_codec_config codec = config_codec(c);
+	if (c->quantize_values > 1 || zc_codec_config_validate(&codec) < 0)
+		return fail(ZC_EINVALID, why, size,
+			    "bad config: codec hi_bits %d lo_bits %d hi_fraction %g group_size %d",
+			    c->hi_bits, c->lo_bits, c->hi_fraction, c->group_size);
+	if (h->tokens > (uint64_t)c->layers * h->max_tokens || h->blocks > h->tokens)
+		return fail(ZC_ECORRUPT, why, size,
+			    "header: %llu tokens and %llu blocks do not fit %u layers of %u tokens",
+			    (unsigned long long)h->tokens, (unsigned long long)h->blocks, c->layers,
+			    h->max_tokens);
+	return 0;
+}
+
+void snapshot_payload_bytes(const struct snapshot_config *config, uint32_t tokens,
+			    uint64_t *key_bytes, uint64_t *value_bytes)
+{
+	zc_codec_config codec = config_codec(config);
+	zc_block_shape key_shape = { config->batch, config->kv_heads, tokens, config->head_dim_k };
+	zc_block_shape value_shape = { config->batch, config->kv_heads, tokens, config->head_dim_v };
+	zc_byte_count key = { 0 }, value = { 0 };
+	zc_block_count_bytes(&codec, ZC_TENSOR_KEYS, &key_shape, &key);
+	zc_block_count_bytes(&codec, ZC_TENSOR_VALUES, &value_shape, &value);
+	*key_bytes = key.compressed;
+	*value_bytes = value.compressed;
+}
+
+/* The record header alone (the payload checksum is written after the payloads). */
+static void block_header_encode(uint64_t fingerprint, uint32_t layer, uint32_t index,
+				const store_block *entry, struct snapshot_block *out)
+{
+	memset(out, 0, sizeof(*out));
+	memcpy(out->magic, SNAPSHOT_BLOCK_MAGIC, sizeof(out->magic));
+	out->fingerprint = fingerprint;
+	out->layer = layer;
+	out->index = index;
+	out->first_token = entry->first_token;
+	out->tokens = entry->tokens;
+	out->valid_tokens = entry->valid_tokens;
+	out->key_bytes = entry->key_bytes;
+	out->value_bytes = entry->value_bytes;
+	out->checksum = XXH3_64bits(out, offsetof(struct snapshot_block, checksum));
+}
+
+void snapshot_block_encode(uint64_t fingerprint, uint32_t layer, uint32_t index,
+			   const store_block *entry, const void *key, const void *value,
+			   uint8_t *record)
+{
+	struct snapshot_block h;
+	block_header_encode(fingerprint, layer, index, entry, &h);
+	memcpy(record, &h, sizeof(h));
+	memcpy(record + SNAPSHOT_BLOCK_BYTES, key, entry->key_bytes);
+	memcpy(record + SNAPSHOT_BLOCK_BYTES + entry->key_bytes, value, entry->value_bytes);
+	XXH3_state_t state;
+	XXH3_64bits_reset(&state);
+	XXH3_64bits_update(&state, key, entry->key_bytes);
+	XXH3_64bits_update(&state, value, entry->value_bytes);
+	uint64_t sum = XXH3_64bits_digest(&state);
+	memcpy(record + SNAPSHOT_BLOCK_BYTES + entry->key_bytes + entry->value_bytes, &sum,
+	       sizeof(sum));
+}
+
+/* A block record's header on its own: everything but the payload's hash. */
+static int block_header_check(const struct snapshot_header *h, uint32_t layer, uint32_t index,
+			      const struct snapshot_block *b, char *why, size_t size)
+{
+	if (memcmp(b->magic, SNAPSHOT_BLOCK_MAGIC, sizeof(b->magic)) != 0)
+		return fail(ZC_ECORRUPT, why, size, "layer %u block %u: no block magic", layer, index);
+	if (b->checksum != XXH3_64bits(b, offsetof(struct snapshot_block, checksum)))
+		return fail(ZC_ECORRUPT, why, size, "layer %u block %u: record header checksum mismatch",
+			    layer, index);
+	if (b->fingerprint != h->fingerprint)
+		return fail(ZC_ECORRUPT, why, size,
+			    "layer %u block %u: the record is of another config (fingerprint "
+			    "%016llx, the snapshot's is %016llx)", layer, index,
+			    (unsigned long long)b->fingerprint, (unsigned long long)h->fingerprint);
+	if (b->layer != layer || b->index != index)
+		return fail(ZC_ECORRUPT, why, size,
+			    "layer %u block %u: the record says it is layer %u block %u", layer, index,
+			    b->layer, b->index);
+	if (b->tokens == 0 || b->tokens > h->max_tokens || b->valid_tokens == 0 ||
+	    b->valid_tokens > b->tokens || b->flags != 0 || b->first_token >= h->max_tokens)
+		return fail(ZC_ECORRUPT, why, size,
+			    "layer %u block %u: counts out of range (first_token %u, tokens %u, "
+			    "valid_tokens %u, flags %u)", layer, index, b->first_token, b->tokens,
+			    b->valid_tokens, b->flags);
+	uint64_t key_bytes, value_bytes;
+	snapshot_payload_bytes(&h->config, b->tokens, &key_bytes, &value_bytes);
+	if (b->key_bytes != key_bytes || b->value_bytes != value_bytes)
+		return fail(ZC_ECORRUPT, why, size,
+			    "layer %u block %u: payloads of %llu and %llu bytes; %u tokens of this "
+			    "config take %llu and %llu", layer, index,
+			    (unsigned long long)b->key_bytes, (unsigned long long)b->value_bytes,
+			    b->tokens, (unsigned long long)key_bytes, (unsigned long long)value_bytes);
+	return 0;
+}
+
+static void entry_of(const struct snapshot_block *b, store_block *entry)
+{
+	*entry = (store_block){
+		.first_token = b->first_token,
+		.tokens = b->tokens,
+		.valid_tokens = b->valid_tokens,
+		.key_bytes = b->key_bytes,
+		.value_bytes = b->value_bytes,
+	};
+}
+
+int snapshot_block_verify(const struct snapshot_header *h, uint32_t layer, uint32_t index,
+			  const void *record, uint64_t len, store_block *entry, char *why,
+			  size_t size)
+{
+	struct snapshot_block b;
+	if (len < SNAPSHOT_BLOCK_BYTES)
+		return fail(ZC_ECORRUPT, why, size, "layer %u block %u: truncated record header", layer,
+			    index);
+	memcpy(&b, record, sizeof(b));
+	int rc = block_header_check(h, layer, index, &b, why, size);
+	if (rc < 0)
+		return rc;
+	if (len != snapshot_record_bytes(b.key_bytes, b.value_bytes))
+		return fail(ZC_ECORRUPT, why, size, "layer %u block %u: record is %llu bytes, not %llu",
+			    layer, index, (unsigned long long)len,
+			    (unsigned long long)snapshot_record_bytes(b.key_bytes, b.value_bytes));
+	uint64_t sum;
+	memcpy(&sum, (const uint8_t *)record + SNAPSHOT_BLOCK_BYTES + b.key_bytes + b.value_bytes,
+	       sizeof(sum));
+	if (XXH3_64bits((const uint8_t *)record + SNAPSHOT_BLOCK_BYTES, b.key_bytes + b.value_bytes) !=
+	    sum)
+		return fail(ZC_ECORRUPT, why, size, "layer %u block %u: payload checksum mismatch", layer,
+			    index);
+	entry_of(&b, entry);
+	return 0;
+}
+
+/* ---- the layout of a whole file ------------------------------------------------ */
+
+static uint64_t table_bytes(uint32_t layers)
+{
+	return (uint64_t)layers * SNAPSHOT_LAYER_BYTES + sizeof(uint64_t);
+}
+
+static uint64_t residual_row_bytes(const struct snapshot_config *c)
+{
+	return (uint64_t)c->batch * c->kv_heads * (c->head_dim_k + c->head_dim_v) * 2;
+}
+
+/*
+ * The tiling rule of zipcache/map.h for block `index` of a layer, given
+ * the block before it: block 0 starts at token 0, each later one after
+ * the one before, which then holds at least one and at most its
+ * valid_tokens rows. `end` (for the last block) is where the residual
+ * begins.
+ */
+static int tiling_check(uint32_t layer, uint32_t index, const struct snapshot_block *prev,
+			const struct snapshot_block *b, char *why, size_t size)
+{
+	if (index == 0 && b->first_token != 0)
+		return fail(ZC_ECORRUPT, why, size, "layer %u block 0 starts at token %u, not 0", layer,
+			    b->first_token);
+	if (index > 0 && (b->first_token <= prev->first_token ||
+			  b->first_token - prev->first_token > prev->valid_tokens))
+		return fail(ZC_ECORRUPT, why, size,
+			    "layer %u block %u starts at token %u; block %u starts at %u with %u "
+			    "valid tokens", layer, index, b->first_token, index - 1, prev->first_token,
+			    prev->valid_tokens);
+	return 0;
+}
+
+static int last_block_check(uint32_t layer, const struct snapshot_layer *l,
+			    const struct snapshot_block *last, char *why, size_t size)
+{
+	uint32_t end = l->tokens - l->residual_tokens;
+	if (l->blocks == 0)
+		return end == 0 ? 0 :
+		       fail(ZC_ECORRUPT, why, size,
+			    "layer %u: %u tokens before the residual but no blocks", layer, end);
+	if (end <= last->first_token || end - last->first_token > last->valid_tokens)
+		return fail(ZC_ECORRUPT, why, size,
+			    "layer %u: its blocks end at token %u, its last block starts at %u with %u "
+			    "valid tokens", layer, end, last->first_token, last->valid_tokens);
+	return 0;
+}
+
+/* ---- I/O ------------------------------------------------------------------------ */
+
+/* Reads exactly n bytes at offset; a short file is a truncated snapshot. */
+static int read_at(int fd, uint64_t offset, void *buf, uint64_t n, const char *what, char *why,
+		   size_t size)
+{
+	uint8_t *p = buf;
+	while (n > 0) {
+		ssize_t got = pread(fd, p, n > SSIZE_MAX ? SSIZE_MAX : (size_t)n, (off_t)offset);
+		if (got < 0 && errno == EINTR)
+			continue;
+		if (got < 0)
+			return fail(-errno, why, size, "cannot read the snapshot (%s): %s", what,
+				    strerror(errno));
+		if (got == 0)
+			return fail(ZC_ECORRUPT, why, size, "truncated in %s (at byte %llu)", what,
+				    (unsigned long long)offset);
+		p += got;
+		n -= (uint64_t)got;
+		offset += (uint64_t)got;
+	}
+	return 0;
+}
+
+/* Writes all n bytes. To a pipe, never more than it has room for, so the
+ * write cannot block; a reader that stops reading for
+ * SNAPSHOT_PIPE_STALL_MS fails the export. */
+static int write_all(int fd, bool pipe, const void *buf, uint64_t n)
+{
+	const uint8_t *p = buf;
+	while (n > 0) {
+		size_t chunk = n > (1u << 30) ? (1u << 30) : (size_t)n;
+		if (pipe) {
+			struct pollfd poller = { .fd = fd, .events = POLLOUT };
+			int ready = poll(&poller, 1, SNAPSHOT_PIPE_STALL_MS);
+			if (ready < 0 && errno == EINTR)
+				continue;
+			if (ready < 0)
+				return -errno;
+			if (ready == 0)
+				return -ETIMEDOUT;
+			if (poller.revents & (POLLERR | POLLHUP))
+				return -EPIPE;
+			int capacity = fcntl(fd, F_GETPIPE_SZ);
+			int queued = 0;
+			if (capacity <= 0 || ioctl(fd, FIONREAD, &queued) < 0)
+				capacity = PIPE_BUF, queued = 0;
+			size_t room = capacity > queued ? (size_t)(capacity - queued) : PIPE_BUF;
+			if (chunk > room)
+				chunk = room;
+		}
+		ssize_t put = write(fd, p, chunk);
+		if (put < 0 && (errno == EINTR || (pipe && errno == EAGAIN)))
+			continue;
+		if (put < 0)
+			return -errno;
+		if (put == 0)
+			return -EIO;
+		p += put;
+		n -= (uint64_t)put;
+	}
+	return 0;
+}
+
+/* ---- export ------------------------------------------------------------------------ */
+
+/* Residual rows of one tensor, compact [batch][kv_heads][rows][dim]. */
+static void residual_pack(uint8_t *out, const uint16_t *rows, uint32_t capacity, uint32_t count,
+			  uint32_t heads, uint32_t dim)
+{
+	size_t row_bytes = (size_t)dim * 2;
+	for (uint32_t head = 0; head < heads; head++)
+		memcpy(out + (size_t)head * count * row_bytes,
+		       rows + (size_t)head * capacity * dim, (size_t)count * row_bytes);
+}
+
+static int buffer_fit(uint8_t **buf, uint64_t *capacity, uint64_t bytes)
+{
+	if (bytes <= *capacity)
+		return 0;
+	uint8_t *grown = realloc(*buf, bytes);
+	if (!grown)
+		return -ENOMEM;
+	*buf = grown;
+	*capacity = bytes;
+	return 0;
+}
+
+/*
+ * Two chunk-sized buffers in front of the descriptor, and a thread of
+ * the export's own that writes one while the export fills the other:
+ * block bytes are read from the pool into a buffer and hashed there while
+ * in cache, and the kernel's copy into the destination (the larger cost,
+ * BENCHMARKS.md) overlaps the next read. Without the thread (it could not
+ * be made) every flush writes in line.
+ */
+struct writer {
+	int fd;
+	bool pipe;
+	uint8_t *bufs[2];
+	uint8_t *buf;              /* the one being filled */
+	size_t used;
+	bool threaded;
+	pthread_t thread;
+	pthread_mutex_t lock;
+	pthread_cond_t cond;
+	const uint8_t *pending;    /* handed to the thread, not yet written */
+	size_t pending_len;
+	bool stop;
+	int rc;                    /* the thread's first failure */
+};
+
+static void *writer_thread(void *arg)
+{
+	struct writer *w = arg;
+	pthread_mutex_lock(&w->lock);
+	for (;;) {
+		while (!w->pending && !w->stop)
+			pthread_cond_wait(&w->cond, &w->lock);
+		if (!w->pending)
+			break;
+		const uint8_t *p = w->pending;
+		size_t n = w->pending_len;
+		pthread_mutex_unlock(&w->lock);
+		int rc = write_all(w->fd, w->pipe, p, n);
+		pthread_mutex_lock(&w->lock);
+		if (rc < 0 && w->rc == 0)
+			w->rc = rc;
+		w->pending = NULL;
+		pthread_cond_broadcast(&w->cond);
+	}
+	pthread_mutex_unlock(&w->lock);
+	return NULL;
+}
+
+static int writer_open(struct writer *w, int fd, bool pipe)
+{
+	*w = (struct writer){ .fd = fd, .pipe = pipe };
+	w->bufs[0] = malloc(SNAPSHOT_CHUNK_BYTES);
+	w->bufs[1] = malloc(SNAPSHOT_CHUNK_BYTES);
+	if (!w->bufs[0] || !w->bufs[1])
+		return -ENOMEM;
+	w->buf = w->bufs[0];
+	if (pthread_mutex_init(&w->lock, NULL) == 0) {
+		if (pthread_cond_init(&w->cond, NULL) == 0) {
+			w->threaded = pthread_create(&w->thread, NULL, writer_thread, w) == 0;
+			if (!w->threaded)
+				pthread_cond_destroy(&w->cond);
+		}
+		if (!w->threaded)
+			pthread_mutex_destroy(&w->lock);
+	}
+	return 0;
+}
+
+/* Hands the filled buffer over (or writes it), once the other is written. */
+static int writer_flush(struct writer *w)
+{
+	if (!w->threaded) {
+		int rc = write_all(w->fd, w->pipe, w->buf, w->used);
+		w->used = 0;
+		return rc;
+	}
+	pthread_mutex_lock(&w->lock);
+	while (w->pending && w->rc == 0)
+		pthread_cond_wait(&w->cond, &w->lock);
+	int rc = w->rc;
+	if (rc == 0 && w->used) {
+		w->pending = w->buf;
+		w->pending_len = w->used;
+		pthread_cond_broadcast(&w->cond);
+		w->buf = w->buf == w->bufs[0] ? w->bufs[1] : w->bufs[0];
+	}
+	pthread_mutex_unlock(&w->lock);
+	w->used = 0;
+	return rc;
+}
+
+/* Everything written (or the first failure); the thread is gone after. */
+static int writer_close(struct writer *w, bool finish)
+{
+	int rc = finish ? writer_flush(w) : 0;
+	if (w->threaded) {
+		pthread_mutex_lock(&w->lock);
+		while (w->pending && w->rc == 0)
+			pthread_cond_wait(&w->cond, &w->lock);
+		if (rc == 0)
+			rc = w->rc;
+		w->stop = true;
+		w->pending = NULL;   /* after a failure nothing more is written */
+		pthread_cond_broadcast(&w->cond);
+		pthread_mutex_unlock(&w->lock);
+		pthread_join(w->thread, NULL);
+		pthread_cond_destroy(&w->cond);
+		pthread_mutex_destroy(&w->lock);
+		w->threaded = false;
+	}
+	free(w->bufs[0]);
+	free(w->bufs[1]);
+	w->bufs[0] = w->bufs[1] = w->buf = NULL;
+	return rc;
+}
+
+static int writer_put(struct writer *w, const void *data, uint64_t n)
+{
+	const uint8_t *p = data;
+	while (n > 0) {
+		size_t take = SNAPSHOT_CHUNK_BYTES - w->used;
+		if (take > n)
+			take = (size_t)n;
+		memcpy(w->buf + w->used, p, take);
+		w->used += take;
+		p += take;
+		n -= take;
+		if (w->used == SNAPSHOT_CHUNK_BYTES) {
+			int rc = writer_flush(w);
+			if (rc < 0)
+				return rc;
+		}
+	}
+	return 0;
+}
+
+static int writer_from_pool(struct writer *w, struct pool *pool, uint64_t offset, uint64_t n,
+			    XXH3_state_t *hash)
+{
+	while (n > 0) {
+		size_t take = SNAPSHOT_CHUNK_BYTES - w->used;
+		if (take > n)
+			take = (size_t)n;
+		int rc = pool_read(pool, offset, w->buf + w->used, take);
+		if (rc < 0)
+			return rc;
+		XXH3_64bits_update(hash, w->buf + w->used, take);
+		w->used += take;
+		offset += take;
+		n -= take;
+		if (w->used == SNAPSHOT_CHUNK_BYTES) {
+			rc = writer_flush(w);
+			if (rc < 0)
+				return rc;
+		}
+	}
+	return 0;
+}
+
+int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_result *result,
+		    char *why, size_t size)
+{
+	struct writer w = { .buf = NULL };
+	bool writer_made = false;
+	const struct store_header *sh = store_header(store);
+	struct snapshot_config config;
+	struct snapshot_header header;
+	uint32_t layers = sh->layers;
+	uint32_t heads = sh->batch * sh->kv_heads;
+	uint8_t *buf = NULL;
+	uint64_t capacity = 0;
+	int rc;
+
+	snapshot_config_of(sh, &config);
+	uint64_t fingerprint = snapshot_fingerprint(&config);
+	struct snapshot_layer *table = calloc(layers, sizeof(*table));
+	if (!table)
+		return fail(-ENOMEM, why, size, "out of memory");
+
+	/* The layout first: the table says where every layer lies. */
+	uint64_t offset = SNAPSHOT_HEADER_BYTES + table_bytes(layers), tokens = 0, blocks = 0;
+	for (uint32_t i = 0; i < layers; i++) {
+		struct store_cut cut;
+		store_layer_cut(store, i, &cut);
+		table[i] = (struct snapshot_layer){
+			.tokens = cut.tokens, .residual_tokens = cut.residual_tokens,
+			.blocks = cut.blocks, .offset = offset,
+		};
+		for (uint32_t b = 0; b < cut.blocks; b++)
+			table[i].bytes += snapshot_record_bytes(cut.entries[b].key_bytes,
+								cut.entries[b].value_bytes);
+		table[i].bytes += (uint64_t)cut.residual_tokens * residual_row_bytes(&config);
+		offset += table[i].bytes;
+		tokens += cut.tokens;
+		blocks += cut.blocks;
+	}
+	uint64_t file_bytes = offset + SNAPSHOT_TRAILER_BYTES;
+
+	/* Residual checksums go in the table, ahead of the rows: one pass
+	 * over the (small) residuals now. */
+	for (uint32_t i = 0; i < layers; i++) {
+		struct store_cut cut;
+		store_layer_cut(store, i, &cut);
+		uint64_t bytes = (uint64_t)cut.residual_tokens * residual_row_bytes(&config);
+		rc = buffer_fit(&buf, &capacity, bytes ? bytes : 1);
+		if (rc < 0)
+			goto out_nomem;
+		uint64_t key_part = (uint64_t)heads * cut.residual_tokens * sh->head_dim_k * 2;
+		residual_pack(buf, cut.key_residual, cut.residual_capacity, cut.residual_tokens, heads,
+			      sh->head_dim_k);
+		residual_pack(buf + key_part, cut.value_residual, cut.residual_capacity,
+			      cut.residual_tokens, heads, sh->head_dim_v);
+		table[i].residual_checksum = XXH3_64bits(buf, bytes);
+	}
+
+	XXH3_state_t whole;
+	XXH3_64bits_reset(&whole);
+	snapshot_header_encode(&config, sh->max_tokens, sh->views, tokens, blocks, file_bytes, &header);
+	uint64_t table_checksum = XXH3_64bits(table, (size_t)layers * SNAPSHOT_LAYER_BYTES);
+	XXH3_64bits_update(&whole, &header, sizeof(header));
+	XXH3_64bits_update(&whole, table, (size_t)layers * SNAPSHOT_LAYER_BYTES);
+	XXH3_64bits_update(&whole, &table_checksum, sizeof(table_checksum));
+
+	writer_made = true;
+	if (writer_open(&w, fd, pipe) < 0)
+		goto out_nomem;
+	rc = writer_put(&w, &header, sizeof(header));
+	if (rc == 0)
+		rc = writer_put(&w, table, (size_t)layers * SNAPSHOT_LAYER_BYTES);
+	if (rc == 0)
+		rc = writer_put(&w, &table_checksum, sizeof(table_checksum));
+	if (rc < 0)
+		goto out_write;
+	for (uint32_t i = 0; i < layers; i++) {
+		struct store_cut cut;
+		store_layer_cut(store, i, &cut);
+		for (uint32_t b = 0; b < cut.blocks; b++) {
+			const store_block *e = &cut.entries[b];
+			struct snapshot_block h;
+			XXH3_state_t payload;
+			block_header_encode(fingerprint, i, b, e, &h);
+			XXH3_64bits_reset(&payload);
+			rc = writer_put(&w, &h, sizeof(h));
+			if (rc == 0)
+				rc = writer_from_pool(&w, store_pool(store), e->key_offset, e->key_bytes,
+						      &payload);
+			if (rc == 0)
+				rc = writer_from_pool(&w, store_pool(store), e->value_offset,
+						      e->value_bytes, &payload);
+			if (rc == ZC_ECORRUPT) {
+				rc = fail(rc, why, size, "cannot read layer %u block %u from the pool: %s",
+					  i, b, zc_strerror(rc));
+				goto out;
+			}
+			uint64_t sum = XXH3_64bits_digest(&payload);
+			if (rc == 0)
+				rc = writer_put(&w, &sum, sizeof(sum));
+			if (rc < 0)
+				goto out_write;
+			XXH3_64bits_update(&whole, &h.checksum, sizeof(h.checksum));
+			XXH3_64bits_update(&whole, &sum, sizeof(sum));
+		}
+		uint64_t bytes = (uint64_t)cut.residual_tokens * residual_row_bytes(&config);
+		if (bytes) {
+			uint64_t key_part = (uint64_t)heads * cut.residual_tokens * sh->head_dim_k * 2;
+			residual_pack(buf, cut.key_residual, cut.residual_capacity, cut.residual_tokens,
+				      heads, sh->head_dim_k);
+			residual_pack(buf + key_part, cut.value_residual, cut.residual_capacity,
+				      cut.residual_tokens, heads, sh->head_dim_v);
+			rc = writer_put(&w, buf, bytes);
+			if (rc < 0)
+				goto out_write;
+		}
+		XXH3_64bits_update(&whole, &table[i].residual_checksum, sizeof(uint64_t));
+	}
+	struct snapshot_trailer trailer = { .file_bytes = file_bytes };
+	memcpy(trailer.magic, SNAPSHOT_TRAILER_MAGIC, sizeof(trailer.magic));
+	trailer.checksum = XXH3_64bits_digest(&whole);
+	rc = writer_put(&w, &trailer, sizeof(trailer));
+	if (rc == 0)
+		rc = writer_close(&w, true);
+	writer_made = false;
+	if (rc < 0)
+		goto out_write;
+	*result = (struct snapshot_result){ file_bytes, fingerprint, tokens };
+	rc = 0;
+	goto out;
+
+out_nomem:
+	rc = fail(-ENOMEM, why, size, "out of memory");
+	goto out;
+out_write:
+	rc = fail(rc, why, size, "cannot write the snapshot: %s",
+		  rc == -ETIMEDOUT ? "the pipe's reader stopped reading" : strerror(-rc));
+out:
+	if (writer_made)
+		writer_close(&w, false);
+	free(buf);
+	free(table);
+	return rc;
+}
+
+/* ---- verify (import's first pass) ------------------------------------------------- */
+
+/* Hashes n bytes of the file at offset, chunk by chunk. */
+static int hash_range(int fd, uint64_t offset, uint64_t n, uint8_t *chunk, uint64_t *out,
+		      const char *what, char *why, size_t size)
+{
+	XXH3_state_t state;
+	XXH3_64bits_reset(&state);
+	while (n > 0) {
+		uint64_t part = n < SNAPSHOT_CHUNK_BYTES ? n : SNAPSHOT_CHUNK_BYTES;
+		int rc = read_at(fd, offset, chunk, part, what, why, size);
+		if (rc < 0)
+			return rc;
+		XXH3_64bits_update(&state, chunk, part);
+		offset += part;
+		n -= part;
+	}
+	*out = XXH3_64bits_digest(&state);
+	return 0;
+}
+
+/* Reads and checks the header and the layer table (both passes). */
+static int head_read(int fd, uint64_t file_bytes, struct snapshot_header *h,
+		     struct snapshot_layer **table_out, uint64_t *table_checksum, char *why,
+		     size_t size)
+{
+	if (file_bytes < SNAPSHOT_HEADER_BYTES)
+		return fail(ZC_ECORRUPT, why, size,
+			    "truncated: %llu bytes, shorter than the %u-byte header",
+			    (unsigned long long)file_bytes, SNAPSHOT_HEADER_BYTES);
+	int rc = read_at(fd, 0, h, sizeof(*h), "the header", why, size);
+	if (rc < 0)
+		return rc;
+	rc = snapshot_header_verify(h, why, size);
+	if (rc < 0)
+		return rc;
+	if (h->file_bytes != file_bytes)
+		return fail(ZC_ECORRUPT, why, size,
+			    "%s: the header says %llu bytes, the file holds %llu",
+			    file_bytes < h->file_bytes ? "truncated" : "stray bytes",
+			    (unsigned long long)h->file_bytes, (unsigned long long)file_bytes);
+	uint32_t layers = h->config.layers;
+	if (SNAPSHOT_HEADER_BYTES + table_bytes(layers) + SNAPSHOT_TRAILER_BYTES > file_bytes)
+		return fail(ZC_ECORRUPT, why, size, "truncated in the layer table");
+	struct snapshot_layer *table = malloc(table_bytes(layers));
+	if (!table)
+		return fail(-ENOMEM, why, size, "out of memory");
+	rc = read_at(fd, SNAPSHOT_HEADER_BYTES, table, table_bytes(layers), "the layer table", why,
+		     size);
+	if (rc < 0) {
+		free(table);
+		return rc;
+	}
+	memcpy(table_checksum, (uint8_t *)table + (size_t)layers * SNAPSHOT_LAYER_BYTES,
+	       sizeof(*table_checksum));
+	if (XXH3_64bits(table, (size_t)layers * SNAPSHOT_LAYER_BYTES) != *table_checksum) {
+		free(table);
+		return fail(ZC_ECORRUPT, why, size, "layer table checksum mismatch");
+	}
+	/* Every count against the others and the layout. */
+	uint32_t capacity = store_residual_capacity(h->config.residual_tokens, h->max_tokens);
+	uint64_t offset = SNAPSHOT_HEADER_BYTES + table_bytes(layers), tokens = 0, blocks = 0;
+	for (uint32_t i = 0; i < layers; i++) {
+		const struct snapshot_layer *l = &table[i];
+		const char *bad = NULL;
+		if (l->tokens > h->max_tokens)
+			bad = "more tokens than max_tokens";
+		else if (l->residual_tokens > l->tokens || l->residual_tokens > capacity)
+			bad = "residual larger than its tokens or the residual's capacity";
+		else if (l->blocks > l->tokens - l->residual_tokens)
+			bad = "more blocks than tokens before the residual";
+		else if (l->pad)
+			bad = "padding not 0";
+		else if (l->offset != offset)
+			bad = "does not start where the layer before it ends";
+		else if (l->bytes > file_bytes - offset ||
+			 l->bytes < (uint64_t)l->blocks * snapshot_record_bytes(0, 0) +
+					    (uint64_t)l->residual_tokens * residual_row_bytes(&h->config))
+			bad = "byte count does not fit its blocks and residual in the file";
+		if (bad) {
+			free(table);
+			return fail(ZC_ECORRUPT, why, size,
+				    "inconsistent counts: layer %u (%u tokens, %u residual, %u blocks, "
+				    "%llu bytes at %llu): %s", i, l->tokens, l->residual_tokens, l->blocks,
+				    (unsigned long long)l->bytes, (unsigned long long)l->offset, bad);
+		}
+		offset += l->bytes;
+		tokens += l->tokens;
+		blocks += l->blocks;
+	}
+	if (offset + SNAPSHOT_TRAILER_BYTES != file_bytes || tokens != h->tokens ||
+	    blocks != h->blocks) {
+		free(table);
+		return fail(ZC_ECORRUPT, why, size,
+			    "inconsistent counts: the layers hold %llu tokens, %llu blocks and end at "
+			    "byte %llu; the header says %llu tokens, %llu blocks, %llu bytes",
+			    (unsigned long long)tokens, (unsigned long long)blocks,
+			    (unsigned long long)(offset + SNAPSHOT_TRAILER_BYTES),
+			    (unsigned long long)h->tokens, (unsigned long long)h->blocks,
+			    (unsigned long long)file_bytes);
+	}
+	*table_out = table;
+	return 0;
+}
+
+static int file_size_of(int fd, uint64_t *bytes, char *why, size_t size)
+{
+	struct stat st;
+	if (fstat(fd, &st) < 0)
+		return fail(-errno, why, size, "cannot stat the snapshot: %s", strerror(errno));
+	if (!S_ISREG(st.st_mode))
+		return fail(ZC_EINVALID, why, size, "the snapshot must be a regular file");
+	*bytes = (uint64_t)st.st_size;
+	return 0;
+}
+
+int snapshot_verify(int fd, const struct snapshot_expect *expect, struct snapshot_header *h,
+		    char *why, size_t size)
+{
+	struct snapshot_layer *table = NULL;
+	uint64_t file_bytes, table_checksum;
+	uint8_t *chunk = NULL;
+	int rc = file_size_of(fd, &file_bytes, why, size);
+	if (rc < 0)
+		return rc;
+	if (expect->max_bytes && file_bytes > expect->max_bytes)
+		return fail(ZC_EEXHAUSTED, why, size,
+			    "the snapshot is %llu bytes; the memory budget has room for %llu",
+			    (unsigned long long)file_bytes, (unsigned long long)expect->max_bytes);
+	rc = head_read(fd, file_bytes, h, &table, &table_checksum, why, size);
+	if (rc < 0)
+		return rc;
+	if (expect->model_id && strcmp(expect->model_id, h->config.model_id) != 0) {
+		rc = fail(ZC_EPRECONDITION, why, size,
+			  "wrong fingerprint: the snapshot is of model '%s', not '%s'",
+			  h->config.model_id, expect->model_id);
+		goto out;
+	}
+	if (expect->has_fingerprint && expect->fingerprint != h->fingerprint) {
+		rc = fail(ZC_EPRECONDITION, why, size,
+			  "wrong fingerprint: the snapshot's is %016llx, not %016llx",
+			  (unsigned long long)h->fingerprint, (unsigned long long)expect->fingerprint);
+		goto out;
+	}
+	chunk = malloc(SNAPSHOT_CHUNK_BYTES);
+	if (!chunk) {
+		rc = fail(-ENOMEM, why, size, "out of memory");
+		goto out;
+	}
+
+	XXH3_state_t whole;
+	XXH3_64bits_reset(&whole);
+	XXH3_64bits_update(&whole, h, sizeof(*h));
+	XXH3_64bits_update(&whole, table, (size_t)table_bytes(h->config.layers));
+	for (uint32_t i = 0; i < h->config.layers; i++) {
+		const struct snapshot_layer *l = &table[i];
+		uint64_t at = l->offset, end = l->offset + l->bytes;
+		struct snapshot_block prev = { 0 }, b;
+		char what[64];
+		for (uint32_t k = 0; k < l->blocks; k++) {
+			snprintf(what, sizeof(what), "layer %u block %u", i, k);
+			if (end - at < SNAPSHOT_BLOCK_BYTES) {
+				rc = fail(ZC_ECORRUPT, why, size, "%s: past the end of its layer", what);
+				goto out;
+			}
+			rc = read_at(fd, at, &b, sizeof(b), what, why, size);
+			if (rc == 0)
+				rc = block_header_check(h, i, k, &b, why, size);
+			if (rc == 0)
+				rc = tiling_check(i, k, &prev, &b, why, size);
+			if (rc < 0)
+				goto out;
+			if (snapshot_record_bytes(b.key_bytes, b.value_bytes) > end - at) {
+				rc = fail(ZC_ECORRUPT, why, size, "%s: payload past the end of its layer",
+					  what);
+				goto out;
+			}
+			at += SNAPSHOT_BLOCK_BYTES;
+			uint64_t sum, stored;
+			rc = hash_range(fd, at, b.key_bytes + b.value_bytes, chunk, &sum, what, why, size);
+			if (rc == 0)
+				rc = read_at(fd, at + b.key_bytes + b.value_bytes, &stored, sizeof(stored),
+					     what, why, size);
+			if (rc < 0)
+				goto out;
+			if (sum != stored) {
+				rc = fail(ZC_ECORRUPT, why, size, "%s: payload checksum mismatch", what);
+				goto out;
+			}
+			XXH3_64bits_update(&whole, &b.checksum, sizeof(b.checksum));
+			XXH3_64bits_update(&whole, &stored, sizeof(stored));
+			at += b.key_bytes + b.value_bytes + SNAPSHOT_BLOCK_END_BYTES;
+			prev = b;
+		}
+		rc = last_block_check(i, l, &prev, why, size);
+		if (rc < 0)
+			goto out;
+		uint64_t residual = (uint64_t)l->residual_tokens * residual_row_bytes(&h->config);
+		if (end - at != residual) {
+			rc = fail(ZC_ECORRUPT, why, size,
+				  "inconsistent counts: layer %u has %llu bytes after its blocks; its "
+				  "%u residual rows take %llu", i, (unsigned long long)(end - at),
+				  l->residual_tokens, (unsigned long long)residual);
+			goto out;
+		}
+		snprintf(what, sizeof(what), "layer %u residual", i);
+		uint64_t sum;
+		rc = hash_range(fd, at, residual, chunk, &sum, what, why, size);
+		if (rc < 0)
+			goto out;
+		if (sum != l->residual_checksum) {
+			rc = fail(ZC_ECORRUPT, why, size, "layer %u residual checksum mismatch", i);
+			goto out;
+		}
+		XXH3_64bits_update(&whole, &l->residual_checksum, sizeof(uint64_t));
+	}
+	struct snapshot_trailer trailer;
+	rc = read_at(fd, file_bytes - SNAPSHOT_TRAILER_BYTES, &trailer, sizeof(trailer), "the trailer",
+		     why, size);
+	if (rc < 0)
+		goto out;
+	if (memcmp(trailer.magic, SNAPSHOT_TRAILER_MAGIC, sizeof(trailer.magic)) != 0 ||
+	    trailer.file_bytes != file_bytes) {
+		rc = fail(ZC_ECORRUPT, why, size, "trailer: bad magic or size (truncated?)");
+		goto out;
+	}
+	if (trailer.checksum != XXH3_64bits_digest(&whole)) {
+		rc = fail(ZC_ECORRUPT, why, size, "trailer: whole-snapshot checksum mismatch");
+		goto out;
+	}
+	rc = 0;
+out:
+	free(chunk);
+	free(table);
+	return rc;
+}
+
+/* ---- import (the second pass) ----------------------------------------------------- */
+
+int snapshot_import(int fd, const struct snapshot_header *verified, const struct store_params *params,
+		    int dir_fd, const char *dir_path, struct store_budget *budget, struct pool *pool,
+		    struct store **out, char *why, size_t size)
+{
+	const struct snapshot_config *c = &verified->config;
+	struct snapshot_header h;
+	struct snapshot_layer *table = NULL;
+	uint64_t file_bytes, table_checksum, capacity = 0;
+	uint8_t *buf = NULL;
+	struct store *store = NULL;
+	int rc = file_size_of(fd, &file_bytes, why, size);
+	if (rc == 0)
+		rc = head_read(fd, file_bytes, &h, &table, &table_checksum, why, size);
+	if (rc == 0 && memcmp(&h, verified, sizeof(h)) != 0)
+		rc = fail(ZC_ECORRUPT, why, size, "the snapshot changed while it was imported");
+	if (rc < 0)
+		goto out;
+
+	struct store_params p = *params;
+	p.model_id = c->model_id;
+	p.layers = c->layers;
+	p.batch = c->batch;
+	p.kv_heads = c->kv_heads;
+	p.head_dim_k = c->head_dim_k;
+	p.head_dim_v = c->head_dim_v;
+	p.max_tokens = verified->max_tokens;
+	p.codec = config_codec(c);
+	p.policy = (enum store_policy)c->policy;
+	p.residual_tokens = c->residual_tokens;
+	rc = store_import_begin(dir_fd, dir_path, &p, budget, pool, &store);
+	if (rc < 0) {
+		if (rc != STORE_EBUDGET)
+			fail(rc, why, size, "cannot create the session's file: %s", zc_strerror(rc));
+		store = NULL;
+		goto out;
+	}
+	uint32_t heads = c->batch * c->kv_heads;
+	for (uint32_t i = 0; i < c->layers; i++) {
+		const struct snapshot_layer *l = &table[i];
+		uint64_t at = l->offset;
+		struct snapshot_block prev = { 0 };
+		for (uint32_t k = 0; k < l->blocks; k++) {
+			struct snapshot_block b;
+			store_block entry;
+			rc = read_at(fd, at, &b, sizeof(b), "a block record", why, size);
+			if (rc < 0)
+				goto out;
+			uint64_t record = snapshot_record_bytes(b.key_bytes, b.value_bytes);
+			if (b.key_bytes > file_bytes || b.value_bytes > file_bytes ||
+			    record > l->offset + l->bytes - at) {
+				rc = fail(ZC_ECORRUPT, why, size, "the snapshot changed while it was imported");
+				goto out;
+			}
+			rc = buffer_fit(&buf, &capacity, record);
+			if (rc < 0) {
+				fail(rc, why, size, "out of memory");
+				goto out;
+			}
+			rc = read_at(fd, at, buf, record, "a block record", why, size);
+			if (rc == 0)
+				rc = snapshot_block_verify(&h, i, k, buf, record, &entry, why, size);
+			/* The table came from the file again: its tiling too. */
+			if (rc == 0)
+				memcpy(&b, buf, sizeof(b));
+			if (rc == 0)
+				rc = tiling_check(i, k, &prev, &b, why, size);
+			if (rc < 0) {
+				if (rc == ZC_ECORRUPT)
+					fail(rc, why, size, "the snapshot changed while it was imported");
+				goto out;
+			}
+			rc = store_import_block(store, i, &entry, buf + SNAPSHOT_BLOCK_BYTES,
+						buf + SNAPSHOT_BLOCK_BYTES + entry.key_bytes);
+			if (rc < 0) {
+				if (rc != STORE_EBUDGET)
+					fail(rc, why, size, "cannot store layer %u block %u: %s", i, k,
+					     zc_strerror(rc));
+				goto out;
+			}
+			at += record;
+			prev = b;
+		}
+		uint64_t residual = (uint64_t)l->residual_tokens * residual_row_bytes(c);
+		rc = last_block_check(i, l, &prev, why, size);
+		if (rc == 0 && at + residual != l->offset + l->bytes)
+			rc = fail(ZC_ECORRUPT, why, size, "the snapshot changed while it was imported");
+		if (rc < 0)
+			goto out;
+		rc = buffer_fit(&buf, &capacity, residual ? residual : 1);
+		if (rc < 0) {
+			fail(rc, why, size, "out of memory");
+			goto out;
+		}
+		rc = read_at(fd, at, buf, residual, "a residual", why, size);
+		if (rc == 0 && XXH3_64bits(buf, residual) != l->residual_checksum)
+			rc = fail(ZC_ECORRUPT, why, size, "the snapshot changed while it was imported");
+		if (rc < 0)
+			goto out;
+		uint64_t key_part = (uint64_t)heads * l->residual_tokens * c->head_dim_k * 2;
+		rc = store_import_layer(store, i, l->tokens, l->residual_tokens, (const uint16_t *)buf,
+					(const uint16_t *)(buf + key_part));
+		if (rc < 0) {
+			if (rc != STORE_EBUDGET)
+				fail(rc, why, size, "cannot store layer %u's residual: %s", i,
+				     zc_strerror(rc));
+			goto out;
+		}
+	}
+	rc = store_import_commit(store);
+	if (rc < 0) {
+		/* The commit threw the store away. */
+		store = NULL;
+		fail(rc, why, size, "cannot put the session's file in place: %s", zc_strerror(rc));
+		goto out;
+	}
+	*out = store;
+	store = NULL;
+out:
+	if (store)
+		store_import_abandon(store);
+	free(buf);
+	free(table);
+	return rc;
+}
