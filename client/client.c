@@ -289,8 +289,10 @@ int zc_client_set_timeout(zc_client *client, int timeout_ms)
 {
 	if (timeout_ms < 0)
 		return error_set(client, -EINVAL, "a timeout is 0 (none) or a positive number of ms");
+	int rc = transport_set_timeout(&client->transport, timeout_ms);
+	if (rc < 0)
+		return error_set(client, rc, "cannot set the socket's timeout");
 	client->timeout_ms = timeout_ms;
-	client->transport.timeout_ms = timeout_ms;
 	return 0;
 }
 
@@ -630,6 +632,7 @@ int zc_update_and_fetch_staged(zc_session *session, uint32_t layer, uint32_t tok
 	update->staged = true;
 	update->keys_offset = keys_offset;
 	update->values_offset = values_offset;
+	update->omit_stats = stats == NULL;
 	return update_call(session, &request, layer, view, stats);
 }
 
@@ -662,6 +665,7 @@ int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
 	update->tokens = tokens;
 	update->keys = (wire_span){ (const uint8_t *)keys, key_bytes };
 	update->values = (wire_span){ (const uint8_t *)values, value_bytes };
+	update->omit_stats = stats == NULL;
 	return update_call(session, &request, layer, view, stats);
 }
 

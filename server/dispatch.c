@@ -54,6 +54,7 @@ struct request_job {
 	/* update */
 	uint32_t layer, tokens;
 	bool retried;                 /* once, after freeing memory */
+	bool omit_stats;              /* the caller asked for no stats in the reply */
 	const uint16_t *keys, *values;
 	uint8_t *inline_copy;         /* owns keys/values when they came inline */
 	struct staging *staging;      /* holds keys/values when staged */
@@ -536,8 +537,9 @@ static void update_done(struct job *base)
 		wire_response response;
 		wire_response_init(&response, rq->id, WIRE_OP_UPDATE_AND_FETCH);
 		response.update_and_fetch.tokens = job->stats.tokens;
-		response.update_and_fetch.has_stats = true;
-		reply_layer_stats(&job->stats, &response.update_and_fetch.stats);
+		response.update_and_fetch.has_stats = !job->omit_stats;
+		if (!job->omit_stats)
+			reply_layer_stats(&job->stats, &response.update_and_fetch.stats);
 		response.update_and_fetch.sequence = job->sequence;
 		rq->server->counters.tokens_appended += job->tokens;
 		rq->peer->quota->tokens_appended += job->tokens;
@@ -657,6 +659,7 @@ static bool handle_update(const struct request *rq, const wire_request *request)
 	}
 	job->layer = update->layer;
 	job->tokens = update->tokens;
+	job->omit_stats = update->omit_stats;
 	job->job.run = update_run;
 	job->job.done = update_done;
 	/* The block, the residual it fills (a decode step that compresses
