@@ -351,10 +351,10 @@ static int bench_decode(zc_client *client, const struct data *d, const struct op
 
 	/* The raw frames, sized as the daemon's are. */
 	rc = bench_update_request_bytes(zc_session_get_info(s)->id, pool_row(d->pool_keys, 0),
-					pool_row(d->pool_values, 0), 2 * ROW_ELEMENTS,
+					pool_row(d->pool_values, 0), 2 * ROW_ELEMENTS, true,
 					&r->request_bytes);
 	if (rc == 0)
-		rc = bench_update_reply_bytes(&stats, view.sequence, &r->reply_bytes);
+		rc = bench_update_reply_bytes(NULL, view.tokens, view.sequence, &r->reply_bytes);
 	r->reply_bytes_first = r->reply_bytes;
 	if (rc < 0) {
 		bench_fail("frame sizes", rc);
@@ -369,7 +369,7 @@ static int bench_decode(zc_client *client, const struct data *d, const struct op
 	bench_raw_frame(frame, r->request_bytes, r->reply_bytes);
 
 	/* Warm-up, one batch each: caches, branch predictors, view pages. */
-	if ((rc = decode_batch(s, d, &step, us, NULL, BATCH_STEPS, &view, &stats)) < 0) {
+	if ((rc = decode_batch(s, d, &step, us, NULL, BATCH_STEPS, &view, NULL)) < 0) {
 		bench_fail_client(client, "decode: warm-up", rc);
 		goto out;
 	}
@@ -388,7 +388,7 @@ static int bench_decode(zc_client *client, const struct data *d, const struct op
 			if (daemon_side) {
 				rc = decode_batch(s, d, &step, us + (size_t)b * BATCH_STEPS,
 						  tokens + (size_t)b * BATCH_STEPS, BATCH_STEPS,
-						  &view, &stats);
+						  &view, NULL);
 				if (rc < 0) {
 					bench_fail_client(client, "decode", rc);
 					goto out;
@@ -397,7 +397,7 @@ static int bench_decode(zc_client *client, const struct data *d, const struct op
 				/* The daemon's reply grows by a few bytes as its
 				 * counters do; the raw one follows it. */
 				double *t = raw + (size_t)b * BATCH_STEPS;
-				if ((rc = bench_update_reply_bytes(&stats, view.sequence,
+				if ((rc = bench_update_reply_bytes(NULL, view.tokens, view.sequence,
 							     &r->reply_bytes)) < 0) {
 					bench_fail("frame sizes", rc);
 					goto out;

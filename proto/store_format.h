@@ -29,7 +29,10 @@
 #include "zipcache/map.h"
 
 #define STORE_MAGIC "ZCSTORE1"
-#define STORE_VERSION 3u
+/* 4: a record's residual_start (was padding, always 0 in version 3, whose
+ * files read the same). */
+#define STORE_VERSION 4u
+#define STORE_VERSION_OLDEST 3u
 #define STORE_NAME_BYTES 65
 
 /* A block index entry is the public block entry (zipcache/map.h). */
@@ -41,7 +44,11 @@ struct store_layer_commit {
 	uint32_t tokens;
 	uint32_t residual_tokens; /* the last residual_tokens tokens are in the residual */
 	uint32_t blocks;          /* committed entries of the block index */
-	uint32_t pad;
+	/* The residual's first row: its rows are [residual_start,
+	 * residual_start + residual_tokens) of the residual buffers. Not 0
+	 * only between a deferred flush's commit and the commit that moves
+	 * the rows appended meanwhile back to row 0 (docs/DURABILITY.md). */
+	uint32_t residual_start;
 	uint64_t reserved[2];
 };
 
