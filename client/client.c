@@ -91,6 +91,11 @@ struct zc_client {
 	unsigned n_pending, window;
 	struct failure failures[ZC_ASYNC_WINDOW];
 	unsigned n_failures;
+	/* Asynchronous requests encoded but not yet written: the first
+	 * `unsent` bytes of send_buffer, `unsent_frames` requests; written
+	 * once `batch` of them wait, or before anything reads a reply. */
+	size_t unsent;
+	unsigned unsent_frames, batch;
 };
 
 static int error_set(zc_client *client, int rc, const char *message)
@@ -263,6 +268,7 @@ int zc_client_connect(const char *socket_path, int timeout_ms, zc_client **out)
 	client->timeout_ms = timeout_ms;
 	client->next_request_id = 1;
 	client->window = ZC_ASYNC_WINDOW;
+	client->batch = 1;
 	rc = transport_connect(&client->transport, socket_path, timeout_ms);
 	if (rc == 0)
 		rc = hello(client);
@@ -308,6 +314,8 @@ int zc_client_reconnect(zc_client *client)
 	 * at all; see the top of client.h). */
 	client->n_pending = 0;
 	client->n_failures = 0;
+	client->unsent = 0;
+	client->unsent_frames = 0;
 	client->broken = 0;
 	int rc = transport_connect(&client->transport, client->socket_path, client->timeout_ms);
 	if (rc < 0)
@@ -757,6 +765,20 @@ static int failure_report(zc_client *client, struct failure *f)
  * `ready_only`: then -EAGAIN when none is there). A reply that makes no
  * sense, or none within the timeout, breaks the connection as in call().
  */
+/* Writes the asynchronous requests still in the send buffer. */
+static int async_flush(zc_client *client)
+{
+	if (client->unsent == 0)
+		return 0;
+	int rc = transport_send(&client->transport, client->send_buffer, client->unsent);
+	client->unsent = 0;
+	client->unsent_frames = 0;
+	if (rc < 0)
+		return client_break(client, rc, rc == -ETIMEDOUT ? "timed out sending the request" :
+				    "cannot send the request");
+	return 0;
+}
+
 static int async_receive(zc_client *client, bool ready_only)
 {
 	const uint8_t *frame;
@@ -765,7 +787,12 @@ static int async_receive(zc_client *client, bool ready_only)
 	unsigned index;
 	char message[160];
 
-	int rc = ready_only ? transport_receive_ready(&client->transport, &frame, &len) :
+	/* A reply can only come for what was written: before waiting for
+	 * one, write what is queued (a look that does not wait need not). */
+	int rc = ready_only ? 0 : async_flush(client);
+	if (rc < 0)
+		return rc;
+	rc = ready_only ? transport_receive_ready(&client->transport, &frame, &len) :
 			      transport_receive(&client->transport, &frame, &len);
 	if (rc == -EAGAIN)
 		return rc;
@@ -883,9 +910,11 @@ static int async_check(zc_session *session, uint32_t layer)
 	return failure_unannounced(client);
 }
 
-/* Sends `len` encoded bytes holding requests [first_id, first_id + n). */
-static int async_send(zc_session *session, uint32_t layer_of_first, const zc_update *updates,
-		      size_t len, uint64_t first_id, unsigned n)
+/* Requests [first_id, first_id + n) were encoded at the end of the send
+ * buffer (now `used` bytes long): in flight from now on, written with the
+ * batch they complete (or at once with `now`). */
+static int async_queue(zc_session *session, uint32_t layer_of_first, const zc_update *updates,
+		       size_t used, uint64_t first_id, unsigned n, bool now)
 {
 	zc_client *client = session->client;
 	int64_t sent = now_ms();
@@ -893,11 +922,9 @@ static int async_send(zc_session *session, uint32_t layer_of_first, const zc_upd
 		client->pending[client->n_pending++] = (struct pending){
 			first_id + i, session, updates ? updates[i].layer : layer_of_first, sent
 		};
-	int rc = transport_send(&client->transport, client->send_buffer, len);
-	if (rc < 0)
-		return client_break(client, rc, rc == -ETIMEDOUT ? "timed out sending the request" :
-				    "cannot send the request");
-	return 0;
+	client->unsent = used;
+	client->unsent_frames += n;
+	return now || client->unsent_frames >= client->batch ? async_flush(client) : 0;
 }
 
 int zc_update_async(zc_session *session, uint32_t layer, uint32_t tokens,
@@ -917,16 +944,20 @@ int zc_update_async(zc_session *session, uint32_t layer, uint32_t tokens,
 		return error_set(client, ZC_EINVALID, "an asynchronous update is a short inline "
 					  "block (1 token or more, within the inline limit): send "
 					  "large blocks with zc_update_many or zc_update_and_fetch");
-	/* Back-pressure: the oldest reply makes room. */
+	/* Back-pressure: replies already there make room; only when none is
+	 * does the caller wait (after writing what is queued). */
 	while (client->n_pending >= client->window) {
-		rc = async_receive(client, false);
+		rc = async_receive(client, true);
+		if (rc == -EAGAIN)
+			rc = async_receive(client, false);
 		if (rc < 0)
 			return rc;
 	}
+	used = client->unsent;
 	rc = update_encode(session, layer, tokens, keys, values, false, 0, 0, &used, &id);
 	if (rc < 0)
 		return rc;
-	rc = async_send(session, layer, NULL, used, id, 1);
+	rc = async_queue(session, layer, NULL, used, id, 1, false);
 	if (rc < 0)
 		return rc;
 	*ticket = id;
@@ -980,6 +1011,8 @@ int zc_poll(zc_session *session, uint32_t layer, zc_ticket ticket)
 	int rc = ticket_check(session, layer, ticket);
 	if (rc < 0)
 		return rc;
+	if (pending_find(client, ticket, &index) && (rc = async_flush(client)) < 0)
+		return rc;
 	while (pending_find(client, ticket, &index)) {
 		rc = async_receive(client, true);
 		if (rc == -EAGAIN)
@@ -999,6 +1032,17 @@ int zc_wait_all(zc_client *client)
 	return rc < 0 ? rc : failure_unannounced(client);
 }
 
+int zc_client_set_async_batch(zc_client *client, unsigned frames)
+{
+	if (frames == 0 || frames > ZC_ASYNC_WINDOW)
+		return error_set(client, ZC_EINVALID, "a batch is 1 .. ZC_ASYNC_WINDOW updates");
+	int rc = async_flush(client);
+	if (rc < 0)
+		return rc;
+	client->batch = frames;
+	return 0;
+}
+
 int zc_client_set_async_window(zc_client *client, unsigned window)
 {
 	if (window == 0 || window > ZC_ASYNC_WINDOW)
@@ -1015,7 +1059,7 @@ static int many_batch(zc_session *session, const zc_update *updates, size_t n,
 		      const uint64_t *offsets, size_t *done)
 {
 	zc_client *client = session->client;
-	size_t used = 0;
+	size_t used = client->unsent;
 	uint64_t first_id = 0, id;
 	for (size_t i = 0; i < n; i++) {
 		const zc_update *u = &updates[i];
@@ -1029,7 +1073,7 @@ static int many_batch(zc_session *session, const zc_update *updates, size_t n,
 		if (i == 0)
 			first_id = id;
 	}
-	int rc = async_send(session, 0, updates, used, first_id, (unsigned)n);
+	int rc = async_queue(session, 0, updates, used, first_id, (unsigned)n, true);
 	if (rc < 0)
 		return rc;
 	for (size_t i = 0; i < n; i++) {

@@ -16,7 +16,8 @@
  *                 whole state of the layer: after some step, with that
  *                 step's flush published or not.
  *   async         zc_update_async / zc_wait / zc_poll: thousands of steps
- *                 with random waits, trims and a small window give views
+ *                 with random waits, trims, a small window or writes
+ *                 batched (zc_client_set_async_batch) give views
  *                 identical to a second session driven synchronously with
  *                 the same blocks; refusals come back on the ticket's wait,
  *                 or announced by the next call, naming the request.
@@ -369,7 +370,7 @@ END_TEST
  * at random (and sometimes none until the window pushes back), one with
  * the synchronous call asking for stats (the flush on the caller's path,
  * as before). Views and blocks must agree bit for bit, and with the model. */
-static void async_against_sync(zc_views views, unsigned window)
+static void async_against_sync(zc_views views, unsigned window, unsigned batch)
 {
 	struct service service;
 	zc_session_config a_config = decode_config("async", views);
@@ -385,6 +386,7 @@ static void async_against_sync(zc_views views, unsigned window)
 	model_init(&model, &a_config);
 	rng_seed(&rng, 2718);
 	ck_assert_int_eq(zc_client_set_async_window(service.client, window), 0);
+	ck_assert_int_eq(zc_client_set_async_batch(service.client, batch), 0);
 	for (unsigned step = 0; step < 4000; step++) {
 		for (uint32_t layer = 0; layer < 2; layer++) {
 			struct block block;
@@ -450,13 +452,21 @@ static void async_against_sync(zc_views views, unsigned window)
 
 START_TEST(async_decode_equals_sync_views_full)
 {
-	async_against_sync(ZC_VIEWS_FULL, ZC_ASYNC_WINDOW);
+	async_against_sync(ZC_VIEWS_FULL, ZC_ASYNC_WINDOW, 1);
+}
+END_TEST
+
+/* Written eight at a time: a wait, a poll, a trim or the window pushes
+ * out what is queued, and nothing is lost or reordered. */
+START_TEST(async_decode_equals_sync_batched_writes)
+{
+	async_against_sync(ZC_VIEWS_FULL, 16, 8);
 }
 END_TEST
 
 START_TEST(async_decode_equals_sync_views_none_small_window)
 {
-	async_against_sync(ZC_VIEWS_NONE, 3);
+	async_against_sync(ZC_VIEWS_NONE, 3, 1);
 }
 END_TEST
 
@@ -510,6 +520,7 @@ START_TEST(async_refusals_name_the_request)
 	ck_assert_int_eq(zc_poll(session, 9, t1), ZC_EINVALID);
 	ck_assert_int_eq(zc_update_async(session, 9, 1, good.keys, good.values, &t5), ZC_EINVALID);
 	ck_assert_int_eq(zc_client_set_async_window(service.client, 0), ZC_EINVALID);
+	ck_assert_int_eq(zc_client_set_async_batch(service.client, ZC_ASYNC_WINDOW + 1), ZC_EINVALID);
 
 	/* Two of each went in: t1, t3 (and the model agrees). */
 	ck_assert_int_eq(model_update(&model, 0, 1, good.keys, good.values), 0);
@@ -541,6 +552,7 @@ static Suite *async_decode_suite(void)
 	tcase_set_timeout(async, TEST_TIMEOUT_SECONDS);
 	tcase_add_test(async, async_decode_equals_sync_views_full);
 	tcase_add_test(async, async_decode_equals_sync_views_none_small_window);
+	tcase_add_test(async, async_decode_equals_sync_batched_writes);
 	tcase_add_test(async, async_refusals_name_the_request);
 	suite_add_tcase(s, async);
 	return s;

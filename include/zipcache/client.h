@@ -404,6 +404,17 @@ int zc_poll(zc_session *session, uint32_t layer, zc_ticket ticket);
 int zc_wait_all(zc_client *client);
 /* Updates in flight at most (1 .. ZC_ASYNC_WINDOW). */
 int zc_client_set_async_window(zc_client *client, unsigned window);
+/*
+ * How many asynchronous updates go out in one write (1, the default:
+ * each is written when zc_update_async is called). A larger batch keeps
+ * up to that many encoded in the client and writes them together, which
+ * costs the daemon one wake-up instead of one per update; they are also
+ * written before anything waits for a reply (zc_wait, zc_poll,
+ * zc_wait_all, any synchronous call, the window's back-pressure). A
+ * 32-layer model may batch its layers: the daemon needs a layer's update
+ * only before the next token's read of it.
+ */
+int zc_client_set_async_batch(zc_client *client, unsigned frames);
 
 /*
  * Many blocks at once (a prefill of every layer): all sent in one write,
