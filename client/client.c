@@ -1076,17 +1076,26 @@ static int many_batch(zc_session *session, const zc_update *updates, size_t n,
 	int rc = async_queue(session, 0, updates, used, first_id, (unsigned)n, true);
 	if (rc < 0)
 		return rc;
+	/* Each was sent and is applied or refused on its own: count them all,
+	 * and say the first refusal. */
+	int first = 0;
+	char first_error[sizeof(client->last_error)];
 	for (size_t i = 0; i < n; i++) {
 		rc = zc_wait(session, updates[i].layer, first_id + i);
-		if (rc < 0) {
-			/* The rest still answer; none is left in flight. */
-			async_drain(client);
-			client->n_failures = 0;
-			return rc;
+		if (rc == 0) {
+			(*done)++;
+			continue;
 		}
-		(*done)++;
+		if (client->broken)
+			return rc;
+		if (first == 0) {
+			first = rc;
+			memcpy(first_error, client->last_error, sizeof(first_error));
+		}
 	}
-	return 0;
+	if (first < 0)
+		memcpy(client->last_error, first_error, sizeof(first_error));
+	return first;
 }
 
 int zc_update_many(zc_session *session, const zc_update *updates, size_t n, size_t *done)
@@ -1112,7 +1121,9 @@ int zc_update_many(zc_session *session, const zc_update *updates, size_t n, size
 				 "nothing was sent", i);
 			return error_set(client, ZC_EINVALID, message);
 		}
-	for (size_t i = 0; i < n && rc == 0;) {
+	int first = 0;
+	char first_error[sizeof(client->last_error)];
+	for (size_t i = 0; i < n && !client->broken;) {
 		/* A batch: inline blocks, or staged ones that fit one buffer. */
 		uint64_t key_bytes, value_bytes, staged = 0;
 		block_bytes(session, updates[i].tokens, &key_bytes, &value_bytes);
@@ -1141,11 +1152,19 @@ int zc_update_many(zc_session *session, const zc_update *updates, size_t n, size
 			}
 		}
 		rc = many_batch(session, updates + i, count, inline_ ? NULL : offsets, &applied);
+		if (rc < 0 && first == 0) {
+			first = rc;
+			memcpy(first_error, client->last_error, sizeof(first_error));
+		}
 		i += count;
 	}
 	if (done)
 		*done = applied;
-	return rc;
+	if (rc < 0 && client->broken)
+		return rc;
+	if (first < 0)
+		memcpy(client->last_error, first_error, sizeof(first_error));
+	return first;
 }
 
 int zc_client_staging(zc_client *client, size_t bytes, void **buffer)

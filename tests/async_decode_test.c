@@ -535,6 +535,66 @@ START_TEST(async_refusals_name_the_request)
 }
 END_TEST
 
+/* zc_update_many: a prefill of every layer, blocks over the inline limit
+ * through the staging buffer, short ones inline; then a refusal in the
+ * middle, which holds back nothing else. */
+START_TEST(update_many_prefills_through_staging)
+{
+	struct service service;
+	zc_session_config config = shaped_config("many", 4, 1, 8, 128, 128, 2048,
+						 ZC_POLICY_STREAMING, 128);
+	struct model model;
+	struct rng rng;
+	struct block blocks[8];
+	zc_update updates[8];
+	size_t done = 99;
+
+	service_start(&service, NULL);
+	zc_session *session = open_session(service.client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 4242);
+	for (int i = 0; i < 8; i++) {
+		/* 300 tokens: 2.3 MiB of K+V, over the inline limit; then 5. */
+		uint32_t layer = (uint32_t)i % 4, tokens = i < 4 ? 300 : 5;
+		block_make(&blocks[i], &model, tokens, &rng);
+		ck_assert_int_eq(model_update(&model, layer, tokens, blocks[i].keys, blocks[i].values), 0);
+		updates[i] = (zc_update){ layer, tokens, blocks[i].keys, blocks[i].values };
+	}
+	ck_assert_int_eq(zc_update_many(session, updates, 8, &done), 0);
+	ck_assert_uint_eq(done, 8);
+	CHECK(session_matches, session, &model);
+
+	/* Refused before anything is sent. */
+	updates[1].layer = 9;
+	ck_assert_int_eq(zc_update_many(session, updates, 2, &done), ZC_EINVALID);
+	ck_assert_uint_eq(done, 0);
+	/* An Inf in the third block: it alone is refused; those before and
+	 * after it, already sent, are applied. */
+	updates[1].layer = 1;
+	for (int i = 0; i < 4; i++) {
+		block_free(&blocks[i]);
+		block_make(&blocks[i], &model, 3, &rng);
+		updates[i] = (zc_update){ (uint32_t)i, 3, blocks[i].keys, blocks[i].values };
+	}
+	blocks[2].values[5] = 0x7c00; /* Inf */
+	ck_assert_int_eq(model_update(&model, 0, 3, blocks[0].keys, blocks[0].values), 0);
+	ck_assert_int_eq(model_update(&model, 1, 3, blocks[1].keys, blocks[1].values), 0);
+	ck_assert_int_eq(model_update(&model, 3, 3, blocks[3].keys, blocks[3].values), 0);
+	ck_assert_int_eq(zc_update_many(session, updates, 4, &done), ZC_EINVALID);
+	ck_assert_uint_eq(done, 3);
+	ck_assert_ptr_nonnull(strstr(zc_client_last_error(service.client), "layer 2"));
+	/* Nothing is left in flight, and the connection is usable. */
+	ck_assert_int_eq(zc_wait_all(service.client), 0);
+	barrier(session);
+	CHECK(session_matches, session, &model);
+	for (int i = 0; i < 8; i++)
+		block_free(&blocks[i]);
+	model_free(&model);
+	zc_session_release(session);
+	service_stop(&service);
+}
+END_TEST
+
 static Suite *async_decode_suite(void)
 {
 	Suite *s = suite_create("async_decode");
@@ -554,6 +614,7 @@ static Suite *async_decode_suite(void)
 	tcase_add_test(async, async_decode_equals_sync_views_none_small_window);
 	tcase_add_test(async, async_decode_equals_sync_batched_writes);
 	tcase_add_test(async, async_refusals_name_the_request);
+	tcase_add_test(async, update_many_prefills_through_staging);
 	suite_add_tcase(s, async);
 	return s;
 }

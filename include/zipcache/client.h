@@ -417,12 +417,15 @@ int zc_client_set_async_window(zc_client *client, unsigned window);
 int zc_client_set_async_batch(zc_client *client, unsigned frames);
 
 /*
- * Many blocks at once (a prefill of every layer): all sent in one write,
- * the daemon compresses different layers on different workers, replies
- * come back in order. Large blocks go through the staging buffer (one
- * buffer holds them all; ZC_EINVALID if they do not fit its limit).
- * *done: how many were applied (the first `*done` of them); the code of
- * the first that failed, or 0.
+ * Many blocks at once (a prefill of every layer): sent in one write (up
+ * to the window's worth), without a round trip per block; the daemon
+ * applies them in its session's order and the replies are read together.
+ * Blocks over the inline limit go through the staging buffer, in batches
+ * of up to 256 MiB. Each block is applied or refused on its own, as if
+ * sent alone: a refused one does not hold back those after it. *done: how
+ * many were applied; returns the first refusal's code
+ * (zc_client_last_error: its sentence), or 0. A broken connection stops
+ * it (see Failures at the top).
  */
 typedef struct zc_update {
 	uint32_t layer;
