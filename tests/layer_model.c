@@ -130,7 +130,8 @@ void model_fork(struct model *fork, const struct model *source, uint32_t tokens)
 		memcpy(to->values, from->values, rows * source->head_dim_v * 2);
 		to->capacity = from->n_blocks ? from->n_blocks : 1;
 		to->blocks = allocate(to->capacity * sizeof(*to->blocks));
-		memcpy(to->blocks, from->blocks, from->n_blocks * sizeof(*to->blocks));
+		if (from->n_blocks)
+			memcpy(to->blocks, from->blocks, from->n_blocks * sizeof(*to->blocks));
 		/* The fork's first `tokens` tokens are the source's, exactly as a
 		 * trim to that length leaves them. */
 		if (to->tokens > tokens)
