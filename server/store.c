@@ -869,8 +869,10 @@ static int store_alloc(const struct store_header *h, struct store **out)
 	store->room = calloc(h->layers, sizeof(*store->room));
 	store->index = calloc(h->layers, sizeof(*store->index));
 	if (!store->layer || !store->room || !store->index || map_layout(h, &store->layout) < 0) {
+		/* Decided before the free: store->layer is gone after it. */
+		int rc = store->layer && store->room && store->index ? ZC_EEXHAUSTED : -ENOMEM;
 		store_free_memory(store);
-		return store->layer ? ZC_EEXHAUSTED : -ENOMEM;
+		return rc;
 	}
 	store->codec = header_codec(h);
 	*out = store;
