@@ -134,6 +134,7 @@ static int64_t now_ms(void)
 }
 
 static int async_drain(zc_client *client);
+static void async_forget(zc_client *client);
 
 /* Sends one request and waits for its reply; on success *response holds
  * it (free with wire_response_free) and any descriptors it carried are in
@@ -312,10 +313,8 @@ int zc_client_reconnect(zc_client *client)
 	staging_unmap(client);
 	/* What was in flight on it is lost with it (each update wholly or not
 	 * at all; see the top of client.h). */
-	client->n_pending = 0;
+	async_forget(client);
 	client->n_failures = 0;
-	client->unsent = 0;
-	client->unsent_frames = 0;
 	client->broken = 0;
 	int rc = transport_connect(&client->transport, client->socket_path, client->timeout_ms);
 	if (rc < 0)
@@ -787,6 +786,10 @@ static int async_receive(zc_client *client, bool ready_only)
 	unsigned index;
 	char message[160];
 
+	if (client->broken) {
+		async_forget(client);
+		return client_refuse_broken(client);
+	}
 	/* A reply can only come for what was written: before waiting for
 	 * one, write what is queued (a look that does not wait need not). */
 	int rc = ready_only ? 0 : async_flush(client);
@@ -833,9 +836,22 @@ static int async_receive(zc_client *client, bool ready_only)
 	return 0;
 }
 
+/* What a broken connection had in flight is lost with it (each update
+ * wholly or not at all): nothing to read, nothing to wait for. */
+static void async_forget(zc_client *client)
+{
+	client->n_pending = 0;
+	client->unsent = 0;
+	client->unsent_frames = 0;
+}
+
 /* Reads every reply in flight; their refusals stay for zc_wait. */
 static int async_drain(zc_client *client)
 {
+	if (client->broken && client->n_pending > 0) {
+		async_forget(client);
+		return client_refuse_broken(client);
+	}
 	while (client->n_pending > 0) {
 		int rc = async_receive(client, false);
 		if (rc < 0)

@@ -28,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "layer_model.h"
 #include "suite_main.h"
@@ -595,6 +596,47 @@ START_TEST(update_many_prefills_through_staging)
 }
 END_TEST
 
+/* The daemon dies with updates in flight and some not yet written: the
+ * wait says so, the connection is broken, and releasing the session (or
+ * closing the client) does not wait out the timeout for replies that will
+ * never come. */
+START_TEST(async_updates_when_the_daemon_dies)
+{
+	struct service service;
+	zc_session_config config = decode_config("dies", ZC_VIEWS_FULL);
+	struct model model;
+	struct rng rng;
+	struct block block;
+	zc_ticket t = 0;
+
+	service_start(&service, NULL);
+	zc_session *session = open_session(service.client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 8);
+	block_make(&block, &model, 1, &rng);
+	ck_assert_int_eq(zc_update_async(session, 0, 1, block.keys, block.values, &t), 0);
+	ck_assert_int_eq(zc_wait(session, 0, t), 0);
+	ck_assert_int_eq(zc_client_set_async_batch(service.client, 8), 0);
+	daemon_kill(&service.daemon);
+	for (int i = 0; i < 3; i++)
+		ck_assert_int_eq(zc_update_async(session, 0, 1, block.keys, block.values, &t), 0);
+	int rc = zc_wait(session, 0, t);
+	ck_assert_msg(daemon_lost(rc), "wait after the daemon died: %s", zc_error_name(rc));
+	ck_assert_int_ne(zc_client_broken(service.client), 0);
+	ck_assert_int_eq(zc_update_async(session, 0, 1, block.keys, block.values, &t), ZC_EBROKEN);
+	struct timespec a, b;
+	clock_gettime(CLOCK_MONOTONIC, &a);
+	zc_session_release(session);
+	clock_gettime(CLOCK_MONOTONIC, &b);
+	double waited = (double)(b.tv_sec - a.tv_sec) + (b.tv_nsec - a.tv_nsec) * 1e-9;
+	ck_assert_msg(waited < 1.0, "releasing the session waited %.1f s", waited);
+	block_free(&block);
+	model_free(&model);
+	zc_client_close(service.client);
+	daemon_cleanup(&service.daemon);
+}
+END_TEST
+
 static Suite *async_decode_suite(void)
 {
 	Suite *s = suite_create("async_decode");
@@ -615,6 +657,7 @@ static Suite *async_decode_suite(void)
 	tcase_add_test(async, async_decode_equals_sync_batched_writes);
 	tcase_add_test(async, async_refusals_name_the_request);
 	tcase_add_test(async, update_many_prefills_through_staging);
+	tcase_add_test(async, async_updates_when_the_daemon_dies);
 	suite_add_tcase(s, async);
 	return s;
 }
