@@ -491,7 +491,7 @@ void bench_raw_frame(uint8_t *frame, size_t request_bytes, size_t reply_bytes)
 /* ---- frame sizes ------------------------------------------------------------ */
 
 int bench_update_request_bytes(uint64_t session_id, const void *keys, const void *values,
-			       size_t tensor_bytes, size_t *out)
+			       size_t tensor_bytes, bool omit_stats, size_t *out)
 {
 	wire_pb_request req;
 	memset(&req, 0, sizeof req);
@@ -500,22 +500,27 @@ int bench_update_request_bytes(uint64_t session_id, const void *keys, const void
 	req.msg.op.update_and_fetch.session_id = session_id;
 	req.msg.op.update_and_fetch.layer = 0;
 	req.msg.op.update_and_fetch.tokens = 1;
+	req.msg.op.update_and_fetch.has_omit_stats = omit_stats;
+	req.msg.op.update_and_fetch.omit_stats = omit_stats;
 	req.keys = (wire_span){ keys, tensor_bytes };
 	req.values = (wire_span){ values, tensor_bytes };
 	return wire_pb_request_frame_size(&req, out);
 }
 
 /* The reply the daemon sends for an update with these stats (dispatch.c's
- * update_done). */
-int bench_update_reply_bytes(const zc_layer_stats *s, uint64_t sequence, size_t *out)
+ * update_done); s NULL: a caller that asked for none (omit_stats). */
+int bench_update_reply_bytes(const zc_layer_stats *s, uint32_t tokens, uint64_t sequence,
+			     size_t *out)
 {
 	wire_pb_response resp;
 	memset(&resp, 0, sizeof resp);
 	resp.msg.request_id = TYPICAL_REQUEST_ID;
 	resp.msg.which_op = zipcache_v1_Response_update_and_fetch_tag;
 	zipcache_v1_UpdateAndFetchResponse *u = &resp.msg.op.update_and_fetch;
-	u->tokens = s->tokens;
+	u->tokens = tokens;
 	u->sequence = sequence;
+	if (!s)
+		return wire_pb_response_frame_size(&resp, out);
 	u->has_stats = true;
 	u->stats = (zipcache_v1_LayerStats){
 		.layer = s->layer,

@@ -67,8 +67,10 @@ void bench_raw_frame(uint8_t *frame, size_t request_bytes, size_t reply_bytes);
  * bytes (per tensor), and of the daemon's reply with these stats, as
  * proto/wire.c encodes them for a request id typical of a long run. */
 int bench_update_request_bytes(uint64_t session_id, const void *keys, const void *values,
-			       size_t tensor_bytes, size_t *out);
-int bench_update_reply_bytes(const zc_layer_stats *stats, uint64_t sequence, size_t *out);
+			       size_t tensor_bytes, bool omit_stats, size_t *out);
+/* stats NULL: the reply to a request that asked for none (omit_stats). */
+int bench_update_reply_bytes(const zc_layer_stats *stats, uint32_t tokens, uint64_t sequence,
+			     size_t *out);
 
 /* 0 or -errno; cpu < 0 does nothing. */
 int bench_pin(pid_t pid, int cpu);

@@ -893,14 +893,14 @@ static int bench_decode(zc_client *client, const struct data *d, const struct op
 		}
 	}
 	rc = bench_update_request_bytes(zc_session_get_info(s[0])->id, pool_row(d->pool_keys, 0),
-					pool_row(d->pool_values, 0), 2 * ROW_ELEMENTS,
+					pool_row(d->pool_values, 0), 2 * ROW_ELEMENTS, false,
 					&r->request_bytes);
 	frame = calloc(1, r->request_bytes);
 	reply = calloc(1, 1u << 16);
 	if (rc == 0 && (!frame || !reply))
 		rc = -ENOMEM;
 	if (rc == 0)
-		rc = bench_update_reply_bytes(&stats[0], view[0].sequence, &r->reply_bytes[0]);
+		rc = bench_update_reply_bytes(&stats[0], stats[0].tokens, view[0].sequence, &r->reply_bytes[0]);
 	if (rc < 0)
 		goto out;
 	bench_raw_frame(frame, r->request_bytes, r->reply_bytes[0]);
@@ -921,7 +921,7 @@ static int bench_decode(zc_client *client, const struct data *d, const struct op
 				/* The replies grow by a few bytes as the counters do; the
 				 * raw one follows the larger. */
 				for (int i = 0; i < 2 && rc == 0; i++)
-					rc = bench_update_reply_bytes(&stats[i], view[i].sequence,
+					rc = bench_update_reply_bytes(&stats[i], stats[i].tokens, view[i].sequence,
 								      &r->reply_bytes[i]);
 				if (rc < 0)
 					goto out;

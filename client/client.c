@@ -29,6 +29,10 @@
  * cheaper than the staging round trip's bookkeeping. */
 #define INLINE_LIMIT_BYTES (256u << 10)
 
+/* zc_update_many stages at most this much at once: a 32-layer prefill of
+ * 4096 tokens (16 MiB a layer at H 8, D 128) in batches of 16 layers. */
+#define MANY_STAGING_BYTES (256u << 20)
+
 /* A daemon's write of one layer takes microseconds to milliseconds: a
  * reader yields this many times before it starts to look at the clock and
  * the socket, then looks once per VIEW_POLL_NS. */
@@ -49,6 +53,24 @@ struct zc_session {
 	int64_t lease_until_ms;        /* this client's lease on the views, as the daemon counts it */
 };
 
+/* An asynchronous update whose reply has not been read. */
+struct pending {
+	uint64_t id;
+	zc_session *session;
+	uint32_t layer;
+	int64_t sent_ms;
+};
+
+/* The daemon's refusal of one, kept until its ticket is waited for. */
+struct failure {
+	uint64_t id;
+	uint64_t session_id;
+	uint32_t layer;
+	int rc;
+	bool announced;   /* returned once by a later call already */
+	char message[257];
+};
+
 struct zc_client {
 	struct transport transport;
 	char socket_path[108];
@@ -63,6 +85,17 @@ struct zc_client {
 	uint8_t *staging;
 	size_t staging_bytes;
 	zc_session *sessions;
+	/* Asynchronous updates sent, oldest first, and the refusals their
+	 * replies brought that no zc_wait collected yet. */
+	struct pending pending[ZC_ASYNC_WINDOW];
+	unsigned n_pending, window;
+	struct failure failures[ZC_ASYNC_WINDOW];
+	unsigned n_failures;
+	/* Asynchronous requests encoded but not yet written: the first
+	 * `unsent` bytes of send_buffer, `unsent_frames` requests; written
+	 * once `batch` of them wait, or before anything reads a reply. */
+	size_t unsent;
+	unsigned unsent_frames, batch;
 };
 
 static int error_set(zc_client *client, int rc, const char *message)
@@ -100,6 +133,9 @@ static int64_t now_ms(void)
 	return (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
 }
 
+static int async_drain(zc_client *client);
+static void async_forget(zc_client *client);
+
 /* Sends one request and waits for its reply; on success *response holds
  * it (free with wire_response_free) and any descriptors it carried are in
  * fds[0..n_fds). */
@@ -113,6 +149,10 @@ static int call_fd(zc_client *client, wire_request *request, wire_response *resp
 
 	if (client->broken)
 		return client_refuse_broken(client);
+	/* The next reply on the socket must be this call's. */
+	rc = async_drain(client);
+	if (rc < 0)
+		return rc;
 	client->last_error[0] = '\0';
 	request->request_id = client->next_request_id++;
 	rc = wire_request_frame_size(request, &size);
@@ -236,6 +276,8 @@ int zc_client_connect(const char *socket_path, int timeout_ms, zc_client **out)
 	snprintf(client->socket_path, sizeof(client->socket_path), "%s", socket_path);
 	client->timeout_ms = timeout_ms;
 	client->next_request_id = 1;
+	client->window = ZC_ASYNC_WINDOW;
+	client->batch = 1;
 	rc = transport_connect(&client->transport, socket_path, timeout_ms);
 	if (rc == 0)
 		rc = hello(client);
@@ -277,6 +319,10 @@ int zc_client_reconnect(zc_client *client)
 	transport_close(&client->transport);
 	/* The daemon's staging buffer belonged to the old connection. */
 	staging_unmap(client);
+	/* What was in flight on it is lost with it (each update wholly or not
+	 * at all; see the top of client.h). */
+	async_forget(client);
+	client->n_failures = 0;
 	client->broken = 0;
 	int rc = transport_connect(&client->transport, client->socket_path, client->timeout_ms);
 	if (rc < 0)
@@ -297,8 +343,10 @@ int zc_client_set_timeout(zc_client *client, int timeout_ms)
 {
 	if (timeout_ms < 0)
 		return error_set(client, -EINVAL, "a timeout is 0 (none) or a positive number of ms");
+	int rc = transport_set_timeout(&client->transport, timeout_ms);
+	if (rc < 0)
+		return error_set(client, rc, "cannot set the socket's timeout");
 	client->timeout_ms = timeout_ms;
-	client->transport.timeout_ms = timeout_ms;
 	return 0;
 }
 
@@ -621,6 +669,12 @@ void zc_session_release(zc_session *session)
 	if (!session)
 		return;
 	zc_client *client = session->client;
+	/* No reply in flight may name a session that is gone. */
+	for (unsigned i = 0; i < client->n_pending; i++)
+		if (client->pending[i].session == session) {
+			async_drain(client);
+			break;
+		}
 	if (session->prev)
 		session->prev->next = session->next;
 	else
@@ -719,6 +773,7 @@ int zc_update_and_fetch_staged(zc_session *session, uint32_t layer, uint32_t tok
 	update->staged = true;
 	update->keys_offset = keys_offset;
 	update->values_offset = values_offset;
+	update->omit_stats = stats == NULL;
 	return update_call(session, &request, layer, view, stats);
 }
 
@@ -751,7 +806,470 @@ int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
 	update->tokens = tokens;
 	update->keys = (wire_span){ (const uint8_t *)keys, key_bytes };
 	update->values = (wire_span){ (const uint8_t *)values, value_bytes };
+	update->omit_stats = stats == NULL;
 	return update_call(session, &request, layer, view, stats);
+}
+
+/* ---- asynchronous updates --------------------------------------------------- */
+
+static struct pending *pending_find(zc_client *client, uint64_t id, unsigned *index)
+{
+	for (unsigned i = 0; i < client->n_pending; i++)
+		if (client->pending[i].id == id) {
+			*index = i;
+			return &client->pending[i];
+		}
+	return NULL;
+}
+
+static void failure_note(zc_client *client, const struct pending *p, int rc, const char *message)
+{
+	/* The table has a slot per window entry; when full the oldest goes
+	 * (its ticket then reads as done: its error was announced already or
+	 * is announced now through the newer ones). */
+	if (client->n_failures == ZC_ASYNC_WINDOW) {
+		memmove(client->failures, client->failures + 1,
+			sizeof(client->failures[0]) * (ZC_ASYNC_WINDOW - 1));
+		client->n_failures--;
+	}
+	struct failure *f = &client->failures[client->n_failures++];
+	*f = (struct failure){ .id = p->id, .session_id = p->session->info.id, .layer = p->layer,
+			       .rc = rc };
+	snprintf(f->message, sizeof(f->message), "%s", message ? message : "");
+}
+
+/* Says which request a failure was, in last_error, and returns its code. */
+static int failure_report(zc_client *client, struct failure *f)
+{
+	f->announced = true;
+	snprintf(client->last_error, sizeof(client->last_error),
+		 "asynchronous update %llu (session %llu, layer %u) failed: %.180s",
+		 (unsigned long long)f->id, (unsigned long long)f->session_id, f->layer, f->message);
+	return f->rc;
+}
+
+/*
+ * Reads one reply to an asynchronous update (waiting for it unless
+ * `ready_only`: then -EAGAIN when none is there). A reply that makes no
+ * sense, or none within the timeout, breaks the connection as in call().
+ */
+/* Writes the asynchronous requests still in the send buffer. */
+static int async_flush(zc_client *client)
+{
+	if (client->unsent == 0)
+		return 0;
+	int rc = transport_send(&client->transport, client->send_buffer, client->unsent);
+	client->unsent = 0;
+	client->unsent_frames = 0;
+	if (rc < 0)
+		return client_break(client, rc, rc == -ETIMEDOUT ? "timed out sending the request" :
+				    "cannot send the request");
+	return 0;
+}
+
+static int async_receive(zc_client *client, bool ready_only)
+{
+	const uint8_t *frame;
+	size_t len;
+	wire_response response;
+	unsigned index;
+	char message[160];
+
+	if (client->broken) {
+		async_forget(client);
+		return client_refuse_broken(client);
+	}
+	/* A reply can only come for what was written: before waiting for
+	 * one, write what is queued (a look that does not wait need not). */
+	int rc = ready_only ? 0 : async_flush(client);
+	if (rc < 0)
+		return rc;
+	rc = ready_only ? transport_receive_ready(&client->transport, &frame, &len) :
+			      transport_receive(&client->transport, &frame, &len);
+	if (rc == -EAGAIN)
+		return rc;
+	if (rc < 0)
+		return client_break(client, rc, rc == -ETIMEDOUT ?
+				    "timed out waiting for the daemon's reply" :
+				    rc == -ECONNRESET ? "the daemon closed the connection" :
+				    "no reply from the daemon");
+	rc = wire_response_decode(frame, len, &response);
+	transport_consume(&client->transport);
+	if (rc < 0)
+		return client_break(client, rc, "malformed reply from the daemon");
+	if (response.request_id == 0 && response.status != WIRE_STATUS_OK) {
+		rc = wire_error_from_status(response.status);
+		client_break(client, rc, response.message);
+		wire_response_free(&response);
+		return rc;
+	}
+	struct pending *p = pending_find(client, response.request_id, &index);
+	if (!p || response.fds != 0 || transport_unclaimed_fds(&client->transport) > 0 ||
+	    (response.status == WIRE_STATUS_OK &&
+	     (response.op != WIRE_OP_UPDATE_AND_FETCH ||
+	      response.update_and_fetch.tokens > p->session->info.max_tokens))) {
+		snprintf(message, sizeof(message), "reply to request %llu, which no asynchronous "
+			 "update in flight expected in this form",
+			 (unsigned long long)response.request_id);
+		wire_response_free(&response);
+		return client_break(client, ZC_EPROTOCOL, message);
+	}
+	if (response.status != WIRE_STATUS_OK)
+		failure_note(client, p, wire_error_from_status(response.status), response.message);
+	else
+		lease_renewed(p->session, p->sent_ms);
+	wire_response_free(&response);
+	memmove(client->pending + index, client->pending + index + 1,
+		sizeof(client->pending[0]) * (client->n_pending - index - 1));
+	client->n_pending--;
+	return 0;
+}
+
+/* What a broken connection had in flight is lost with it (each update
+ * wholly or not at all): nothing to read, nothing to wait for. */
+static void async_forget(zc_client *client)
+{
+	client->n_pending = 0;
+	client->unsent = 0;
+	client->unsent_frames = 0;
+}
+
+/* Reads every reply in flight; their refusals stay for zc_wait. */
+static int async_drain(zc_client *client)
+{
+	if (client->broken && client->n_pending > 0) {
+		async_forget(client);
+		return client_refuse_broken(client);
+	}
+	while (client->n_pending > 0) {
+		int rc = async_receive(client, false);
+		if (rc < 0)
+			return rc;
+	}
+	return 0;
+}
+
+/* The first refusal no call has returned yet, announced now. */
+static int failure_unannounced(zc_client *client)
+{
+	for (unsigned i = 0; i < client->n_failures; i++)
+		if (!client->failures[i].announced)
+			return failure_report(client, &client->failures[i]);
+	return 0;
+}
+
+/* Encodes an inline update at the end of the send buffer (*used bytes so
+ * far); the request id is the next one. */
+static int update_encode(zc_session *session, uint32_t layer, uint32_t tokens,
+			 const uint16_t *keys, const uint16_t *values, bool staged,
+			 uint64_t keys_offset, uint64_t values_offset, size_t *used, uint64_t *id)
+{
+	zc_client *client = session->client;
+	wire_request request = { 0 };
+	struct wire_update_request *update = &request.update_and_fetch;
+	uint64_t key_bytes, value_bytes;
+	size_t size, len;
+
+	block_bytes(session, tokens, &key_bytes, &value_bytes);
+	request.op = WIRE_OP_UPDATE_AND_FETCH;
+	request.request_id = client->next_request_id;
+	update->session_id = session->info.id;
+	update->layer = layer;
+	update->tokens = tokens;
+	update->omit_stats = true;
+	update->staged = staged;
+	if (staged) {
+		update->keys_offset = keys_offset;
+		update->values_offset = values_offset;
+	} else {
+		update->keys = (wire_span){ (const uint8_t *)keys, key_bytes };
+		update->values = (wire_span){ (const uint8_t *)values, value_bytes };
+	}
+	int rc = wire_request_frame_size(&request, &size);
+	if (rc < 0)
+		return error_set(client, rc, "request cannot be encoded");
+	if (*used + size > client->send_capacity) {
+		uint8_t *buffer = realloc(client->send_buffer, *used + size);
+		if (!buffer)
+			return error_set(client, -ENOMEM, "out of memory");
+		client->send_buffer = buffer;
+		client->send_capacity = *used + size;
+	}
+	rc = wire_request_encode(&request, client->send_buffer + *used,
+				 client->send_capacity - *used, &len);
+	if (rc < 0)
+		return error_set(client, rc, "request cannot be encoded");
+	*used += len;
+	*id = client->next_request_id++;
+	return 0;
+}
+
+/* What every asynchronous entry point checks before it sends. */
+static int async_check(zc_session *session, uint32_t layer)
+{
+	zc_client *client = session->client;
+	if (client->broken)
+		return client_refuse_broken(client);
+	if (layer >= session->info.layers)
+		return error_set(client, ZC_EINVALID, "layer out of range");
+	return failure_unannounced(client);
+}
+
+/* Requests [first_id, first_id + n) were encoded at the end of the send
+ * buffer (now `used` bytes long): in flight from now on, written with the
+ * batch they complete (or at once with `now`). */
+static int async_queue(zc_session *session, uint32_t layer_of_first, const zc_update *updates,
+		       size_t used, uint64_t first_id, unsigned n, bool now)
+{
+	zc_client *client = session->client;
+	int64_t sent = now_ms();
+	for (unsigned i = 0; i < n; i++)
+		client->pending[client->n_pending++] = (struct pending){
+			first_id + i, session, updates ? updates[i].layer : layer_of_first, sent
+		};
+	client->unsent = used;
+	client->unsent_frames += n;
+	return now || client->unsent_frames >= client->batch ? async_flush(client) : 0;
+}
+
+int zc_update_async(zc_session *session, uint32_t layer, uint32_t tokens,
+		    const uint16_t *keys, const uint16_t *values, zc_ticket *ticket)
+{
+	zc_client *client = session->client;
+	uint64_t key_bytes, value_bytes, id;
+	size_t used = 0;
+
+	int rc = async_check(session, layer);
+	if (rc < 0)
+		return rc;
+	block_bytes(session, tokens, &key_bytes, &value_bytes);
+	uint64_t limit = client->server.max_inline_bytes < INLINE_LIMIT_BYTES ?
+				 client->server.max_inline_bytes : INLINE_LIMIT_BYTES;
+	if (tokens == 0 || key_bytes + value_bytes > limit)
+		return error_set(client, ZC_EINVALID, "an asynchronous update is a short inline "
+					  "block (1 token or more, within the inline limit): send "
+					  "large blocks with zc_update_many or zc_update_and_fetch");
+	/* Back-pressure: replies already there make room; only when none is
+	 * does the caller wait (after writing what is queued). */
+	while (client->n_pending >= client->window) {
+		rc = async_receive(client, true);
+		if (rc == -EAGAIN)
+			rc = async_receive(client, false);
+		if (rc < 0)
+			return rc;
+	}
+	used = client->unsent;
+	rc = update_encode(session, layer, tokens, keys, values, false, 0, 0, &used, &id);
+	if (rc < 0)
+		return rc;
+	rc = async_queue(session, layer, NULL, used, id, 1, false);
+	if (rc < 0)
+		return rc;
+	*ticket = id;
+	return 0;
+}
+
+/* The ticket's outcome once its reply was read: 0, or its refusal. */
+static int ticket_outcome(zc_client *client, zc_ticket ticket)
+{
+	for (unsigned i = 0; i < client->n_failures; i++) {
+		if (client->failures[i].id != ticket)
+			continue;
+		struct failure f = client->failures[i];
+		memmove(client->failures + i, client->failures + i + 1,
+			sizeof(client->failures[0]) * (client->n_failures - i - 1));
+		client->n_failures--;
+		return failure_report(client, &f);
+	}
+	return 0;
+}
+
+static int ticket_check(zc_session *session, uint32_t layer, zc_ticket ticket)
+{
+	zc_client *client = session->client;
+	if (ticket == 0 || ticket >= client->next_request_id)
+		return error_set(client, ZC_EINVALID, "no such ticket");
+	if (layer >= session->info.layers)
+		return error_set(client, ZC_EINVALID, "layer out of range");
+	return 0;
+}
+
+int zc_wait(zc_session *session, uint32_t layer, zc_ticket ticket)
+{
+	zc_client *client = session->client;
+	unsigned index;
+	int rc = ticket_check(session, layer, ticket);
+	if (rc < 0)
+		return rc;
+	while (pending_find(client, ticket, &index)) {
+		rc = async_receive(client, false);
+		if (rc < 0)
+			return rc;
+	}
+	return ticket_outcome(client, ticket);
+}
+
+int zc_poll(zc_session *session, uint32_t layer, zc_ticket ticket)
+{
+	zc_client *client = session->client;
+	unsigned index;
+	int rc = ticket_check(session, layer, ticket);
+	if (rc < 0)
+		return rc;
+	if (pending_find(client, ticket, &index) && (rc = async_flush(client)) < 0)
+		return rc;
+	while (pending_find(client, ticket, &index)) {
+		rc = async_receive(client, true);
+		if (rc == -EAGAIN)
+			return 0;
+		if (rc < 0)
+			return rc;
+	}
+	rc = ticket_outcome(client, ticket);
+	return rc < 0 ? rc : 1;
+}
+
+int zc_wait_all(zc_client *client)
+{
+	if (client->broken)
+		return client_refuse_broken(client);
+	int rc = async_drain(client);
+	return rc < 0 ? rc : failure_unannounced(client);
+}
+
+int zc_client_set_async_batch(zc_client *client, unsigned frames)
+{
+	if (frames == 0 || frames > ZC_ASYNC_WINDOW)
+		return error_set(client, ZC_EINVALID, "a batch is 1 .. ZC_ASYNC_WINDOW updates");
+	int rc = async_flush(client);
+	if (rc < 0)
+		return rc;
+	client->batch = frames;
+	return 0;
+}
+
+int zc_client_set_async_window(zc_client *client, unsigned window)
+{
+	if (window == 0 || window > ZC_ASYNC_WINDOW)
+		return error_set(client, ZC_EINVALID, "the window is 1 .. ZC_ASYNC_WINDOW updates");
+	client->window = window;
+	return 0;
+}
+
+/*
+ * Sends updates [first, first + n) in one write (inline, or named in the
+ * staging buffer at `offsets`), then waits for their replies.
+ */
+static int many_batch(zc_session *session, const zc_update *updates, size_t n,
+		      const uint64_t *offsets, size_t *done)
+{
+	zc_client *client = session->client;
+	size_t used = client->unsent;
+	uint64_t first_id = 0, id;
+	for (size_t i = 0; i < n; i++) {
+		const zc_update *u = &updates[i];
+		uint64_t key_bytes, value_bytes;
+		block_bytes(session, u->tokens, &key_bytes, &value_bytes);
+		int rc = update_encode(session, u->layer, u->tokens, u->keys, u->values, offsets != NULL,
+				       offsets ? offsets[i] : 0, offsets ? offsets[i] + key_bytes : 0,
+				       &used, &id);
+		if (rc < 0)
+			return rc;
+		if (i == 0)
+			first_id = id;
+	}
+	int rc = async_queue(session, 0, updates, used, first_id, (unsigned)n, true);
+	if (rc < 0)
+		return rc;
+	/* Each was sent and is applied or refused on its own: count them all,
+	 * and say the first refusal. */
+	int first = 0;
+	char first_error[sizeof(client->last_error)];
+	for (size_t i = 0; i < n; i++) {
+		rc = zc_wait(session, updates[i].layer, first_id + i);
+		if (rc == 0) {
+			(*done)++;
+			continue;
+		}
+		if (client->broken)
+			return rc;
+		if (first == 0) {
+			first = rc;
+			memcpy(first_error, client->last_error, sizeof(first_error));
+		}
+	}
+	if (first < 0)
+		memcpy(client->last_error, first_error, sizeof(first_error));
+	return first;
+}
+
+int zc_update_many(zc_session *session, const zc_update *updates, size_t n, size_t *done)
+{
+	zc_client *client = session->client;
+	uint64_t limit = client->server.max_inline_bytes < INLINE_LIMIT_BYTES ?
+				 client->server.max_inline_bytes : INLINE_LIMIT_BYTES;
+	uint64_t offsets[ZC_ASYNC_WINDOW];
+	size_t applied = 0;
+	int rc = 0;
+
+	if (done)
+		*done = 0;
+	if (client->broken)
+		return client_refuse_broken(client);
+	rc = async_drain(client);
+	if (rc < 0)
+		return rc;
+	for (size_t i = 0; i < n; i++)
+		if (updates[i].layer >= session->info.layers || updates[i].tokens == 0) {
+			char message[120];
+			snprintf(message, sizeof(message), "update %zu: layer out of range or no tokens; "
+				 "nothing was sent", i);
+			return error_set(client, ZC_EINVALID, message);
+		}
+	int first = 0;
+	char first_error[sizeof(client->last_error)];
+	for (size_t i = 0; i < n && !client->broken;) {
+		/* A batch: inline blocks, or staged ones that fit one buffer. */
+		uint64_t key_bytes, value_bytes, staged = 0;
+		block_bytes(session, updates[i].tokens, &key_bytes, &value_bytes);
+		bool inline_ = key_bytes + value_bytes <= limit;
+		size_t count = 0;
+		while (i + count < n && count < client->window) {
+			block_bytes(session, updates[i + count].tokens, &key_bytes, &value_bytes);
+			uint64_t bytes = key_bytes + value_bytes;
+			if ((bytes <= limit) != inline_ ||
+			    (!inline_ && count > 0 && staged + bytes > MANY_STAGING_BYTES))
+				break;
+			if (!inline_)
+				offsets[count] = staged, staged += (bytes + 63) & ~(uint64_t)63;
+			count++;
+		}
+		if (!inline_) {
+			void *buffer;
+			rc = zc_client_staging(client, staged, &buffer);
+			if (rc < 0)
+				break;
+			for (size_t k = 0; k < count; k++) {
+				const zc_update *u = &updates[i + k];
+				block_bytes(session, u->tokens, &key_bytes, &value_bytes);
+				memcpy((uint8_t *)buffer + offsets[k], u->keys, key_bytes);
+				memcpy((uint8_t *)buffer + offsets[k] + key_bytes, u->values, value_bytes);
+			}
+		}
+		rc = many_batch(session, updates + i, count, inline_ ? NULL : offsets, &applied);
+		if (rc < 0 && first == 0) {
+			first = rc;
+			memcpy(first_error, client->last_error, sizeof(first_error));
+		}
+		i += count;
+	}
+	if (done)
+		*done = applied;
+	if (rc < 0 && client->broken)
+		return rc;
+	if (first < 0)
+		memcpy(client->last_error, first_error, sizeof(first_error));
+	return first;
 }
 
 int zc_client_staging(zc_client *client, size_t bytes, void **buffer)

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <stdbool.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -11,6 +12,15 @@
 #include <unistd.h>
 
 #include "zipcache/error.h"
+
+/*
+ * The socket is blocking once connected, with SO_RCVTIMEO/SO_SNDTIMEO as
+ * the client's timeout: a synchronous call is then one send and one
+ * recvmsg that sleeps in the kernel until the reply is there. The
+ * non-blocking alternative costs a recvmsg that fails with EAGAIN and a
+ * poll before the recvmsg that succeeds: two system calls more per call.
+ * Looks that must not wait (transport_receive_ready) pass MSG_DONTWAIT.
+ */
 
 /* Replies can carry a stats list for every layer; allow them room. */
 #define MAX_REPLY_BYTES (64u << 20)
@@ -80,9 +90,41 @@ int transport_connect(struct transport *transport, const char *path, int timeout
 		close(fd);
 		return rc;
 	}
+	int flags = fcntl(fd, F_GETFL);
+	if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) < 0) {
+		rc = -errno;
+		close(fd);
+		return rc;
+	}
 	transport->fd = fd;
+	rc = transport_set_timeout(transport, timeout_ms);
+	if (rc < 0) {
+		close(fd);
+		transport->fd = -1;
+		return rc;
+	}
 	frame_reader_init(&transport->reader, MAX_REPLY_BYTES);
 	return 0;
+}
+
+int transport_set_timeout(struct transport *transport, int timeout_ms)
+{
+	struct timeval tv = { timeout_ms / 1000, (timeout_ms % 1000) * 1000 };
+
+	transport->timeout_ms = timeout_ms;
+	if (transport->fd < 0)
+		return 0;
+	if (setsockopt(transport->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) < 0 ||
+	    setsockopt(transport->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0)
+		return -errno;
+	return 0;
+}
+
+/* Whether a blocking call that returned EAGAIN ran out of the client's
+ * time (its socket timeout fired, or the deadline passed between calls). */
+static bool timed_out(int64_t deadline)
+{
+	return deadline >= 0 && now_ms() >= deadline;
 }
 
 void transport_close(struct transport *transport)
@@ -107,21 +149,24 @@ int transport_send(struct transport *transport, const uint8_t *data, size_t len)
 			if (errno == EINTR)
 				continue;
 			if (errno == EAGAIN || errno == EWOULDBLOCK) {
-				int rc = wait_for(transport->fd, POLLOUT, deadline);
-				if (rc < 0)
-					return rc;
+				/* SO_SNDTIMEO fired with the buffer still full. */
+				if (deadline < 0 || timed_out(deadline))
+					return -ETIMEDOUT;
 				continue;
 			}
 			return -errno;
 		}
+		if (len > (size_t)n && timed_out(deadline))
+			return -ETIMEDOUT;
 		data += n;
 		len -= (size_t)n;
 	}
 	return 0;
 }
 
-/* One recvmsg: bytes into the frame reader, descriptors into the FIFO. */
-static int receive_some(struct transport *transport, int64_t deadline)
+/* One recvmsg: bytes into the frame reader, descriptors into the FIFO.
+ * With MSG_DONTWAIT in flags, -EAGAIN when nothing is there yet. */
+static int receive_some(struct transport *transport, int64_t deadline, int flags)
 {
 	uint8_t *buffer;
 	size_t room;
@@ -140,15 +185,17 @@ static int receive_some(struct transport *transport, int64_t deadline)
 			.msg_control = control.bytes,
 			.msg_controllen = sizeof(control.bytes),
 		};
-		ssize_t n = recvmsg(transport->fd, &message, MSG_CMSG_CLOEXEC);
+		ssize_t n = recvmsg(transport->fd, &message, MSG_CMSG_CLOEXEC | flags);
 		if (n < 0) {
 			if (errno == EINTR)
 				continue;
 			if (errno == EAGAIN || errno == EWOULDBLOCK) {
-				rc = wait_for(transport->fd, POLLIN, deadline);
-				if (rc < 0)
-					return rc;
-				continue;
+				if (flags & MSG_DONTWAIT)
+					return -EAGAIN;
+				/* SO_RCVTIMEO fired (or a spurious wake-up). */
+				if (deadline < 0 || !timed_out(deadline))
+					continue;
+				return -ETIMEDOUT;
 			}
 			return -errno;
 		}
@@ -186,7 +233,25 @@ int transport_receive(struct transport *transport, const uint8_t **frame, size_t
 			return 0;
 		if (rc < 0)
 			return rc;
-		rc = receive_some(transport, deadline);
+		if (timed_out(deadline))
+			return -ETIMEDOUT;
+		rc = receive_some(transport, deadline, 0);
+		if (rc < 0)
+			return rc;
+	}
+}
+
+int transport_receive_ready(struct transport *transport, const uint8_t **frame, size_t *len)
+{
+	if (transport->fd < 0)
+		return -ENOTCONN;
+	for (;;) {
+		int rc = frame_reader_next(&transport->reader, frame, len);
+		if (rc == 1)
+			return 0;
+		if (rc < 0)
+			return rc;
+		rc = receive_some(transport, -1, MSG_DONTWAIT);
 		if (rc < 0)
 			return rc;
 	}

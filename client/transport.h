@@ -22,6 +22,8 @@ struct transport {
 };
 
 int transport_connect(struct transport *transport, const char *path, int timeout_ms);
+/* The bound on each send and receive (0: none). */
+int transport_set_timeout(struct transport *transport, int timeout_ms);
 void transport_close(struct transport *transport);
 
 /* Writes all len bytes (a whole frame). */
@@ -34,6 +36,9 @@ int transport_send_fd(struct transport *transport, const uint8_t *data, size_t l
  * transport_consume(). */
 int transport_receive(struct transport *transport, const uint8_t **frame, size_t *len);
 void transport_consume(struct transport *transport);
+
+/* The same without waiting: -EAGAIN when no whole frame is there yet. */
+int transport_receive_ready(struct transport *transport, const uint8_t **frame, size_t *len);
 
 /* Takes the oldest n received descriptors (ZC_EPROTOCOL if fewer came). */
 int transport_take_fds(struct transport *transport, int *fds, int n);

@@ -29,9 +29,11 @@
 #include "zipcache/map.h"
 
 #define STORE_MAGIC "ZCSTORE1"
-/* 4 added model_id; a version 3 file (zeros there) is read as one without. */
+/* 4 added model_id (header) and a record's residual_start (was padding);
+ * a version 3 file has zeros in both and is read as one without a model
+ * id whose records start their residual at row 0. */
 #define STORE_VERSION 4u
-#define STORE_VERSION_NO_MODEL_ID 3u
+#define STORE_VERSION_OLDEST 3u
 #define STORE_NAME_BYTES 65
 
 /* A block index entry is the public block entry (zipcache/map.h). */
@@ -43,7 +45,11 @@ struct store_layer_commit {
 	uint32_t tokens;
 	uint32_t residual_tokens; /* the last residual_tokens tokens are in the residual */
 	uint32_t blocks;          /* committed entries of the block index */
-	uint32_t pad;
+	/* The residual's first row: its rows are [residual_start,
+	 * residual_start + residual_tokens) of the residual buffers. Not 0
+	 * only between a deferred flush's commit and the commit that moves
+	 * the rows appended meanwhile back to row 0 (docs/DURABILITY.md). */
+	uint32_t residual_start;
 	uint64_t reserved[2];
 };
 

@@ -1034,6 +1034,8 @@ static void request_to_pb(const wire_request *req, wire_pb_request *out)
 		p->staged = u->staged;
 		p->keys_offset = u->keys_offset;
 		p->values_offset = u->values_offset;
+		p->has_omit_stats = u->omit_stats;
+		p->omit_stats = u->omit_stats;
 		out->keys = u->keys;
 		out->values = u->values;
 		break;
@@ -1142,6 +1144,7 @@ static void request_from_pb(const wire_pb_request *in, wire_request *out)
 		u->staged = p->staged;
 		u->keys_offset = p->keys_offset;
 		u->values_offset = p->values_offset;
+		u->omit_stats = p->has_omit_stats && p->omit_stats;
 		break;
 	}
 	case zipcache_v1_Request_trim_tag:

@@ -152,6 +152,7 @@ struct wire_update_request {
 	bool staged;
 	uint64_t keys_offset;
 	uint64_t values_offset;
+	bool omit_stats;            /* the reply leaves the layer's stats out */
 };
 
 struct wire_trim_request {

@@ -60,6 +60,8 @@ struct request_job {
 	/* update */
 	uint32_t layer, tokens;
 	bool retried;                 /* once, after freeing memory */
+	bool omit_stats;              /* the caller asked for no stats in the reply */
+	bool defer_flush;             /* and so a residual it fills is flushed after the reply */
 	const uint16_t *keys, *values;
 	uint8_t *inline_copy;         /* owns keys/values when they came inline */
 	struct staging *staging;      /* holds keys/values when staged */
@@ -483,7 +485,7 @@ static void update_run(struct job *base)
 		return;
 	}
 	job->layer_tokens_before = store_layer_tokens(store, job->layer);
-	rc = store_update(store, job->layer, job->tokens, job->keys, job->values);
+	rc = store_append(store, job->layer, job->tokens, job->keys, job->values, job->defer_flush);
 	if (rc == ZC_ENONFINITE) {
 		/* Which tensor is bad is worth saying; only a failure pays for it. */
 		bool keys_bad = zc_fp16_check_finite(job->keys, kv_block_elements(h->batch, h->kv_heads,
@@ -555,15 +557,34 @@ static void update_done(struct job *base)
 		wire_response response;
 		wire_response_init(&response, rq->id, WIRE_OP_UPDATE_AND_FETCH);
 		response.update_and_fetch.tokens = job->stats.tokens;
-		response.update_and_fetch.has_stats = true;
-		reply_layer_stats(&job->stats, &response.update_and_fetch.stats);
+		response.update_and_fetch.has_stats = !job->omit_stats;
+		if (!job->omit_stats)
+			reply_layer_stats(&job->stats, &response.update_and_fetch.stats);
 		response.update_and_fetch.sequence = job->sequence;
 		rq->server->counters.tokens_appended += job->tokens;
 		rq->peer->quota->tokens_appended += job->tokens;
 		session_account_layer(&rq->server->sessions, base->session, &job->stats);
 		reply_send(rq, &response, NULL, 0);
+		if (job->defer_flush)
+			session_flush_start(&rq->server->sessions, base->session, job->layer);
 	}
 	job_end(job);
+}
+
+/*
+ * Whether an update may start while deferred flushes of its session are
+ * pending: on a layer without one, yes (a caller that wants stats gets
+ * them after every flush of its layer, as it always did); beside one, only
+ * a short block that fits the residual's capacity past the rows the flush
+ * holds, and only for a caller that asked for no stats.
+ */
+static bool update_may_overlap_flush(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct store *store = base->session->store;
+	if (!store_flush_pending(store, job->layer))
+		return true;
+	return job->defer_flush && store_append_fits(store, job->layer, job->tokens);
 }
 
 static struct request_job *job_new(const struct request *rq, struct session *session,
@@ -677,12 +698,19 @@ static bool handle_update(const struct request *rq, const wire_request *request)
 	}
 	job->layer = update->layer;
 	job->tokens = update->tokens;
+	job->omit_stats = update->omit_stats;
+	/* A caller that wants no stats does not wait for the flush either. */
+	job->defer_flush = update->omit_stats && h->policy == STORE_POLICY_STREAMING;
 	job->job.run = update_run;
 	job->job.done = update_done;
+	job->job.may_overlap_flush = update_may_overlap_flush;
 	/* The block, the residual it fills (a decode step that compresses
-	 * residual_tokens rows), and the layer's views if they were dropped. */
-	uint64_t rows = h->policy == STORE_POLICY_STREAMING &&
-				store_update_compresses(session->store, update->layer, update->tokens) ?
+	 * residual_tokens rows, unless that flush is deferred), and the
+	 * layer's views if they were dropped. */
+	bool compresses = job->defer_flush ? update->tokens >= h->residual_tokens :
+					     store_update_compresses(session->store, update->layer,
+								     update->tokens);
+	uint64_t rows = h->policy == STORE_POLICY_STREAMING && compresses ?
 			(uint64_t)h->residual_tokens + update->tokens : update->tokens;
 	job->job.cost = kv_block_elements(h->batch, h->kv_heads, rows, h->head_dim_k) +
 			kv_block_elements(h->batch, h->kv_heads, rows, h->head_dim_v) +

@@ -25,6 +25,9 @@ const char *const fault_steps[] = {
 	"flush.index",
 	"flush.record",
 	"flush.publish",     /* commit point of the residual flush */
+	"compact.copy",      /* rows appended during a deferred flush copied to row 0 */
+	"compact.record",
+	"compact.publish",   /* commit point of that move: the residual starts at row 0 again */
 	"trim.record",       /* one layer's commit record written (hit once per layer) */
 	"trim.publish",      /* commit point of a trim, of one layer or all */
 	"drop.mark",         /* a layer's view marked invalid for readers */

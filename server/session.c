@@ -2,13 +2,16 @@
 #include "session.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "kv_layout.h"
 #include "log.h"
+#include "zipcache/error.h"
 
 /*
  * How much nicer than the daemon the thread pool's workers run. Their
@@ -205,7 +208,7 @@ struct session *session_find_name(struct session_table *table, const char *name,
 
 bool session_idle(const struct session *session)
 {
-	return !session->running && !session->queue_head;
+	return !session->running && !session->queue_head && session->flushes == 0;
 }
 
 void session_retire(struct session_table *table, struct session *session, bool remove_file)
@@ -286,6 +289,11 @@ static void session_start_next(struct session_table *table, struct session *sess
 {
 	while (!session->running && session->queue_head) {
 		struct job *job = session->queue_head;
+		/* The head waits for the flushes it may not overlap; the ones
+		 * behind it wait for it (order per session). */
+		if (session->flushes > 0 &&
+		    !(job->may_overlap_flush && job->may_overlap_flush(job)))
+			return;
 		session->queue_head = job->next;
 		if (!session->queue_head)
 			session->queue_tail = NULL;
@@ -352,4 +360,105 @@ void session_table_run_detached(struct session_table *table, struct job *job)
 	job->run(job);
 	table->jobs_in_flight--;
 	job->done(job);
+}
+
+/* ---- deferred residual flushes ---- */
+
+struct flush_task {
+	struct job publish;           /* first: queued as a job once compressed */
+	uv_work_t work;
+	struct store_flush flush;
+};
+
+static bool flush_publish_overlaps(struct job *job)
+{
+	(void)job;
+	return true;  /* it is what the others wait for */
+}
+
+static void flush_publish_run(struct job *job)
+{
+	struct flush_task *task = (struct flush_task *)job;
+	struct session *session = job->session;
+	if (session->closed) {
+		store_flush_abandon(session->store, &task->flush);
+		return;
+	}
+	int rc = store_flush_publish(session->store, &task->flush);
+	if (rc < 0)
+		log_warn("session", "residual flush deferred", "session=%llu layer=%u error=%s",
+			 (unsigned long long)session->id, task->flush.layer,
+			 rc == STORE_EBUDGET ? "memory budget exhausted" : zc_strerror(rc));
+}
+
+static void flush_publish_done(struct job *job)
+{
+	struct flush_task *task = (struct flush_task *)job;
+	struct session *session = job->session;
+	struct store_layer_stats stats;
+
+	session->flushes--;
+	if (!session->closed) {
+		store_layer_stats(session->store, task->flush.layer, &stats);
+		session_account_layer(task->publish.table, session, &stats);
+		/* Rows appended beside it may fill the residual again (only when
+		 * they reached R: they waited for this publish). */
+		if (task->flush.rc == 0)
+			session_flush_start(task->publish.table, session, task->flush.layer);
+	}
+	free(task);
+	/* job_complete starts the queue again (the jobs that waited for it). */
+}
+
+static void flush_compress_work(uv_work_t *work)
+{
+	struct flush_task *task = (struct flush_task *)((char *)work - offsetof(struct flush_task, work));
+	worker_lower_priority();
+	store_flush_compress(task->publish.session->store, &task->flush);
+}
+
+static void flush_compress_after(uv_work_t *work, int status)
+{
+	struct flush_task *task = (struct flush_task *)((char *)work - offsetof(struct flush_task, work));
+	struct session_table *table = task->publish.table;
+	struct session *session = task->publish.session;
+	(void)status;
+	/* The task's own hold passes to the publish job's. */
+	session->refs--;
+	table->jobs_in_flight--;
+	session_submit_front(table, &task->publish);
+}
+
+void session_flush_start(struct session_table *table, struct session *session, uint32_t layer)
+{
+	if (session->closed || !store_flush_due(session->store, layer))
+		return;
+	struct flush_task *task = calloc(1, sizeof(*task));
+	if (!task)
+		return;  /* the residual stays exact; the next update tries again */
+	if (store_flush_begin(session->store, layer, &task->flush) < 0) {
+		free(task);
+		return;
+	}
+	const struct store_header *h = store_header(session->store);
+	task->publish.session = session;
+	task->publish.table = table;
+	task->publish.may_overlap_flush = flush_publish_overlaps;
+	task->publish.run = flush_publish_run;
+	task->publish.done = flush_publish_done;
+	/* The publish writes the reconstruction into the views (views = full). */
+	task->publish.cost = store_views_full(session->store) ?
+		kv_block_elements(h->batch, h->kv_heads, task->flush.rows, h->head_dim_k) +
+		kv_block_elements(h->batch, h->kv_heads, task->flush.rows, h->head_dim_v) : 0;
+	session->flushes++;
+	session->refs++;
+	table->jobs_in_flight++;
+	int rc = uv_queue_work(table->loop, &task->work, flush_compress_work, flush_compress_after);
+	if (rc < 0) {
+		/* Inline instead: slower for this caller's next step, never lost. */
+		log_warn("session", "thread pool refused a flush; compressing inline",
+			 "session=%llu error=%s", (unsigned long long)session->id, uv_strerror(rc));
+		store_flush_compress(session->store, &task->flush);
+		flush_compress_after(&task->work, 0);
+	}
 }

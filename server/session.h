@@ -26,6 +26,9 @@ struct job {
 	 * on the thread pool; the one rule for every kind of job. */
 	uint64_t cost;
 	bool observe_only;            /* looking is not using: idle time keeps running */
+	/* Whether the job may start while deferred flushes of the session are
+	 * pending (session_flush_start): NULL, never (it waits for them all). */
+	bool (*may_overlap_flush)(struct job *job);
 	/* Runs with the session to itself (loop or worker thread). */
 	void (*run)(struct job *job);
 	/* Runs on the loop thread after run; owns and frees the job. */
@@ -54,6 +57,7 @@ struct session {
 	uint64_t last_used_ms;
 	struct job *queue_head, *queue_tail;
 	bool running;                 /* a job of this session is executing */
+	uint32_t flushes;             /* deferred flushes begun, not yet published */
 	bool closed;                  /* closed: no new work, freed when idle */
 	unsigned refs;                /* jobs and lookups holding it */
 	/* Each layer's accounting as last added to the table's totals. */
@@ -121,6 +125,15 @@ bool session_idle(const struct session *session);
  * the thread pool; done runs on the loop thread. Counted in flight, so a
  * stopping server waits for it. job->session is NULL. */
 void session_table_run_detached(struct session_table *table, struct job *job);
+
+/*
+ * After a reply: compresses the layer's full residual on the thread pool
+ * (store_flush_begin / _compress), then publishes it as a job at the head
+ * of the session's queue. Meanwhile the session's jobs that may overlap a
+ * flush (short appends that fit beside it) go on; the others wait for
+ * the publish. Nothing when no flush is due.
+ */
+void session_flush_start(struct session_table *table, struct session *session, uint32_t layer);
 
 /* Open sessions `uid` holds. */
 uint32_t session_count_of_uid(const struct session_table *table, uint32_t uid);

@@ -54,6 +54,7 @@
 struct layer_state {
 	uint32_t tokens;
 	uint32_t residual_tokens;
+	uint32_t residual_start;      /* the residual's first row in its buffers */
 	uint32_t blocks;
 	uint32_t active;              /* the record slot that holds the committed state */
 	uint64_t key_compressed, key_baseline, value_compressed, value_baseline;
@@ -64,6 +65,8 @@ struct layer_room {
 	uint64_t reserved_view_tokens;   /* views fallocated up to this token */
 	uint32_t reserved_residual_rows; /* residual rows fallocated (every head, K and V) */
 	bool view_valid;
+	bool flush_pending;              /* a deferred flush holds rows of the residual */
+	uint32_t flush_rows;             /* how many (its first rows) */
 	uint64_t sequence;
 	uint64_t generation;             /* view drops and rebuilds */
 };
@@ -386,6 +389,55 @@ static int reserve_in(struct store *store, int fd, uint64_t offset, uint64_t byt
 	return 0;
 }
 
+/*
+ * reserve_in for the same slice of every head of a buffer: `count` ranges
+ * of `bytes` at first + i * stride. One budget charge and one look at the
+ * file before and after all the fallocates, instead of four fstats per
+ * head: a decode step that crosses a reservation boundary pays count + 2
+ * system calls, not 5 * count. When the budget refuses the whole, each
+ * range goes through reserve_in (pages that exist already cost nothing).
+ */
+static int reserve_heads(struct store *store, int fd, uint64_t first, uint64_t stride,
+			 uint64_t count, uint64_t bytes, enum memory_kind kind)
+{
+	uint64_t total = 0;
+	int rc = 0;
+
+	if (bytes == 0 || count == 0)
+		return 0;
+	for (uint64_t i = 0; i < count; i++) {
+		uint64_t offset = first + i * stride;
+		total += round_up(offset + bytes, PAGE_BYTES) - offset / PAGE_BYTES * PAGE_BYTES;
+	}
+	if (store_budget_take(store->budget, total) < 0) {
+		for (uint64_t i = 0; i < count && rc == 0; i++)
+			rc = reserve_in(store, fd, first + i * stride, bytes, kind);
+		return rc;
+	}
+	uint64_t before = fd_allocated(fd);
+	for (uint64_t i = 0; i < count; i++) {
+		uint64_t offset = first + i * stride;
+		uint64_t start = offset / PAGE_BYTES * PAGE_BYTES;
+		uint64_t end = round_up(offset + bytes, PAGE_BYTES);
+		if (fallocate(fd, 0, (off_t)start, (off_t)(end - start)) < 0) {
+			rc = -errno;
+			log_warn("store", "fallocate failed", "path=%s offset=%llu bytes=%llu error=%s",
+				 store->path, (unsigned long long)start,
+				 (unsigned long long)(end - start), strerror(-rc));
+			break;
+		}
+	}
+	/* As in reserve_in: the provisional charge becomes what the file grew. */
+	uint64_t after = fd_allocated(fd);
+	uint64_t grown = after > before ? after - before : 0;
+	if (grown > total)
+		grown = total;
+	store_budget_give(store->budget, total - grown);
+	store->charged += grown;
+	kind_add(store, kind, (int64_t)grown);
+	return rc;
+}
+
 /* Reserves each head's slice of tokens [from, to) in both views of a layer. */
 static int reserve_view_tokens(struct store *store, uint32_t layer, uint64_t from, uint64_t to)
 {
@@ -395,13 +447,11 @@ static int reserve_view_tokens(struct store *store, uint32_t layer, uint64_t fro
 		uint32_t dim = tensor == 0 ? h->head_dim_k : h->head_dim_v;
 		uint64_t view = tensor == 0 ? store_key_view_offset(store, layer) :
 					      store_value_view_offset(store, layer);
-		for (uint64_t head = 0; head < heads; head++) {
-			uint64_t head_start = view + head * h->max_tokens * dim * 2;
-			int rc = reserve_in(store, store->map_fd, head_start + from * dim * 2,
-					    (to - from) * dim * 2, KIND_VIEWS);
-			if (rc < 0)
-				return rc;
-		}
+		int rc = reserve_heads(store, store->map_fd, view + from * dim * 2,
+				       (uint64_t)h->max_tokens * dim * 2, heads, (to - from) * dim * 2,
+				       KIND_VIEWS);
+		if (rc < 0)
+			return rc;
 	}
 	return 0;
 }
@@ -442,13 +492,11 @@ static int reserve_residual(struct store *store, uint32_t layer, uint32_t rows)
 							    (tensor == 0 ? h->key_residual_offset :
 									   h->value_residual_offset) :
 						    map_residual_offset(store, layer, tensor == 0);
-			for (uint64_t head = 0; head < heads_of(h); head++) {
-				uint64_t start = base + (head * h->residual_capacity + from) * dim * 2;
-				int rc = reserve_in(store, fd, start, (target - from) * dim * 2,
-						    KIND_RESIDUAL);
-				if (rc < 0)
-					return rc;
-			}
+			int rc = reserve_heads(store, fd, base + from * dim * 2,
+					       (uint64_t)h->residual_capacity * dim * 2, heads_of(h),
+					       (target - from) * dim * 2, KIND_RESIDUAL);
+			if (rc < 0)
+				return rc;
 		}
 	}
 	l->reserved_residual_rows = (uint32_t)target;
@@ -520,6 +568,9 @@ static int index_grow(struct store *store, uint32_t layer, uint32_t entry)
 	return entries ? 0 : -ENOMEM;
 }
 
+/* A defensive check for what cannot happen (SQLite's NEVER()). */
+#define NEVER(condition) __builtin_expect(!!(condition), 0)
+
 /* ---- readers' copy ------------------------------------------------------- */
 
 static void sequence_begin(struct store *store, uint32_t layer)
@@ -573,7 +624,7 @@ static void record_write(struct store *store, uint32_t layer, const struct layer
 	r->tokens = next->tokens;
 	r->residual_tokens = next->residual_tokens;
 	r->blocks = next->blocks;
-	r->pad = 0;
+	r->residual_start = next->residual_tokens ? next->residual_start : 0;
 	r->reserved[0] = r->reserved[1] = 0;
 }
 
@@ -593,6 +644,7 @@ static void layer_state_set(struct store *store, uint32_t layer, const struct la
 	struct layer_state *l = &store->layer[layer];
 	__atomic_store_n(&l->blocks, next->blocks, __ATOMIC_RELEASE);
 	l->active = next->active;
+	l->residual_start = next->residual_tokens ? next->residual_start : 0;
 	l->key_compressed = next->key_compressed;
 	l->key_baseline = next->key_baseline;
 	l->value_compressed = next->value_compressed;
@@ -819,8 +871,10 @@ static int store_alloc(const struct store_header *h, struct store **out)
 	store->room = calloc(h->layers, sizeof(*store->room));
 	store->index = calloc(h->layers, sizeof(*store->index));
 	if (!store->layer || !store->room || !store->index || map_layout(h, &store->layout) < 0) {
+		/* Decided before the free: store->layer is gone after it. */
+		int rc = store->layer && store->room && store->index ? ZC_EEXHAUSTED : -ENOMEM;
 		store_free_memory(store);
-		return store->layer ? ZC_EEXHAUSTED : -ENOMEM;
+		return rc;
 	}
 	store->codec = header_codec(h);
 	*out = store;
@@ -1172,12 +1226,12 @@ static int fork_layer(struct store *fork, const struct store *source, uint32_t l
 			rows_move(tensor == 0 ? key_residual(fork, layer) : value_residual(fork, layer),
 				  &strides, 0,
 				  tensor == 0 ? key_residual(source, layer) : value_residual(source, layer),
-				  &strides, 0, h, rows, dim);
+				  &strides, s->residual_start, h, rows, dim);
 			if (fork->layout.residual_offset)
 				rows_move(map_residual(fork, layer, tensor == 0), &strides, 0,
 					  tensor == 0 ? key_residual(source, layer) :
 							value_residual(source, layer),
-					  &strides, 0, h, rows, dim);
+					  &strides, s->residual_start, h, rows, dim);
 		}
 		next.residual_tokens = rows;
 	}
@@ -1277,9 +1331,9 @@ static int header_check(const struct store_header *h, uint64_t file_bytes, char 
 
 	if (memcmp(h->magic, STORE_MAGIC, sizeof(h->magic)) != 0)
 		return corrupt(reason, size, "no store magic (the file was never finished)");
-	if (h->version != STORE_VERSION && h->version != STORE_VERSION_NO_MODEL_ID)
-		return corrupt(reason, size, "format version %u, this daemon reads %u and %u",
-			       h->version, STORE_VERSION_NO_MODEL_ID, STORE_VERSION);
+	if (h->version < STORE_VERSION_OLDEST || h->version > STORE_VERSION)
+		return corrupt(reason, size, "format version %u, this daemon reads %u to %u",
+			       h->version, STORE_VERSION_OLDEST, STORE_VERSION);
 	expected.layers = h->layers;
 	expected.batch = h->batch;
 	expected.kv_heads = h->kv_heads;
@@ -1346,7 +1400,8 @@ static int layer_recover(struct store *store, uint32_t layer, bool pool_existed,
 	const struct store_layer_commit r = *slots[best];
 	*l = (struct layer_state){ .active = (uint32_t)best };
 	if (r.tokens > h->max_tokens || r.blocks > h->max_blocks || r.blocks > r.tokens ||
-	    r.residual_tokens > r.tokens || r.residual_tokens > h->residual_capacity)
+	    r.residual_tokens > r.tokens ||
+	    (uint64_t)r.residual_start + r.residual_tokens > h->residual_capacity)
 		return corrupt(reason, size, "layer %u: record counts out of range", layer);
 	if (r.blocks > 0 && !pool_existed)
 		return corrupt(reason, size, "layer %u: %u blocks, but the pool file is missing", layer,
@@ -1393,6 +1448,7 @@ static int layer_recover(struct store *store, uint32_t layer, bool pool_existed,
 			       layer, r.tokens, r.residual_tokens);
 	l->tokens = r.tokens;
 	l->residual_tokens = r.residual_tokens;
+	l->residual_start = r.residual_tokens ? r.residual_start : 0;
 
 	/* Reservations are not durable: every page is reserved again before
 	 * it is written. */
@@ -1410,15 +1466,16 @@ static int map_residual_fill(struct store *store, uint32_t layer)
 {
 	const struct store_header *h = store->header;
 	uint32_t rows = store->layer[layer].residual_tokens;
+	uint32_t start = store->layer[layer].residual_start;
 	if (!store->layout.residual_offset || rows == 0)
 		return 0;
-	int rc = reserve_residual(store, layer, rows);
+	int rc = reserve_residual(store, layer, start + rows);
 	for (int tensor = 0; rc == 0 && tensor < 2; tensor++) {
 		uint32_t dim = tensor == 0 ? h->head_dim_k : h->head_dim_v;
 		zc_strides strides = residual_strides(h, dim);
 		rows_move(map_residual(store, layer, tensor == 0), &strides, 0,
 			  tensor == 0 ? key_residual(store, layer) : value_residual(store, layer),
-			  &strides, 0, h, rows, dim);
+			  &strides, start, h, rows, dim);
 	}
 	return rc;
 }
@@ -1867,13 +1924,15 @@ static int residual_to_block(struct store *store, uint32_t layer, struct layer_s
 	zc_strides key_strides = residual_strides(h, h->head_dim_k);
 	zc_strides value_strides = residual_strides(h, h->head_dim_v);
 	struct layer_state attempt = *next;
+	size_t start = next->residual_start;
 	int rc = block_append(store, layer, &attempt, next->tokens - next->residual_tokens,
-			      next->residual_tokens, key_residual(store, layer), &key_strides,
-			      value_residual(store, layer), &value_strides, "flush.compress",
-			      "flush.index");
+			      next->residual_tokens, key_residual(store, layer) + start * h->head_dim_k,
+			      &key_strides, value_residual(store, layer) + start * h->head_dim_v,
+			      &value_strides, "flush.compress", "flush.index");
 	if (rc < 0)
 		return rc;
 	attempt.residual_tokens = 0;
+	attempt.residual_start = 0;
 	*next = attempt;
 	return 0;
 }
@@ -1886,6 +1945,219 @@ static int residual_flush(struct store *store, uint32_t layer)
 	if (rc == 0 && next.blocks != store->layer[layer].blocks)
 		layer_commit(store, layer, &next, "flush.record", "flush.publish");
 	return rc;
+}
+
+/* ---- the deferred flush (docs/DURABILITY.md, "deferred residual flush") ---- */
+
+bool store_flush_due(const struct store *store, uint32_t layer)
+{
+	const struct store_header *h = store->header;
+	return layer < h->layers && h->policy == STORE_POLICY_STREAMING &&
+	       !store->room[layer].flush_pending &&
+	       store->layer[layer].residual_tokens >= h->residual_tokens;
+}
+
+bool store_flush_pending(const struct store *store, uint32_t layer)
+{
+	return layer < store->header->layers && store->room[layer].flush_pending;
+}
+
+bool store_append_fits(const struct store *store, uint32_t layer, uint32_t tokens)
+{
+	const struct store_header *h = store->header;
+	if (layer >= h->layers)
+		return false;
+	const struct layer_state *l = &store->layer[layer];
+	const struct layer_room *room = &store->room[layer];
+	/* The rows beside the flush stay fewer than R: the update that makes
+	 * them R or more waits for the publish and then flushes them itself,
+	 * so blocks begin and end where the synchronous flush puts them. */
+	uint32_t beside = room->flush_pending ? l->residual_tokens - room->flush_rows :
+						l->residual_tokens;
+	return h->policy == STORE_POLICY_STREAMING && tokens < h->residual_tokens &&
+	       (uint64_t)beside + tokens < h->residual_tokens &&
+	       (uint64_t)l->residual_start + l->residual_tokens + tokens <= h->residual_capacity;
+}
+
+int store_flush_begin(struct store *store, uint32_t layer, struct store_flush *flush)
+{
+	if (!store_flush_due(store, layer))
+		return -EAGAIN;
+	const struct layer_state *l = &store->layer[layer];
+	*flush = (struct store_flush){
+		.layer = layer,
+		.first_token = l->tokens - l->residual_tokens,
+		.rows = l->residual_tokens,
+		.start = l->residual_start,
+	};
+	store->room[layer].flush_pending = true;
+	store->room[layer].flush_rows = flush->rows;
+	return 0;
+}
+
+/*
+ * Runs on a worker while the session's other jobs go on: it reads only
+ * the residual rows the flush took (no job writes them while the flush is
+ * pending: appends go past them, everything else waits) and writes only a
+ * fresh pool extent, scratch until the publish commits an entry naming it.
+ */
+void store_flush_compress(const struct store *store, struct store_flush *flush)
+{
+	const struct store_header *h = store->header;
+	zc_block_shape key_shape = { h->batch, h->kv_heads, flush->rows, h->head_dim_k };
+	zc_block_shape value_shape = { h->batch, h->kv_heads, flush->rows, h->head_dim_v };
+	zc_strides key_strides = residual_strides(h, h->head_dim_k);
+	zc_strides value_strides = residual_strides(h, h->head_dim_v);
+
+	flush->rc = zc_block_count_bytes(&store->codec, ZC_TENSOR_KEYS, &key_shape, &flush->key_count);
+	if (flush->rc == 0)
+		flush->rc = zc_block_count_bytes(&store->codec, ZC_TENSOR_VALUES, &value_shape,
+						 &flush->value_count);
+	if (flush->rc < 0)
+		return;
+	flush->payload = malloc(flush->key_count.compressed + flush->value_count.compressed);
+	if (!flush->payload) {
+		flush->rc = -ENOMEM;
+		return;
+	}
+	uint8_t *value_out = flush->payload + flush->key_count.compressed;
+	int64_t written = zc_block_compress_strided(
+		&store->codec, ZC_TENSOR_KEYS, &key_shape,
+		key_residual(store, flush->layer) + (size_t)flush->start * h->head_dim_k, &key_strides,
+		flush->payload, flush->key_count.compressed);
+	if (written >= 0)
+		written = zc_block_compress_strided(
+			&store->codec, ZC_TENSOR_VALUES, &value_shape,
+			value_residual(store, flush->layer) + (size_t)flush->start * h->head_dim_v,
+			&value_strides, value_out, flush->value_count.compressed);
+	flush->rc = written < 0 ? (int)written :
+				  pool_write(store->pool, flush->payload, flush->key_count.compressed,
+					     value_out, flush->value_count.compressed, &flush->key_offset);
+	if (flush->rc == 0) {
+		flush->written = true;
+		fault_point("flush.compress");
+	}
+}
+
+void store_flush_abandon(struct store *store, struct store_flush *flush)
+{
+	if (flush->written)
+		pool_unref(store->pool, flush->key_offset);
+	flush->written = false;
+	free(flush->payload);
+	flush->payload = NULL;
+	if (flush->layer < store->header->layers)
+		store->room[flush->layer].flush_pending = false;
+}
+
+/* Moves residual rows [from, from + rows) of every head to row `to` (both
+ * tensors) in the durable buffers, or in the readers' (views = none). */
+static void residual_rows_shift(struct store *store, uint32_t layer, bool readers, uint32_t from,
+				uint32_t to, uint32_t rows)
+{
+	const struct store_header *h = store->header;
+	for (int tensor = 0; tensor < 2; tensor++) {
+		uint32_t dim = tensor == 0 ? h->head_dim_k : h->head_dim_v;
+		zc_strides strides = residual_strides(h, dim);
+		uint16_t *buffer = readers ? map_residual(store, layer, tensor == 0) :
+				   tensor == 0 ? key_residual(store, layer) : value_residual(store, layer);
+		rows_move(buffer, &strides, to, buffer, &strides, from, h, rows, dim);
+	}
+}
+
+/*
+ * Makes the compressed rows the layer's block, inside the layer's seqlock,
+ * with the session to itself (a job in its queue). Two commits: the block
+ * with the residual now starting past the flushed rows (flush.publish, the
+ * flush's commit point), then, if tokens were appended while it ran, those
+ * rows moved back to row 0 (compact.publish). The moves never overwrite a
+ * committed row: the rows appended meanwhile are fewer than those flushed.
+ * On failure (index space, the budget) the block is dropped and the
+ * residual stays as it is, exact; a later update flushes it.
+ */
+int store_flush_publish(struct store *store, struct store_flush *flush)
+{
+	const struct store_header *h = store->header;
+	uint32_t layer = flush->layer;
+	struct layer_state next = store->layer[layer];
+	int rc = flush->rc;
+
+	if (rc == 0 && NEVER(next.residual_start != flush->start || next.residual_tokens < flush->rows ||
+			     next.tokens - next.residual_tokens != flush->first_token))
+		rc = -EBUSY;
+	if (rc == 0 && next.blocks >= h->max_blocks)
+		rc = ZC_EEXHAUSTED;
+	if (rc == 0)
+		rc = index_grow(store, layer, next.blocks);
+	if (rc == 0)
+		rc = reserve_index_entry(store, layer, next.blocks);
+	if (rc < 0) {
+		store_flush_abandon(store, flush);
+		return rc;
+	}
+
+	sequence_begin(store, layer);
+	if (views_full(store) && store->room[layer].view_valid) {
+		zc_block_shape key_shape = { h->batch, h->kv_heads, flush->rows, h->head_dim_k };
+		zc_block_shape value_shape = { h->batch, h->kv_heads, flush->rows, h->head_dim_v };
+		zc_strides key_view_strides = view_strides(h, h->head_dim_k);
+		zc_strides value_view_strides = view_strides(h, h->head_dim_v);
+		int vrc = zc_block_reconstruct(&store->codec, ZC_TENSOR_KEYS, &key_shape, flush->payload,
+					       flush->key_count.compressed,
+					       key_view(store, layer) +
+						       (size_t)flush->first_token * h->head_dim_k,
+					       &key_view_strides);
+		if (vrc == 0)
+			vrc = zc_block_reconstruct(&store->codec, ZC_TENSOR_VALUES, &value_shape,
+						   flush->payload + flush->key_count.compressed,
+						   flush->value_count.compressed,
+						   value_view(store, layer) +
+							   (size_t)flush->first_token * h->head_dim_v,
+						   &value_view_strides);
+		/* The block is good either way; the view is rebuilt from it. */
+		if (vrc < 0)
+			view_valid_set(store, layer, false);
+	}
+	store_block entry = {
+		.first_token = flush->first_token,
+		.tokens = flush->rows,
+		.valid_tokens = flush->rows,
+		.key_offset = flush->key_offset,
+		.key_bytes = flush->key_count.compressed,
+		.value_offset = pool_value_offset(flush->key_offset, flush->key_count.compressed),
+		.value_bytes = flush->value_count.compressed,
+	};
+	store->index[layer].entries[next.blocks] = entry;
+	file_index(store, layer)[next.blocks] = entry;
+	map_table(store, layer)[next.blocks] = entry;
+	fault_point("flush.index");
+	uint32_t later = next.residual_tokens - flush->rows;
+	next.blocks++;
+	next.key_compressed += flush->key_count.compressed;
+	next.key_baseline += flush->key_count.baseline;
+	next.value_compressed += flush->value_count.compressed;
+	next.value_baseline += flush->value_count.baseline;
+	next.residual_tokens = later;
+	next.residual_start = later ? flush->start + flush->rows : 0;
+	layer_commit(store, layer, &next, "flush.record", "flush.publish");
+	flush->written = false;  /* the layer names the block now */
+	if (later > 0) {
+		/* Readers' rows move inside this same write; the durable ones
+		 * go to rows the commit above made scratch. */
+		if (store->layout.residual_offset)
+			residual_rows_shift(store, layer, true, flush->rows, 0, later);
+		if (later <= next.residual_start) {
+			residual_rows_shift(store, layer, false, next.residual_start, 0, later);
+			fault_point("compact.copy");
+			next.residual_start = 0;
+			layer_commit(store, layer, &next, "compact.record", "compact.publish");
+		}
+	}
+	residual_release(store, layer);
+	mirror_layer(store, layer);
+	sequence_end(store, layer);
+	store_flush_abandon(store, flush);
+	return 0;
 }
 
 /* Copies a contiguous [B, H, tokens, D] block into a strided buffer at row `at`. */
@@ -1947,12 +2219,17 @@ static int update_direct(struct store *store, uint32_t layer, uint32_t tokens,
  * the readers' residual); a residual that fills up is compressed as one
  * block right after. */
 static int update_residual(struct store *store, uint32_t layer, uint32_t tokens,
-			   const uint16_t *keys, const uint16_t *values)
+			   const uint16_t *keys, const uint16_t *values, bool defer_flush)
 {
 	const struct store_header *h = store->header;
+	const struct layer_state *l = &store->layer[layer];
 	int rc;
 
-	if (store->layer[layer].residual_tokens + tokens > h->residual_capacity) {
+	if (l->residual_start + l->residual_tokens + tokens > h->residual_capacity) {
+		/* The session's queue lets no update past a deferred flush that
+		 * holds the rows it would need. */
+		if (NEVER(store->room[layer].flush_pending))
+			return -EBUSY;
 		/* Only after an earlier flush failed for lack of space, or a
 		 * crash between an update's commit and its flush. */
 		rc = residual_flush(store, layer);
@@ -1962,41 +2239,39 @@ static int update_residual(struct store *store, uint32_t layer, uint32_t tokens,
 	struct layer_state next = store->layer[layer];
 	zc_strides key_res = residual_strides(h, h->head_dim_k);
 	zc_strides value_res = residual_strides(h, h->head_dim_v);
-	rows_copy(key_residual(store, layer), &key_res, next.residual_tokens, keys, h, tokens,
-		  h->head_dim_k);
-	rows_copy(value_residual(store, layer), &value_res, next.residual_tokens, values, h, tokens,
-		  h->head_dim_v);
+	/* The durable row the tokens go to; readers' rows (the map's residual
+	 * with views = none) always start at 0. */
+	size_t row = (size_t)next.residual_start + next.residual_tokens;
+	rows_copy(key_residual(store, layer), &key_res, row, keys, h, tokens, h->head_dim_k);
+	rows_copy(value_residual(store, layer), &value_res, row, values, h, tokens, h->head_dim_v);
 	/* Staged input sits in memory the client may still write: what counts
 	 * is what was copied, so that is what must be finite, and what
 	 * readers get. */
-	rc = rows_check_finite(key_residual(store, layer), &key_res, next.residual_tokens, h, tokens,
-			       h->head_dim_k);
+	rc = rows_check_finite(key_residual(store, layer), &key_res, row, h, tokens, h->head_dim_k);
 	if (rc == 0)
-		rc = rows_check_finite(value_residual(store, layer), &value_res, next.residual_tokens, h,
-				       tokens, h->head_dim_v);
+		rc = rows_check_finite(value_residual(store, layer), &value_res, row, h, tokens,
+				       h->head_dim_v);
 	if (rc < 0)
 		return rc;
 	if (views_full(store)) {
 		zc_strides key_view_s = view_strides(h, h->head_dim_k);
 		zc_strides value_view_s = view_strides(h, h->head_dim_v);
 		rows_move(key_view(store, layer), &key_view_s, next.tokens, key_residual(store, layer),
-			  &key_res, next.residual_tokens, h, tokens, h->head_dim_k);
+			  &key_res, row, h, tokens, h->head_dim_k);
 		rows_move(value_view(store, layer), &value_view_s, next.tokens,
-			  value_residual(store, layer), &value_res, next.residual_tokens, h, tokens,
-			  h->head_dim_v);
+			  value_residual(store, layer), &value_res, row, h, tokens, h->head_dim_v);
 	} else {
 		rows_move(map_residual(store, layer, true), &key_res, next.residual_tokens,
-			  key_residual(store, layer), &key_res, next.residual_tokens, h, tokens,
-			  h->head_dim_k);
+			  key_residual(store, layer), &key_res, row, h, tokens, h->head_dim_k);
 		rows_move(map_residual(store, layer, false), &value_res, next.residual_tokens,
-			  value_residual(store, layer), &value_res, next.residual_tokens, h, tokens,
-			  h->head_dim_v);
+			  value_residual(store, layer), &value_res, row, h, tokens, h->head_dim_v);
 	}
 	fault_point("residual.copy");
 	next.residual_tokens += tokens;
 	next.tokens += tokens;
 	layer_commit(store, layer, &next, "residual.record", "residual.publish");
-	if (next.residual_tokens >= h->residual_tokens) {
+	/* Deferred: the caller flushes after its reply (store_flush_begin). */
+	if (!defer_flush && next.residual_tokens >= h->residual_tokens) {
 		/* The tokens are stored exactly either way; a failed flush is
 		 * retried on the next update and only costs compression. */
 		rc = residual_flush(store, layer);
@@ -2011,6 +2286,12 @@ static int update_residual(struct store *store, uint32_t layer, uint32_t tokens,
 int store_update(struct store *store, uint32_t layer, uint32_t tokens,
 		 const uint16_t *keys, const uint16_t *values)
 {
+	return store_append(store, layer, tokens, keys, values, false);
+}
+
+int store_append(struct store *store, uint32_t layer, uint32_t tokens, const uint16_t *keys,
+		 const uint16_t *values, bool defer_flush)
+{
 	const struct store_header *h = store->header;
 	int rc;
 
@@ -2021,6 +2302,10 @@ int store_update(struct store *store, uint32_t layer, uint32_t tokens,
 		return ZC_EEXHAUSTED;
 	uint64_t heads = heads_of(h);
 	bool direct = h->policy == STORE_POLICY_PER_CALL || tokens >= h->residual_tokens;
+	/* A direct block compresses the residual ahead of it: never while a
+	 * deferred flush holds it (the session's queue waits for the flush). */
+	if (NEVER(direct && store->room[layer].flush_pending))
+		return -EBUSY;
 	/* The codec refuses NaN/Inf before writing, so a block compressed
 	 * directly needs no check of its own; but the residual path copies,
 	 * and a flush ahead of a direct block must not happen for a block
@@ -2039,8 +2324,9 @@ int store_update(struct store *store, uint32_t layer, uint32_t tokens,
 	}
 	/* The residual path's rows (a block that would overflow the residual
 	 * follows a flush, so never more than its capacity). */
-	rc = direct ? 0 : reserve_residual(store, layer, l->residual_tokens + tokens <= h->residual_capacity ?
-							      l->residual_tokens + tokens : tokens);
+	uint64_t rows = (uint64_t)l->residual_start + l->residual_tokens + tokens;
+	rc = direct ? 0 : reserve_residual(store, layer, rows <= h->residual_capacity ?
+								 (uint32_t)rows : tokens);
 	if (rc == 0 && views_full(store))
 		rc = reserve_views(store, layer, (uint64_t)l->tokens + tokens);
 	if (rc < 0)
@@ -2048,7 +2334,7 @@ int store_update(struct store *store, uint32_t layer, uint32_t tokens,
 
 	sequence_begin(store, layer);
 	rc = direct ? update_direct(store, layer, tokens, keys, values) :
-		      update_residual(store, layer, tokens, keys, values);
+		      update_residual(store, layer, tokens, keys, values, defer_flush);
 	residual_release(store, layer);
 	mirror_layer(store, layer);
 	sequence_end(store, layer);
@@ -2332,7 +2618,7 @@ static int views_rebuild_layer(struct store *store, uint32_t layer)
 			rows_move(tensor == 0 ? key_view(store, layer) : value_view(store, layer), &to,
 				  first,
 				  tensor == 0 ? key_residual(store, layer) : value_residual(store, layer),
-				  &from, 0, h, l->residual_tokens, dim);
+				  &from, l->residual_start, h, l->residual_tokens, dim);
 		}
 	}
 	if (rc == 0) {
@@ -2401,8 +2687,12 @@ void store_layer_cut(const struct store *store, uint32_t layer, struct store_cut
 		.residual_tokens = l->residual_tokens,
 		.blocks = l->blocks,
 		.entries = store->index[layer].entries,
-		.key_residual = key_residual(store, layer),
-		.value_residual = value_residual(store, layer),
+		/* Rows from residual_start on: a flush published beside later
+		 * appends can leave the residual's first row past 0. */
+		.key_residual = key_residual(store, layer) +
+				(size_t)l->residual_start * store->header->head_dim_k,
+		.value_residual = value_residual(store, layer) +
+				  (size_t)l->residual_start * store->header->head_dim_v,
 		.residual_capacity = store->header->residual_capacity,
 	};
 }

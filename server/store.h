@@ -179,6 +179,45 @@ uint64_t store_rebuild_bytes(const struct store *store);
 int store_update(struct store *store, uint32_t layer, uint32_t tokens,
 		 const uint16_t *keys, const uint16_t *values);
 
+/* store_update, with the choice of leaving a residual that fills up
+ * exact for a deferred flush (defer_flush: store_flush_begin after the
+ * reply) instead of compressing it on the caller's path. */
+int store_append(struct store *store, uint32_t layer, uint32_t tokens, const uint16_t *keys,
+		 const uint16_t *values, bool defer_flush);
+
+/*
+ * The deferred residual flush, in three steps (docs/DURABILITY.md):
+ * begin (the session's loop thread: takes the residual's rows as they
+ * are now, and marks the layer), compress (any thread, while the
+ * session's other jobs go on: a fresh pool block from those rows), and
+ * publish (a job of the session, with the store to itself: the block
+ * becomes the layer's, atomically for readers) or abandon. While a flush
+ * is pending on a layer only short appends that fit the residual's
+ * capacity (store_append_fits) may run on it; everything else on the
+ * session waits for the publish.
+ */
+struct store_flush {
+	uint32_t layer;
+	uint32_t first_token, rows, start;
+	int rc;                   /* of the compress */
+	bool written;             /* the pool holds the block, not yet named */
+	uint8_t *payload;         /* K then V, compressed (owned) */
+	zc_byte_count key_count, value_count;
+	uint64_t key_offset;
+};
+
+/* Whether the layer's residual is full and no flush of it is pending. */
+bool store_flush_due(const struct store *store, uint32_t layer);
+bool store_flush_pending(const struct store *store, uint32_t layer);
+/* Whether a short update of `tokens` can go into the residual beside a
+ * pending flush. */
+bool store_append_fits(const struct store *store, uint32_t layer, uint32_t tokens);
+/* -EAGAIN when nothing is due. */
+int store_flush_begin(struct store *store, uint32_t layer, struct store_flush *flush);
+void store_flush_compress(const struct store *store, struct store_flush *flush);
+int store_flush_publish(struct store *store, struct store_flush *flush);
+void store_flush_abandon(struct store *store, struct store_flush *flush);
+
 /* Drops the last `tokens` tokens of every layer (fewer where a layer is
  * shorter); *trimmed is what the longest layer lost. */
 int store_trim(struct store *store, uint32_t tokens, uint32_t *trimmed);
@@ -222,7 +261,8 @@ uint32_t store_residual_capacity(uint32_t residual_tokens, uint32_t max_tokens);
 
 /* One layer as it stands: counts, its block index (the pool entries, as
  * committed) and its residual rows ([batch][kv_heads][residual_capacity][D]
- * per tensor, the first residual_tokens rows of each head valid). Pointers
+ * per tensor, residual_tokens rows of each head valid from the pointers
+ * on, which already skip residual_start). Pointers
  * are the store's, valid while the caller has the session to itself. */
 struct store_cut {
 	uint32_t tokens, residual_tokens, blocks;

@@ -656,8 +656,12 @@ static void *race_writer_main(void *arg)
 			struct block block;
 			zc_view view;
 			race_block(w->shape, k, op.tokens, &block);
+			/* Stats asked for: the flush a step causes is part of its
+			 * write, so each op is one write (deferred flushes are
+			 * raced in tests/deferred_flush_test.c). */
+			zc_layer_stats stats;
 			w->rc = zc_update_and_fetch(session, 0, op.tokens, block.keys, block.values, &view,
-						    NULL);
+						    &stats);
 			held = view.tokens;
 			block_free(&block);
 		}

@@ -71,6 +71,7 @@ double rng_normal(struct rng *rng);
 struct model_block {
 	uint32_t first_token;
 	uint32_t tokens;          /* tokens it was compressed with (trim keeps it whole) */
+	bool flushed;             /* made from the residual (model_flush) */
 	zc_byte_count key, value;
 };
 
@@ -106,6 +107,15 @@ bool model_direct(const struct model *model, uint32_t tokens);
 
 /* The whole residual becomes one block, compressed from the exact tokens. */
 void model_flush(struct model *model, uint32_t layer);
+
+/*
+ * The layer as it is while the daemon has not yet published the deferred
+ * flush that made its last block (an update that asked for no stats
+ * filled the residual; the flush runs after the reply): that block's
+ * rows back in the residual, exact. False, and nothing changed, when the
+ * last block is not a whole flushed residual.
+ */
+bool model_unpublish_last_flush(struct model *model, uint32_t layer);
 
 /*
  * A short streaming update up to, not including, the flush it may cause:
@@ -155,8 +165,16 @@ bool stats_match(const char *what, const zc_layer_stats *got, const zc_layer_sta
  * per-layer and total accounting, against the model. */
 bool session_matches(zc_session *session, const struct model *model, char *why, size_t size);
 
+/* session_matches, also accepting, for any of the layers, the state with
+ * its last deferred flush not yet published (model_unpublish_last_flush):
+ * what a daemon killed before the publish leaves (the tokens are all
+ * there, exact). The first model tried is the model as given. */
+bool session_matches_after_crash(zc_session *session, const struct model *model, char *why,
+				 size_t size);
+
 /* After a restart: of the n sessions named by configs, exactly those with
- * exists[i] are on the daemon, and each (attached) equals models[i]. */
+ * exists[i] are on the daemon, and each (attached) equals models[i] (or
+ * models[i] with deferred flushes unpublished: session_matches_after_crash). */
 bool daemon_sessions_match(zc_client *client, const zc_session_config *configs,
 			   const struct model *models, const bool *exists, int n, char *why,
 			   size_t size);

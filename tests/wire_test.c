@@ -1324,6 +1324,34 @@ START_TEST(plain_request_same_bytes)
 }
 END_TEST
 
+/* omit_stats travels as an optional field: absent means false (older
+ * clients keep their stats), present and true decodes as true. */
+START_TEST(request_omit_stats)
+{
+	uint8_t frame[256];
+	size_t len;
+	wire_request plain = { .request_id = 9, .op = WIRE_OP_UPDATE_AND_FETCH };
+	wire_request back;
+
+	plain.update_and_fetch.session_id = 3;
+	plain.update_and_fetch.tokens = 1;
+	plain.update_and_fetch.staged = true;
+	ck_assert_int_eq(wire_request_encode(&plain, frame, sizeof(frame), &len), 0);
+	size_t without = len;
+	ck_assert_int_eq(wire_request_decode(frame + FRAME_HEADER_BYTES, len - FRAME_HEADER_BYTES,
+					     &back), 0);
+	ck_assert(!back.update_and_fetch.omit_stats);
+
+	plain.update_and_fetch.omit_stats = true;
+	ck_assert_int_eq(wire_request_encode(&plain, frame, sizeof(frame), &len), 0);
+	ck_assert_uint_eq(len, without + 2);
+	ck_assert_int_eq(wire_request_decode(frame + FRAME_HEADER_BYTES, len - FRAME_HEADER_BYTES,
+					     &back), 0);
+	ck_assert(back.update_and_fetch.omit_stats);
+	ck_assert_uint_eq(back.update_and_fetch.session_id, 3);
+}
+END_TEST
+
 /* A stats reply with its layer list: the plain encode is the generated
  * one's bytes, and decoding it gives the plain structs back. */
 START_TEST(plain_response_same_bytes)
@@ -1411,6 +1439,7 @@ static Suite *wire_suite(void)
 	tcase_add_test(rt, responses_through_frame_reader);
 	tcase_add_test(rt, plain_request_same_bytes);
 	tcase_add_test(rt, plain_response_same_bytes);
+	tcase_add_test(rt, request_omit_stats);
 	suite_add_tcase(s, rt);
 
 	/* ASan slows the fuzz loops several-fold. */

@@ -398,6 +398,80 @@ int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
 			zc_layer_stats *stats);
 
 /*
+ * Stats, when asked for (stats not NULL), describe the layer after this
+ * update and after any residual flush it causes. A caller that passes
+ * NULL does not wait for that flush: the daemon compresses a residual the
+ * update filled after replying, on its thread pool, and until it
+ * publishes the reconstruction (inside the layer's seqlock, `sequence`
+ * moving again) the view keeps those tokens' exact rows.
+ */
+
+/*
+ * Zero-round-trip decode. zc_update_async sends the update and returns:
+ * the caller already holds the tokens it appends (under the streaming
+ * policy they come back exact), so it need not wait for the daemon.
+ * The ticket names the request; zc_wait blocks until its reply came,
+ * zc_poll looks without blocking (1 done, 0 not yet). Updates of a
+ * (session, layer) are applied in the order sent; many layers and
+ * sessions of the client may be in flight together, up to its window
+ * (ZC_ASYNC_WINDOW, zc_client_set_async_window): an update past it first
+ * waits for the oldest reply (back-pressure). Blocks above the inline
+ * limit are refused (ZC_EINVALID): prefill through zc_update_many or the
+ * staging buffer.
+ *
+ * Errors: the daemon's refusal of an asynchronous update is returned by
+ * the zc_wait or zc_poll of its ticket, and is also announced once by the
+ * next zc_update_async or zc_wait_all of the client, which then sends
+ * nothing; zc_client_last_error names the request (session, layer,
+ * ticket) and gives the daemon's sentence. A broken connection fails
+ * every ticket in flight (see Failures at the top: each update is there
+ * wholly or not at all). Every synchronous call first waits for the
+ * replies in flight (keeping their errors for zc_wait).
+ */
+#define ZC_ASYNC_WINDOW 64u
+typedef uint64_t zc_ticket;
+
+int zc_update_async(zc_session *session, uint32_t layer, uint32_t tokens,
+		    const uint16_t *keys, const uint16_t *values, zc_ticket *ticket);
+int zc_wait(zc_session *session, uint32_t layer, zc_ticket ticket);
+int zc_poll(zc_session *session, uint32_t layer, zc_ticket ticket);
+/* Waits for every update in flight; the first error not yet announced. */
+int zc_wait_all(zc_client *client);
+/* Updates in flight at most (1 .. ZC_ASYNC_WINDOW). */
+int zc_client_set_async_window(zc_client *client, unsigned window);
+/*
+ * How many asynchronous updates go out in one write (1, the default:
+ * each is written when zc_update_async is called). A larger batch keeps
+ * up to that many encoded in the client and writes them together, which
+ * costs the daemon one wake-up instead of one per update; they are also
+ * written before anything waits for a reply (zc_wait, zc_poll,
+ * zc_wait_all, any synchronous call, the window's back-pressure). A
+ * 32-layer model may batch its layers: the daemon needs a layer's update
+ * only before the next token's read of it.
+ */
+int zc_client_set_async_batch(zc_client *client, unsigned frames);
+
+/*
+ * Many blocks at once (a prefill of every layer): sent in one write (up
+ * to the window's worth), without a round trip per block; the daemon
+ * applies them in its session's order and the replies are read together.
+ * Blocks over the inline limit go through the staging buffer, in batches
+ * of up to 256 MiB. Each block is applied or refused on its own, as if
+ * sent alone: a refused one does not hold back those after it. *done: how
+ * many were applied; returns the first refusal's code
+ * (zc_client_last_error: its sentence), or 0. A broken connection stops
+ * it (see Failures at the top).
+ */
+typedef struct zc_update {
+	uint32_t layer;
+	uint32_t tokens;
+	const uint16_t *keys;
+	const uint16_t *values;
+} zc_update;
+
+int zc_update_many(zc_session *session, const zc_update *updates, size_t n, size_t *done);
+
+/*
  * The zero-copy way in for large blocks: a buffer shared with the daemon,
  * at least `bytes` long, that the caller fills and then names by offset
  * in zc_update_and_fetch_staged(). The pointer is valid until the next

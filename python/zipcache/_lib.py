@@ -476,6 +476,13 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
             POINTER(zc_layer_stats),
         ],
     ),
+    "zc_update_async": (
+        c_int, [zc_session_p, c_uint32, c_uint32, c_void_p, c_void_p, POINTER(c_uint64)]),
+    "zc_wait": (c_int, [zc_session_p, c_uint32, c_uint64]),
+    "zc_poll": (c_int, [zc_session_p, c_uint32, c_uint64]),
+    "zc_wait_all": (c_int, [zc_client_p]),
+    "zc_client_set_async_window": (c_int, [zc_client_p, c_uint]),
+    "zc_client_set_async_batch": (c_int, [zc_client_p, c_uint]),
     "zc_session_view": (c_int, [zc_session_p, c_uint32, POINTER(zc_view)]),
     "zc_session_trim": (c_int, [zc_session_p, c_uint32, POINTER(c_uint32)]),
     "zc_session_trim_layer": (c_int, [zc_session_p, c_uint32, c_uint32, POINTER(c_uint32)]),

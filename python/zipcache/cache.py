@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .client import LayerStats, Session
+from .client import LayerStats, Policy, Session
 
 __all__ = ["ZipCacheKVCache", "make_prompt_cache"]
 
@@ -29,10 +29,13 @@ class ZipCacheKVCache:
     reports them.
     """
 
-    def __init__(self, session: Session, layer: int) -> None:
+    def __init__(self, session: Session, layer: int, asynchronous: bool = False) -> None:
         session._check_layer(layer, "ZipCacheKVCache")
         self.session = session
         self.layer = int(layer)
+        # Zero-round-trip mode: see update_and_fetch.
+        self.asynchronous = bool(asynchronous)
+        self._ticket = 0
 
     @classmethod
     def for_model(cls, session: Session) -> list["ZipCacheKVCache"]:
@@ -55,10 +58,35 @@ class ZipCacheKVCache:
         blocks and residual instead: copies, O(tokens) per call — use
         ``zipcache.attend`` there rather than this surface.
         """
+        if self.asynchronous and self._async_allowed(keys):
+            return self._update_async(keys, values)
         result = self.session.update_and_fetch(self.layer, keys, values)
         if isinstance(result, int):
             return self.session.reconstruct_layer(self.layer)
         return result
+
+    def _async_allowed(self, keys: Any) -> bool:
+        """Where the seed surface allows it: a streaming session with views, and a block
+        short enough to stay exact in the residual (so what it returns is what the
+        daemon will hold)."""
+        info = self.session.info
+        shape = getattr(keys, "shape", ())
+        return (info.policy == Policy.STREAMING and info.views != "none" and len(shape) == 4
+                and 0 < shape[2] < info.residual_tokens)
+
+    def _update_async(self, keys: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Sends the block without waiting and returns the layer as the daemon will hold it:
+        the tokens it had (after this layer's previous update, whose reply has come by
+        now) followed by the new ones, exact, as copies (the view does not hold the new
+        tokens yet)."""
+        if self._ticket:
+            self.session.wait(self.layer, self._ticket)
+        before_k, before_v = self.session.view(self.layer)
+        keys = np.ascontiguousarray(keys, dtype=np.float16)
+        values = np.ascontiguousarray(values, dtype=np.float16)
+        self._ticket = self.session.update_async(self.layer, keys, values)
+        return (np.concatenate([before_k, keys], axis=2),
+                np.concatenate([before_v, values], axis=2))
 
     @property
     def offset(self) -> int:
@@ -157,6 +185,7 @@ class ZipCacheKVCache:
         return self.stats.effective_avg_bits
 
 
-def make_prompt_cache(session: Session) -> list[ZipCacheKVCache]:
-    """One ZipCacheKVCache per layer of ``session`` (mlx_lm's make_prompt_cache)."""
-    return ZipCacheKVCache.for_model(session)
+def make_prompt_cache(session: Session, asynchronous: bool = False) -> list[ZipCacheKVCache]:
+    """One ZipCacheKVCache per layer of ``session`` (mlx_lm's make_prompt_cache);
+    ``asynchronous``: decode steps do not wait for the daemon (update_and_fetch)."""
+    return [ZipCacheKVCache(session, layer, asynchronous) for layer in range(session.layers)]

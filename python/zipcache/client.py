@@ -398,6 +398,25 @@ class Client:
         state = "closed" if self.closed else "open"
         return f"<zipcache.Client {self.socket_path!r} {state}>"
 
+    # -- asynchronous updates (Session.update_async)
+
+    def wait_all(self) -> None:
+        """Waits for every asynchronous update of this client; raises the first refusal
+        no call has reported yet (its message names the request)."""
+        handle = self._native()
+        with handle.lock:
+            handle.check(lib.zc_wait_all(handle.ptr), "wait_all")
+
+    def set_async(self, window: int | None = None, batch: int | None = None) -> None:
+        """Asynchronous updates in flight at most (``window``, 1..64) and how many go out
+        in one write (``batch``, 1 = each at once); see zipcache/client.h."""
+        handle = self._native()
+        with handle.lock:
+            if window is not None:
+                handle.check(lib.zc_client_set_async_window(handle.ptr, int(window)), "set_async")
+            if batch is not None:
+                handle.check(lib.zc_client_set_async_batch(handle.ptr, int(batch)), "set_async")
+
     # -- operations
 
     def open_session(self, **kwargs: Any) -> "Session":
@@ -817,6 +836,56 @@ class Session:
         if not view.keys:
             return int(view.tokens)
         return self._arrays(handle, layer, view, view.tokens)
+
+    # -- zero-round-trip decode
+
+    def update_async(self, layer: int, keys: Any, values: Any) -> int:
+        """Sends a short [B, H, S, D] float16 block to ``layer`` without waiting; returns a ticket.
+
+        Under the streaming policy the caller already holds what the daemon
+        would hand back (the new tokens come back exact), so nothing is
+        returned: ``wait(layer, ticket)`` or ``poll(layer, ticket)`` completes
+        it, and a refusal raises there (or, once, from the next update_async
+        or Client.wait_all), naming the request. Updates of a layer are
+        applied in order; the client's window bounds how many are in flight.
+        The block is copied before this returns.
+        """
+        handle = self._native()
+        layer = self._check_layer(layer, "update_async")
+        i = self._info
+        keys = _check_block(keys, "keys", i.batch, i.kv_heads, i.head_dim_k, None)
+        tokens = keys.shape[2]
+        values = _check_block(values, "values", i.batch, i.kv_heads, i.head_dim_v, tokens)
+        if self.check_finite:
+            for what, block in (("keys", keys), ("values", values)):
+                if not np.isfinite(block).all():
+                    raise InvalidArgument(_lib.ZC_ENONFINITE,
+                                          f"{what} contain NaN or Inf; nothing was sent",
+                                          operation="update_async")
+        ticket = ctypes.c_uint64()
+        client = handle.client
+        with client.lock:
+            client.check(lib.zc_update_async(handle.ptr, layer, tokens, keys.ctypes.data,
+                                             values.ctypes.data, ctypes.byref(ticket)),
+                         "update_async")
+        self._stats[layer] = None  # the reply carries no stats
+        return int(ticket.value)
+
+    def wait(self, layer: int, ticket: int) -> None:
+        """Blocks until the daemon applied the update of ``ticket`` (raises its refusal)."""
+        handle = self._native()
+        layer = self._check_layer(layer, "wait")
+        client = handle.client
+        with client.lock:
+            client.check(lib.zc_wait(handle.ptr, layer, int(ticket)), "wait")
+
+    def poll(self, layer: int, ticket: int) -> bool:
+        """Whether the update of ``ticket`` was applied, without blocking (raises its refusal)."""
+        handle = self._native()
+        layer = self._check_layer(layer, "poll")
+        client = handle.client
+        with client.lock:
+            return client.check(lib.zc_poll(handle.ptr, layer, int(ticket)), "poll") == 1
 
     # -- forks and leases
 

@@ -1,0 +1,94 @@
+"""Zero-round-trip decode from Python: Session.update_async / wait / poll,
+Client.wait_all and set_async, and ZipCacheKVCache(asynchronous=True)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import zipcache
+
+from _support import assert_bits_equal, make_keys, make_values
+
+
+def _pair(open_session, name_a, name_b, **shape):
+    return open_session(name=name_a, **shape), open_session(name=name_b, **shape)
+
+
+@pytest.mark.parametrize("views", ["full", "none"])
+def test_async_loop_equals_sync(client, open_session, views):
+    rng = np.random.default_rng(140)
+    shape = dict(layers=2, kv_heads=2, head_dim=16, residual_tokens=8, max_tokens=2048,
+                 views=views)
+    a, s = _pair(open_session, f"py-async-{views}", f"py-sync-{views}", **shape)
+    client.set_async(window=8, batch=4)
+    tickets = [0, 0]
+    for step in range(600):
+        for layer in range(2):
+            n = 3 if step % 37 == 0 else 1
+            k, v = make_keys(rng, 1, 2, n, 16), make_values(rng, 1, 2, n, 16)
+            tickets[layer] = a.update_async(layer, k, v)
+            s.update_and_fetch(layer, k, v)
+        if step % 7 == 0:
+            a.poll(1, tickets[1])
+        if step % 101 == 100:
+            assert a.trim(5) == s.trim(5)
+    a.wait(0, tickets[0])
+    client.wait_all()
+    a.stats()  # waits for the daemon's deferred flushes
+    for layer in range(2):
+        if views == "full":
+            ka, va = a.view(layer)
+            ks, vs = s.view(layer)
+        else:
+            ka, va = a.reconstruct_layer(layer)
+            ks, vs = s.reconstruct_layer(layer)
+        assert ka.shape == ks.shape
+        assert_bits_equal(ka, ks)
+        assert_bits_equal(va, vs)
+    client.set_async(window=64, batch=1)
+
+
+def test_async_refusal_names_the_request(client, open_session):
+    rng = np.random.default_rng(141)
+    s = open_session(name="py-async-bad", layers=1, kv_heads=2, head_dim=16, check_finite=False)
+    k, v = make_keys(rng, 1, 2, 1, 16), make_values(rng, 1, 2, 1, 16)
+    k[0, 0, 0, 0] = np.nan
+    ticket = s.update_async(0, k, v)
+    with pytest.raises(zipcache.InvalidArgument) as info:
+        s.wait(0, ticket)
+    assert f"asynchronous update {ticket}" in str(info.value)
+    assert s.tokens(0) == 0
+    with pytest.raises(zipcache.InvalidArgument):
+        s.wait(0, ticket + 100)  # no such ticket
+    with pytest.raises(zipcache.InvalidArgument):
+        client.set_async(window=0)
+
+
+def test_cache_asynchronous_returns_what_the_daemon_will_hold(client, open_session):
+    rng = np.random.default_rng(142)
+    s = open_session(name="py-async-cache", layers=3, kv_heads=2, head_dim=16, residual_tokens=8)
+    caches = zipcache.make_prompt_cache(s, asynchronous=True)
+    sync = open_session(name="py-async-cache-ref", layers=3, kv_heads=2, head_dim=16,
+                        residual_tokens=8)
+    ref = zipcache.make_prompt_cache(sync)
+    prompt = [(make_keys(rng, 1, 2, 20, 16), make_values(rng, 1, 2, 20, 16)) for _ in caches]
+    for cache, other, (k, v) in zip(caches, ref, prompt):
+        cache.update_and_fetch(k, v)   # a prompt goes the synchronous way
+        other.update_and_fetch(k, v)
+    for step in range(40):
+        for cache, other in zip(caches, ref):
+            k, v = make_keys(rng, 1, 2, 1, 16), make_values(rng, 1, 2, 1, 16)
+            K, V = cache.update_and_fetch(k, v)
+            RK, RV = other.update_and_fetch(k, v)
+            assert K.shape == RK.shape
+            # The newest tokens are exact either way; older ones are those
+            # the daemon held after the previous step.
+            assert_bits_equal(K[:, :, -1:], k)
+            assert_bits_equal(V[:, :, -1:], v)
+    client.wait_all()
+    s.stats()
+    for cache, other in zip(caches, ref):
+        assert cache.offset == other.offset == 60
+        assert_bits_equal(cache.state[0], other.state[0])
+        assert_bits_equal(cache.state[1], other.state[1])
