@@ -71,7 +71,12 @@ struct registered {
 
 struct zc_cuda {
 	int device;
-	cudaStream_t copy_stream;
+	/* Two copy streams, taking a chunk's DMAs in turn: each DMA call has
+	 * a fixed start-up, and one stream's start-up runs while the other's
+	 * transfer does. copy_stream ends every chunk (after copy_join). */
+	cudaStream_t copy_stream, copy_stream_b;
+	cudaEvent_t copy_join;
+	unsigned copy_turn;
 	struct slot slots[2];
 	unsigned next;
 	size_t data_capacity;   /* bytes of a slot's data area */
@@ -195,6 +200,8 @@ void zc_cuda_close(zc_cuda *cuda)
 		return;
 	cudaSetDevice(cuda->device);
 	cudaStreamSynchronize(cuda->copy_stream);
+	if (cuda->copy_stream_b)
+		cudaStreamSynchronize(cuda->copy_stream_b);
 	for (int i = 0; i < 2; i++) {
 		struct slot *slot = &cuda->slots[i];
 		if (slot->used)
@@ -211,6 +218,10 @@ void zc_cuda_close(zc_cuda *cuda)
 		cudaFree(cuda->error);
 	if (cuda->copy_stream)
 		cudaStreamDestroy(cuda->copy_stream);
+	if (cuda->copy_stream_b)
+		cudaStreamDestroy(cuda->copy_stream_b);
+	if (cuda->copy_join)
+		cudaEventDestroy(cuda->copy_join);
 	free(cuda->registered);
 	session_layer_free(&cuda->fetch);
 	free(cuda->chunk.jobs);
@@ -223,6 +234,8 @@ static int context_start(zc_cuda *cuda, size_t chunk_bytes)
 {
 	CUDA_TRY(cuda, cudaSetDevice(cuda->device));
 	CUDA_TRY(cuda, cudaStreamCreateWithFlags(&cuda->copy_stream, cudaStreamNonBlocking));
+	CUDA_TRY(cuda, cudaStreamCreateWithFlags(&cuda->copy_stream_b, cudaStreamNonBlocking));
+	CUDA_TRY(cuda, cudaEventCreateWithFlags(&cuda->copy_join, cudaEventDisableTiming));
 	for (int i = 0; i < 2; i++) {
 		CUDA_TRY(cuda, cudaEventCreateWithFlags(&cuda->slots[i].copied,
 							cudaEventDisableTiming));
@@ -325,6 +338,7 @@ static int registered_remove(zc_cuda *cuda, size_t i)
 	CUDA_TRY(cuda, cudaSetDevice(cuda->device));
 	/* DMAs from the range may still be queued. */
 	CUDA_TRY(cuda, cudaStreamSynchronize(cuda->copy_stream));
+	CUDA_TRY(cuda, cudaStreamSynchronize(cuda->copy_stream_b));
 	/* A pin whose mapping went first may not be found by address; the
 	 * driver drops it with the context. */
 	CUDA_TRY(cuda, cudaHostUnregister((void *)address));
@@ -369,8 +383,9 @@ static int copy_run(zc_cuda *cuda, uint8_t *device, const uint8_t *host, uint64_
 {
 	if (bytes == 0)
 		return 0;
+	cuda->copy_turn ^= 1u;
 	CUDA_TRY(cuda, cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice,
-				       cuda->copy_stream));
+				       cuda->copy_turn ? cuda->copy_stream_b : cuda->copy_stream));
 	cuda->stats.bytes_to_device += bytes;
 	return 0;
 }
@@ -394,6 +409,7 @@ static int chunk_transfer(zc_cuda *cuda, struct slot *slot, bool host)
 	uint64_t direct_begin = 0, direct_end = 0;
 
 	CUDA_TRY(cuda, cudaStreamWaitEvent(cuda->copy_stream, slot->finished, 0));
+	CUDA_TRY(cuda, cudaStreamWaitEvent(cuda->copy_stream_b, slot->finished, 0));
 	for (size_t i = 0; i < chunk->n_jobs; i++) {
 		jobs[i] = chunk->jobs[i];
 		if (!host)
@@ -452,6 +468,9 @@ static int chunk_transfer(zc_cuda *cuda, struct slot *slot, bool host)
 	}
 	if (copy_run(cuda, slot->device + run_begin, slot->pinned + run_begin, run_end - run_begin) < 0)
 		return ZC_EDEVICE;
+	/* The chunk is copied when both streams are. */
+	CUDA_TRY(cuda, cudaEventRecord(cuda->copy_join, cuda->copy_stream_b));
+	CUDA_TRY(cuda, cudaStreamWaitEvent(cuda->copy_stream, cuda->copy_join, 0));
 	CUDA_TRY(cuda, cudaEventRecord(slot->copied, cuda->copy_stream));
 	return 0;
 }
