@@ -249,6 +249,9 @@ static void remote_render(struct text *text, struct remote *remote, int64_t offl
 	counter(text, "zipcache_remote_offloads_total", "Sessions written to the remote tier.", s.offloads);
 	counter(text, "zipcache_remote_restores_total", "Sessions restored from the remote tier.",
 		s.restores);
+	text_printf(text, "# HELP zipcache_remote_offload_seconds_total Time the counted offloads took "
+		    "(encode, every write, the manifest).\n# TYPE zipcache_remote_offload_seconds_total "
+		    "counter\nzipcache_remote_offload_seconds_total %.9f\n", (double)s.offload_ns * 1e-9);
 	text_printf(text, "# HELP zipcache_remote_offload_failures_total Offloads that left the session "
 		    "local, by reason.\n# TYPE zipcache_remote_offload_failures_total counter\n");
 	for (int i = 0; i < REMOTE_TRANSFER_FAILURE_COUNT; i++)

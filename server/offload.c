@@ -179,6 +179,7 @@ int offload_write(struct remote *remote, struct store *store, uint32_t uid, cons
 	int fd = -1;
 
 	memset(result, 0, sizeof(*result));
+	uint64_t start_ns = uv_hrtime();
 	/* The generation this one replaces, to delete once it is committed. A
 	 * manifest we cannot read is one we cannot build on: a damaged one is
 	 * simply replaced. */
@@ -302,6 +303,7 @@ int offload_write(struct remote *remote, struct store *store, uint32_t uid, cons
 	/* The old generation is no one's now: best effort, expiry covers the rest. */
 	if (has_prev && prev.head.generation != generation)
 		offload_delete(remote, uid, name, &prev, false);
+	result->elapsed_ns = uv_hrtime() - start_ns;
 	rc = 0;
 out:
 	offload_manifest_free(&prev);
@@ -500,11 +502,11 @@ static void session_drop_offloaded(struct server *server, struct session *sessio
 				   const struct offload_result *result, const char *why_text)
 {
 	log_info("session", "offloaded", "session=%llu name=%s uid=%u generation=%llu bytes=%llu "
-		 "snapshot_bytes=%llu cause=%s", (unsigned long long)session->id, session->name,
+		 "snapshot_bytes=%llu ms=%.3f cause=%s", (unsigned long long)session->id, session->name,
 		 session->owner_uid, (unsigned long long)result->generation,
 		 (unsigned long long)result->bytes_written, (unsigned long long)result->snapshot_bytes,
-		 why_text);
-	remote_count_offload(server->remote);
+		 (double)result->elapsed_ns * 1e-6, why_text);
+	remote_count_offload(server->remote, result->elapsed_ns);
 	server->offload.offloaded++;
 	session_retire(&server->sessions, session, true);
 	fault_point("offload.dropped");

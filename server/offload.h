@@ -76,6 +76,7 @@ struct offload_result {
 	uint64_t bytes_written;      /* values: blocks, residuals, manifest */
 	uint64_t snapshot_bytes;
 	uint64_t keys;
+	uint64_t elapsed_ns;
 };
 
 /*

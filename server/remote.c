@@ -38,6 +38,7 @@ struct remote {
 	uint64_t offloads, restores;
 	uint64_t offload_failures[REMOTE_TRANSFER_FAILURE_COUNT];
 	uint64_t restore_failures[REMOTE_TRANSFER_FAILURE_COUNT];
+	uint64_t offload_ns;
 };
 
 static const char *const transfer_failure_names[REMOTE_TRANSFER_FAILURE_COUNT] = {
@@ -754,9 +755,10 @@ void remote_last_error(struct remote *r, char *text, size_t size)
 	pthread_mutex_unlock(&r->lock);
 }
 
-void remote_count_offload(struct remote *r)
+void remote_count_offload(struct remote *r, uint64_t elapsed_ns)
 {
 	counter_add(&r->offloads, 1);
+	counter_add(&r->offload_ns, elapsed_ns);
 }
 
 void remote_count_restore(struct remote *r)
@@ -796,6 +798,7 @@ void remote_stats_read(struct remote *r, struct remote_stats *s)
 	s->redirections = counter_get(&r->router.redirections);
 	s->offloads = counter_get(&r->offloads);
 	s->restores = counter_get(&r->restores);
+	s->offload_ns = counter_get(&r->offload_ns);
 	for (int i = 0; i < REMOTE_TRANSFER_FAILURE_COUNT; i++) {
 		s->offload_failures[i] = counter_get(&r->offload_failures[i]);
 		s->restore_failures[i] = counter_get(&r->restore_failures[i]);

@@ -156,6 +156,7 @@ struct remote_stats {
 	uint64_t offloads, restores;
 	uint64_t offload_failures[REMOTE_TRANSFER_FAILURE_COUNT];
 	uint64_t restore_failures[REMOTE_TRANSFER_FAILURE_COUNT];
+	uint64_t offload_ns;   /* time the counted offloads took, summed */
 };
 
 struct remote;
@@ -215,7 +216,7 @@ int remote_expire(struct remote *remote, const struct remote_key *key, uint32_t 
 void remote_last_error(struct remote *remote, char *text, size_t size);
 
 /* For the offload and restore paths' counters. */
-void remote_count_offload(struct remote *remote);
+void remote_count_offload(struct remote *remote, uint64_t elapsed_ns);
 void remote_count_restore(struct remote *remote);
 void remote_count_offload_failure(struct remote *remote, enum remote_transfer_failure kind);
 void remote_count_restore_failure(struct remote *remote, enum remote_transfer_failure kind);
