@@ -18,6 +18,8 @@
  *   restore  an attach by name, timed at the client: the manifest, every
  *            part fetched, the whole verified, the session built and the
  *            attach answered (views full: every layer's fp16 rebuilt);
+ *   restore, views none   the same attach asking views = none (after
+ *            offloads of its own): the rebuild of the fp16 views left out;
  *   raw SET  the same values' sizes (read back from Redis after the
  *            offload), fresh bytes, written by hiredis in one pipeline
  *            (what redis-benchmark -P does), each reply read;
@@ -291,11 +293,12 @@ int main(int argc, char **argv)
 	uint8_t *bytes = NULL;
 	double *to = calloc((size_t)runs, sizeof(double)), *tr = calloc((size_t)runs, sizeof(double));
 	double *ts = calloc((size_t)runs, sizeof(double)), *tg = calloc((size_t)runs, sizeof(double));
+	double *tn = calloc((size_t)runs, sizeof(double));
 	uint16_t port = free_port(), metrics_port = free_port();
 	char url[64], listen_at[32];
 	snprintf(url, sizeof(url), "redis://127.0.0.1:%u", port);
 	snprintf(listen_at, sizeof(listen_at), "127.0.0.1:%u", metrics_port);
-	if (!to || !tr || !ts || !tg || port == 0 || metrics_port == 0 ||
+	if (!to || !tr || !ts || !tg || !tn || port == 0 || metrics_port == 0 ||
 	    (rc = redis_start(port, "/tmp")) < 0) {
 		fprintf(stderr, "remote: redis-server did not start\n");
 		goto out;
@@ -374,6 +377,25 @@ int main(int argc, char **argv)
 			tg[run] = get_s;
 		}
 	}
+	/* The same restores with views = none: what rebuilding the fp16
+	 * views costs is the difference. */
+	config.views = ZC_VIEWS_NONE;
+	for (int run = -1; run < runs; run++) {
+		zc_session_release_views(session);
+		zc_session_release(session);
+		double until = bench_now_s() + WAIT_S;
+		while (sessions_held(client) != 0 && bench_now_s() < until)
+			usleep(5000);
+		double t0 = bench_now_s();
+		rc = zc_session_open(client, &config, &session);
+		if (rc < 0) {
+			bench_fail_client(client, "restore, views none", rc);
+			goto out;
+		}
+		if (run >= 0)
+			tn[run] = bench_now_s() - t0;
+	}
+	double rn = bench_median(tn, (size_t)runs);
 	double o = bench_median(to, (size_t)runs), r = bench_median(tr, (size_t)runs);
 	double s = bench_median(ts, (size_t)runs), g = bench_median(tg, (size_t)runs);
 	double gb = (double)fp16 / 1e9, size_ratio = (double)written / (double)fp16;
@@ -387,6 +409,7 @@ int main(int argc, char **argv)
 	printf("  %-34s %9.2f %14.2f %8.3f\n", "offload (daemon's time)", o * 1e3, gb / o, s / o);
 	printf("  %-34s %9.2f %14.2f %8.3f\n", "restore (attach, client's time)", r * 1e3, gb / r,
 	       g / r);
+	printf("  %-34s %9.2f %14.2f %8.3f\n", "restore, views none", rn * 1e3, gb / rn, g / rn);
 	printf("  %-34s %9.2f %14.2f\n", "raw pipelined SET, same sizes", s * 1e3, gb / s);
 	printf("  %-34s %9.2f %14.2f\n", "raw pipelined GET, same sizes", g * 1e3, gb / g);
 	printf("goals: bytes / fp16 <= %.2f %s; offload / raw SET >= %.1f %s; restore / raw GET >= "
@@ -397,12 +420,12 @@ int main(int argc, char **argv)
 	       "\"fp16_bytes\":%llu,\"values\":%zu,\"ratio\":%.4f,\"goal\":%.2f,\"quick\":%s}\n",
 	       layers, tokens, (unsigned long long)written, (unsigned long long)fp16, n_values,
 	       size_ratio, SIZE_GOAL, quick ? "true" : "false");
-	for (int k = 0; k < 2; k++) {
-		double t = k == 0 ? o : r, raw = k == 0 ? s : g;
+	for (int k = 0; k < 3; k++) {
+		double t = k == 0 ? o : k == 1 ? r : rn, raw = k == 0 ? s : g;
 		printf("{\"bench\":\"remote\",\"op\":\"%s\",\"layers\":%u,\"tokens\":%u,\"runs\":%d,"
 		       "\"median_ms\":%.3f,\"fp16_gbps\":%.3f,\"raw_ms\":%.3f,\"raw_fp16_gbps\":%.3f,"
 		       "\"ratio\":%.3f,\"goal\":%.1f,\"quick\":%s}\n",
-		       k == 0 ? "offload" : "restore", layers, tokens, runs, t * 1e3, gb / t, raw * 1e3,
+		       k == 0 ? "offload" : k == 1 ? "restore" : "restore_views_none", layers, tokens, runs, t * 1e3, gb / t, raw * 1e3,
 		       gb / raw, raw / t, SPEED_GOAL, quick ? "true" : "false");
 	}
 	status = 0;
@@ -412,6 +435,7 @@ out:
 	free(tr);
 	free(ts);
 	free(tg);
+	free(tn);
 	if (c)
 		redisFree(c);
 	zc_client_close(client);
