@@ -239,8 +239,10 @@ int offload_write(struct remote *remote, struct store *store, uint32_t uid, cons
 		uint64_t p = table[l].offset, end = table[l].offset + table[l].bytes;
 		size_t n = 0;
 		for (uint32_t b = 0; b < table[l].blocks; b++) {
-			const struct snapshot_block *blk = (const struct snapshot_block *)(map + p);
-			uint64_t len = snapshot_record_bytes(blk->key_bytes, blk->value_bytes);
+			/* Records follow each other unaligned: copy the header out. */
+			struct snapshot_block blk;
+			memcpy(&blk, map + p, sizeof(blk));
+			uint64_t len = snapshot_record_bytes(blk.key_bytes, blk.value_bytes);
 			part_key(&keys[n], uid, name, header->fingerprint, generation, l, b);
 			items[n] = (struct remote_item){ .key = &keys[n], .value = map + p, .len = len };
 			n++;

@@ -727,8 +727,8 @@ static const char *const restore_steps[] = { "restore.fetched", "import.block", 
 					     "restore.committed", NULL };
 
 /* Restarted without the fault: the session is there, bit for bit. */
-static void after_crash(struct node *one, const zc_session_config *config, struct model *model,
-			const char *spec)
+static void after_crash(struct node *one, const struct tier *t, const zc_session_config *config,
+			struct model *model, const char *spec)
 {
 	int status = daemon_wait_exit(&one->service.daemon, WAIT_MS);
 	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 86,
@@ -740,6 +740,16 @@ static void after_crash(struct node *one, const zc_session_config *config, struc
 	zc_session *s = session_attach(one, config, NULL);
 	char why[WHY_BYTES];
 	ck_assert_msg(session_matches(s, model, why, sizeof(why)), "%s: %s", spec, why);
+	if (strcmp(spec, "restore.committed:1") == 0) {
+		/* Both copies were left: the next offload writes a new generation
+		 * and deletes the old one's keys, so one generation is left. */
+		ck_assert_int_eq(tier_keys(t, "zc:*:m:*", NULL, NULL, 0), 1);
+		session_leave(s);
+		ck_assert_msg(node_wait_sessions(one, 0, WAIT_MS), "%s: not offloaded again", spec);
+		ck_assert_int_eq(tier_keys(t, "zc:*", NULL, NULL, 0), 5);
+		s = session_attach(one, config, NULL);
+		ck_assert_msg(session_matches(s, model, why, sizeof(why)), "%s: %s", spec, why);
+	}
 	ck_assert_int_eq(zc_session_close(s), 0);
 }
 
@@ -776,7 +786,7 @@ START_TEST(crash_at_every_step)
 				ck_assert_msg(daemon_lost(rc), "%s: the attach gave %s", spec,
 					      zc_error_name(rc));
 			}
-			after_crash(&one, &config, &model, spec);
+			after_crash(&one, &t, &config, &model, spec);
 			model_free(&model);
 			node_stop(&one);
 		}
