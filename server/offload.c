@@ -6,7 +6,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 #include <uv.h>
@@ -164,6 +166,52 @@ static uint64_t realtime_us(void)
 	return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
 }
 
+/* The snapshot encoder on its own thread, writing into a memfd. */
+struct encoder {
+	struct store *store;
+	int fd;
+	int rc;                   /* snapshot_export's */
+	bool done;                /* atomic: rc and result are final */
+	struct snapshot_result result;
+	char why[200];
+};
+
+static void *encoder_run(void *arg)
+{
+	struct encoder *e = arg;
+	e->rc = snapshot_export(e->store, e->fd, false, &e->result, e->why, sizeof(e->why));
+	__atomic_store_n(&e->done, true, __ATOMIC_RELEASE);
+	return NULL;
+}
+
+/* Waits until the image holds `bytes` (true) or the encoder ended short
+ * of them (false). Polls the memfd's size: the wait is the encoder's own
+ * time, a few hundred microseconds per step. */
+static bool image_wait(struct encoder *e, uint64_t bytes)
+{
+	for (;;) {
+		bool done = __atomic_load_n(&e->done, __ATOMIC_ACQUIRE);
+		struct stat st;
+		if (fstat(e->fd, &st) == 0 && (uint64_t)st.st_size >= bytes)
+			return true;
+		if (done) {
+			if (e->rc == 0)
+				snprintf(e->why, sizeof(e->why), "the image is shorter than its layout");
+			return false;
+		}
+		usleep(200);
+	}
+}
+
+static int encoder_finish(struct encoder *e, pthread_t *thread, bool *started)
+{
+	if (*started) {
+		pthread_join(*thread, NULL);
+		*started = false;
+	}
+	return e->rc;
+}
+
 int offload_write(struct remote *remote, struct store *store, uint32_t uid, const char *name,
 		  uint32_t ttl_seconds, struct offload_result *result, char *why, size_t why_size)
 {
@@ -177,6 +225,9 @@ int offload_write(struct remote *remote, struct store *store, uint32_t uid, cons
 	struct remote_item *items = NULL;
 	uint8_t *manifest = NULL;
 	int fd = -1;
+	struct encoder encoder = { .fd = -1 };
+	pthread_t encoder_thread;
+	bool encoder_started = false;
 
 	memset(result, 0, sizeof(*result));
 	uint64_t start_ns = uv_hrtime();
@@ -192,22 +243,38 @@ int offload_write(struct remote *remote, struct store *store, uint32_t uid, cons
 	}
 	manifest_key(&mkey, uid, name);
 
-	/* The snapshot encoder writes the image; its parts are cut from it. */
+	/* The snapshot encoder writes the image on a thread of its own; each
+	 * layer's parts are cut from it and sent as soon as the image holds
+	 * them, so the encoding of layer L+1 overlaps the writes of layer L. */
 	fd = memfd_create("zipcache-offload", MFD_CLOEXEC);
 	if (fd < 0) {
 		rc = -errno;
 		snprintf(why, why_size, "cannot make a buffer for the snapshot: %s", strerror(errno));
 		goto out;
 	}
-	struct snapshot_result encoded;
-	rc = snapshot_export(store, fd, false, &encoded, local_why, sizeof(local_why));
-	if (rc < 0) {
-		snprintf(why, why_size, "cannot encode the snapshot: %s", local_why);
+	encoder = (struct encoder){ .store = store, .fd = fd };
+	if (pthread_create(&encoder_thread, NULL, encoder_run, &encoder) != 0) {
+		encoder_run(&encoder);   /* in line: no overlap, same bytes */
+	} else {
+		encoder_started = true;
+	}
+	struct snapshot_header header_copy;
+	if (!image_wait(&encoder, SNAPSHOT_HEADER_BYTES) ||
+	    pread(fd, &header_copy, sizeof(header_copy), 0) != (ssize_t)sizeof(header_copy)) {
 		rc = ZC_EINTERNAL;
+		snprintf(why, why_size, "cannot encode the snapshot: %s", encoder.why);
+		goto out;
+	}
+	size = header_copy.file_bytes;
+	uint32_t layers = header_copy.config.layers;
+	if (!image_wait(&encoder, SNAPSHOT_HEADER_BYTES + (uint64_t)layers * SNAPSHOT_LAYER_BYTES +
+					  sizeof(uint64_t))) {
+		rc = ZC_EINTERNAL;
+		snprintf(why, why_size, "cannot encode the snapshot: %s", encoder.why);
 		goto out;
 	}
 	fault_point("offload.encoded");
-	size = encoded.bytes;
+	/* Mapped at its final size; only what the encoder has written is read. */
 	map = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
 	if (map == MAP_FAILED) {
 		rc = -errno;
@@ -215,7 +282,6 @@ int offload_write(struct remote *remote, struct store *store, uint32_t uid, cons
 		goto out;
 	}
 	const struct snapshot_header *header = (const struct snapshot_header *)map;
-	uint32_t layers = header->config.layers;
 	const struct snapshot_layer *table = (const struct snapshot_layer *)(map + SNAPSHOT_HEADER_BYTES);
 	uint64_t generation = has_prev ? prev.head.generation + 1 : 1;
 	uint64_t now = realtime_us();
@@ -238,6 +304,11 @@ int offload_write(struct remote *remote, struct store *store, uint32_t uid, cons
 	for (uint32_t l = 0; l < layers; l++) {
 		uint64_t p = table[l].offset, end = table[l].offset + table[l].bytes;
 		size_t n = 0;
+		if (!image_wait(&encoder, end)) {
+			rc = ZC_EINTERNAL;
+			snprintf(why, why_size, "cannot encode the snapshot: %s", encoder.why);
+			goto out;
+		}
 		for (uint32_t b = 0; b < table[l].blocks; b++) {
 			/* Records follow each other unaligned: copy the header out. */
 			struct snapshot_block blk;
@@ -264,6 +335,14 @@ int offload_write(struct remote *remote, struct store *store, uint32_t uid, cons
 		fault_point("offload.layer");
 	}
 
+	/* The whole image, trailer included, checked by the encoder. */
+	if (!image_wait(&encoder, size) || encoder_finish(&encoder, &encoder_thread,
+							   &encoder_started) < 0 ||
+	    encoder.result.bytes != size) {
+		rc = ZC_EINTERNAL;
+		snprintf(why, why_size, "cannot encode the snapshot: %s", encoder.why);
+		goto out;
+	}
 	/* The commit point: the manifest, written last. */
 	size_t mlen = manifest_bytes(layers);
 	manifest = malloc(mlen);
@@ -308,6 +387,10 @@ int offload_write(struct remote *remote, struct store *store, uint32_t uid, cons
 	result->elapsed_ns = uv_hrtime() - start_ns;
 	rc = 0;
 out:
+	if (encoder_started) {
+		/* A failure before the end: let the encoder finish into the memfd. */
+		encoder_finish(&encoder, &encoder_thread, &encoder_started);
+	}
 	offload_manifest_free(&prev);
 	free(manifest);
 	free(items);
