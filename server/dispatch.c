@@ -1543,15 +1543,20 @@ static void restore_committed(struct request_job *job, struct session *session)
 	job_end(job);
 }
 
-/* Returns true when a restore job was queued (it answers the attach). */
+/* Returns true when the attach was answered or a restore job queued (it
+ * answers the attach); never false today (kept for a tier that can tell
+ * at once that it holds nothing). */
 static bool restore_submit(const struct request *rq, const struct wire_open_request *open)
 {
 	struct server *server = rq->server;
 	if (!session_room(rq) || !name_not_pending(rq, open->name))
 		return true;   /* refused: the sentence was sent */
 	struct request_job *job = calloc(1, sizeof(*job));
-	if (!job)
-		return false;
+	if (!job) {
+		/* Never create in its place: an offloaded copy may exist. */
+		reply_error(rq, -ENOMEM, "out of memory");
+		return true;
+	}
 	job->kind = JOB_RESTORE;
 	job->rq = *rq;
 	job->snapshot_fd = -1;
