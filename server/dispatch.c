@@ -262,7 +262,7 @@ static bool name_not_pending(const struct request *rq, const char *name)
 }
 
 static void open_create(const struct request *rq, const struct wire_open_request *open);
-static bool restore_submit(const struct request *rq, const struct wire_open_request *open);
+static void restore_submit(const struct request *rq, const struct wire_open_request *open);
 
 static void handle_open(const struct request *rq, const wire_request *request)
 {
@@ -300,8 +300,10 @@ static void handle_open(const struct request *rq, const wire_request *request)
 			return;
 		}
 		/* Not here: perhaps offloaded, by this node or another. */
-		if (open->attach && server->remote && restore_submit(rq, open))
+		if (open->attach && server->remote) {
+			restore_submit(rq, open);
 			return;
+		}
 	}
 	open_create(rq, open);
 }
@@ -1543,19 +1545,17 @@ static void restore_committed(struct request_job *job, struct session *session)
 	job_end(job);
 }
 
-/* Returns true when the attach was answered or a restore job queued (it
- * answers the attach); never false today (kept for a tier that can tell
- * at once that it holds nothing). */
-static bool restore_submit(const struct request *rq, const struct wire_open_request *open)
+/* Answers the attach now (a refusal) or queues the restore job, which does. */
+static void restore_submit(const struct request *rq, const struct wire_open_request *open)
 {
 	struct server *server = rq->server;
 	if (!session_room(rq) || !name_not_pending(rq, open->name))
-		return true;   /* refused: the sentence was sent */
+		return;   /* refused: the sentence was sent */
 	struct request_job *job = calloc(1, sizeof(*job));
 	if (!job) {
 		/* Never create in its place: an offloaded copy may exist. */
 		reply_error(rq, -ENOMEM, "out of memory");
-		return true;
+		return;
 	}
 	job->kind = JOB_RESTORE;
 	job->rq = *rq;
@@ -1576,7 +1576,6 @@ static bool restore_submit(const struct request *rq, const struct wire_open_requ
 	 * until the restore has replied. */
 	rq->responder->ops->begin(rq->responder);
 	session_table_run_detached(&server->sessions, &job->job);
-	return true;
 }
 
 /* ---- staging ---- */
