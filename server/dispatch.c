@@ -87,6 +87,7 @@ struct request_job {
 	struct offload_manifest manifest;
 	bool manifest_found;
 	uint64_t restore_bytes;
+	uint64_t restore_start_ns, fetched_ns, verified_ns;   /* for the log line */
 	/* results */
 	int rc;
 	char message[200];
@@ -1453,6 +1454,7 @@ static void restore_run(struct job *base)
 
 	int rc = restore_fetch(server->remote, job->rq.peer->uid, job->fork_name, &fd, &job->manifest,
 			       &job->manifest_found, &job->restore_bytes, why, sizeof(why));
+	job->fetched_ns = uv_hrtime();
 	if (rc < 0) {
 		job_fail(job, rc, "cannot restore session '%s' from the remote tier: %s; nothing was made",
 			 job->fork_name, why);
@@ -1462,6 +1464,7 @@ static void restore_run(struct job *base)
 	job->expect.has_fingerprint = true;
 	job->expect.fingerprint = job->manifest.header.fingerprint;
 	rc = snapshot_verify(fd, &job->expect, &job->snapshot, why, sizeof(why));
+	job->verified_ns = uv_hrtime();
 	if (rc < 0) {
 		job_fail(job, rc, "cannot restore session '%s' from the remote tier: %s; nothing was made",
 			 job->fork_name, why);
@@ -1529,10 +1532,14 @@ static void restore_committed(struct request_job *job, struct session *session)
 	remote_count_restore(server->remote);
 	if (server->offload.offloaded > 0)
 		server->offload.offloaded--;
-	log_info("session", "restored", "session=%llu name=%s uid=%u generation=%llu bytes=%llu",
-		 (unsigned long long)session->id, session->name, session->owner_uid,
-		 (unsigned long long)job->manifest.head.generation,
-		 (unsigned long long)job->restore_bytes);
+	uint64_t now_ns = uv_hrtime();
+	log_info("session", "restored", "session=%llu name=%s uid=%u generation=%llu bytes=%llu "
+		 "fetch_ms=%.3f verify_ms=%.3f build_ms=%.3f", (unsigned long long)session->id,
+		 session->name, session->owner_uid, (unsigned long long)job->manifest.head.generation,
+		 (unsigned long long)job->restore_bytes,
+		 (double)(job->fetched_ns - job->restore_start_ns) * 1e-6,
+		 (double)(job->verified_ns - job->fetched_ns) * 1e-6,
+		 (double)(now_ns - job->verified_ns) * 1e-6);
 	fault_point("restore.committed");
 	offload_forget(server, session->owner_uid, session->name, job->manifest.head.generation);
 	reply_session_info(session, &has);
@@ -1572,6 +1579,7 @@ static void restore_submit(const struct request *rq, const struct wire_open_requ
 	};
 	job->job.run = restore_run;
 	job->job.done = restore_fetched_done;
+	job->restore_start_ns = uv_hrtime();
 	/* handle_open's request ends when it returns; this one stays begun
 	 * until the restore has replied. */
 	rq->responder->ops->begin(rq->responder);
