@@ -24,6 +24,7 @@
 #include "kv_layout.h"
 #include "log.h"
 #include "metrics.h"
+#include "offload.h"
 #include "quota.h"
 #include "relief.h"
 #include "reply.h"
@@ -50,7 +51,8 @@ enum job_kind {
 	JOB_ATTACH,
 	JOB_FORK,
 	JOB_EXPORT,
-	JOB_IMPORT
+	JOB_IMPORT,
+	JOB_RESTORE    /* an import whose snapshot comes from the remote tier */
 };
 
 struct request_job {
@@ -82,6 +84,12 @@ struct request_job {
 	bool views_given;
 	struct snapshot_header snapshot;  /* as verified */
 	struct pool *pool;
+	/* restore (an attach of a session offloaded to the remote tier) */
+	struct wire_open_request open;
+	struct offload_manifest manifest;
+	bool manifest_found;
+	uint64_t restore_bytes;
+	uint64_t restore_start_ns, fetched_ns, verified_ns;   /* for the log line */
 	/* results */
 	int rc;
 	char message[200];
@@ -256,14 +264,15 @@ static bool name_not_pending(const struct request *rq, const char *name)
 	return false;
 }
 
+static void open_create(const struct request *rq, const struct wire_open_request *open);
+static void restore_submit(const struct request *rq, const struct wire_open_request *open);
+
 static void handle_open(const struct request *rq, const wire_request *request)
 {
 	struct server *server = rq->server;
 	const struct wire_open_request *open = &request->open_session;
 	struct session *session;
-	struct store *store;
 	char name[STORE_NAME_BYTES];
-	int rc;
 
 	if (!name_acceptable(open->name) || !name_acceptable(open->model_id)) {
 		reply_error(rq, ZC_EINVALID,
@@ -293,7 +302,26 @@ static void handle_open(const struct request *rq, const wire_request *request)
 			attach_submit(rq, session);
 			return;
 		}
+		/* Not here: perhaps offloaded, by this node or another. */
+		if (open->attach && server->remote) {
+			restore_submit(rq, open);
+			return;
+		}
 	}
+	open_create(rq, open);
+}
+
+/* open_session's making of a new session (no session of the name exists). */
+static void open_create(const struct request *rq, const struct wire_open_request *open)
+{
+	struct server *server = rq->server;
+	struct session *session;
+	struct store *store;
+	char name[STORE_NAME_BYTES];
+	int rc;
+
+	if (open->name[0])
+		snprintf(name, sizeof(name), "%s", open->name);
 	if (!open->has_shape) {
 		reply_error(rq, ZC_EINVALID, "open_session needs a shape");
 		return;
@@ -446,6 +474,7 @@ static void handle_open(const struct request *rq, const wire_request *request)
 
 static void job_free(struct request_job *job)
 {
+	offload_manifest_free(&job->manifest);
 	if (job->snapshot_fd >= 0)
 		close(job->snapshot_fd);
 	free(job->inline_copy);
@@ -954,6 +983,7 @@ static bool handle_session_job(const struct request *rq, const wire_request *req
 	case JOB_FORK:
 	case JOB_EXPORT:
 	case JOB_IMPORT:
+	case JOB_RESTORE:
 		break;
 	}
 	/* Trim and close cost nothing: they move counters, not elements. */
@@ -1244,6 +1274,8 @@ static void import_verify_run(struct job *base)
 
 static void import_build_run(struct job *base);
 static void import_done(struct job *base);
+static void restore_failed(struct request_job *job);
+static void restore_committed(struct request_job *job, struct session *session);
 
 /* On the loop: the uid's pool (made now if it is the uid's first
  * session), then the second job builds the session. */
@@ -1320,7 +1352,18 @@ static void import_done(struct job *base)
 	if (job->rc == 0 && session_find_name(&server->sessions, job->fork_name, job->rq.peer->uid)) {
 		/* Another open took the name while the import ran. */
 		store_close(job->fork_store, true);
+		if (job->kind == JOB_RESTORE) {
+			/* That one is the live copy: attach to it instead. */
+			attach_submit(&job->rq, session_find_name(&server->sessions, job->fork_name,
+								  job->rq.peer->uid));
+			job_end(job);
+			return;
+		}
 		job_fail(job, ZC_EEXISTS, "session '%s' already exists; nothing was made", job->fork_name);
+	}
+	if (job->rc < 0 && job->kind == JOB_RESTORE) {
+		restore_failed(job);
+		return;
 	}
 	if (job->rc < 0) {
 		reply_error(&job->rq, job->rc, "%s", job->message);
@@ -1339,6 +1382,10 @@ static void import_done(struct job *base)
 	}
 	session_lease(session, job->rq.peer->id,
 		      session_now_ms() + server->options.lease_seconds * 1000);
+	if (job->kind == JOB_RESTORE) {
+		restore_committed(job, session);
+		return;
+	}
 	if (reply_import(&job->rq, session) < 0) {
 		session_retire(&server->sessions, session, true);
 		session_release_if_unused(session);
@@ -1415,6 +1462,156 @@ static bool handle_import(const struct request *rq, const wire_request *request)
 	job->job.done = import_verified_done;
 	session_table_run_detached(&server->sessions, &job->job);
 	return true;
+}
+
+/* ---- restore: attach of a session offloaded to the remote tier ---- */
+
+/*
+ * The first job, off the loop: the manifest and every part it names into
+ * one snapshot image, verified whole as an import verifies a file
+ * (every block's checksum, the residuals', the whole's, the fingerprint
+ * the manifest names) before anything is made. The rest is the import's
+ * path (import_verified_done, import_build_run, import_done).
+ */
+static void restore_run(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct server *server = job->rq.server;
+	char why[200];
+	int fd = -1;
+
+	int rc = restore_fetch(server->remote, job->rq.peer->uid, job->fork_name, &fd, &job->manifest,
+			       &job->manifest_found, &job->restore_bytes, why, sizeof(why));
+	job->fetched_ns = uv_hrtime();
+	if (rc < 0) {
+		job_fail(job, rc, "cannot restore session '%s' from the remote tier: %s; nothing was made",
+			 job->fork_name, why);
+		return;
+	}
+	job->snapshot_fd = fd;
+	job->expect.has_fingerprint = true;
+	job->expect.fingerprint = job->manifest.header.fingerprint;
+	rc = snapshot_verify(fd, &job->expect, &job->snapshot, why, sizeof(why));
+	job->verified_ns = uv_hrtime();
+	if (rc < 0) {
+		job_fail(job, rc, "cannot restore session '%s' from the remote tier: %s; nothing was made",
+			 job->fork_name, why);
+		return;
+	}
+	if (job->snapshot.max_tokens > server->options.max_tokens) {
+		job_fail(job, ZC_EEXHAUSTED, "cannot restore session '%s': its max_tokens %u is above "
+			 "this daemon's --max-tokens %u; nothing was made", job->fork_name,
+			 job->snapshot.max_tokens, server->options.max_tokens);
+		return;
+	}
+	fault_point("restore.fetched");
+}
+
+static void restore_failed(struct request_job *job)
+{
+	struct server *server = job->rq.server;
+	int rc = job->rc;
+	remote_count_restore_failure(server->remote,
+				     rc == ZC_ENOTFOUND ? REMOTE_FAILURE_MISSING :
+				     rc == ZC_ECORRUPT || rc == ZC_EPRECONDITION ? REMOTE_FAILURE_CORRUPT :
+				     rc == -ETIMEDOUT || rc == ZC_EREMOTE || rc == ZC_EDENIED ?
+					     REMOTE_FAILURE_REMOTE : REMOTE_FAILURE_LOCAL);
+	reply_error(&job->rq, rc, "%s", job->message);
+	log_warn("session", "restore refused", "name=%s uid=%u error=%s reason=\"%s\"", job->fork_name,
+		 job->rq.peer->uid, zc_strerror(rc), job->message);
+	job_end(job);
+}
+
+static void restore_fetched_done(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct server *server = job->rq.server;
+	struct session *session = session_find_name(&server->sessions, job->fork_name,
+						    job->rq.peer->uid);
+
+	if (session) {
+		/* Opened (or restored) here while this one ran: that is the live copy. */
+		attach_submit(&job->rq, session);
+		job_end(job);
+		return;
+	}
+	if (job->rc < 0 && !job->manifest_found) {
+		/* Nothing offloaded under this name: an attach that may create. */
+		open_create(&job->rq, &job->open);
+		job_end(job);
+		return;
+	}
+	if (job->rc < 0) {
+		restore_failed(job);
+		return;
+	}
+	import_verified_done(base);
+}
+
+/* On the loop: the restored session is in the table (the import's commit
+ * point was its file's rename). Answer as an attach; then the remote copy
+ * goes, manifest first: the restored session is the one live copy. */
+static void restore_committed(struct request_job *job, struct session *session)
+{
+	struct server *server = job->rq.server;
+	struct mismatch m;
+	zc_session_info has;
+
+	remote_count_restore(server->remote);
+	if (server->offload.offloaded > 0)
+		server->offload.offloaded--;
+	uint64_t now_ns = uv_hrtime();
+	log_info("session", "restored", "session=%llu name=%s uid=%u generation=%llu bytes=%llu "
+		 "fetch_ms=%.3f verify_ms=%.3f build_ms=%.3f", (unsigned long long)session->id,
+		 session->name, session->owner_uid, (unsigned long long)job->manifest.head.generation,
+		 (unsigned long long)job->restore_bytes,
+		 (double)(job->fetched_ns - job->restore_start_ns) * 1e-6,
+		 (double)(job->verified_ns - job->fetched_ns) * 1e-6,
+		 (double)(now_ns - job->verified_ns) * 1e-6);
+	fault_point("restore.committed");
+	offload_forget(server, session->owner_uid, session->name, job->manifest.head.generation);
+	reply_session_info(session, &has);
+	if (!attach_matches(&job->open, &has, &m))
+		reply_error(&job->rq, ZC_EINVALID,
+			    "session '%s' exists with a different %s: %s; it was restored from the remote "
+			    "tier and nothing else was changed", session->name, m.groups, m.detail);
+	else
+		reply_open(&job->rq, session, true);
+	job_end(job);
+}
+
+/* Answers the attach now (a refusal) or queues the restore job, which does. */
+static void restore_submit(const struct request *rq, const struct wire_open_request *open)
+{
+	struct server *server = rq->server;
+	if (!session_room(rq) || !name_not_pending(rq, open->name))
+		return;   /* refused: the sentence was sent */
+	struct request_job *job = calloc(1, sizeof(*job));
+	if (!job) {
+		/* Never create in its place: an offloaded copy may exist. */
+		reply_error(rq, -ENOMEM, "out of memory");
+		return;
+	}
+	job->kind = JOB_RESTORE;
+	job->rq = *rq;
+	job->snapshot_fd = -1;
+	job->open = *open;
+	snprintf(job->fork_name, sizeof(job->fork_name), "%s", open->name);
+	job->expect.max_bytes = budget_room(&rq->peer->quota->memory);
+	job->views_given = true;
+	job->fork_params = (struct store_params){
+		.session_id = server->sessions.next_id++,
+		.boot_epoch = server->boot_epoch,
+		.owner_uid = rq->peer->uid,
+		.views = open->views == ZC_VIEWS_NONE ? ZC_VIEWS_NONE : ZC_VIEWS_FULL,
+	};
+	job->job.run = restore_run;
+	job->job.done = restore_fetched_done;
+	job->restore_start_ns = uv_hrtime();
+	/* handle_open's request ends when it returns; this one stays begun
+	 * until the restore has replied. */
+	rq->responder->ops->begin(rq->responder);
+	session_table_run_detached(&server->sessions, &job->job);
 }
 
 /* ---- staging ---- */

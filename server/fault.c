@@ -42,6 +42,12 @@ const char *const fault_steps[] = {
 	"import.verified",   /* a snapshot verified whole, nothing made yet */
 	"import.block",      /* one imported block in the pool and the new file's index */
 	"import.layers",     /* every layer of an import written, before the rename */
+	"offload.encoded",   /* the snapshot encoded in memory, nothing written to Redis */
+	"offload.layer",     /* one layer's blocks and residual confirmed by Redis (once per layer) */
+	"offload.manifest",  /* the manifest written: the offload's commit point; local copy intact */
+	"offload.dropped",   /* the local copy retired (its file unlinked) */
+	"restore.fetched",   /* every part fetched and verified, nothing made (then import.*) */
+	"restore.committed", /* the restored session in the table, the remote copy not yet deleted */
 	NULL
 };
 
@@ -64,8 +70,32 @@ static void fault_arm(void)
 		armed_step = step;
 }
 
+/* ZIPCACHED_FAULT_PAUSE=STEP:MS: each time the step is reached the thread
+ * sleeps MS milliseconds, so a test can act in the middle of a mutation
+ * (stop Redis between two layers' writes, send a request). */
+static const char *pause_step;
+static unsigned pause_ms;
+static pthread_once_t pause_once = PTHREAD_ONCE_INIT;
+
+static void pause_arm(void)
+{
+	static char step[64];
+	const char *spec = getenv("ZIPCACHED_FAULT_PAUSE");
+	const char *colon = spec ? strrchr(spec, ':') : NULL;
+	if (!colon || (size_t)(colon - spec) >= sizeof(step))
+		return;
+	memcpy(step, spec, (size_t)(colon - spec));
+	step[colon - spec] = '\0';
+	pause_ms = (unsigned)strtoul(colon + 1, NULL, 10);
+	if (pause_ms > 0)
+		pause_step = step;
+}
+
 void fault_point(const char *step)
 {
+	pthread_once(&pause_once, pause_arm);
+	if (pause_step && strcmp(step, pause_step) == 0)
+		usleep(pause_ms * 1000u);
 	pthread_once(&armed_once, fault_arm);
 	if (!armed_step || strcmp(step, armed_step) != 0)
 		return;

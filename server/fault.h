@@ -3,7 +3,8 @@
  * environment, the N-th time the daemon reaches the named step of a
  * mutation it dies on the spot (_exit, no cleanup), as a kill -9 would
  * leave it. Without the variable every fault point is one predictable
- * branch. The steps, in the order each mutation reaches them, are listed
+ * branch. With ZIPCACHED_FAULT_PAUSE=STEP:MS the step sleeps MS ms instead
+ * (each hit), for tests that act in the middle of a mutation. The steps, in the order each mutation reaches them, are listed
  * in fault.c and in docs/DURABILITY.md.
  */
 #ifndef ZIPCACHE_FAULT_H

@@ -39,7 +39,7 @@ static const char *const reason_names[METRICS_REASON_COUNT] = {
 };
 
 static const char *const relief_step_names[METRICS_RELIEF_STEP_COUNT] = {
-	"drop_views", "refuse",
+	"drop_views", "offload", "refuse",
 };
 
 /* Upper bounds in seconds: a decode step is tens of microseconds, a
@@ -219,7 +219,7 @@ static double ratio(uint64_t fp16, uint64_t stored)
 }
 
 /* The remote tier's families (docs/REMOTE.md), only with --remote. */
-static void remote_render(struct text *text, struct remote *remote)
+static void remote_render(struct text *text, struct remote *remote, int64_t offloaded)
 {
 	struct remote_stats s;
 	remote_stats_read(remote, &s);
@@ -249,6 +249,23 @@ static void remote_render(struct text *text, struct remote *remote)
 	counter(text, "zipcache_remote_offloads_total", "Sessions written to the remote tier.", s.offloads);
 	counter(text, "zipcache_remote_restores_total", "Sessions restored from the remote tier.",
 		s.restores);
+	text_printf(text, "# HELP zipcache_remote_offload_seconds_total Time the counted offloads took "
+		    "(encode, every write, the manifest).\n# TYPE zipcache_remote_offload_seconds_total "
+		    "counter\nzipcache_remote_offload_seconds_total %.9f\n", (double)s.offload_ns * 1e-9);
+	text_printf(text, "# HELP zipcache_remote_offload_failures_total Offloads that left the session "
+		    "local, by reason.\n# TYPE zipcache_remote_offload_failures_total counter\n");
+	for (int i = 0; i < REMOTE_TRANSFER_FAILURE_COUNT; i++)
+		text_printf(text, "zipcache_remote_offload_failures_total{reason=\"%s\"} %llu\n",
+			    remote_transfer_failure_name(i), (unsigned long long)s.offload_failures[i]);
+	text_printf(text, "# HELP zipcache_remote_restore_failures_total Attaches the remote tier could "
+		    "not restore, by reason.\n# TYPE zipcache_remote_restore_failures_total counter\n");
+	for (int i = 0; i < REMOTE_TRANSFER_FAILURE_COUNT; i++)
+		text_printf(text, "zipcache_remote_restore_failures_total{reason=\"%s\"} %llu\n",
+			    remote_transfer_failure_name(i), (unsigned long long)s.restore_failures[i]);
+	text_printf(text, "# HELP zipcache_remote_offloaded_sessions Sessions this node has offloaded "
+		    "and not restored itself since it started.\n# TYPE zipcache_remote_offloaded_sessions "
+		    "gauge\nzipcache_remote_offloaded_sessions %lld\n",
+		    (long long)offloaded);
 }
 
 int metrics_render(const struct server *server, char **out, size_t *out_len)
@@ -367,7 +384,7 @@ int metrics_render(const struct server *server, char **out, size_t *out_len)
 	gauge(&text, "zipcache_uptime_seconds", "Seconds since the daemon started.",
 	      (double)(uv_now(server->loop) - server->started_ms) / 1000.0);
 	if (server->remote)
-		remote_render(&text, server->remote);
+		remote_render(&text, server->remote, server->offload.offloaded);
 
 	if (text.error) {
 		free(text.data);

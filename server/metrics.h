@@ -49,6 +49,7 @@ enum metrics_reason {
 /* The steps of memory relief (server/relief.c), in the order they run. */
 enum metrics_relief_step {
 	METRICS_RELIEF_DROP_VIEWS,
+	METRICS_RELIEF_OFFLOAD,     /* idle sessions written to the remote tier and dropped */
 	METRICS_RELIEF_REFUSE,
 	METRICS_RELIEF_STEP_COUNT
 };

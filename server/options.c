@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "offload.h"
 #include "quota.h"
 #include "resources.h"
 #include "version.h"
@@ -53,6 +54,7 @@ void options_default(struct options *options)
 	options->adopt = true;
 	snprintf(options->metrics_listen, sizeof(options->metrics_listen), "127.0.0.1:9464");
 	options->remote.timeout_ms = REMOTE_TIMEOUT_MS_DEFAULT;
+	options->remote_ttl_seconds = OFFLOAD_TTL_SECONDS_DEFAULT;
 }
 
 /* A configured value for --help: the number, "none", or the rule that
@@ -123,6 +125,10 @@ void options_print_help(const char *program, const struct options *configured)
 	       "  --remote-credentials FILE  Redis ACL user (line 1) and password (line 2); the file must be\n"
 	       "                           zipcached's uid's with mode 0600, or root's with mode 0640, or stricter\n"
 	       "  --remote-timeout-ms MS   bound on each connect and exchange with Redis (default %u)\n"
+	       "  --offload-idle-seconds S write sessions idle (no request, no live lease) this long to\n"
+	       "                           the remote tier and drop them here; attach restores them;\n"
+	       "                           0 = only when memory relief needs it; needs --remote (default 0)\n"
+	       "  --remote-ttl-seconds S   expiry of every key written to the remote tier (default %u)\n"
 	       "  --log-level LEVEL        error|warn|info|debug (default info)\n"
 	       "  --config FILE            read flags from FILE first: `flag-name = value` per line, # comments\n"
 	       "  --help                   this text, for the other flags given with it\n"
@@ -141,7 +147,7 @@ void options_print_help(const char *program, const struct options *configured)
 	       (unsigned long long)d.max_reply_queue_bytes,
 	       (unsigned long long)d.max_reply_queue_total, (unsigned long long)d.idle_ttl_seconds,
 	       (unsigned long long)d.lease_seconds, (unsigned long long)d.view_idle_seconds,
-	       d.offload_elements, d.metrics_listen, d.remote.timeout_ms,
+	       d.offload_elements, d.metrics_listen, d.remote.timeout_ms, d.remote_ttl_seconds,
 	       (unsigned long long)resources_descriptors_needed(configured), formula,
 	       configured_text(configured->memory_budget, "derived at start", text[0], sizeof(text[0])),
 	       configured_text(configured->max_sessions_per_uid, rule[0], text[1], sizeof(text[1])),
@@ -181,7 +187,7 @@ enum option_id {
 	OPT_TTL, OPT_LEASE, OPT_VIEW_IDLE, OPT_OFFLOAD, OPT_NO_ADOPT, OPT_LOG_LEVEL, OPT_METRICS, OPT_CONFIG, OPT_HELP,
 	OPT_VERSION, OPT_SESSIONS_PER_UID, OPT_CONNECTIONS_PER_UID, OPT_BUDGET_PER_UID,
 	OPT_STAGING_PER_UID, OPT_REPLY_QUEUE, OPT_REPLY_QUEUE_TOTAL, OPT_MAX_MAPPED, OPT_REMOTE,
-	OPT_REMOTE_CREDENTIALS, OPT_REMOTE_TIMEOUT
+	OPT_REMOTE_CREDENTIALS, OPT_REMOTE_TIMEOUT, OPT_OFFLOAD_IDLE, OPT_REMOTE_TTL
 };
 
 static const struct option long_options[] = {
@@ -215,6 +221,8 @@ static const struct option long_options[] = {
 	{ "remote", required_argument, NULL, OPT_REMOTE },
 	{ "remote-credentials", required_argument, NULL, OPT_REMOTE_CREDENTIALS },
 	{ "remote-timeout-ms", required_argument, NULL, OPT_REMOTE_TIMEOUT },
+	{ "offload-idle-seconds", required_argument, NULL, OPT_OFFLOAD_IDLE },
+	{ "remote-ttl-seconds", required_argument, NULL, OPT_REMOTE_TTL },
 	{ NULL, 0, NULL, 0 }
 };
 
@@ -366,6 +374,18 @@ static int option_apply(struct options *o, int id, const char *arg)
 			return -ERANGE;
 		o->remote.timeout_ms = (uint32_t)value;
 		return 0;
+	case OPT_OFFLOAD_IDLE:
+		if (value > UINT32_MAX / 1000)
+			return -ERANGE;
+		o->offload_idle_seconds = value;
+		return 0;
+	case OPT_REMOTE_TTL:
+		/* Redis takes EX up to far beyond this; 0 would mean keys that
+		 * never expire, which the brief's every-key expiry rules out. */
+		if (value == 0 || value > UINT32_MAX)
+			return -ERANGE;
+		o->remote_ttl_seconds = (uint32_t)value;
+		return 0;
 	case OPT_OFFLOAD:
 		if (value > UINT32_MAX)
 			return -ERANGE;
@@ -496,6 +516,10 @@ int options_parse(struct options *options, int argc, char **argv)
 	}
 	if (options->remote.credentials_path[0] && options->remote.n_endpoints == 0) {
 		fprintf(stderr, "zipcached: --remote-credentials without --remote\n");
+		return -EINVAL;
+	}
+	if (options->offload_idle_seconds && options->remote.n_endpoints == 0) {
+		fprintf(stderr, "zipcached: --offload-idle-seconds needs --remote (where would sessions go?)\n");
 		return -EINVAL;
 	}
 	/* Inline K/V must fit a frame with room for the rest of the message. */

@@ -42,6 +42,11 @@ struct options {
 	/* The shared tier on Redis (--remote, --remote-credentials,
 	 * --remote-timeout-ms); no endpoints: none. */
 	struct remote_config remote;
+	/* Offload to the remote tier (docs/REMOTE.md): sessions idle this
+	 * long are written there and dropped here; 0: only memory relief
+	 * offloads. Needs --remote. */
+	uint64_t offload_idle_seconds;
+	uint32_t remote_ttl_seconds;   /* expiry of every key written */
 };
 
 void options_default(struct options *options);

@@ -6,6 +6,7 @@
 
 #include "log.h"
 #include "metrics.h"
+#include "offload.h"
 #include "quota.h"
 #include "server.h"
 #include "session.h"
@@ -93,10 +94,26 @@ static int refuse(struct server *server, uint32_t uid, char *text, size_t size)
 	return ZC_EEXHAUSTED;
 }
 
+/* Step 2, with --remote: idle, unleased sessions written to the remote
+ * tier and dropped here (offload.c); attach restores them. */
+static uint64_t offload_sessions(struct server *server, uint64_t wanted, const struct session *keep,
+				 uint32_t uid)
+{
+	const struct quota_usage *usage;
+	if (!server->remote)
+		return 0;
+	server->metrics.relief_steps[METRICS_RELIEF_OFFLOAD]++;
+	return offload_relief(server, wanted, keep, uid, uid_quota_binding(server, uid, &usage));
+}
+
 int relief_run(struct server *server, uint64_t wanted, const struct session *keep, uint32_t uid,
 	       bool tried, char *text, size_t size)
 {
 	if (!tried && drop_views(server, wanted, keep, uid) > 0)
+		return 0;
+	/* Also after step 1 freed too little: each offload takes a session
+	 * away, so the caller's retries end. */
+	if (offload_sessions(server, wanted, keep, uid) > 0)
 		return 0;
 	return refuse(server, uid, text, size);
 }

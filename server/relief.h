@@ -10,13 +10,17 @@
  *                  short, only that uid's sessions: other users' views would
  *                  not make room for it. A dropped view is rebuilt from the
  *                  compressed store when its session is used again.
- *   2. refuse      The request is answered RESOURCE_EXHAUSTED, with a
+ *   2. offload     With --remote: idle, unleased sessions written to the
+ *                  remote tier (least recently used first) and dropped
+ *                  here; attach restores them (server/offload.h).
+ *   3. refuse      The request is answered RESOURCE_EXHAUSTED, with a
  *                  sentence naming the budget or the quota, its size and
  *                  use (and nothing it would have changed is changed).
  *
  * A charge goes through step 1 at most once: the caller tries it again
- * when step 1 freed anything, and a second refusal goes straight to step
- * 2. Each step that runs is counted in zipcache_relief_steps_total{step};
+ * when step 1 freed anything, and a second refusal goes on to step 2
+ * (which, taking a whole session each time it succeeds, may let the
+ * caller try again as often as there are idle sessions) and then step 3. Each step that runs is counted in zipcache_relief_steps_total{step};
  * every session whose views were dropped in zipcache_view_drops_total.
  * Sessions are never evicted. Loop thread only.
  */

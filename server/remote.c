@@ -36,7 +36,19 @@ struct remote {
 	uint64_t latency_buckets[METRICS_BUCKETS];
 	uint64_t latency_count, latency_sum_ns;
 	uint64_t offloads, restores;
+	uint64_t offload_failures[REMOTE_TRANSFER_FAILURE_COUNT];
+	uint64_t restore_failures[REMOTE_TRANSFER_FAILURE_COUNT];
+	uint64_t offload_ns;
 };
+
+static const char *const transfer_failure_names[REMOTE_TRANSFER_FAILURE_COUNT] = {
+	"remote", "touched", "missing", "corrupt", "local",
+};
+
+const char *remote_transfer_failure_name(enum remote_transfer_failure kind)
+{
+	return kind < REMOTE_TRANSFER_FAILURE_COUNT ? transfer_failure_names[kind] : "?";
+}
 
 static const char *const error_kind_names[REMOTE_ERROR_KIND_COUNT] = {
 	"timeout", "unavailable", "denied", "reply",
@@ -743,14 +755,27 @@ void remote_last_error(struct remote *r, char *text, size_t size)
 	pthread_mutex_unlock(&r->lock);
 }
 
-void remote_count_offload(struct remote *r)
+void remote_count_offload(struct remote *r, uint64_t elapsed_ns)
 {
 	counter_add(&r->offloads, 1);
+	counter_add(&r->offload_ns, elapsed_ns);
 }
 
 void remote_count_restore(struct remote *r)
 {
 	counter_add(&r->restores, 1);
+}
+
+void remote_count_offload_failure(struct remote *r, enum remote_transfer_failure kind)
+{
+	if (kind < REMOTE_TRANSFER_FAILURE_COUNT)
+		counter_add(&r->offload_failures[kind], 1);
+}
+
+void remote_count_restore_failure(struct remote *r, enum remote_transfer_failure kind)
+{
+	if (kind < REMOTE_TRANSFER_FAILURE_COUNT)
+		counter_add(&r->restore_failures[kind], 1);
 }
 
 static uint64_t counter_get(const uint64_t *counter)
@@ -773,4 +798,9 @@ void remote_stats_read(struct remote *r, struct remote_stats *s)
 	s->redirections = counter_get(&r->router.redirections);
 	s->offloads = counter_get(&r->offloads);
 	s->restores = counter_get(&r->restores);
+	s->offload_ns = counter_get(&r->offload_ns);
+	for (int i = 0; i < REMOTE_TRANSFER_FAILURE_COUNT; i++) {
+		s->offload_failures[i] = counter_get(&r->offload_failures[i]);
+		s->restore_failures[i] = counter_get(&r->restore_failures[i]);
+	}
 }

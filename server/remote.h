@@ -131,6 +131,18 @@ enum remote_error_kind {
 	REMOTE_ERROR_KIND_COUNT
 };
 
+/* Reasons in zipcache_remote_{offload,restore}_failures_total{reason}. */
+enum remote_transfer_failure {
+	REMOTE_FAILURE_REMOTE,   /* Redis down, slow or refusing */
+	REMOTE_FAILURE_TOUCHED,  /* offload: the session was used while it was written */
+	REMOTE_FAILURE_MISSING,  /* restore: a part the manifest names is gone */
+	REMOTE_FAILURE_CORRUPT,  /* restore: a damaged manifest or part */
+	REMOTE_FAILURE_LOCAL,    /* this node could not encode or build it */
+	REMOTE_TRANSFER_FAILURE_COUNT
+};
+
+const char *remote_transfer_failure_name(enum remote_transfer_failure kind);
+
 /* What metrics.c prints (zipcache_remote_*). */
 struct remote_stats {
 	bool up;
@@ -142,6 +154,9 @@ struct remote_stats {
 	uint64_t redirections;
 	/* Counted by the offload and restore paths (remote_count_*). */
 	uint64_t offloads, restores;
+	uint64_t offload_failures[REMOTE_TRANSFER_FAILURE_COUNT];
+	uint64_t restore_failures[REMOTE_TRANSFER_FAILURE_COUNT];
+	uint64_t offload_ns;   /* time the counted offloads took, summed */
 };
 
 struct remote;
@@ -201,8 +216,10 @@ int remote_expire(struct remote *remote, const struct remote_key *key, uint32_t 
 void remote_last_error(struct remote *remote, char *text, size_t size);
 
 /* For the offload and restore paths' counters. */
-void remote_count_offload(struct remote *remote);
+void remote_count_offload(struct remote *remote, uint64_t elapsed_ns);
 void remote_count_restore(struct remote *remote);
+void remote_count_offload_failure(struct remote *remote, enum remote_transfer_failure kind);
+void remote_count_restore_failure(struct remote *remote, enum remote_transfer_failure kind);
 
 void remote_stats_read(struct remote *remote, struct remote_stats *stats);
 

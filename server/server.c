@@ -508,6 +508,7 @@ static void on_ttl(uv_timer_t *timer)
 			store_sync_charge(server->sessions.items[i]->store);
 	pool_set_sync_charge(&server->pools);
 	views_drop_idle(server, now);
+	offload_scan(server, now);
 	if (ttl_ms == 0)
 		return;
 

@@ -20,6 +20,7 @@
 #include "dispatch.h"
 #include "metrics.h"
 #include "options.h"
+#include "offload.h"
 #include "quota.h"
 #include "session.h"
 #include "pool.h"
@@ -78,6 +79,7 @@ struct server {
 	struct metrics metrics;
 	struct http_endpoint *http;
 	struct remote *remote;         /* --remote; NULL without */
+	struct offload_state offload;  /* --offload-idle-seconds, relief's offload step */
 };
 
 /* Takes over an accepted socket: serves it, or tells it why not (a limit,

@@ -1,0 +1,833 @@
+/*
+ * Offload of sessions to the remote tier and their restore on attach
+ * (docs/REMOTE.md "Offload and restore"), against real redis-servers
+ * (tests/redis_harness.c) and real daemons: two daemons with their own
+ * sockets and shm-dirs on the same Redis are two nodes.
+ *
+ *   round trip     A session idle past --offload-idle-seconds leaves the
+ *                  node (list, files) for Redis, every key with an expiry;
+ *                  attach on the same node and on the other restores it
+ *                  bit for bit (views full and none, every counter), after
+ *                  which the remote copy is gone and the session takes
+ *                  more appends like the model. Standalone and cluster.
+ *   redis down     Offload fails, the session stays local and usable, the
+ *                  failure is counted and logged once, and once Redis is
+ *                  back the offload succeeds.
+ *   killed mid     Redis killed between two layers' writes: local intact.
+ *   damaged copy   One block deleted or one byte flipped in Redis: attach
+ *                  fails naming the block, nothing is made; repaired, it
+ *                  restores.
+ *   touched        A request that arrives while the offload is written
+ *                  keeps the session local.
+ *   uids           Another uid's attach of the name never reaches the
+ *                  offloaded session.
+ *   relief         Memory relief offloads an idle session to make room.
+ *   crashes        The daemon killed at every offload and restore step:
+ *                  after a restart the session is there (adopted or
+ *                  restored), bit for bit.
+ */
+#include <arpa/inet.h>
+#include <check.h>
+#include <dirent.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "daemon_harness.h"
+#include "layer_model.h"
+#include "process_run.h"
+#include "redis_harness.h"
+#include "suite_main.h"
+#include "zipcache/client.h"
+#include "zipcache/error.h"
+
+#define WAIT_MS 20000
+#define NOBODY 65534
+
+static struct redis_server standalone;
+static struct redis_cluster cluster;
+
+static void standalone_up(void)
+{
+	if (redis_installed())
+		redis_server_start(&standalone, NULL, NULL);
+}
+
+static void standalone_down(void)
+{
+	if (standalone.pid)
+		redis_server_stop(&standalone);
+}
+
+static void cluster_up(void)
+{
+	if (redis_installed())
+		redis_cluster_start(&cluster);
+}
+
+static void cluster_down(void)
+{
+	if (cluster.nodes[0].pid)
+		redis_cluster_stop(&cluster);
+}
+
+/* The Redis a test uses: the standalone server or the cluster's nodes. */
+struct tier {
+	struct redis_server *nodes[REDIS_CLUSTER_NODES];
+	int n;
+	char url[256];
+};
+
+static struct tier tier_standalone(void)
+{
+	struct tier t = { .nodes = { &standalone }, .n = 1 };
+	snprintf(t.url, sizeof(t.url), "redis://127.0.0.1:%u", standalone.port);
+	return t;
+}
+
+static struct tier tier_cluster(void)
+{
+	struct tier t = { .n = REDIS_CLUSTER_NODES };
+	size_t used = (size_t)snprintf(t.url, sizeof(t.url), "redis://");
+	for (int i = 0; i < REDIS_CLUSTER_NODES; i++) {
+		t.nodes[i] = &cluster.nodes[i];
+		used += (size_t)snprintf(t.url + used, sizeof(t.url) - used, "%s127.0.0.1:%u",
+					 i ? "," : "", cluster.nodes[i].port);
+	}
+	return t;
+}
+
+static void tier_flush(const struct tier *t)
+{
+	for (int i = 0; i < t->n; i++)
+		freeReplyObject(redis_command(t->nodes[i], "FLUSHALL"));
+}
+
+/* Keys matching pattern over every node: their count; names[] (if given)
+ * gets up to max of them (malloc'd), with their node. */
+static int tier_keys(const struct tier *t, const char *pattern, char **names, int *node, int max)
+{
+	int count = 0;
+	for (int i = 0; i < t->n; i++) {
+		redisReply *r = redis_command(t->nodes[i], "KEYS %s", pattern);
+		ck_assert_int_eq(r->type, REDIS_REPLY_ARRAY);
+		for (size_t k = 0; k < r->elements; k++, count++)
+			if (names && count < max) {
+				names[count] = strdup(r->element[k]->str);
+				node[count] = i;
+			}
+		freeReplyObject(r);
+	}
+	return count;
+}
+
+static void names_free(char **names, int n)
+{
+	for (int i = 0; i < n; i++)
+		free(names[i]);
+}
+
+/* Every key of ours has an expiry (PTTL > 0). */
+static void tier_keys_expire(const struct tier *t)
+{
+	char *names[256];
+	int node[256];
+	int n = tier_keys(t, "zc:*", names, node, 256);
+	ck_assert_int_gt(n, 0);
+	for (int i = 0; i < n && i < 256; i++) {
+		redisReply *r = redis_command(t->nodes[node[i]], "PTTL %s", names[i]);
+		ck_assert_int_eq(r->type, REDIS_REPLY_INTEGER);
+		ck_assert_msg(r->integer > 0, "key %s has PTTL %lld", names[i], (long long)r->integer);
+		freeReplyObject(r);
+	}
+	names_free(names, n < 256 ? n : 256);
+}
+
+/* GET /metrics from 127.0.0.1:port: the body, malloc'd. */
+static char *metrics_scrape(uint16_t port)
+{
+	int fd = socket(AF_INET, SOCK_STREAM, 0);
+	struct sockaddr_in address = { .sin_family = AF_INET, .sin_port = htons(port),
+				       .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	ck_assert_int_eq(connect(fd, (struct sockaddr *)&address, sizeof(address)), 0);
+	static const char request[] = "GET /metrics HTTP/1.0\r\n\r\n";
+	ck_assert_int_eq(write(fd, request, sizeof(request) - 1), (ssize_t)sizeof(request) - 1);
+	size_t capacity = 1 << 20, used = 0;
+	char *text = malloc(capacity);
+	ssize_t n;
+	while ((n = read(fd, text + used, capacity - 1 - used)) > 0)
+		used += (size_t)n;
+	text[used] = '\0';
+	close(fd);
+	return text;
+}
+
+/* A sample's value in /metrics ("name{labels}" exactly), -1 when absent. */
+static long long metric_value(uint16_t port, const char *sample)
+{
+	char *text = metrics_scrape(port), needle[256];
+	snprintf(needle, sizeof(needle), "\n%s ", sample);
+	char *at = strstr(text, needle);
+	long long v = at ? strtoll(at + strlen(needle), NULL, 10) : -1;
+	free(text);
+	return v;
+}
+
+/* A node: a daemon on the tier with a metrics port. */
+struct node {
+	struct service service;
+	uint16_t metrics_port;
+};
+
+static void node_start(struct node *node, const struct tier *t, const char *idle_seconds,
+		       const char *const *more)
+{
+	char listen_at[32];
+	const char *args[24];
+	int n = 0;
+	node->metrics_port = free_tcp_port();
+	snprintf(listen_at, sizeof(listen_at), "127.0.0.1:%u", node->metrics_port);
+	args[n++] = "--remote";
+	args[n++] = t->url;
+	args[n++] = "--offload-idle-seconds";
+	args[n++] = idle_seconds;
+	args[n++] = "--remote-timeout-ms";
+	args[n++] = "1000";
+	args[n++] = "--metrics-listen";
+	args[n++] = listen_at;
+	for (int i = 0; more && more[i]; i++)
+		args[n++] = more[i];
+	args[n] = NULL;
+	service_start(&node->service, args);
+}
+
+static void node_stop(struct node *node)
+{
+	service_stop(&node->service);
+}
+
+static size_t node_sessions(struct node *node)
+{
+	zc_session_info infos[16];
+	size_t n = 0;
+	ck_assert_int_eq(zc_client_list_sessions(node->service.client, infos, 16, &n), 0);
+	return n;
+}
+
+static int shm_files(const struct node *node)
+{
+	DIR *dir = opendir(node->service.daemon.shm_dir);
+	struct dirent *entry;
+	int count = 0;
+	ck_assert_ptr_nonnull(dir);
+	while ((entry = readdir(dir)) != NULL)
+		if (strstr(entry->d_name, ".zcs"))
+			count++;
+	closedir(dir);
+	return count;
+}
+
+/* Waits until the node holds `sessions` sessions (an offload took one). */
+static bool node_wait_sessions(struct node *node, size_t sessions, int timeout_ms)
+{
+	int64_t until = now_ms() + timeout_ms;
+	while (now_ms() < until) {
+		if (node_sessions(node) == sessions)
+			return true;
+		sleep_ms(50);
+	}
+	return false;
+}
+
+static bool tier_wait_keys(const struct tier *t, const char *pattern, int at_least, int timeout_ms)
+{
+	int64_t until = now_ms() + timeout_ms;
+	while (now_ms() < until) {
+		int n = tier_keys(t, pattern, NULL, NULL, 0);
+		if (at_least > 0 ? n >= at_least : n == 0)
+			return true;
+		sleep_ms(20);
+	}
+	return false;
+}
+
+/* The session every test offloads: two layers, a block and a partial
+ * residual in each. */
+static zc_session_config config_of(const char *name, zc_views views)
+{
+	zc_session_config c = shaped_config(name, 2, 1, 2, 64, 64, 2048, ZC_POLICY_STREAMING, 16);
+	c.views = views;
+	c.model_id = "offload-model";
+	return c;
+}
+
+static zc_session *session_build(zc_client *client, const zc_session_config *config,
+				 struct model *model, struct rng *rng)
+{
+	zc_session *session = open_session(client, config);
+	model_init(model, config);
+	const uint32_t updates[] = { 40, 5 };
+	for (int u = 0; u < 2; u++)
+		for (uint32_t layer = 0; layer < config->layers; layer++)
+			CHECK(update_checked, client, session, model, rng, layer, updates[u]);
+	CHECK(session_matches, session, model);
+	return session;
+}
+
+/* Lets go of the session so that it may be offloaded: no lease, no handle. */
+static void session_leave(zc_session *session)
+{
+	ck_assert_int_eq(zc_session_release_views(session), 0);
+	zc_session_release(session);
+}
+
+static zc_session *session_attach(struct node *node, const zc_session_config *config, int *rc_out)
+{
+	zc_session_config c = *config;
+	zc_session *session = NULL;
+	c.attach = true;
+	int rc = zc_session_open(node->service.client, &c, &session);
+	if (rc_out)
+		*rc_out = rc;
+	else
+		ck_assert_msg(rc == 0, "attach of '%s': %s (%s)", config->name, zc_error_name(rc),
+			      zc_client_last_error(node->service.client));
+	return session;
+}
+
+static void more_appends(zc_client *client, zc_session *session, struct model *model,
+			 struct rng *rng)
+{
+	const uint32_t steps[] = { 1, 20, 3 };
+	for (size_t s = 0; s < 3; s++)
+		for (uint32_t layer = 0; layer < model->layers; layer++)
+			CHECK(update_checked, client, session, model, rng, layer, steps[s]);
+	CHECK(session_matches, session, model);
+}
+
+/* ---- round trips ---------------------------------------------------------------- */
+
+static void round_trip(const struct tier *t, zc_views views)
+{
+	struct node one, two;
+	struct model model;
+	struct rng rng;
+	rng_seed(&rng, 77);
+	tier_flush(t);
+	node_start(&one, t, "1", NULL);
+	node_start(&two, t, "1", NULL);
+	zc_session_config config = config_of("trip", views);
+
+	zc_session *s = session_build(one.service.client, &config, &model, &rng);
+	session_leave(s);
+	ck_assert_msg(node_wait_sessions(&one, 0, WAIT_MS), "the idle session was not offloaded");
+	ck_assert_int_eq(shm_files(&one), 0);
+	ck_assert_int_eq(tier_keys(t, "zc:*:m:*", NULL, NULL, 0), 1);
+	/* two layers: a block and a residual each, and the manifest */
+	ck_assert_int_eq(tier_keys(t, "zc:*", NULL, NULL, 0), 5);
+	tier_keys_expire(t);
+	ck_assert_int_eq(metric_value(one.metrics_port, "zipcache_remote_offloads_total"), 1);
+	ck_assert_int_eq(metric_value(one.metrics_port, "zipcache_remote_offloaded_sessions"), 1);
+
+	/* Back on the same node. */
+	s = session_attach(&one, &config, NULL);
+	ck_assert_int_eq(zc_session_get_info(s)->views, views);
+	ck_assert_str_eq(zc_session_get_info(s)->model_id, "offload-model");
+	CHECK(session_matches, s, &model);
+	ck_assert_int_eq(metric_value(one.metrics_port, "zipcache_remote_restores_total"), 1);
+	ck_assert_msg(tier_wait_keys(t, "zc:*", 0, WAIT_MS), "the restored copy stayed in Redis");
+	session_leave(s);
+	ck_assert_msg(node_wait_sessions(&one, 0, WAIT_MS), "not offloaded the second time");
+
+	/* On the other node: bit for bit, and it goes on like the model. */
+	s = session_attach(&two, &config, NULL);
+	CHECK(session_matches, s, &model);
+	ck_assert_int_eq(metric_value(two.metrics_port, "zipcache_remote_restores_total"), 1);
+	more_appends(two.service.client, s, &model, &rng);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	ck_assert_int_eq(node_sessions(&one), 0);
+	model_free(&model);
+	node_stop(&two);
+	node_stop(&one);
+}
+
+START_TEST(round_trip_standalone)
+{
+	if (!standalone.pid)
+		return;
+	struct tier t = tier_standalone();
+	round_trip(&t, ZC_VIEWS_FULL);
+	round_trip(&t, ZC_VIEWS_NONE);
+}
+END_TEST
+
+START_TEST(round_trip_cluster)
+{
+	if (!cluster.nodes[0].pid)
+		return;
+	struct tier t = tier_cluster();
+	round_trip(&t, ZC_VIEWS_FULL);
+	round_trip(&t, ZC_VIEWS_NONE);
+}
+END_TEST
+
+/* An attach of a name nobody offloaded, with a shape, still creates. */
+START_TEST(attach_of_an_unknown_name_creates)
+{
+	if (!standalone.pid)
+		return;
+	struct tier t = tier_standalone();
+	struct node one;
+	tier_flush(&t);
+	node_start(&one, &t, "0", NULL);
+	zc_session_config config = config_of("fresh", ZC_VIEWS_FULL);
+	zc_session *s = session_attach(&one, &config, NULL);
+	ck_assert_uint_eq(zc_session_get_info(s)->max_layer_tokens, 0);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	node_stop(&one);
+}
+END_TEST
+
+/* ---- failures ---------------------------------------------------------------- */
+
+static int log_count(const struct node *node, const char *needle)
+{
+	char *text = file_read_whole(node->service.daemon.log_path, NULL);
+	int n = 0;
+	for (char *p = text; p && (p = strstr(p, needle)); p += strlen(needle))
+		n++;
+	free(text);
+	return n;
+}
+
+START_TEST(redis_down_keeps_sessions_local)
+{
+	if (!redis_installed())
+		return;
+	/* Its own server: one a test kills and starts again dies with the test. */
+	struct redis_server own;
+	redis_server_start(&own, NULL, NULL);
+	struct tier t = { .nodes = { &own }, .n = 1 };
+	snprintf(t.url, sizeof(t.url), "redis://127.0.0.1:%u", own.port);
+	struct node one;
+	struct model model;
+	struct rng rng;
+	rng_seed(&rng, 5);
+	tier_flush(&t);
+	node_start(&one, &t, "1", (const char *const[]){ "--log-level", "info", NULL });
+	zc_session_config config = config_of("stays", ZC_VIEWS_FULL);
+	redis_server_kill(&own);
+
+	zc_session *s = session_build(one.service.client, &config, &model, &rng);
+	session_leave(s);
+	/* Several tries' worth (1 s, then 2 s of backoff). */
+	sleep_ms(4500);
+	ck_assert_uint_eq(node_sessions(&one), 1);
+	long long failed = metric_value(one.metrics_port,
+					"zipcache_remote_offload_failures_total{reason=\"remote\"}");
+	ck_assert_msg(failed >= 1 && failed <= 4, "%lld failures counted", failed);
+	ck_assert_int_eq(log_count(&one, "event=\"offload failing\""), 1);
+	s = session_attach(&one, &config, NULL);
+	CHECK(session_matches, s, &model);
+	more_appends(one.service.client, s, &model, &rng);
+	session_leave(s);
+
+	redis_server_restart(&own);
+	ck_assert_msg(node_wait_sessions(&one, 0, 70000), "not offloaded after Redis came back");
+	ck_assert_int_eq(log_count(&one, "event=\"offload working again\""), 1);
+	s = session_attach(&one, &config, NULL);
+	CHECK(session_matches, s, &model);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	model_free(&model);
+	node_stop(&one);
+	redis_server_stop(&own);
+}
+END_TEST
+
+START_TEST(redis_killed_mid_offload_leaves_the_session)
+{
+	if (!redis_installed())
+		return;
+	/* Its own server: one a test kills and starts again dies with the test. */
+	struct redis_server own;
+	redis_server_start(&own, NULL, NULL);
+	struct tier t = { .nodes = { &own }, .n = 1 };
+	snprintf(t.url, sizeof(t.url), "redis://127.0.0.1:%u", own.port);
+	struct node one;
+	struct model model;
+	struct rng rng;
+	rng_seed(&rng, 6);
+	tier_flush(&t);
+	setenv("ZIPCACHED_FAULT_PAUSE", "offload.layer:3000", 1);
+	node_start(&one, &t, "1", NULL);
+	unsetenv("ZIPCACHED_FAULT_PAUSE");
+	zc_session_config config = config_of("halfway", ZC_VIEWS_FULL);
+	zc_session *s = session_build(one.service.client, &config, &model, &rng);
+	session_leave(s);
+	/* Layer 0 written, the daemon paused before layer 1. */
+	ck_assert_msg(tier_wait_keys(&t, "zc:*:b:*", 1, WAIT_MS), "the offload never began");
+	ck_assert_int_eq(tier_keys(&t, "zc:*:m:*", NULL, NULL, 0), 0);
+	redis_server_kill(&own);
+	int64_t until = now_ms() + WAIT_MS;
+	while (now_ms() < until &&
+	       metric_value(one.metrics_port,
+			    "zipcache_remote_offload_failures_total{reason=\"remote\"}") < 1)
+		sleep_ms(100);
+	ck_assert_int_ge(metric_value(one.metrics_port,
+				      "zipcache_remote_offload_failures_total{reason=\"remote\"}"), 1);
+	ck_assert_uint_eq(node_sessions(&one), 1);
+	s = session_attach(&one, &config, NULL);
+	CHECK(session_matches, s, &model);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	redis_server_restart(&own);
+	model_free(&model);
+	node_stop(&one);
+	redis_server_stop(&own);
+}
+END_TEST
+
+/* Offloads the session on one; returns with it in Redis only. */
+static void offload_one(struct node *one, const struct tier *t, const zc_session_config *config,
+			struct model *model, struct rng *rng)
+{
+	zc_session *s = session_build(one->service.client, config, model, rng);
+	session_leave(s);
+	ck_assert_msg(node_wait_sessions(one, 0, WAIT_MS), "the idle session was not offloaded");
+	ck_assert_int_eq(tier_keys(t, "zc:*:m:*", NULL, NULL, 0), 1);
+}
+
+static void attach_refused(struct node *node, const zc_session_config *config, int expected,
+			   const char *needle)
+{
+	int rc;
+	zc_session *s = session_attach(node, config, &rc);
+	ck_assert_msg(rc == expected, "attach gave %s, expected %s (%s)", zc_error_name(rc),
+		      zc_error_name(expected), zc_client_last_error(node->service.client));
+	ck_assert_ptr_null(s);
+	const char *why = zc_client_last_error(node->service.client);
+	ck_assert_msg(strstr(why, needle), "the message \"%s\" does not name \"%s\"", why, needle);
+	ck_assert_uint_eq(node_sessions(node), 0);
+	ck_assert_int_eq(shm_files(node), 0);
+}
+
+START_TEST(a_damaged_copy_is_refused_whole)
+{
+	if (!standalone.pid)
+		return;
+	struct tier t = tier_standalone();
+	struct node one;
+	struct model model;
+	struct rng rng;
+	rng_seed(&rng, 8);
+	tier_flush(&t);
+	node_start(&one, &t, "1", NULL);
+	zc_session_config config = config_of("damaged", ZC_VIEWS_FULL);
+	offload_one(&one, &t, &config, &model, &rng);
+
+	char *names[4];
+	int node[4];
+	/* Block 0 of layer 1: ...:GENERATION:1:0 */
+	int n = tier_keys(&t, "zc:*:b:*:1:0", names, node, 4);
+	ck_assert_int_eq(n, 1);
+	redisReply *saved = redis_command(t.nodes[0], "GET %s", names[0]);
+	ck_assert_int_eq(saved->type, REDIS_REPLY_STRING);
+
+	/* Missing. */
+	freeReplyObject(redis_command(t.nodes[0], "DEL %s", names[0]));
+	attach_refused(&one, &config, ZC_ENOTFOUND, "layer 1 block 0");
+	ck_assert_int_eq(metric_value(one.metrics_port,
+				      "zipcache_remote_restore_failures_total{reason=\"missing\"}"), 1);
+	/* One byte flipped, in the K payload. */
+	char *flipped = malloc(saved->len);
+	memcpy(flipped, saved->str, saved->len);
+	flipped[saved->len / 2] ^= 0x10;
+	freeReplyObject(redis_command(t.nodes[0], "SET %s %b EX 600", names[0], flipped,
+				      (size_t)saved->len));
+	attach_refused(&one, &config, ZC_ECORRUPT, "layer 1 block 0");
+	ck_assert_int_eq(metric_value(one.metrics_port,
+				      "zipcache_remote_restore_failures_total{reason=\"corrupt\"}"), 1);
+	/* Repaired: it restores. */
+	freeReplyObject(redis_command(t.nodes[0], "SET %s %b EX 600", names[0], saved->str,
+				      (size_t)saved->len));
+	zc_session *s = session_attach(&one, &config, NULL);
+	CHECK(session_matches, s, &model);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	free(flipped);
+	freeReplyObject(saved);
+	names_free(names, n);
+	model_free(&model);
+	node_stop(&one);
+}
+END_TEST
+
+/* An attach that arrives while the offload is written: the offload is
+ * abandoned and the session stays, with every token. */
+START_TEST(a_session_touched_during_offload_stays)
+{
+	if (!standalone.pid)
+		return;
+	struct tier t = tier_standalone();
+	struct node one;
+	struct model model;
+	struct rng rng;
+	rng_seed(&rng, 9);
+	tier_flush(&t);
+	setenv("ZIPCACHED_FAULT_PAUSE", "offload.layer:1500", 1);
+	node_start(&one, &t, "1", NULL);
+	unsetenv("ZIPCACHED_FAULT_PAUSE");
+	zc_session_config config = config_of("touched", ZC_VIEWS_FULL);
+	zc_session *s = session_build(one.service.client, &config, &model, &rng);
+	session_leave(s);
+	ck_assert_msg(tier_wait_keys(&t, "zc:*:b:*", 1, WAIT_MS), "the offload never began");
+	s = session_attach(&one, &config, NULL);   /* waits behind the offload */
+	CHECK(session_matches, s, &model);
+	ck_assert_uint_eq(node_sessions(&one), 1);
+	ck_assert_int_eq(metric_value(one.metrics_port,
+				      "zipcache_remote_offload_failures_total{reason=\"touched\"}"), 1);
+	ck_assert_int_eq(metric_value(one.metrics_port, "zipcache_remote_offloads_total"), 0);
+	/* The copy written meanwhile is forgotten. */
+	ck_assert_msg(tier_wait_keys(&t, "zc:*", 0, WAIT_MS), "the abandoned copy stayed in Redis");
+	more_appends(one.service.client, s, &model, &rng);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	model_free(&model);
+	node_stop(&one);
+}
+END_TEST
+
+/* ---- uids ---------------------------------------------------------------- */
+
+struct as_nobody {
+	const char *socket_path;
+	bool build;   /* build and leave the session, else attach and check it */
+};
+
+static int nobody_body(void *arg)
+{
+	const struct as_nobody *a = arg;
+	char why[256];
+	CHILD_EXPECT(user_become(NOBODY, NOBODY, why, sizeof(why)), "%s", why);
+	zc_client *client = NULL;
+	int rc = zc_client_connect(a->socket_path, CLIENT_TIMEOUT_MS, &client);
+	CHILD_EXPECT(rc == 0, "connect to %s: %s", a->socket_path, zc_error_name(rc));
+	zc_session_config config = config_of("private", ZC_VIEWS_FULL);
+	struct model model;
+	struct rng rng;
+	rng_seed(&rng, 10);
+	model_init(&model, &config);
+	zc_session *s = NULL;
+	if (a->build) {
+		CHILD_EXPECT(zc_session_open(client, &config, &s) == 0, "open");
+		for (uint32_t layer = 0; layer < 2; layer++)
+			CHILD_EXPECT(update_checked(client, s, &model, &rng, layer, 40, why, sizeof(why)),
+				     "%s", why);
+		CHILD_EXPECT(zc_session_release_views(s) == 0, "release");
+		zc_session_release(s);
+	} else {
+		config.attach = true;
+		CHILD_EXPECT(zc_session_open(client, &config, &s) == 0, "attach: %s",
+			     zc_client_last_error(client));
+		CHILD_EXPECT(zc_session_get_info(s)->max_layer_tokens == 40, "restored %llu tokens",
+			     (unsigned long long)zc_session_get_info(s)->max_layer_tokens);
+		CHILD_EXPECT(zc_session_close(s) == 0, "close");
+	}
+	model_free(&model);
+	zc_client_close(client);
+	return 0;
+}
+
+START_TEST(another_uid_never_reaches_the_copy)
+{
+	if (!standalone.pid)
+		return;
+	struct tier t = tier_standalone();
+	struct node one;
+	tier_flush(&t);
+	node_start(&one, &t, "1", (const char *const[]){ "--socket-mode", "0666", NULL });
+	chmod(one.service.daemon.dir, 0755);
+	if (!other_users_possible(one.service.daemon.dir)) {
+		node_stop(&one);
+		return;
+	}
+	struct as_nobody a = { .socket_path = one.service.daemon.socket_path, .build = true };
+	child_wait_ok(child_spawn(nobody_body, &a, -1), "nobody builds");
+	ck_assert_msg(tier_wait_keys(&t, "zc:1:65534:m:*", 1, WAIT_MS), "nobody's session stayed");
+	/* Root's attach of the same name makes root's own, empty session. */
+	zc_session_config config = config_of("private", ZC_VIEWS_FULL);
+	zc_session *s = session_attach(&one, &config, NULL);
+	ck_assert_uint_eq(zc_session_get_info(s)->max_layer_tokens, 0);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	ck_assert_int_eq(tier_keys(&t, "zc:1:65534:m:*", NULL, NULL, 0), 1);
+	a.build = false;
+	child_wait_ok(child_spawn(nobody_body, &a, -1), "nobody attaches");
+	node_stop(&one);
+}
+END_TEST
+
+/* ---- relief ---------------------------------------------------------------- */
+
+START_TEST(relief_offloads_an_idle_session)
+{
+	if (!standalone.pid)
+		return;
+	struct tier t = tier_standalone();
+	struct node one;
+	struct model model;
+	struct rng rng;
+	rng_seed(&rng, 11);
+	tier_flush(&t);
+	/* No idle offload; a budget one session (about 4.5 MiB) fits, not two. */
+	node_start(&one, &t, "0", (const char *const[]){ "--memory-budget", "10M", "--log-level",
+							   "info", NULL });
+	/* Views none: only compressed bytes, which dropping views cannot free. */
+	zc_session_config big = shaped_config("big", 2, 1, 8, 128, 128, 2048, ZC_POLICY_STREAMING, 0);
+	big.views = ZC_VIEWS_NONE;
+	zc_session *s = open_session(one.service.client, &big);
+	model_init(&model, &big);
+	for (int u = 0; u < 4; u++)
+		for (uint32_t layer = 0; layer < 2; layer++)
+			CHECK(update_checked, one.service.client, s, &model, &rng, layer, 512);
+	session_leave(s);
+	/* A second one does not fit beside it, views dropped or not. */
+	zc_session_config other = big;
+	other.name = "other";
+	zc_session *o = open_session(one.service.client, &other);
+	struct model other_model;
+	model_init(&other_model, &other);
+	for (uint32_t step = 0; step < 8; step++) {
+		char why[WHY_BYTES], tail[8192];
+		ck_assert_msg(update_checked(one.service.client, o, &other_model, &rng, step % 2, 512, why,
+					     sizeof(why)), "%s\nlog:\n%s", why,
+			      daemon_log_tail(&one.service.daemon, tail, sizeof(tail)));
+	}
+	ck_assert_int_ge(metric_value(one.metrics_port, "zipcache_relief_steps_total{step=\"offload\"}"),
+			 1);
+	ck_assert_int_eq(metric_value(one.metrics_port, "zipcache_remote_offloads_total"), 1);
+	ck_assert_uint_eq(node_sessions(&one), 1);
+	ck_assert_int_eq(zc_session_close(o), 0);
+	s = session_attach(&one, &big, NULL);
+	CHECK(session_matches, s, &model);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	model_free(&other_model);
+	model_free(&model);
+	node_stop(&one);
+}
+END_TEST
+
+/* ---- crashes ---------------------------------------------------------------- */
+
+static const char *const offload_steps[] = { "offload.encoded", "offload.layer",
+					     "offload.manifest", "offload.dropped", NULL };
+static const char *const restore_steps[] = { "restore.fetched", "import.block", "import.layers",
+					     "restore.committed", NULL };
+
+/* Restarted without the fault: the session is there, bit for bit. */
+static void after_crash(struct node *one, const struct tier *t, const zc_session_config *config,
+			struct model *model, const char *spec)
+{
+	int status = daemon_wait_exit(&one->service.daemon, WAIT_MS);
+	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 86,
+		      "%s: the daemon ended with status %d, not by the fault", spec, status);
+	zc_client_close(one->service.client);
+	unsetenv("ZIPCACHED_FAULT");
+	daemon_restart(&one->service.daemon);
+	one->service.client = connect_client(&one->service.daemon);
+	zc_session *s = session_attach(one, config, NULL);
+	char why[WHY_BYTES];
+	ck_assert_msg(session_matches(s, model, why, sizeof(why)), "%s: %s", spec, why);
+	if (strcmp(spec, "restore.committed:1") == 0) {
+		/* Both copies were left: the next offload writes a new generation
+		 * and deletes the old one's keys, so one generation is left. */
+		ck_assert_int_eq(tier_keys(t, "zc:*:m:*", NULL, NULL, 0), 1);
+		session_leave(s);
+		ck_assert_msg(node_wait_sessions(one, 0, WAIT_MS), "%s: not offloaded again", spec);
+		ck_assert_int_eq(tier_keys(t, "zc:*", NULL, NULL, 0), 5);
+		s = session_attach(one, config, NULL);
+		ck_assert_msg(session_matches(s, model, why, sizeof(why)), "%s: %s", spec, why);
+	}
+	ck_assert_int_eq(zc_session_close(s), 0);
+}
+
+START_TEST(crash_at_every_step)
+{
+	if (!standalone.pid)
+		return;
+	struct tier t = tier_standalone();
+	char spec[64];
+	for (int r = 0; r < 2; r++) {
+		const char *const *steps = r == 0 ? offload_steps : restore_steps;
+		for (int i = 0; steps[i]; i++) {
+			struct node one;
+			struct model model;
+			struct rng rng;
+			rng_seed(&rng, 12);
+			tier_flush(&t);
+			snprintf(spec, sizeof(spec), "%s:1", steps[i]);
+			zc_session_config config = config_of("crash", ZC_VIEWS_FULL);
+			if (r == 0)
+				setenv("ZIPCACHED_FAULT", spec, 1);
+			node_start(&one, &t, "1", NULL);
+			zc_session *s = session_build(one.service.client, &config, &model, &rng);
+			session_leave(s);
+			if (r == 1) {
+				ck_assert(node_wait_sessions(&one, 0, WAIT_MS));
+				zc_client_close(one.service.client);
+				daemon_stop(&one.service.daemon);
+				setenv("ZIPCACHED_FAULT", spec, 1);
+				daemon_restart(&one.service.daemon);
+				one.service.client = connect_client(&one.service.daemon);
+				int rc;
+				session_attach(&one, &config, &rc);
+				ck_assert_msg(daemon_lost(rc), "%s: the attach gave %s", spec,
+					      zc_error_name(rc));
+			}
+			after_crash(&one, &t, &config, &model, spec);
+			model_free(&model);
+			node_stop(&one);
+		}
+	}
+}
+END_TEST
+
+static Suite *offload_suite(void)
+{
+	const struct {
+		const char *name;
+		const TTest *test;
+	} singles[] = {
+		{ "round_trip", round_trip_standalone },
+		{ "unknown_name", attach_of_an_unknown_name_creates },
+		{ "damaged", a_damaged_copy_is_refused_whole },
+		{ "touched", a_session_touched_during_offload_stays },
+		{ "uids", another_uid_never_reaches_the_copy },
+		{ "relief", relief_offloads_an_idle_session },
+		{ "killed_mid", redis_killed_mid_offload_leaves_the_session },
+		{ "redis_down", redis_down_keeps_sessions_local },
+		{ "crashes", crash_at_every_step },
+	};
+	Suite *suite = suite_create("remote_offload");
+	/* One case each (CK_RUN_CASE picks one), each with a fresh server. */
+	for (size_t i = 0; i < sizeof(singles) / sizeof(singles[0]); i++) {
+		TCase *tc = tcase_create(singles[i].name);
+		tcase_add_unchecked_fixture(tc, standalone_up, standalone_down);
+		tcase_set_timeout(tc, 240);
+		tcase_add_test(tc, singles[i].test);
+		suite_add_tcase(suite, tc);
+	}
+	TCase *clustered = tcase_create("cluster");
+	tcase_add_unchecked_fixture(clustered, cluster_up, cluster_down);
+	tcase_set_timeout(clustered, 120);
+	tcase_add_test(clustered, round_trip_cluster);
+	suite_add_tcase(suite, clustered);
+	return suite;
+}
+
+int main(void)
+{
+	return suite_main(offload_suite(), CK_FORK);
+}
