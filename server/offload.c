@@ -686,7 +686,7 @@ static void offload_done(struct job *base)
 	state_succeeded(server);
 	uint64_t now = session_now_ms();
 	if (session->closed || session->last_used_ms != job->used_ms || session->queue_head ||
-	    session_leased(session, now)) {
+	    session->flushes || session_leased(session, now)) {
 		remote_count_offload_failure(server->remote, REMOTE_FAILURE_TOUCHED);
 		log_info("session", "offload abandoned", "session=%llu name=%s reason=\"used while it "
 			 "was written: the local copy stays the live one\"", (unsigned long long)session->id,
