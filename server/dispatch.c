@@ -33,6 +33,7 @@
 #include "staging.h"
 #include "store.h"
 #include "pool.h"
+#include "prefix.h"
 #include "wire.h"
 
 /* The store enforces the same shape limits the public header promises
@@ -61,6 +62,9 @@ struct request_job {
 	uint32_t layer, tokens;
 	bool retried;                 /* once, after freeing memory */
 	const uint16_t *keys, *values;
+	bool chunk;                   /* a prefix chunk: chunk_key, chunk_block */
+	uint8_t chunk_key[ZC_CHUNK_KEY_BYTES];
+	store_block chunk_block;      /* made by update_run, one reference for the index */
 	uint8_t *inline_copy;         /* owns keys/values when they came inline */
 	struct staging *staging;      /* holds keys/values when staged */
 	/* trim */
@@ -254,6 +258,129 @@ static bool name_not_pending(const struct request *rq, const char *name)
 	return false;
 }
 
+/* ---- prefix reuse (docs/PREFIX.md) ---- */
+
+/* The chain keys of a request are whole keys, at most ZC_PREFIX_MAX_CHUNKS
+ * (the decoder bounds the bytes). Replies and returns false when not. */
+static bool prefix_keys_valid(const struct request *rq, const struct wire_open_request *open)
+{
+	if (open->prefix_len % ZC_CHUNK_KEY_BYTES) {
+		reply_error(rq, ZC_EINVALID,
+			    "prefix is %u bytes: chain keys are %u bytes each; nothing was made",
+			    open->prefix_len, ZC_CHUNK_KEY_BYTES);
+		return false;
+	}
+	return true;
+}
+
+/* An open with a prefix: every chunk held, locally, for every layer, and
+ * the prefix within max_tokens. Replies and returns false when not. */
+static bool prefix_check(const struct request *rq, const struct wire_open_request *open,
+			 const struct store_params *params)
+{
+	struct server *server = rq->server;
+	if (!prefix_keys_valid(rq, open))
+		return false;
+	uint32_t n = open->prefix_len / ZC_CHUNK_KEY_BYTES;
+	if ((uint64_t)n * ZC_PREFIX_CHUNK_TOKENS > params->max_tokens) {
+		reply_error(rq, ZC_EINVALID,
+			    "a prefix of %u chunks is %llu tokens, above max_tokens %u; nothing was made",
+			    n, (unsigned long long)n * ZC_PREFIX_CHUNK_TOKENS, params->max_tokens);
+		return false;
+	}
+	uint64_t fingerprint = prefix_fingerprint_of_params(params);
+	uint32_t held = prefix_index_held(&server->prefix, params->owner_uid, fingerprint,
+					  open->prefix, n, params->layers);
+	if (held < n) {
+		reply_error(rq, ZC_ENOTFOUND,
+			    "prefix chunk %u of %u is not held for this uid, model id, shape and codec "
+			    "(lookup_prefix says how many are); nothing was made", held, n);
+		return false;
+	}
+	return true;
+}
+
+/*
+ * The store of a new session: empty, or (a prefix) built as an import is,
+ * every layer starting with the chunks' blocks shared by reference from
+ * the chunk index (prefix_check found them all, and nothing ran since).
+ */
+static int open_store(struct server *server, const struct store_params *params,
+		      struct store_budget *budget, struct pool *pool,
+		      const struct wire_open_request *open, struct store **out)
+{
+	uint32_t n = open->prefix_len / ZC_CHUNK_KEY_BYTES;
+	if (n == 0)
+		return store_create(server->shm_dir_fd, server->options.shm_dir, params, budget, pool,
+				    out);
+	uint64_t fingerprint = prefix_fingerprint_of_params(params);
+	struct store *store;
+	int rc = store_import_begin(server->shm_dir_fd, server->options.shm_dir, params, budget,
+				    pool, &store);
+	if (rc < 0)
+		return rc;
+	for (uint32_t layer = 0; rc == 0 && layer < params->layers; layer++) {
+		for (uint32_t i = 0; rc == 0 && i < n; i++) {
+			struct pool *held_in = NULL;
+			const store_block *block = prefix_index_get(
+				&server->prefix, params->owner_uid, fingerprint,
+				open->prefix + (size_t)i * ZC_CHUNK_KEY_BYTES, layer,
+				i * ZC_PREFIX_CHUNK_TOKENS, &held_in);
+			if (!block || held_in != pool)  /* never: prefix_check found them */
+				rc = ZC_EINTERNAL;
+			else
+				rc = store_import_shared_block(store, layer, block);
+		}
+		if (rc == 0)
+			rc = store_import_layer(store, layer, n * ZC_PREFIX_CHUNK_TOKENS, 0, NULL, NULL);
+	}
+	if (rc == 0)
+		rc = store_import_commit(store);
+	else
+		store_import_abandon(store);
+	if (rc == 0)
+		*out = store;
+	return rc;
+}
+
+/* lookup_prefix: answered at once from the chunk index (and, with
+ * --remote, the shared tier). */
+static void handle_lookup(const struct request *rq, const wire_request *request)
+{
+	struct server *server = rq->server;
+	const struct wire_open_request *lookup = &request->lookup_prefix;
+
+	if (!prefix_keys_valid(rq, lookup))
+		return;
+	if (!lookup->has_shape || lookup->shape.layers == 0 || lookup->shape.layers > ZC_MAX_LAYERS) {
+		reply_error(rq, ZC_EINVALID, "lookup_prefix needs the session's shape (1..%u layers)",
+			    ZC_MAX_LAYERS);
+		return;
+	}
+	struct store_params params = {
+		.owner_uid = rq->peer->uid,
+		.layers = lookup->shape.layers,
+		.batch = lookup->shape.batch,
+		.kv_heads = lookup->shape.kv_heads,
+		.head_dim_k = lookup->shape.head_dim_k,
+		.head_dim_v = lookup->shape.head_dim_v,
+		.model_id = lookup->model_id,
+	};
+	zc_codec_config_default(&params.codec);
+	if (lookup->has_codec)
+		wire_codec_to_config(&lookup->codec, &params.codec);
+	uint32_t n = lookup->prefix_len / ZC_CHUNK_KEY_BYTES;
+	uint32_t held = prefix_index_held(&server->prefix, rq->peer->uid,
+					  prefix_fingerprint_of_params(&params), lookup->prefix, n,
+					  params.layers);
+	wire_response response;
+	wire_response_init(&response, rq->id, WIRE_OP_LOOKUP_PREFIX);
+	response.lookup_prefix.chunks = held;
+	response.lookup_prefix.tokens = held * ZC_PREFIX_CHUNK_TOKENS;
+	response.lookup_prefix.local_chunks = held;
+	reply_send(rq, &response, NULL, 0);
+}
+
 static void handle_open(const struct request *rq, const wire_request *request)
 {
 	struct server *server = rq->server;
@@ -366,6 +493,8 @@ static void handle_open(const struct request *rq, const wire_request *request)
 		wire_codec_to_config(&open->codec, &params.codec);
 	if (!name_not_pending(rq, name))
 		return;
+	if (open->prefix_len && !prefix_check(rq, open, &params))
+		return;
 	struct store_budget *budget = &rq->peer->quota->memory;
 	struct pool *pool = NULL;
 	char pool_reason[200] = "";
@@ -377,15 +506,14 @@ static void handle_open(const struct request *rq, const wire_request *request)
 		return;
 	}
 	if (rc == 0)
-		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, pool,
-				  &store);
+		rc = open_store(server, &params, budget, pool, open, &store);
 	for (int tries = 0; rc == ZC_EEXISTS && tries < 3; tries++) {
 		/* A file nobody adopted holds this id: take the next. */
 		params.session_id = ++server->sessions.next_id;
 		if (!open->name[0])
 			snprintf(name, sizeof(name), "session-%llu",
 				 (unsigned long long)params.session_id);
-		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, pool, &store);
+		rc = open_store(server, &params, budget, pool, open, &store);
 	}
 	char why[200];
 	/* Memory relief for a new session's first pages (a chunk of them),
@@ -395,7 +523,7 @@ static void handle_open(const struct request *rq, const wire_request *request)
 			reply_error(rq, ZC_EEXHAUSTED, "%s", why);
 			return;
 		}
-		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, pool, &store);
+		rc = open_store(server, &params, budget, pool, open, &store);
 	}
 	uint64_t layout_bytes = 0;
 	if (rc == ZC_EEXHAUSTED && store_layout_bytes(&params, &layout_bytes) != ZC_ESHAPE &&
@@ -483,7 +611,21 @@ static void update_run(struct job *base)
 		return;
 	}
 	job->layer_tokens_before = store_layer_tokens(store, job->layer);
-	rc = store_update(store, job->layer, job->tokens, job->keys, job->values);
+	if (job->chunk && job->layer_tokens_before % ZC_PREFIX_CHUNK_TOKENS) {
+		job_fail(job, ZC_EPRECONDITION,
+			 "a chunk-keyed block must start at a multiple of %u tokens; layer %u holds %u; "
+			 "nothing was stored", ZC_PREFIX_CHUNK_TOKENS, job->layer,
+			 job->layer_tokens_before);
+		return;
+	}
+	rc = job->chunk ? store_append_block(store, job->layer, job->tokens, job->keys, job->values,
+					     &job->chunk_block) :
+			  store_update(store, job->layer, job->tokens, job->keys, job->values);
+	if (rc == ZC_EPRECONDITION && job->chunk) {
+		job_fail(job, rc, "layer %u has residual rows: chunk-keyed blocks come first, before "
+			 "any ordinary block; nothing was stored", job->layer);
+		return;
+	}
 	if (rc == ZC_ENONFINITE) {
 		/* Which tensor is bad is worth saying; only a failure pays for it. */
 		bool keys_bad = zc_fp16_check_finite(job->keys, kv_block_elements(h->batch, h->kv_heads,
@@ -561,6 +703,13 @@ static void update_done(struct job *base)
 		rq->server->counters.tokens_appended += job->tokens;
 		rq->peer->quota->tokens_appended += job->tokens;
 		session_account_layer(&rq->server->sessions, base->session, &job->stats);
+		if (job->chunk) {
+			struct store *store = base->session->store;
+			prefix_index_put(&rq->server->prefix, base->session->owner_uid,
+					 prefix_fingerprint_of_store(store_header(store)), job->chunk_key,
+					 job->layer, job->layer_tokens_before, store_pool(store),
+					 &job->chunk_block);
+		}
 		reply_send(rq, &response, NULL, 0);
 	}
 	job_end(job);
@@ -608,6 +757,17 @@ static bool handle_update(const struct request *rq, const wire_request *request)
 		reply_error(rq, ZC_EEXHAUSTED,
 			    "a block of %u tokens exceeds max_tokens %u; nothing was stored",
 			    update->tokens, h->max_tokens);
+		return false;
+	}
+	if (update->chunk_key_len && update->chunk_key_len != ZC_CHUNK_KEY_BYTES) {
+		reply_error(rq, ZC_EINVALID, "a chunk key is %u bytes, not %u; nothing was stored",
+			    ZC_CHUNK_KEY_BYTES, update->chunk_key_len);
+		return false;
+	}
+	if (update->chunk_key_len && update->tokens != ZC_PREFIX_CHUNK_TOKENS) {
+		reply_error(rq, ZC_EINVALID,
+			    "a chunk-keyed block is %u tokens (ZC_PREFIX_CHUNK_TOKENS), not %u; nothing "
+			    "was stored", ZC_PREFIX_CHUNK_TOKENS, update->tokens);
 		return false;
 	}
 	uint64_t key_bytes = kv_block_bytes(h->batch, h->kv_heads, update->tokens, h->head_dim_k);
@@ -677,6 +837,8 @@ static bool handle_update(const struct request *rq, const wire_request *request)
 	}
 	job->layer = update->layer;
 	job->tokens = update->tokens;
+	job->chunk = update->chunk_key_len == ZC_CHUNK_KEY_BYTES;
+	memcpy(job->chunk_key, update->chunk_key, sizeof(job->chunk_key));
 	job->job.run = update_run;
 	job->job.done = update_done;
 	/* The block, the residual it fills (a decode step that compresses
@@ -1507,6 +1669,9 @@ void dispatch_request(struct server *server, struct peer *peer, struct responder
 		break;
 	case WIRE_OP_IMPORT_SESSION:
 		queued = handle_import(&rq, &request);
+		break;
+	case WIRE_OP_LOOKUP_PREFIX:
+		handle_lookup(&rq, &request);
 		break;
 	case WIRE_OP_RELEASE: {
 		struct session *session = session_find(&server->sessions, request.release.session_id,

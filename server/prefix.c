@@ -1,0 +1,228 @@
+/*
+ * The chunk index (prefix.h, docs/PREFIX.md): a hash table over (uid,
+ * fingerprint, chain key, layer) with a least-recently-used list, each
+ * entry one pool reference on the block it names.
+ */
+#include "prefix.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "log.h"
+#include "pool.h"
+#include "snapshot.h"
+
+struct prefix_block {
+	uint32_t uid;
+	uint32_t layer;
+	uint32_t first_token;
+	uint64_t fingerprint;
+	uint8_t key[ZC_CHUNK_KEY_BYTES];
+	struct pool *pool;
+	store_block block;
+	struct prefix_block *next;            /* in its bucket */
+	struct prefix_block *newer, *older;   /* in the LRU list */
+};
+
+int prefix_index_init(struct prefix_index *index, size_t max_blocks)
+{
+	memset(index, 0, sizeof(*index));
+	/* About one bucket per block at the bound, a power of two. */
+	index->n_buckets = 1;
+	while (index->n_buckets < max_blocks)
+		index->n_buckets <<= 1;
+	index->buckets = calloc(index->n_buckets, sizeof(*index->buckets));
+	if (!index->buckets)
+		return -ENOMEM;
+	index->max_blocks = max_blocks;
+	return 0;
+}
+
+static size_t bucket_of(const struct prefix_index *index, uint32_t uid, uint64_t fingerprint,
+			const uint8_t *key, uint32_t layer)
+{
+	uint64_t seed = fingerprint ^ ((uint64_t)uid << 32 | layer);
+	return (size_t)(XXH3_64bits_withSeed(key, ZC_CHUNK_KEY_BYTES, seed) & (index->n_buckets - 1));
+}
+
+static void lru_unlink(struct prefix_index *index, struct prefix_block *b)
+{
+	if (b->newer)
+		b->newer->older = b->older;
+	else
+		index->newest = b->older;
+	if (b->older)
+		b->older->newer = b->newer;
+	else
+		index->oldest = b->newer;
+	b->newer = b->older = NULL;
+}
+
+static void lru_push(struct prefix_index *index, struct prefix_block *b)
+{
+	b->older = index->newest;
+	b->newer = NULL;
+	if (index->newest)
+		index->newest->newer = b;
+	index->newest = b;
+	if (!index->oldest)
+		index->oldest = b;
+}
+
+/* Takes b out of the table and the list and drops its reference. */
+static void block_remove(struct prefix_index *index, struct prefix_block *b)
+{
+	size_t at = bucket_of(index, b->uid, b->fingerprint, b->key, b->layer);
+	for (struct prefix_block **p = &index->buckets[at]; *p; p = &(*p)->next) {
+		if (*p == b) {
+			*p = b->next;
+			break;
+		}
+	}
+	lru_unlink(index, b);
+	pool_unref(b->pool, b->block.key_offset);
+	index->blocks--;
+	free(b);
+}
+
+void prefix_index_free(struct prefix_index *index)
+{
+	while (index->oldest)
+		block_remove(index, index->oldest);
+	free(index->buckets);
+	memset(index, 0, sizeof(*index));
+}
+
+uint64_t prefix_fingerprint(const struct snapshot_config *config)
+{
+	struct snapshot_config c = *config;
+	c.policy = 0;
+	c.residual_tokens = 0;
+	return snapshot_fingerprint(&c);
+}
+
+uint64_t prefix_fingerprint_of_store(const struct store_header *h)
+{
+	struct snapshot_config c;
+	snapshot_config_of(h, &c);
+	return prefix_fingerprint(&c);
+}
+
+uint64_t prefix_fingerprint_of_params(const struct store_params *p)
+{
+	/* The fields snapshot_config_of() reads, as store_create() writes
+	 * them into a header. */
+	struct snapshot_config c;
+	memset(&c, 0, sizeof(c));
+	c.layers = p->layers;
+	c.batch = p->batch;
+	c.kv_heads = p->kv_heads;
+	c.head_dim_k = p->head_dim_k;
+	c.head_dim_v = p->head_dim_v;
+	c.hi_bits = p->codec.hi_bits;
+	c.lo_bits = p->codec.lo_bits;
+	c.group_size = p->codec.group_size;
+	c.hi_fraction = p->codec.hi_fraction;
+	c.quantize_values = p->codec.quantize_values;
+	snprintf(c.model_id, sizeof(c.model_id), "%s", p->model_id ? p->model_id : "");
+	return prefix_fingerprint(&c);
+}
+
+static struct prefix_block *find(struct prefix_index *index, uint32_t uid, uint64_t fingerprint,
+				 const uint8_t *key, uint32_t layer)
+{
+	size_t at = bucket_of(index, uid, fingerprint, key, layer);
+	for (struct prefix_block *b = index->buckets[at]; b; b = b->next) {
+		if (b->uid == uid && b->fingerprint == fingerprint && b->layer == layer &&
+		    memcmp(b->key, key, ZC_CHUNK_KEY_BYTES) == 0)
+			return b;
+	}
+	return NULL;
+}
+
+void prefix_index_put(struct prefix_index *index, uint32_t uid, uint64_t fingerprint,
+		      const uint8_t key[ZC_CHUNK_KEY_BYTES], uint32_t layer, uint32_t first_token,
+		      struct pool *pool, const store_block *block)
+{
+	struct prefix_block *b = find(index, uid, fingerprint, key, layer);
+	if (b && b->first_token == first_token) {
+		/* Known: sessions that prefilled the same chunk themselves
+		 * keep their own block; the index keeps the first. */
+		lru_unlink(index, b);
+		lru_push(index, b);
+		pool_unref(pool, block->key_offset);
+		return;
+	}
+	if (b)
+		block_remove(index, b);  /* the same chain at another position: the newest wins */
+	b = calloc(1, sizeof(*b));
+	if (!b) {
+		/* The index is a cache: a chunk it cannot hold is a miss later. */
+		pool_unref(pool, block->key_offset);
+		return;
+	}
+	b->uid = uid;
+	b->layer = layer;
+	b->first_token = first_token;
+	b->fingerprint = fingerprint;
+	memcpy(b->key, key, ZC_CHUNK_KEY_BYTES);
+	b->pool = pool;
+	b->block = *block;
+	size_t at = bucket_of(index, uid, fingerprint, key, layer);
+	b->next = index->buckets[at];
+	index->buckets[at] = b;
+	lru_push(index, b);
+	index->blocks++;
+	while (index->blocks > index->max_blocks && index->oldest) {
+		block_remove(index, index->oldest);
+		index->evicted++;
+	}
+}
+
+const store_block *prefix_index_get(struct prefix_index *index, uint32_t uid, uint64_t fingerprint,
+				    const uint8_t key[ZC_CHUNK_KEY_BYTES], uint32_t layer,
+				    uint32_t first_token, struct pool **pool)
+{
+	struct prefix_block *b = find(index, uid, fingerprint, key, layer);
+	if (!b || b->first_token != first_token)
+		return NULL;
+	lru_unlink(index, b);
+	lru_push(index, b);
+	if (pool)
+		*pool = b->pool;
+	return &b->block;
+}
+
+uint32_t prefix_index_held(struct prefix_index *index, uint32_t uid, uint64_t fingerprint,
+			   const uint8_t *keys, uint32_t n, uint32_t layers)
+{
+	for (uint32_t i = 0; i < n; i++) {
+		for (uint32_t layer = 0; layer < layers; layer++) {
+			if (!prefix_index_get(index, uid, fingerprint, keys + (size_t)i * ZC_CHUNK_KEY_BYTES,
+					      layer, i * ZC_PREFIX_CHUNK_TOKENS, NULL))
+				return i;
+		}
+	}
+	return n;
+}
+
+size_t prefix_index_drop_unused(struct prefix_index *index, uint32_t uid)
+{
+	size_t dropped = 0;
+	struct prefix_block *b = index->oldest;
+	while (b) {
+		struct prefix_block *newer = b->newer;
+		/* One reference: the index's own; no session names the block. */
+		if (b->uid == uid && pool_refs(b->pool, b->block.key_offset) == 1) {
+			block_remove(index, b);
+			dropped++;
+		}
+		b = newer;
+	}
+	return dropped;
+}
