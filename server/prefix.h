@@ -70,6 +70,53 @@ const store_block *prefix_index_get(struct prefix_index *index, uint32_t uid, ui
 uint32_t prefix_index_held(struct prefix_index *index, uint32_t uid, uint64_t fingerprint,
 			   const uint8_t *keys, uint32_t n, uint32_t layers);
 
+/* The fingerprinted config of a chunk's blocks (what prefix_fingerprint
+ * hashes), from a session's params. */
+void prefix_config_of_params(const struct store_params *params, struct snapshot_config *out);
+
+/* ---- the remote tier (docs/PREFIX.md, "Remote chunks"): worker threads ---- */
+
+struct remote;
+
+/* How long a chunk stays in Redis after it was written: a day, renewed
+ * whenever a daemon writes it again. */
+#define PREFIX_REMOTE_TTL_SECONDS 86400u
+
+/*
+ * Writes one chunk's block of one layer (block `chunk` of the chain, its
+ * payloads read from pool) to zc:1:UID:c:FPHEX:CHAINHEX:LAYER as a
+ * snapshot block record (proto/snapshot_format.h: its own checksums),
+ * with PREFIX_REMOTE_TTL_SECONDS. The caller holds a reference on the
+ * block while this runs.
+ */
+int prefix_remote_publish(struct remote *remote, uint32_t uid, uint64_t fingerprint,
+			  const uint8_t key[ZC_CHUNK_KEY_BYTES], uint32_t layer, struct pool *pool,
+			  const store_block *block);
+
+/* How many chunks of keys[from..n) are complete in Redis (every layer),
+ * counting from `from`: *held. A failure of the tier is its code. */
+int prefix_remote_count(struct remote *remote, uint32_t uid, uint64_t fingerprint,
+			const uint8_t *keys, uint32_t from, uint32_t n, uint32_t layers,
+			uint32_t *held);
+
+/*
+ * Fetches chunks keys[from..n) of every layer from Redis and verifies each
+ * record (magic, checksums, fingerprint, place, sizes for config), making
+ * nothing: records[(i - from) * layers + layer] is the record (malloc'd,
+ * the caller frees them with prefix_records_free) and out[...] its entry.
+ * ZC_ENOTFOUND for a missing record, ZC_ECORRUPT for a damaged one, the
+ * tier's code when it failed; why says what. Nothing is kept on failure.
+ */
+int prefix_remote_fetch(struct remote *remote, uint32_t uid, const struct snapshot_config *config,
+			const uint8_t *keys, uint32_t from, uint32_t n, void **records,
+			store_block *out, char *why, size_t why_size);
+
+/* Writes verified records into pool: each entry gets its extent and one
+ * reference the caller owns; on failure none is kept. */
+int prefix_records_write(struct pool *pool, void *const *records, store_block *entries,
+			 size_t count, char *why, size_t why_size);
+void prefix_records_free(void **records, size_t count);
+
 /* Drops the uid's blocks no session refers to (memory relief); returns
  * how many. */
 size_t prefix_index_drop_unused(struct prefix_index *index, uint32_t uid);

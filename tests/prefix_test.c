@@ -17,6 +17,15 @@
  *               uid's chain: clear errors, nothing made. A chunk-keyed
  *               block of the wrong size or after ordinary rows is refused
  *               with nothing stored.
+ *   remote      Two daemons (two shm-dirs, two sockets) on one real Redis
+ *               (standalone, and a three-primary cluster): the chunks one
+ *               prefilled are written to Redis in the background (with an
+ *               expiry); the other's lookup finds them remote, its open
+ *               fetches them once (verified), equals the model bit for
+ *               bit, and a second open there shares them locally. A record
+ *               damaged in Redis is refused (ZC_ECORRUPT, nothing made);
+ *               Redis stopped: lookup answers what is local, an open that
+ *               needs the tier is ZC_EINTERNAL naming the tier, nothing made.
  */
 #include <check.h>
 #include <dirent.h>
@@ -30,6 +39,7 @@
 #include "daemon_harness.h"
 #include "layer_model.h"
 #include "process_run.h"
+#include "redis_harness.h"
 #include "suite_main.h"
 #include "wire.h"
 #include "zipcache/client.h"
@@ -553,6 +563,177 @@ START_TEST(another_uid_cannot_use_a_chain)
 }
 END_TEST
 
+/* ---- the remote tier ------------------------------------------------------------ */
+
+static void remote_args(char *url, size_t size, const struct redis_server *servers, int n,
+			const char **args)
+{
+	snprintf(url, size, "redis://");
+	for (int i = 0; i < n; i++)
+		snprintf(url + strlen(url), size - strlen(url), "%s127.0.0.1:%u", i ? "," : "",
+			 servers[i].port);
+	args[0] = "--remote";
+	args[1] = url;
+	args[2] = NULL;
+}
+
+/* Keys of chunks in Redis (root's namespace), summed over the servers. */
+static long long chunk_keys(const struct redis_server *servers, int n)
+{
+	long long total = 0;
+	for (int i = 0; i < n; i++) {
+		redisReply *reply = redis_command(&servers[i], "KEYS zc:1:0:c:*");
+		ck_assert_int_eq(reply->type, REDIS_REPLY_ARRAY);
+		total += (long long)reply->elements;
+		freeReplyObject(reply);
+	}
+	return total;
+}
+
+static void wait_chunk_keys(const struct redis_server *servers, int n, long long want)
+{
+	int64_t deadline = now_ms() + 10000;
+	while (chunk_keys(servers, n) < want && now_ms() < deadline)
+		sleep_ms(20);
+	ck_assert_int_eq(chunk_keys(servers, n), want);
+}
+
+static void second_daemon_serves(const struct redis_server *servers, int n)
+{
+	struct service a, b;
+	struct model model, fork_model;
+	struct prompt *p = allocate(sizeof(*p));
+	char url[512];
+	const char *args[3];
+	remote_args(url, sizeof(url), servers, n, args);
+	service_start(&a, args);
+	service_start(&b, args);
+	prompt_make(p, 5);
+
+	zc_session_config config = prefix_config("writer");
+	zc_session *writer = open_session(a.client, &config);
+	model_init(&model, &config);
+	prefill(a.client, writer, &model, p, PROMPT_CHUNKS, true);
+	wait_chunk_keys(servers, n, PROMPT_CHUNKS * LAYERS);
+	/* Every record carries an expiry. */
+	for (int i = 0; i < n; i++) {
+		redisReply *keys = redis_command(&servers[i], "KEYS zc:1:0:c:*");
+		for (size_t k = 0; k < keys->elements; k++) {
+			redisReply *ttl = redis_command(&servers[i], "TTL %s", keys->element[k]->str);
+			ck_assert_int_gt(ttl->integer, 0);
+			ck_assert_int_le(ttl->integer, 86400);
+			freeReplyObject(ttl);
+		}
+		freeReplyObject(keys);
+	}
+
+	zc_prefix_held held = lookup(b.client, &config, p->keys, PROMPT_CHUNKS);
+	ck_assert_uint_eq(held.chunks, PROMPT_CHUNKS);
+	ck_assert_uint_eq(held.local_chunks, 0);
+	ck_assert_uint_eq(lookup(a.client, &config, p->keys, PROMPT_CHUNKS).local_chunks,
+			  PROMPT_CHUNKS);
+
+	zc_session *first = open_prefixed(b.client, "first", p->keys, PROMPT_CHUNKS);
+	model_fork(&fork_model, &model, PROMPT_TOKENS);
+	CHECK(session_matches, first, &fork_model);
+	struct holdings once = holdings_of(b.client);
+	ck_assert_uint_gt(once.blocks_bytes, 0);
+	held = lookup(b.client, &config, p->keys, PROMPT_CHUNKS);
+	ck_assert_uint_eq(held.local_chunks, PROMPT_CHUNKS);
+	/* Fetched once: a second session there shares the same blocks. */
+	zc_session *second = open_prefixed(b.client, "second", p->keys, PROMPT_CHUNKS);
+	CHECK(session_matches, second, &fork_model);
+	ck_assert_uint_eq(holdings_of(b.client).blocks_bytes, once.blocks_bytes);
+
+	model_free(&fork_model);
+	model_free(&model);
+	free(p);
+	service_stop(&b);
+	service_stop(&a);
+}
+
+START_TEST(a_second_daemon_on_the_same_redis_serves_the_prefix)
+{
+	if (!redis_installed())
+		return;
+	struct redis_server server;
+	redis_server_start(&server, NULL, NULL);
+	second_daemon_serves(&server, 1);
+	redis_server_stop(&server);
+}
+END_TEST
+
+START_TEST(a_second_daemon_on_the_same_cluster_serves_the_prefix)
+{
+	if (!redis_installed())
+		return;
+	struct redis_cluster cluster;
+	redis_cluster_start(&cluster);
+	second_daemon_serves(cluster.nodes, REDIS_CLUSTER_NODES);
+	redis_cluster_stop(&cluster);
+}
+END_TEST
+
+START_TEST(a_damaged_record_or_a_stopped_redis_makes_nothing)
+{
+	if (!redis_installed())
+		return;
+	struct redis_server server;
+	struct service a, b;
+	struct model model;
+	struct prompt *p = allocate(sizeof(*p));
+	char url[512];
+	const char *args[3];
+	redis_server_start(&server, NULL, NULL);
+	remote_args(url, sizeof(url), &server, 1, args);
+	service_start(&a, args);
+	service_start(&b, args);
+	prompt_make(p, 6);
+	zc_session_config config = prefix_config("writer");
+	zc_session *writer = open_session(a.client, &config);
+	model_init(&model, &config);
+	prefill(a.client, writer, &model, p, 2, true);
+	wait_chunk_keys(&server, 1, 2 * LAYERS);
+
+	/* One byte of one record's payload flipped in Redis. */
+	redisReply *keys = redis_command(&server, "KEYS zc:1:0:c:*:2");
+	ck_assert_int_eq((int)keys->elements, 2);
+	redisReply *byte = redis_command(&server, "GETRANGE %s 200 200", keys->element[0]->str);
+	char flipped[2] = { (char)(byte->str[0] ^ 0x10), 0 };
+	freeReplyObject(byte);
+	redisReply *set = redis_command(&server, "SETRANGE %s 200 %b", keys->element[0]->str, flipped,
+					(size_t)1);
+	freeReplyObject(set);
+	freeReplyObject(keys);
+	zc_session_config open = prefix_config("reader");
+	open.prefix = p->keys;
+	open.prefix_chunks = 2;
+	ck_assert_uint_eq(lookup(b.client, &config, p->keys, 2).chunks, 2);
+	open_refused(b.client, &open, ZC_ECORRUPT, "checksum mismatch");
+	ck_assert_uint_eq(holdings_of(b.client).blocks_bytes, 0);
+
+	/* Redis stopped: lookup says what is held here; an open that needs
+	 * the tier says so. */
+	redis_server_kill(&server);
+	zc_prefix_held held = lookup(b.client, &config, p->keys, 2);
+	ck_assert_uint_eq(held.chunks, 0);
+	held = lookup(a.client, &config, p->keys, 2);
+	ck_assert_uint_eq(held.chunks, 2);
+	ck_assert_uint_eq(held.local_chunks, 2);
+	/* The wire has no status of its own for the tier: INTERNAL, naming it. */
+	open_refused(b.client, &open, ZC_EINTERNAL, "the remote tier failed");
+	/* ...and the daemon that holds them opens from what it holds. */
+	zc_session *reader = open_prefixed(a.client, "reader", p->keys, 2);
+	ck_assert_uint_eq(zc_session_get_info(reader)->min_tokens, 2 * ZC_PREFIX_CHUNK_TOKENS);
+
+	model_free(&model);
+	free(p);
+	service_stop(&b);
+	service_stop(&a);
+	redis_server_stop(&server);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *suite = suite_create("prefix");
@@ -563,6 +744,10 @@ int main(void)
 		    a_chain_with_one_other_token_reuses_the_chunks_before_it, NULL } },
 		{ "refusals",
 		  { bad_prefixes_are_refused_and_make_nothing, another_uid_cannot_use_a_chain, NULL } },
+		{ "remote",
+		  { a_second_daemon_on_the_same_redis_serves_the_prefix,
+		    a_second_daemon_on_the_same_cluster_serves_the_prefix,
+		    a_damaged_record_or_a_stopped_redis_makes_nothing, NULL } },
 	};
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);
 	return suite_main(suite, CK_FORK);
