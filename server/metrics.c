@@ -39,7 +39,7 @@ static const char *const reason_names[METRICS_REASON_COUNT] = {
 };
 
 static const char *const relief_step_names[METRICS_RELIEF_STEP_COUNT] = {
-	"drop_views", "refuse",
+	"drop_views", "refuse", "drop_chunks",
 };
 
 /* Upper bounds in seconds: a decode step is tens of microseconds, a

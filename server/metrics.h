@@ -51,6 +51,7 @@ enum metrics_reason {
 enum metrics_relief_step {
 	METRICS_RELIEF_DROP_VIEWS,
 	METRICS_RELIEF_REFUSE,
+	METRICS_RELIEF_DROP_CHUNKS,
 	METRICS_RELIEF_STEP_COUNT
 };
 

@@ -218,14 +218,16 @@ uint32_t prefix_index_held(struct prefix_index *index, uint32_t uid, uint64_t fi
 	return n;
 }
 
-size_t prefix_index_drop_unused(struct prefix_index *index, uint32_t uid)
+size_t prefix_index_drop_unused(struct prefix_index *index, bool any_uid, uint32_t uid,
+				uint64_t *freed_bytes)
 {
 	size_t dropped = 0;
 	struct prefix_block *b = index->oldest;
 	while (b) {
 		struct prefix_block *newer = b->newer;
 		/* One reference: the index's own; no session names the block. */
-		if (b->uid == uid && pool_refs(b->pool, b->block.key_offset) == 1) {
+		if ((any_uid || b->uid == uid) && pool_refs(b->pool, b->block.key_offset) == 1) {
+			*freed_bytes += pool_extent_bytes(b->block.key_bytes, b->block.value_bytes);
 			block_remove(index, b);
 			dropped++;
 		}

@@ -117,8 +117,9 @@ int prefix_records_write(struct pool *pool, void *const *records, store_block *e
 			 size_t count, char *why, size_t why_size);
 void prefix_records_free(void **records, size_t count);
 
-/* Drops the uid's blocks no session refers to (memory relief); returns
- * how many. */
-size_t prefix_index_drop_unused(struct prefix_index *index, uint32_t uid);
+/* Drops the blocks no session refers to (memory relief), of every uid or
+ * of uid's only: how many; *freed_bytes (added to) their extents' bytes. */
+size_t prefix_index_drop_unused(struct prefix_index *index, bool any_uid, uint32_t uid,
+				uint64_t *freed_bytes);
 
 #endif

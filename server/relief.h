@@ -10,6 +10,11 @@
  *                  short, only that uid's sessions: other users' views would
  *                  not make room for it. A dropped view is rebuilt from the
  *                  compressed store when its session is used again.
+ *   1b. drop_chunks  When no view came back: drop the prefix chunks
+ *                  (server/prefix.h) that only the chunk index still holds,
+ *                  the uid's own when its quota is short, else every uid's.
+ *                  A dropped chunk is prefilled again (or fetched from the
+ *                  remote tier) by whoever needs it next.
  *   2. refuse      The request is answered RESOURCE_EXHAUSTED, with a
  *                  sentence naming the budget or the quota, its size and
  *                  use (and nothing it would have changed is changed).

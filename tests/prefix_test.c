@@ -563,6 +563,75 @@ START_TEST(another_uid_cannot_use_a_chain)
 }
 END_TEST
 
+/* ---- memory relief ---------------------------------------------------------------- */
+
+/* Charged bytes after: a writer prefilled and closed (only the index
+ * holds its chunks), and one session prefilled with ordinary blocks. */
+static void relief_scenario(const char *budget, uint64_t *chunks_only, uint64_t *one_session,
+			    bool *refill_ok, uint32_t *held_after)
+{
+	struct service service;
+	struct model model, other_model;
+	struct prompt *p = allocate(sizeof(*p)), *q = allocate(sizeof(*q));
+	const char *const args[] = { "--memory-budget", budget, NULL };
+	zc_memory_stats memory;
+	service_start(&service, budget ? args : NULL);
+	prompt_make(p, 7);
+	prompt_make(q, 8);
+	zc_session_config config = prefix_config("writer");
+	config.views = ZC_VIEWS_NONE;
+	zc_session *writer = open_session(service.client, &config);
+	model_init(&model, &config);
+	prefill(service.client, writer, &model, p, PROMPT_CHUNKS, true);
+	ck_assert_int_eq(zc_session_close(writer), 0);
+	ck_assert_uint_eq(lookup(service.client, &config, p->keys, PROMPT_CHUNKS).chunks,
+			  PROMPT_CHUNKS);
+	ck_assert_int_eq(zc_client_memory_stats(service.client, &memory), 0);
+	*chunks_only = memory.charged_bytes;
+
+	zc_session_config other = prefix_config("other");
+	other.views = ZC_VIEWS_NONE;
+	zc_session *session = open_session(service.client, &other);
+	model_init(&other_model, &other);
+	*refill_ok = true;
+	for (uint32_t layer = 0; layer < LAYERS && *refill_ok; layer++) {
+		for (uint32_t c = 0; c < PROMPT_CHUNKS && *refill_ok; c++) {
+			struct block block;
+			chunk_block(&block, &other_model, q, c, layer);
+			*refill_ok = zc_update_and_fetch(session, layer, block.tokens, block.keys,
+							 block.values, NULL, NULL) == 0;
+			block_free(&block);
+		}
+	}
+	ck_assert_int_eq(zc_client_memory_stats(service.client, &memory), 0);
+	*one_session = memory.charged_bytes - *chunks_only;
+	*held_after = lookup(service.client, &config, p->keys, PROMPT_CHUNKS).chunks;
+	model_free(&other_model);
+	model_free(&model);
+	free(p);
+	free(q);
+	service_stop(&service);
+}
+
+START_TEST(relief_drops_chunks_only_the_index_holds)
+{
+	uint64_t chunks_only, one_session;
+	uint32_t held;
+	bool ok;
+	relief_scenario(NULL, &chunks_only, &one_session, &ok, &held);
+	ck_assert(ok);
+	ck_assert_uint_eq(held, PROMPT_CHUNKS);
+	/* Room for one session's prefill and half the chunks: the second
+	 * prefill fits only once relief dropped the unused chunks. */
+	char budget[32];
+	snprintf(budget, sizeof(budget), "%llu",
+		 (unsigned long long)(one_session + chunks_only / 2));
+	relief_scenario(budget, &chunks_only, &one_session, &ok, &held);
+	ck_assert_msg(ok, "the prefill was refused: relief did not drop the unused chunks");
+	ck_assert_uint_eq(held, 0);
+}
+END_TEST
+
 /* ---- the remote tier ------------------------------------------------------------ */
 
 static void remote_args(char *url, size_t size, const struct redis_server *servers, int n,
@@ -744,6 +813,7 @@ int main(void)
 		    a_chain_with_one_other_token_reuses_the_chunks_before_it, NULL } },
 		{ "refusals",
 		  { bad_prefixes_are_refused_and_make_nothing, another_uid_cannot_use_a_chain, NULL } },
+		{ "relief", { relief_drops_chunks_only_the_index_holds, NULL } },
 		{ "remote",
 		  { a_second_daemon_on_the_same_redis_serves_the_prefix,
 		    a_second_daemon_on_the_same_cluster_serves_the_prefix,
