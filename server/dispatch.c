@@ -236,6 +236,7 @@ static bool name_acceptable(const char *name)
 }
 
 static void attach_submit(const struct request *rq, struct session *session);
+/* True when a job was queued that ends the request (a prefix fetch). */
 static bool open_request(const struct request *rq, const struct wire_open_request *open,
 			 bool may_fetch);
 static void job_free(struct request_job *job);
@@ -418,11 +419,9 @@ static void prefix_written_done(struct job *base)
 					 open->prefix + (size_t)i * ZC_CHUNK_KEY_BYTES, layer,
 					 i * ZC_PREFIX_CHUNK_TOKENS, job->pool,
 					 &job->fetched[(size_t)(i - job->prefix_local) * layers + layer]);
-	if (open_request(&job->rq, open, false)) {
-		/* It became an attach, whose job ends the request. */
-		job_free(job);
-		return;
-	}
+	/* Never queued without a fetch (an attach's job begins the request
+	 * once more for itself). */
+	open_request(&job->rq, open, false);
 	job_end(job);
 }
 
@@ -608,7 +607,7 @@ static bool open_request(const struct request *rq, const struct wire_open_reques
 			/* Dropped views are rebuilt by a job in the session's
 			 * line, which replies. */
 			attach_submit(rq, session);
-			return true;
+			return false;
 		}
 	}
 	if (!open->has_shape) {
