@@ -339,8 +339,8 @@ int prefix_remote_fetch(struct remote *remote, uint32_t uid, const struct snapsh
 			       layer);
 		items[j].key = &names[j];
 	}
-	/* A batch per PREFIX_FETCH_BATCH records: one huge pipelined batch
-	 * makes the reply reader copy what it already holds over and over. */
+	/* A batch per PREFIX_FETCH_BATCH records (measured: one batch of all
+	 * of them took twice as long; one round trip per record longer still). */
 	for (size_t at = 0; rc == 0 && at < count; at += PREFIX_FETCH_BATCH) {
 		size_t n_batch = count - at < PREFIX_FETCH_BATCH ? count - at : PREFIX_FETCH_BATCH;
 		rc = remote_get_many(remote, items + at, n_batch);

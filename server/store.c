@@ -2530,6 +2530,7 @@ int store_import_shared_block(struct store *store, uint32_t layer, const store_b
 	l->value_compressed += value_count.compressed;
 	l->value_baseline += value_count.baseline;
 	__atomic_store_n(&l->blocks, at + 1, __ATOMIC_RELEASE);
+	fault_point("import.block");
 	return 0;
 }
 

@@ -17,6 +17,9 @@
  *               uid's chain: clear errors, nothing made. A chunk-keyed
  *               block of the wrong size or after ordinary rows is refused
  *               with nothing stored.
+ *   crashes     A prefix open killed at every step of its mutation: after
+ *               the restart the writer is whole and the new session is
+ *               there (after the rename) or absent, no block copied or lost.
  *   remote      Two daemons (two shm-dirs, two sockets) on one real Redis
  *               (standalone, and a three-primary cluster): the chunks one
  *               prefilled are written to Redis in the background (with an
@@ -34,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "daemon_harness.h"
@@ -563,6 +567,79 @@ START_TEST(another_uid_cannot_use_a_chain)
 }
 END_TEST
 
+/* ---- crashes ------------------------------------------------------------------------ */
+
+/* A prefix open killed at `step`'s hit-th time: after a restart the writer
+ * is whole, and the new session is there (committed) or not at all, its
+ * blocks never copied and none lost. */
+static void crash_at(const char *step, int hit, bool committed)
+{
+	struct service service;
+	struct model model, fork_model;
+	struct prompt *p = allocate(sizeof(*p));
+	char spec[64], tail[4096];
+	snprintf(spec, sizeof(spec), "%s:%d", step, hit);
+	setenv("ZIPCACHED_FAULT", spec, 1);
+	service_start(&service, NULL);
+	unsetenv("ZIPCACHED_FAULT");
+	prompt_make(p, 9);
+	zc_session_config config = prefix_config("writer");
+	zc_session *writer = open_session(service.client, &config);
+	model_init(&model, &config);
+	prefill(service.client, writer, &model, p, 2, true);
+	struct holdings before = holdings_of(service.client);
+
+	zc_session_config open = prefix_config("reader");
+	open.prefix = p->keys;
+	open.prefix_chunks = 2;
+	zc_session *reader = NULL;
+	int rc = zc_session_open(service.client, &open, &reader);
+	ck_assert_msg(daemon_lost(rc), "%s: the open answered %s", spec, zc_error_name(rc));
+	int status = daemon_wait_exit(&service.daemon, 20000);
+	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 86,
+		      "%s: the daemon ended with 0x%x; log:\n%s", spec, status,
+		      daemon_log_tail(&service.daemon, tail, sizeof(tail)));
+	zc_session_release(writer);
+	zc_client_close(service.client);
+	daemon_restart(&service.daemon);
+	ck_assert_int_eq(zc_client_connect(service.daemon.socket_path, 5000, &service.client), 0);
+
+	config.attach = true;
+	writer = open_session(service.client, &config);
+	CHECK(session_matches, writer, &model);
+	zc_session_info infos[4];
+	size_t count = 0;
+	ck_assert_int_eq(zc_client_list_sessions(service.client, infos, 4, &count), 0);
+	ck_assert_msg(count == (committed ? 2u : 1u), "%s: %zu sessions after the restart", spec,
+		      count);
+	ck_assert_uint_eq(holdings_of(service.client).blocks_bytes, before.blocks_bytes);
+	if (committed) {
+		zc_session_config again = prefix_config("reader");
+		again.attach = true;
+		zc_session *adopted = open_session(service.client, &again);
+		model_fork(&fork_model, &model, 2 * ZC_PREFIX_CHUNK_TOKENS);
+		CHECK(session_matches, adopted, &fork_model);
+		model_free(&fork_model);
+	}
+	/* The chunk index starts empty after a restart (docs/PREFIX.md). */
+	ck_assert_uint_eq(lookup(service.client, &config, p->keys, 2).chunks, 0);
+	model_free(&model);
+	free(p);
+	service_stop(&service);
+}
+
+START_TEST(a_prefix_open_killed_at_each_step_is_whole_or_absent)
+{
+	/* The writer's own open is each create step's first hit. */
+	crash_at("create.file", 2, false);
+	crash_at("import.block", 1, false);
+	crash_at("import.block", 2 * LAYERS, false);
+	crash_at("import.layers", 1, false);
+	crash_at("create.header", 2, false);
+	crash_at("create.rename", 2, true);
+}
+END_TEST
+
 /* ---- memory relief ---------------------------------------------------------------- */
 
 /* Charged bytes after: a writer prefilled and closed (only the index
@@ -814,6 +891,7 @@ int main(void)
 		{ "refusals",
 		  { bad_prefixes_are_refused_and_make_nothing, another_uid_cannot_use_a_chain, NULL } },
 		{ "relief", { relief_drops_chunks_only_the_index_holds, NULL } },
+		{ "crashes", { a_prefix_open_killed_at_each_step_is_whole_or_absent, NULL } },
 		{ "remote",
 		  { a_second_daemon_on_the_same_redis_serves_the_prefix,
 		    a_second_daemon_on_the_same_cluster_serves_the_prefix,
