@@ -22,6 +22,10 @@
  *                 stored): what a worker pays besides the model's own
  *                 prefill FLOPs, which a real recompute adds on top.
  *
+ *   raw GET       the same records fetched by a plain hiredis client,
+ *                 pipelined 8 at a time as the daemon fetches them: the
+ *                 peer's floor under the remote attach, same run.
+ *
  * Bytes: the records in Redis (STRLEN of every chunk key: what the remote
  * attach moves), against the fp16 K/V a recompute sends the daemon.
  * Output: a table, then one JSON object per line.
@@ -211,6 +215,39 @@ static int redis_chunks(long long *keys, long long *bytes)
 	return rc;
 }
 
+/* The peer's floor: the same records fetched by a plain hiredis client,
+ * GETs pipelined 8 at a time as the daemon does. Seconds, or < 0. */
+static double redis_raw_get(void)
+{
+	redisContext *c = redis_connect_local();
+	if (!c)
+		return -1;
+	redisReply *keys = redisCommand(c, "KEYS zc:1:*:c:*");
+	double t = -1;
+	if (keys && keys->type == REDIS_REPLY_ARRAY) {
+		double t0 = bench_now_s();
+		bool ok = true;
+		for (size_t at = 0; ok && at < keys->elements; at += 8) {
+			size_t n = keys->elements - at < 8 ? keys->elements - at : 8;
+			for (size_t i = 0; i < n; i++)
+				redisAppendCommand(c, "GET %s", keys->element[at + i]->str);
+			for (size_t i = 0; ok && i < n; i++) {
+				void *reply = NULL;
+				ok = redisGetReply(c, &reply) == REDIS_OK && reply &&
+				     ((redisReply *)reply)->type == REDIS_REPLY_STRING;
+				if (reply)
+					freeReplyObject(reply);
+			}
+		}
+		if (ok)
+			t = bench_now_s() - t0;
+	}
+	if (keys)
+		freeReplyObject(keys);
+	redisFree(c);
+	return t;
+}
+
 struct prompt {
 	uint32_t chunks;
 	uint8_t keys[CHUNKS_MAX * ZC_CHUNK_KEY_BYTES];
@@ -340,7 +377,8 @@ int main(int argc, char **argv)
 	double *tr = calloc((size_t)opt.runs, sizeof(double));
 	double *ta = calloc((size_t)opt.runs, sizeof(double));
 	double *tc = calloc((size_t)opt.runs, sizeof(double));
-	if (!tl || !tr || !ta || !tc)
+	double *tg = calloc((size_t)opt.runs, sizeof(double));
+	if (!tl || !tr || !ta || !tc || !tg)
 		goto out;
 	for (int run = -1; run < opt.runs; run++) {
 		if ((rc = daemon_fresh(daemon_path, opt.daemon_cpu, url, &client)) < 0) {
@@ -382,7 +420,13 @@ int main(int argc, char **argv)
 			bench_fail_client(client, "recompute", rc);
 			goto out;
 		}
+		double g = redis_raw_get();
+		if (g < 0) {
+			bench_fail("raw GET", -EPROTO);
+			goto out;
+		}
 		if (run >= 0) {
+			tg[run] = g;
 			tl[run] = t1 - t0;
 			tr[run] = t2 - t1;
 			ta[run] = t3 - t2;
@@ -391,6 +435,7 @@ int main(int argc, char **argv)
 	}
 	double l = bench_median(tl, (size_t)opt.runs), r = bench_median(tr, (size_t)opt.runs);
 	double a = bench_median(ta, (size_t)opt.runs), c = bench_median(tc, (size_t)opt.runs);
+	double g = bench_median(tg, (size_t)opt.runs);
 	unsigned long long fp16 = 2ull * opt.layers * opt.tokens * HEADS * HEAD_DIM * 2;
 	printf("prefix: %u layers x %u tokens (%u chunks of %u), H_kv %u, D %u, views none; "
 	       "medians of %d runs\n", opt.layers, opt.tokens, p->chunks, ZC_PREFIX_CHUNK_TOKENS,
@@ -399,20 +444,23 @@ int main(int argc, char **argv)
 	printf("  %-34s %10.2f\n", "lookup (all chunks in Redis)", l * 1e3);
 	printf("  %-34s %10.2f %12lld %8.3f\n", "remote attach (fetch, verify, share)", r * 1e3,
 	       redis_bytes, (double)redis_bytes / (double)fp16);
+	printf("  %-34s %10.2f %12lld %8.3f\n", "raw GET of the records (hiredis)", g * 1e3,
+	       redis_bytes, (double)redis_bytes / (double)fp16);
 	printf("  %-34s %10.2f %12d\n", "local attach (shared by reference)", a * 1e3, 0);
 	printf("  %-34s %10.2f %12llu %8.3f\n", "recompute (prefill through daemon)", c * 1e3, fp16,
 	       1.0);
-	printf("  remote attach + lookup is %.2fx faster than the recompute's daemon side\n",
-	       c / (r + l));
-	const char *names[] = { "lookup", "remote_attach", "local_attach", "recompute" };
-	double times[] = { l, r, a, c };
-	unsigned long long bytes[] = { 0, (unsigned long long)redis_bytes, 0, fp16 };
-	for (int k = 0; k < 4; k++)
+	printf("  recompute's daemon side / (lookup + remote attach): %.2f; raw GET / remote "
+	       "attach: %.2f\n", c / (r + l), g / r);
+	const char *names[] = { "lookup", "remote_attach", "raw_get", "local_attach", "recompute" };
+	double times[] = { l, r, g, a, c };
+	unsigned long long bytes[] = { 0, (unsigned long long)redis_bytes,
+				       (unsigned long long)redis_bytes, 0, fp16 };
+	for (int k = 0; k < 5; k++)
 		printf("{\"bench\":\"prefix\",\"op\":\"%s\",\"layers\":%u,\"tokens\":%u,\"chunks\":%u,"
 		       "\"runs\":%d,\"median_ms\":%.3f,\"bytes\":%llu,\"fp16_bytes\":%llu,"
-		       "\"recompute_over_this\":%.3f,\"quick\":%s}\n",
+		       "\"recompute_over_this\":%.3f,\"raw_get_over_this\":%.3f,\"quick\":%s}\n",
 		       names[k], opt.layers, opt.tokens, p->chunks, opt.runs, times[k] * 1e3, bytes[k],
-		       fp16, c / times[k], opt.quick ? "true" : "false");
+		       fp16, c / times[k], g / times[k], opt.quick ? "true" : "false");
 	status = 0;
 out:
 	zc_client_close(client);
