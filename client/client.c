@@ -556,20 +556,17 @@ static int session_from_call(zc_client *client, wire_request *request, enum wire
 	return session_from_call_fd(client, request, op, -1, out);
 }
 
-int zc_session_open(zc_client *client, const zc_session_config *config, zc_session **out)
+/* A config as open_session's fields (also lookup_prefix's); 0 or a
+ * refusal set on the client. */
+static int open_request_fill(zc_client *client, const zc_session_config *config,
+			     struct wire_open_request *open)
 {
-	wire_request request = { 0 };
-	struct wire_open_request *open = &request.open_session;
-
-	if (client->broken)
-		return client_refuse_broken(client);
 	if (config->name && strlen(config->name) >= sizeof(open->name)) {
 		char message[80];
 		snprintf(message, sizeof(message), "session name is %zu bytes; the limit is %zu",
 			 strlen(config->name), sizeof(open->name) - 1);
 		return error_set(client, ZC_EINVALID, message);
 	}
-	request.op = WIRE_OP_OPEN_SESSION;
 	if (config->name)
 		snprintf(open->name, sizeof(open->name), "%s", config->name);
 	open->has_shape = true;
@@ -589,7 +586,63 @@ int zc_session_open(zc_client *client, const zc_session_config *config, zc_sessi
 	if (config->model_id)
 		snprintf(open->model_id, sizeof(open->model_id), "%s", config->model_id);
 	open->views = config->views == ZC_VIEWS_NONE ? ZC_VIEWS_NONE : ZC_VIEWS_FULL;
+	return 0;
+}
+
+static int prefix_fill(zc_client *client, const uint8_t *keys, size_t n,
+		       struct wire_open_request *open)
+{
+	if (n > ZC_PREFIX_MAX_CHUNKS)
+		return error_set(client, ZC_EINVALID, "more chunk keys than ZC_PREFIX_MAX_CHUNKS");
+	if (n && !keys)
+		return error_set(client, ZC_EINVALID, "chunk keys missing");
+	open->prefix_len = (uint32_t)(n * ZC_CHUNK_KEY_BYTES);
+	if (n)
+		memcpy(open->prefix, keys, open->prefix_len);
+	return 0;
+}
+
+int zc_session_open(zc_client *client, const zc_session_config *config, zc_session **out)
+{
+	wire_request request = { 0 };
+	struct wire_open_request *open = &request.open_session;
+
+	if (client->broken)
+		return client_refuse_broken(client);
+	request.op = WIRE_OP_OPEN_SESSION;
+	int rc = open_request_fill(client, config, open);
+	if (rc == 0)
+		rc = prefix_fill(client, config->prefix, config->prefix_chunks, open);
+	if (rc < 0)
+		return rc;
 	return session_from_call(client, &request, WIRE_OP_OPEN_SESSION, out);
+}
+
+int zc_client_lookup_prefix(zc_client *client, const zc_session_config *config,
+			    const uint8_t *keys, size_t n_keys, zc_prefix_held *out)
+{
+	wire_request request = { 0 };
+	wire_response response;
+
+	if (client->broken)
+		return client_refuse_broken(client);
+	request.op = WIRE_OP_LOOKUP_PREFIX;
+	int rc = open_request_fill(client, config, &request.lookup_prefix);
+	if (rc == 0)
+		rc = prefix_fill(client, keys, n_keys, &request.lookup_prefix);
+	if (rc == 0)
+		rc = call(client, &request, &response, NULL, 0);
+	if (rc < 0)
+		return rc;
+	if (response.op != WIRE_OP_LOOKUP_PREFIX || response.lookup_prefix.chunks > n_keys) {
+		wire_response_free(&response);
+		return client_break(client, ZC_EPROTOCOL, "bad lookup_prefix reply");
+	}
+	out->chunks = response.lookup_prefix.chunks;
+	out->tokens = response.lookup_prefix.tokens;
+	out->local_chunks = response.lookup_prefix.local_chunks;
+	wire_response_free(&response);
+	return 0;
 }
 
 void zc_import_options_default(zc_import_options *options)
@@ -760,9 +813,10 @@ static int block_bytes(const zc_session *session, uint32_t tokens, uint64_t *key
 	return 0;
 }
 
-int zc_update_and_fetch_staged(zc_session *session, uint32_t layer, uint32_t tokens,
-			       size_t keys_offset, size_t values_offset, zc_view *view,
-			       zc_layer_stats *stats)
+/* An update of staged bytes; chunk_key NULL for an ordinary block. */
+static int update_staged(zc_session *session, uint32_t layer, uint32_t tokens,
+			 size_t keys_offset, size_t values_offset, const uint8_t *chunk_key,
+			 zc_view *view, zc_layer_stats *stats)
 {
 	wire_request request = { 0 };
 	struct wire_update_request *update = &request.update_and_fetch;
@@ -774,12 +828,24 @@ int zc_update_and_fetch_staged(zc_session *session, uint32_t layer, uint32_t tok
 	update->keys_offset = keys_offset;
 	update->values_offset = values_offset;
 	update->omit_stats = stats == NULL;
+	if (chunk_key) {
+		update->chunk_key_len = ZC_CHUNK_KEY_BYTES;
+		memcpy(update->chunk_key, chunk_key, ZC_CHUNK_KEY_BYTES);
+	}
 	return update_call(session, &request, layer, view, stats);
 }
 
-int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
-			const uint16_t *keys, const uint16_t *values, zc_view *view,
-			zc_layer_stats *stats)
+int zc_update_and_fetch_staged(zc_session *session, uint32_t layer, uint32_t tokens,
+			       size_t keys_offset, size_t values_offset, zc_view *view,
+			       zc_layer_stats *stats)
+{
+	return update_staged(session, layer, tokens, keys_offset, values_offset, NULL, view, stats);
+}
+
+/* A block inline when small, through the staging buffer when large. */
+static int update_block(zc_session *session, uint32_t layer, uint32_t tokens,
+			const uint16_t *keys, const uint16_t *values, const uint8_t *chunk_key,
+			zc_view *view, zc_layer_stats *stats)
 {
 	zc_client *client = session->client;
 	uint64_t key_bytes, value_bytes;
@@ -796,7 +862,7 @@ int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
 			return rc;
 		memcpy(buffer, keys, key_bytes);
 		memcpy((uint8_t *)buffer + key_bytes, values, value_bytes);
-		return zc_update_and_fetch_staged(session, layer, tokens, 0, key_bytes, view, stats);
+		return update_staged(session, layer, tokens, 0, key_bytes, chunk_key, view, stats);
 	}
 	wire_request request = { 0 };
 	struct wire_update_request *update = &request.update_and_fetch;
@@ -807,6 +873,10 @@ int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
 	update->keys = (wire_span){ (const uint8_t *)keys, key_bytes };
 	update->values = (wire_span){ (const uint8_t *)values, value_bytes };
 	update->omit_stats = stats == NULL;
+	if (chunk_key) {
+		update->chunk_key_len = ZC_CHUNK_KEY_BYTES;
+		memcpy(update->chunk_key, chunk_key, ZC_CHUNK_KEY_BYTES);
+	}
 	return update_call(session, &request, layer, view, stats);
 }
 
@@ -1270,6 +1340,23 @@ int zc_update_many(zc_session *session, const zc_update *updates, size_t n, size
 	if (first < 0)
 		memcpy(client->last_error, first_error, sizeof(first_error));
 	return first;
+}
+
+int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
+			const uint16_t *keys, const uint16_t *values, zc_view *view,
+			zc_layer_stats *stats)
+{
+	return update_block(session, layer, tokens, keys, values, NULL, view, stats);
+}
+
+int zc_update_and_fetch_chunk(zc_session *session, uint32_t layer, uint32_t tokens,
+			      const uint16_t *keys, const uint16_t *values,
+			      const uint8_t chunk_key[ZC_CHUNK_KEY_BYTES], zc_view *view,
+			      zc_layer_stats *stats)
+{
+	if (!chunk_key)
+		return error_set(session->client, ZC_EINVALID, "a chunk update needs its chain key");
+	return update_block(session, layer, tokens, keys, values, chunk_key, view, stats);
 }
 
 int zc_client_staging(zc_client *client, size_t bytes, void **buffer)

@@ -355,6 +355,18 @@ static bool check_message(struct request_check *check, pb_istream_t *s,
 			if (!pb_read(s, NULL, length))
 				return false;
 			continue;
+		case PB_LTYPE_BYTES: {
+			size_t room = iter.data_size - offsetof(pb_bytes_array_t, bytes);
+			if (wire_type != PB_WT_STRING || !pb_decode_varint32(s, &length) ||
+			    length > s->bytes_left)
+				return false;
+			if (PB_ATYPE(iter.type) == PB_ATYPE_STATIC && length > room)
+				check_note(check, "%s is %u bytes; the limit is %zu", path, (unsigned)length,
+					   room);
+			if (!pb_read(s, NULL, length))
+				return false;
+			continue;
+		}
 		case PB_LTYPE_SUBMESSAGE: {
 			pb_istream_t sub;
 			bool whole;
@@ -403,7 +415,8 @@ int wire_pb_request_decode(const uint8_t *frame, size_t len, wire_pb_request *ou
 	if (out->msg.which_op == zipcache_v1_Request_hello_tag ||
 	    out->msg.which_op == zipcache_v1_Request_open_session_tag ||
 	    out->msg.which_op == zipcache_v1_Request_fork_session_tag ||
-	    out->msg.which_op == zipcache_v1_Request_import_session_tag) {
+	    out->msg.which_op == zipcache_v1_Request_import_session_tag ||
+	    out->msg.which_op == zipcache_v1_Request_lookup_prefix_tag) {
 		/* The ops with strings and enums: see request_check(). */
 		request_check(frame, len, out);
 		if (out->reason[0])
@@ -780,6 +793,10 @@ WIRE_SAME_SIZE(((zipcache_v1_StatsResponse *)0)->set_aside,
 	       ((struct wire_stats_response *)0)->set_aside);
 WIRE_SAME_SIZE(((zipcache_v1_SetAsideFile *)0)->file, ((zc_set_aside_file *)0)->file);
 WIRE_SAME_SIZE(((zipcache_v1_SetAsideFile *)0)->reason, ((zc_set_aside_file *)0)->reason);
+WIRE_SAME_SIZE(((zipcache_v1_OpenSessionRequest *)0)->prefix.bytes,
+	       ((struct wire_open_request *)0)->prefix);
+WIRE_SAME_SIZE(((zipcache_v1_UpdateAndFetchRequest *)0)->chunk_key.bytes,
+	       ((struct wire_update_request *)0)->chunk_key);
 WIRE_SAME_SIZE(((zipcache_v1_OpenSessionRequest *)0)->model_id,
 	       ((struct wire_open_request *)0)->model_id);
 WIRE_SAME_SIZE(((zipcache_v1_SessionInfo *)0)->model_id, ((zc_session_info *)0)->model_id);
@@ -970,11 +987,18 @@ static void request_to_pb(const wire_request *req, wire_pb_request *out)
 		memcpy(msg->op.hello.client_name, req->hello.client_name,
 		       sizeof(msg->op.hello.client_name));
 		break;
-	case WIRE_OP_OPEN_SESSION: {
-		const struct wire_open_request *o = &req->open_session;
-		zipcache_v1_OpenSessionRequest *p = &msg->op.open_session;
+	case WIRE_OP_OPEN_SESSION:
+	case WIRE_OP_LOOKUP_PREFIX: {
+		bool lookup = req->op == WIRE_OP_LOOKUP_PREFIX;
+		const struct wire_open_request *o = lookup ? &req->lookup_prefix : &req->open_session;
+		zipcache_v1_OpenSessionRequest *p = lookup ? &msg->op.lookup_prefix :
+							     &msg->op.open_session;
 
-		msg->which_op = zipcache_v1_Request_open_session_tag;
+		msg->which_op = lookup ? zipcache_v1_Request_lookup_prefix_tag :
+					 zipcache_v1_Request_open_session_tag;
+		p->prefix.size = (pb_size_t)(o->prefix_len <= sizeof(p->prefix.bytes) ? o->prefix_len :
+										  sizeof(p->prefix.bytes));
+		memcpy(p->prefix.bytes, o->prefix, p->prefix.size);
 		memcpy(p->name, o->name, sizeof(p->name));
 		p->has_shape = o->has_shape;
 		shape_to_pb(&o->shape, &p->shape);
@@ -1036,6 +1060,9 @@ static void request_to_pb(const wire_request *req, wire_pb_request *out)
 		p->values_offset = u->values_offset;
 		p->has_omit_stats = u->omit_stats;
 		p->omit_stats = u->omit_stats;
+		p->chunk_key.size = (pb_size_t)(u->chunk_key_len <= sizeof(p->chunk_key.bytes) ?
+						u->chunk_key_len : sizeof(p->chunk_key.bytes));
+		memcpy(p->chunk_key.bytes, u->chunk_key, p->chunk_key.size);
 		out->keys = u->keys;
 		out->values = u->values;
 		break;
@@ -1078,11 +1105,16 @@ static void request_from_pb(const wire_pb_request *in, wire_request *out)
 		out->hello.protocol_version = msg->op.hello.protocol_version;
 		memcpy(out->hello.client_name, msg->op.hello.client_name, sizeof(out->hello.client_name));
 		break;
-	case zipcache_v1_Request_open_session_tag: {
-		const zipcache_v1_OpenSessionRequest *p = &msg->op.open_session;
-		struct wire_open_request *o = &out->open_session;
+	case zipcache_v1_Request_open_session_tag:
+	case zipcache_v1_Request_lookup_prefix_tag: {
+		bool lookup = msg->which_op == zipcache_v1_Request_lookup_prefix_tag;
+		const zipcache_v1_OpenSessionRequest *p = lookup ? &msg->op.lookup_prefix :
+								   &msg->op.open_session;
+		struct wire_open_request *o = lookup ? &out->lookup_prefix : &out->open_session;
 
-		out->op = WIRE_OP_OPEN_SESSION;
+		out->op = lookup ? WIRE_OP_LOOKUP_PREFIX : WIRE_OP_OPEN_SESSION;
+		o->prefix_len = p->prefix.size;
+		memcpy(o->prefix, p->prefix.bytes, p->prefix.size);
 		memcpy(o->name, p->name, sizeof(o->name));
 		o->has_shape = p->has_shape;
 		shape_from_pb(&p->shape, &o->shape);
@@ -1145,6 +1177,8 @@ static void request_from_pb(const wire_pb_request *in, wire_request *out)
 		u->keys_offset = p->keys_offset;
 		u->values_offset = p->values_offset;
 		u->omit_stats = p->has_omit_stats && p->omit_stats;
+		u->chunk_key_len = p->chunk_key.size;
+		memcpy(u->chunk_key, p->chunk_key.bytes, p->chunk_key.size);
 		break;
 	}
 	case zipcache_v1_Request_trim_tag:
@@ -1404,6 +1438,13 @@ static const zipcache_v1_Response *plain_response_prepare(const wire_response *r
 		msg->which_op = zipcache_v1_Response_release_tag;
 		memset(&msg->op.release, 0, sizeof(msg->op.release));
 		break;
+	case WIRE_OP_LOOKUP_PREFIX:
+		msg->which_op = zipcache_v1_Response_lookup_prefix_tag;
+		msg->op.lookup_prefix = (zipcache_v1_LookupPrefixResponse){
+			resp->lookup_prefix.chunks, resp->lookup_prefix.tokens,
+			resp->lookup_prefix.local_chunks
+		};
+		break;
 	case WIRE_OP_EXPORT_SESSION:
 		msg->which_op = zipcache_v1_Response_export_session_tag;
 		msg->op.export_session = (zipcache_v1_ExportSessionResponse){
@@ -1549,6 +1590,12 @@ int wire_response_decode(const uint8_t *frame, size_t len, wire_response *out)
 		break;
 	case zipcache_v1_Response_release_tag:
 		out->op = WIRE_OP_RELEASE;
+		break;
+	case zipcache_v1_Response_lookup_prefix_tag:
+		out->op = WIRE_OP_LOOKUP_PREFIX;
+		out->lookup_prefix.chunks = msg->op.lookup_prefix.chunks;
+		out->lookup_prefix.tokens = msg->op.lookup_prefix.tokens;
+		out->lookup_prefix.local_chunks = msg->op.lookup_prefix.local_chunks;
 		break;
 	case zipcache_v1_Response_export_session_tag:
 		out->op = WIRE_OP_EXPORT_SESSION;

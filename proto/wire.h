@@ -58,7 +58,8 @@ enum wire_op {
 	WIRE_OP_FORK_SESSION,
 	WIRE_OP_RELEASE,
 	WIRE_OP_EXPORT_SESSION,
-	WIRE_OP_IMPORT_SESSION
+	WIRE_OP_IMPORT_SESSION,
+	WIRE_OP_LOOKUP_PREFIX    /* request: open_session's fields; reply: lookup_prefix */
 };
 
 /* zipcache.v1.Status, value for value. */
@@ -113,6 +114,9 @@ struct wire_open_request {
 	bool attach;
 	int views;                    /* a zc_views */
 	char model_id[ZC_MODEL_ID_MAX + 1];
+	/* Prefix reuse: chain keys, ZC_CHUNK_KEY_BYTES each (docs/PREFIX.md). */
+	uint32_t prefix_len;          /* bytes */
+	uint8_t prefix[ZC_PREFIX_MAX_CHUNKS * ZC_CHUNK_KEY_BYTES];
 };
 
 struct wire_fork_request {
@@ -153,6 +157,8 @@ struct wire_update_request {
 	uint64_t keys_offset;
 	uint64_t values_offset;
 	bool omit_stats;            /* the reply leaves the layer's stats out */
+	uint32_t chunk_key_len;       /* 0: none; the daemon wants ZC_CHUNK_KEY_BYTES */
+	uint8_t chunk_key[ZC_CHUNK_KEY_BYTES];
 };
 
 struct wire_trim_request {
@@ -190,6 +196,7 @@ typedef struct wire_request {
 		struct wire_session_request release;
 		struct wire_export_request export_session;
 		struct wire_import_request import_session;
+		struct wire_open_request lookup_prefix;
 	};
 	/* After a failed decode: why, a static string or `reason` below (so
 	 * valid as long as this struct). NULL otherwise. */
@@ -227,6 +234,10 @@ struct wire_export_response {
 	uint64_t bytes;
 	uint64_t fingerprint;
 	uint64_t tokens;
+};
+
+struct wire_lookup_response {
+	uint32_t chunks, tokens, local_chunks;
 };
 
 struct wire_trim_response {
@@ -287,6 +298,7 @@ typedef struct wire_response {
 		struct wire_trim_response trim;
 		struct wire_stats_response stats;
 		struct wire_staging staging;
+		struct wire_lookup_response lookup_prefix;
 	};
 	/*
 	 * stats' per-layer list and list_sessions' sessions. Encode: the

@@ -27,6 +27,7 @@
 #include "offload.h"
 #include "quota.h"
 #include "relief.h"
+#include "remote.h"
 #include "reply.h"
 #include "server.h"
 #include "session.h"
@@ -34,6 +35,7 @@
 #include "staging.h"
 #include "store.h"
 #include "pool.h"
+#include "prefix.h"
 #include "wire.h"
 
 /* The store enforces the same shape limits the public header promises
@@ -52,7 +54,9 @@ enum job_kind {
 	JOB_FORK,
 	JOB_EXPORT,
 	JOB_IMPORT,
-	JOB_RESTORE    /* an import whose snapshot comes from the remote tier */
+	JOB_RESTORE,   /* an import whose snapshot comes from the remote tier */
+	JOB_LOOKUP,
+	JOB_PREFIX_FETCH
 };
 
 struct request_job {
@@ -65,6 +69,18 @@ struct request_job {
 	bool omit_stats;              /* the caller asked for no stats in the reply */
 	bool defer_flush;             /* and so a residual it fills is flushed after the reply */
 	const uint16_t *keys, *values;
+	bool chunk;                   /* a prefix chunk: chunk_key, chunk_block */
+	uint8_t chunk_key[ZC_CHUNK_KEY_BYTES];
+	store_block chunk_block;      /* made by update_run, one reference for the index */
+	/* lookup_prefix and an open's fetch of remote chunks: the request's
+	 * fields (owned), the chunks held here, what the remote tier gave */
+	struct wire_open_request *open_copy;
+	uint32_t prefix_local, prefix_remote;
+	uint64_t prefix_fp;
+	struct snapshot_config prefix_config;
+	store_block *fetched;         /* [(n - local) * layers]: verified, then one reference each */
+	void **records;               /* the fetched records, until written into the pool */
+	size_t n_records;
 	uint8_t *inline_copy;         /* owns keys/values when they came inline */
 	struct staging *staging;      /* holds keys/values when staged */
 	/* trim */
@@ -230,6 +246,11 @@ static bool name_acceptable(const char *name)
 }
 
 static void attach_submit(const struct request *rq, struct session *session);
+/* True when a job was queued that ends the request (a prefix fetch). */
+static bool open_request(const struct request *rq, const struct wire_open_request *open,
+			 bool may_fetch);
+static void job_free(struct request_job *job);
+static void job_end(struct request_job *job);
 
 /* Room for one more session, daemon-wide and for the peer's uid; else the
  * refusal is sent and false returned. (open_session and fork_session.) */
@@ -264,20 +285,318 @@ static bool name_not_pending(const struct request *rq, const char *name)
 	return false;
 }
 
-static void open_create(const struct request *rq, const struct wire_open_request *open);
+static bool open_create(const struct request *rq, const struct wire_open_request *open,
+			bool may_fetch);
 static void restore_submit(const struct request *rq, const struct wire_open_request *open);
 
-static void handle_open(const struct request *rq, const wire_request *request)
+/* ---- prefix reuse (docs/PREFIX.md) ---- */
+
+/* The chain keys of a request are whole keys, at most ZC_PREFIX_MAX_CHUNKS
+ * (the decoder bounds the bytes). Replies and returns false when not. */
+static bool prefix_keys_valid(const struct request *rq, const struct wire_open_request *open)
+{
+	if (open->prefix_len % ZC_CHUNK_KEY_BYTES) {
+		reply_error(rq, ZC_EINVALID,
+			    "prefix is %u bytes: chain keys are %u bytes each; nothing was made",
+			    open->prefix_len, ZC_CHUNK_KEY_BYTES);
+		return false;
+	}
+	return true;
+}
+
+enum prefix_verdict {
+	PREFIX_READY,    /* every chunk is held here */
+	PREFIX_REFUSED,  /* replied */
+	PREFIX_FETCH     /* chunks from *from on are to be fetched from the remote tier */
+};
+
+/* An open with a prefix: the prefix within max_tokens and every chunk held
+ * for every layer, here or (may_fetch, --remote) in the remote tier. */
+static enum prefix_verdict prefix_check(const struct request *rq,
+					const struct wire_open_request *open,
+					const struct store_params *params, bool may_fetch,
+					uint32_t *from)
 {
 	struct server *server = rq->server;
-	const struct wire_open_request *open = &request->open_session;
+	if (!prefix_keys_valid(rq, open))
+		return PREFIX_REFUSED;
+	uint32_t n = open->prefix_len / ZC_CHUNK_KEY_BYTES;
+	if ((uint64_t)n * ZC_PREFIX_CHUNK_TOKENS > params->max_tokens) {
+		reply_error(rq, ZC_EINVALID,
+			    "a prefix of %u chunks is %llu tokens, above max_tokens %u; nothing was made",
+			    n, (unsigned long long)n * ZC_PREFIX_CHUNK_TOKENS, params->max_tokens);
+		return PREFIX_REFUSED;
+	}
+	uint64_t fingerprint = prefix_fingerprint_of_params(params);
+	uint32_t held = prefix_index_held(&server->prefix, params->owner_uid, fingerprint,
+					  open->prefix, n, params->layers);
+	if (held == n)
+		return PREFIX_READY;
+	if (may_fetch && server->remote) {
+		*from = held;
+		return PREFIX_FETCH;
+	}
+	reply_error(rq, ZC_ENOTFOUND,
+		    "prefix chunk %u of %u is not held for this uid, model id, shape and codec "
+		    "(lookup_prefix says how many are); nothing was made", held, n);
+	return PREFIX_REFUSED;
+}
+
+static struct request_job *job_new_detached(const struct request *rq, enum job_kind kind,
+					    const struct wire_open_request *open)
+{
+	struct request_job *job = calloc(1, sizeof(*job));
+	if (!job)
+		return NULL;
+	job->kind = kind;
+	job->rq = *rq;
+	job->snapshot_fd = -1;
+	job->open_copy = malloc(sizeof(*open));
+	if (!job->open_copy) {
+		free(job);
+		return NULL;
+	}
+	*job->open_copy = *open;
+	return job;
+}
+
+/* Verify before create: the records are fetched and checked first
+ * (nothing made, not even the uid's pool), then written on the thread
+ * pool once the loop gave the pool, then the open runs again. */
+static void prefix_written_done(struct job *base);
+
+static void prefix_fetch_run(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	uint32_t n = job->open_copy->prefix_len / ZC_CHUNK_KEY_BYTES;
+	job->rc = prefix_remote_fetch(job->rq.server->remote, job->rq.peer->uid, &job->prefix_config,
+				      job->open_copy->prefix, job->prefix_local, n, job->records,
+				      job->fetched, job->message, sizeof(job->message));
+}
+
+static void prefix_write_run(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	job->rc = prefix_records_write(job->pool, job->records, job->fetched, job->n_records,
+				       job->message, sizeof(job->message));
+	prefix_records_free(job->records, job->n_records);
+}
+
+static void prefix_fetch_failed(struct request_job *job)
+{
+	uint32_t n = job->open_copy->prefix_len / ZC_CHUNK_KEY_BYTES;
+	reply_error(&job->rq, job->rc == STORE_EBUDGET ? ZC_EEXHAUSTED : job->rc,
+		    "prefix chunks %u..%u of %u are not held here and were not fetched: %s; "
+		    "nothing was made", job->prefix_local, n - 1, n, job->message);
+	job_end(job);
+}
+
+static void prefix_verified_done(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct server *server = job->rq.server;
+	char reason[200] = "";
+
+	if (job->rc < 0) {
+		prefix_fetch_failed(job);
+		return;
+	}
+	int rc = pool_set_get(&server->pools, job->rq.peer->uid, &job->rq.peer->quota->memory,
+			      &job->pool, NULL, reason, sizeof(reason));
+	if (rc < 0) {
+		job->rc = ZC_EINTERNAL;
+		snprintf(job->message, sizeof(job->message), "cannot use the block pool: %s",
+			 reason[0] ? reason : zc_strerror(rc));
+		prefix_fetch_failed(job);
+		return;
+	}
+	job->job.run = prefix_write_run;
+	job->job.done = prefix_written_done;
+	session_table_run_detached(&server->sessions, &job->job);
+}
+
+/* The fetched chunks join the index (which takes their references), and
+ * the open runs again, now from what is held here. */
+static void prefix_written_done(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	const struct wire_open_request *open = job->open_copy;
+	uint32_t n = open->prefix_len / ZC_CHUNK_KEY_BYTES, layers = job->prefix_config.layers;
+
+	if (job->rc < 0) {
+		prefix_fetch_failed(job);
+		return;
+	}
+	for (uint32_t i = job->prefix_local; i < n; i++)
+		for (uint32_t layer = 0; layer < layers; layer++)
+			prefix_index_put(&job->rq.server->prefix, job->rq.peer->uid, job->prefix_fp,
+					 open->prefix + (size_t)i * ZC_CHUNK_KEY_BYTES, layer,
+					 i * ZC_PREFIX_CHUNK_TOKENS, job->pool,
+					 &job->fetched[(size_t)(i - job->prefix_local) * layers + layer]);
+	/* Never queued without a fetch (an attach's job begins the request
+	 * once more for itself). */
+	open_request(&job->rq, open, false);
+	job_end(job);
+}
+
+/* Queues the fetch of chunks [from, n) of an open's prefix; true when
+ * queued (the job answers). */
+static bool prefix_fetch_submit(const struct request *rq, const struct wire_open_request *open,
+				const struct store_params *params, uint32_t from)
+{
+	struct server *server = rq->server;
+	uint32_t n = open->prefix_len / ZC_CHUNK_KEY_BYTES;
+	size_t count = (size_t)(n - from) * params->layers;
+	struct request_job *job = job_new_detached(rq, JOB_PREFIX_FETCH, open);
+	if (job) {
+		job->fetched = calloc(count, sizeof(*job->fetched));
+		job->records = calloc(count, sizeof(*job->records));
+		job->n_records = count;
+	}
+	if (!job || !job->fetched || !job->records) {
+		if (job)
+			job_free(job);
+		reply_error(rq, -ENOMEM, "out of memory");
+		return false;
+	}
+	job->prefix_local = from;
+	prefix_config_of_params(params, &job->prefix_config);
+	job->prefix_fp = prefix_fingerprint(&job->prefix_config);
+	job->job.run = prefix_fetch_run;
+	job->job.done = prefix_verified_done;
+	session_table_run_detached(&server->sessions, &job->job);
+	return true;
+}
+
+/*
+ * The store of a new session: empty, or (a prefix) built as an import is,
+ * every layer starting with the chunks' blocks shared by reference from
+ * the chunk index (prefix_check found them all, and nothing ran since).
+ */
+static int open_store(struct server *server, const struct store_params *params,
+		      struct store_budget *budget, struct pool *pool,
+		      const struct wire_open_request *open, struct store **out)
+{
+	uint32_t n = open->prefix_len / ZC_CHUNK_KEY_BYTES;
+	if (n == 0)
+		return store_create(server->shm_dir_fd, server->options.shm_dir, params, budget, pool,
+				    out);
+	uint64_t fingerprint = prefix_fingerprint_of_params(params);
+	struct store *store;
+	int rc = store_import_begin(server->shm_dir_fd, server->options.shm_dir, params, budget,
+				    pool, &store);
+	if (rc < 0)
+		return rc;
+	for (uint32_t layer = 0; rc == 0 && layer < params->layers; layer++) {
+		for (uint32_t i = 0; rc == 0 && i < n; i++) {
+			struct pool *held_in = NULL;
+			const store_block *block = prefix_index_get(
+				&server->prefix, params->owner_uid, fingerprint,
+				open->prefix + (size_t)i * ZC_CHUNK_KEY_BYTES, layer,
+				i * ZC_PREFIX_CHUNK_TOKENS, &held_in);
+			if (!block || held_in != pool)  /* never: prefix_check found them */
+				rc = ZC_EINTERNAL;
+			else
+				rc = store_import_shared_block(store, layer, block);
+		}
+		if (rc == 0)
+			rc = store_import_layer(store, layer, n * ZC_PREFIX_CHUNK_TOKENS, 0, NULL, NULL);
+	}
+	if (rc == 0)
+		rc = store_import_commit(store);
+	else
+		store_import_abandon(store);
+	if (rc == 0)
+		*out = store;
+	return rc;
+}
+
+static void lookup_reply(const struct request *rq, uint32_t local, uint32_t remote)
+{
+	wire_response response;
+	wire_response_init(&response, rq->id, WIRE_OP_LOOKUP_PREFIX);
+	response.lookup_prefix.chunks = local + remote;
+	response.lookup_prefix.tokens = (local + remote) * ZC_PREFIX_CHUNK_TOKENS;
+	response.lookup_prefix.local_chunks = local;
+	reply_send(rq, &response, NULL, 0);
+}
+
+static void lookup_run(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	uint32_t n = job->open_copy->prefix_len / ZC_CHUNK_KEY_BYTES;
+	job->rc = prefix_remote_count(job->rq.server->remote, job->rq.peer->uid, job->prefix_fp,
+				      job->open_copy->prefix, job->prefix_local, n,
+				      job->prefix_config.layers, &job->prefix_remote);
+}
+
+/* A remote tier that failed leaves the answer at what is held here. */
+static void lookup_done(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	lookup_reply(&job->rq, job->prefix_local, job->rc < 0 ? 0 : job->prefix_remote);
+	job_end(job);
+}
+
+/* lookup_prefix: the chunk index, then (with --remote, for the chunks not
+ * held here) the remote tier from the thread pool. True when queued. */
+static bool handle_lookup(const struct request *rq, const wire_request *request)
+{
+	struct server *server = rq->server;
+	const struct wire_open_request *lookup = &request->lookup_prefix;
+
+	if (!prefix_keys_valid(rq, lookup))
+		return false;
+	if (!lookup->has_shape || lookup->shape.layers == 0 || lookup->shape.layers > ZC_MAX_LAYERS) {
+		reply_error(rq, ZC_EINVALID, "lookup_prefix needs the session's shape (1..%u layers)",
+			    ZC_MAX_LAYERS);
+		return false;
+	}
+	struct store_params params = {
+		.owner_uid = rq->peer->uid,
+		.layers = lookup->shape.layers,
+		.batch = lookup->shape.batch,
+		.kv_heads = lookup->shape.kv_heads,
+		.head_dim_k = lookup->shape.head_dim_k,
+		.head_dim_v = lookup->shape.head_dim_v,
+		.model_id = lookup->model_id,
+	};
+	zc_codec_config_default(&params.codec);
+	if (lookup->has_codec)
+		wire_codec_to_config(&lookup->codec, &params.codec);
+	uint32_t n = lookup->prefix_len / ZC_CHUNK_KEY_BYTES;
+	uint64_t fingerprint = prefix_fingerprint_of_params(&params);
+	uint32_t held = prefix_index_held(&server->prefix, rq->peer->uid, fingerprint, lookup->prefix,
+					  n, params.layers);
+	if (held == n || !server->remote) {
+		lookup_reply(rq, held, 0);
+		return false;
+	}
+	struct request_job *job = job_new_detached(rq, JOB_LOOKUP, lookup);
+	if (!job) {
+		reply_error(rq, -ENOMEM, "out of memory");
+		return false;
+	}
+	job->prefix_local = held;
+	job->prefix_fp = fingerprint;
+	prefix_config_of_params(&params, &job->prefix_config);
+	job->job.run = lookup_run;
+	job->job.done = lookup_done;
+	session_table_run_detached(&server->sessions, &job->job);
+	return true;
+}
+
+static bool open_request(const struct request *rq, const struct wire_open_request *open,
+			 bool may_fetch)
+{
+	struct server *server = rq->server;
 	struct session *session;
 	char name[STORE_NAME_BYTES];
 
 	if (!name_acceptable(open->name) || !name_acceptable(open->model_id)) {
 		reply_error(rq, ZC_EINVALID,
 			    "session names and model ids must be UTF-8 without control characters");
-		return;
+		return false;
 	}
 	if (open->name[0]) {
 		snprintf(name, sizeof(name), "%s", open->name);
@@ -285,7 +604,7 @@ static void handle_open(const struct request *rq, const wire_request *request)
 		if (session && !open->attach) {
 			reply_error(rq, ZC_EEXISTS, "session '%s' already exists (id %llu)",
 				    name, (unsigned long long)session->id);
-			return;
+			return false;
 		}
 		if (session) {
 			struct mismatch m;
@@ -295,24 +614,27 @@ static void handle_open(const struct request *rq, const wire_request *request)
 				reply_error(rq, ZC_EINVALID,
 					    "session '%s' exists with a different %s: %s; nothing was changed",
 					    name, m.groups, m.detail);
-				return;
+				return false;
 			}
 			/* Dropped views are rebuilt by a job in the session's
 			 * line, which replies. */
 			attach_submit(rq, session);
-			return;
+			return false;
 		}
-		/* Not here: perhaps offloaded, by this node or another. */
+		/* Not here: perhaps offloaded, by this node or another. The
+		 * restore's job begins its own request, as an attach's does. */
 		if (open->attach && server->remote) {
 			restore_submit(rq, open);
-			return;
+			return false;
 		}
 	}
-	open_create(rq, open);
+	return open_create(rq, open, may_fetch);
 }
 
-/* open_session's making of a new session (no session of the name exists). */
-static void open_create(const struct request *rq, const struct wire_open_request *open)
+/* open_session's making of a new session (no session of the name exists).
+ * True when a job took the request over (a prefix's chunks to fetch). */
+static bool open_create(const struct request *rq, const struct wire_open_request *open,
+			bool may_fetch)
 {
 	struct server *server = rq->server;
 	struct session *session;
@@ -324,18 +646,18 @@ static void open_create(const struct request *rq, const struct wire_open_request
 		snprintf(name, sizeof(name), "%s", open->name);
 	if (!open->has_shape) {
 		reply_error(rq, ZC_EINVALID, "open_session needs a shape");
-		return;
+		return false;
 	}
 	if (open->max_tokens == 0 || open->max_tokens > server->options.max_tokens) {
 		reply_error(rq, open->max_tokens ? ZC_EEXHAUSTED : ZC_EINVALID,
 			    "max_tokens %u is outside 1..%u", open->max_tokens,
 			    server->options.max_tokens);
-		return;
+		return false;
 	}
 	if (open->shape.layers > ZC_MAX_LAYERS) {
 		reply_error(rq, ZC_EINVALID, "layers %u is above the limit of %u",
 			    open->shape.layers, ZC_MAX_LAYERS);
-		return;
+		return false;
 	}
 	const struct wire_shape *shape = &open->shape;
 	if (!shape->layers || !shape->batch || !shape->kv_heads || !shape->head_dim_k || !shape->head_dim_v) {
@@ -343,32 +665,32 @@ static void open_create(const struct request *rq, const struct wire_open_request
 			    "every dimension of the shape must be at least 1 (layers %u, batch %u, "
 			    "kv_heads %u, head_dim_k %u, head_dim_v %u)", shape->layers, shape->batch,
 			    shape->kv_heads, shape->head_dim_k, shape->head_dim_v);
-		return;
+		return false;
 	}
 	if ((uint64_t)shape->batch * shape->kv_heads > ZC_MAX_HEADS) {
 		reply_error(rq, ZC_EINVALID,
 			    "batch x kv_heads is %llu; the limit is %u",
 			    (unsigned long long)shape->batch * shape->kv_heads, ZC_MAX_HEADS);
-		return;
+		return false;
 	}
 	if (shape->head_dim_k > ZC_MAX_HEAD_DIM || shape->head_dim_v > ZC_MAX_HEAD_DIM) {
 		reply_error(rq, ZC_EINVALID,
 			    "head_dim_k %u, head_dim_v %u: the limit is %u", shape->head_dim_k,
 			    shape->head_dim_v, ZC_MAX_HEAD_DIM);
-		return;
+		return false;
 	}
 	if (open->policy == ZC_POLICY_STREAMING && open->has_residual_tokens &&
 	    (open->residual_tokens == 0 || open->residual_tokens > ZC_MAX_RESIDUAL_TOKENS)) {
 		reply_error(rq, ZC_EINVALID,
 			    "residual_tokens %u is outside 1..%u", open->residual_tokens,
 			    ZC_MAX_RESIDUAL_TOKENS);
-		return;
+		return false;
 	}
 	if (!session_room(rq))
-		return;
+		return false;
 	if (open->policy != ZC_POLICY_STREAMING && open->policy != ZC_POLICY_PER_CALL) {
 		reply_error(rq, ZC_EINVALID, "unknown block policy %d", (int)open->policy);
-		return;
+		return false;
 	}
 
 	struct store_params params = {
@@ -395,7 +717,15 @@ static void open_create(const struct request *rq, const struct wire_open_request
 	if (open->has_codec)
 		wire_codec_to_config(&open->codec, &params.codec);
 	if (!name_not_pending(rq, name))
-		return;
+		return false;
+	if (open->prefix_len) {
+		uint32_t from = 0;
+		enum prefix_verdict verdict = prefix_check(rq, open, &params, may_fetch, &from);
+		if (verdict == PREFIX_REFUSED)
+			return false;
+		if (verdict == PREFIX_FETCH)
+			return prefix_fetch_submit(rq, open, &params, from);
+	}
 	struct store_budget *budget = &rq->peer->quota->memory;
 	struct pool *pool = NULL;
 	char pool_reason[200] = "";
@@ -404,18 +734,17 @@ static void open_create(const struct request *rq, const struct wire_open_request
 	if (rc == ZC_ECORRUPT) {
 		reply_error(rq, ZC_EINTERNAL, "cannot use the block pool of uid %u: %s",
 			    (unsigned)rq->peer->uid, pool_reason);
-		return;
+		return false;
 	}
 	if (rc == 0)
-		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, pool,
-				  &store);
+		rc = open_store(server, &params, budget, pool, open, &store);
 	for (int tries = 0; rc == ZC_EEXISTS && tries < 3; tries++) {
 		/* A file nobody adopted holds this id: take the next. */
 		params.session_id = ++server->sessions.next_id;
 		if (!open->name[0])
 			snprintf(name, sizeof(name), "session-%llu",
 				 (unsigned long long)params.session_id);
-		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, pool, &store);
+		rc = open_store(server, &params, budget, pool, open, &store);
 	}
 	char why[200];
 	/* Memory relief for a new session's first pages (a chunk of them),
@@ -423,9 +752,9 @@ static void open_create(const struct request *rq, const struct wire_open_request
 	for (bool tried = false; rc == STORE_EBUDGET; tried = true) {
 		if (relief_run(server, 1u << 20, NULL, rq->peer->uid, tried, why, sizeof(why)) < 0) {
 			reply_error(rq, ZC_EEXHAUSTED, "%s", why);
-			return;
+			return false;
 		}
-		rc = store_create(server->shm_dir_fd, server->options.shm_dir, &params, budget, pool, &store);
+		rc = open_store(server, &params, budget, pool, open, &store);
 	}
 	uint64_t layout_bytes = 0;
 	if (rc == ZC_EEXHAUSTED && store_layout_bytes(&params, &layout_bytes) != ZC_ESHAPE &&
@@ -437,12 +766,12 @@ static void open_create(const struct request *rq, const struct wire_open_request
 			    "(%llu mapped)", name, (unsigned long long)layout_bytes,
 			    (unsigned long long)store_max_file_bytes(), (unsigned long long)store_map_limit(),
 			    (unsigned long long)store_mapped_bytes_total());
-		return;
+		return false;
 	}
 	if (rc < 0) {
 		reply_error(rq, rc == ZC_ESHAPE ? ZC_EINVALID : rc,
 			    "cannot open session '%s': %s", name, reply_resource_text(server, rc, why, sizeof(why)));
-		return;
+		return false;
 	}
 	server->sessions.next_id++;
 	rc = session_table_add(&server->sessions, store, &session);
@@ -451,7 +780,7 @@ static void open_create(const struct request *rq, const struct wire_open_request
 		reply_error(rq, rc,
 			    "cannot open session '%s': %s; the session was not created", name,
 			    reply_resource_text(server, rc, why, sizeof(why)));
-		return;
+		return false;
 	}
 	session_lease(session, rq->peer->id, session_now_ms() + server->options.lease_seconds * 1000);
 	if (reply_open(rq, session, false) < 0) {
@@ -461,13 +790,19 @@ static void open_create(const struct request *rq, const struct wire_open_request
 			 (unsigned long long)session->id, session->name, session->owner_uid);
 		session_retire(&server->sessions, session, true);
 		session_release_if_unused(session);
-		return;
+		return false;
 	}
 	log_info("session", "opened", "session=%llu name=%s uid=%u layers=%u batch=%u kv_heads=%u "
 		 "head_dim_k=%u head_dim_v=%u max_tokens=%u policy=%s",
 		 (unsigned long long)session->id, session->name, session->owner_uid, params.layers,
 		 params.batch, params.kv_heads, params.head_dim_k, params.head_dim_v,
 		 params.max_tokens, params.policy == STORE_POLICY_PER_CALL ? "per_call" : "streaming");
+	return false;
+}
+
+static bool handle_open(const struct request *rq, const wire_request *request)
+{
+	return open_request(rq, &request->open_session, true);
 }
 
 /* ---- jobs: update_and_fetch, trim, stats, close, attach ---- */
@@ -478,6 +813,10 @@ static void job_free(struct request_job *job)
 	if (job->snapshot_fd >= 0)
 		close(job->snapshot_fd);
 	free(job->inline_copy);
+	free(job->open_copy);
+	free(job->fetched);
+	prefix_records_free(job->records, job->n_records);
+	free(job->records);
 	staging_unref(job->staging);
 	free(job->layer_stats);
 	free(job);
@@ -514,7 +853,22 @@ static void update_run(struct job *base)
 		return;
 	}
 	job->layer_tokens_before = store_layer_tokens(store, job->layer);
-	rc = store_append(store, job->layer, job->tokens, job->keys, job->values, job->defer_flush);
+	if (job->chunk && job->layer_tokens_before % ZC_PREFIX_CHUNK_TOKENS) {
+		job_fail(job, ZC_EPRECONDITION,
+			 "a chunk-keyed block must start at a multiple of %u tokens; layer %u holds %u; "
+			 "nothing was stored", ZC_PREFIX_CHUNK_TOKENS, job->layer,
+			 job->layer_tokens_before);
+		return;
+	}
+	rc = job->chunk ? store_append_block(store, job->layer, job->tokens, job->keys, job->values,
+					     &job->chunk_block) :
+			  store_append(store, job->layer, job->tokens, job->keys, job->values,
+				       job->defer_flush);
+	if (rc == ZC_EPRECONDITION && job->chunk) {
+		job_fail(job, rc, "layer %u has residual rows: chunk-keyed blocks come first, before "
+			 "any ordinary block; nothing was stored", job->layer);
+		return;
+	}
 	if (rc == ZC_ENONFINITE) {
 		/* Which tensor is bad is worth saying; only a failure pays for it. */
 		bool keys_bad = zc_fp16_check_finite(job->keys, kv_block_elements(h->batch, h->kv_heads,
@@ -565,6 +919,60 @@ static bool job_relieve_or_fail(struct request_job *job, uint64_t wanted, const 
 	return false;
 }
 
+/*
+ * A chunk's block written to the remote tier (docs/PREFIX.md), on the
+ * thread pool, after the update that made it committed: it holds a
+ * reference on the block until it is done. A failure costs nothing but
+ * the remote copy (the remote room counts and logs it).
+ */
+struct chunk_publish_job {
+	struct job job;               /* first: session.c sees only this */
+	struct remote *remote;
+	uint32_t uid, layer;
+	uint64_t fingerprint;
+	uint8_t key[ZC_CHUNK_KEY_BYTES];
+	struct pool *pool;
+	store_block block;
+	int rc;
+};
+
+static void chunk_publish_run(struct job *base)
+{
+	struct chunk_publish_job *job = (struct chunk_publish_job *)base;
+	job->rc = prefix_remote_publish(job->remote, job->uid, job->fingerprint, job->key, job->layer,
+					job->pool, &job->block);
+}
+
+static void chunk_publish_done(struct job *base)
+{
+	struct chunk_publish_job *job = (struct chunk_publish_job *)base;
+	if (job->rc < 0)
+		log_warn("prefix", "chunk not written to the remote tier", "uid=%u layer=%u error=%s",
+			 job->uid, job->layer, zc_error_name(job->rc));
+	pool_unref(job->pool, job->block.key_offset);
+	free(job);
+}
+
+static void chunk_publish(struct server *server, uint32_t uid, uint64_t fingerprint,
+			  const uint8_t *key, uint32_t layer, struct pool *pool,
+			  const store_block *block)
+{
+	struct chunk_publish_job *job = calloc(1, sizeof(*job));
+	if (!job)
+		return;  /* the remote copy is a cache: a miss later */
+	job->remote = server->remote;
+	job->uid = uid;
+	job->layer = layer;
+	job->fingerprint = fingerprint;
+	memcpy(job->key, key, sizeof(job->key));
+	job->pool = pool;
+	job->block = *block;
+	pool_ref(pool, block->key_offset);
+	job->job.run = chunk_publish_run;
+	job->job.done = chunk_publish_done;
+	session_table_run_detached(&server->sessions, &job->job);
+}
+
 static void update_done(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
@@ -593,6 +1001,17 @@ static void update_done(struct job *base)
 		rq->server->counters.tokens_appended += job->tokens;
 		rq->peer->quota->tokens_appended += job->tokens;
 		session_account_layer(&rq->server->sessions, base->session, &job->stats);
+		if (job->chunk) {
+			struct store *store = base->session->store;
+			uint64_t fingerprint = prefix_fingerprint_of_store(store_header(store));
+			if (rq->server->remote)
+				chunk_publish(rq->server, base->session->owner_uid, fingerprint,
+					      job->chunk_key, job->layer, store_pool(store),
+					      &job->chunk_block);
+			prefix_index_put(&rq->server->prefix, base->session->owner_uid, fingerprint,
+					 job->chunk_key, job->layer, job->layer_tokens_before,
+					 store_pool(store), &job->chunk_block);
+		}
 		reply_send(rq, &response, NULL, 0);
 		if (job->defer_flush)
 			session_flush_start(&rq->server->sessions, base->session, job->layer);
@@ -658,6 +1077,17 @@ static bool handle_update(const struct request *rq, const wire_request *request)
 		reply_error(rq, ZC_EEXHAUSTED,
 			    "a block of %u tokens exceeds max_tokens %u; nothing was stored",
 			    update->tokens, h->max_tokens);
+		return false;
+	}
+	if (update->chunk_key_len && update->chunk_key_len != ZC_CHUNK_KEY_BYTES) {
+		reply_error(rq, ZC_EINVALID, "a chunk key is %u bytes, not %u; nothing was stored",
+			    ZC_CHUNK_KEY_BYTES, update->chunk_key_len);
+		return false;
+	}
+	if (update->chunk_key_len && update->tokens != ZC_PREFIX_CHUNK_TOKENS) {
+		reply_error(rq, ZC_EINVALID,
+			    "a chunk-keyed block is %u tokens (ZC_PREFIX_CHUNK_TOKENS), not %u; nothing "
+			    "was stored", ZC_PREFIX_CHUNK_TOKENS, update->tokens);
 		return false;
 	}
 	uint64_t key_bytes = kv_block_bytes(h->batch, h->kv_heads, update->tokens, h->head_dim_k);
@@ -728,8 +1158,11 @@ static bool handle_update(const struct request *rq, const wire_request *request)
 	job->layer = update->layer;
 	job->tokens = update->tokens;
 	job->omit_stats = update->omit_stats;
-	/* A caller that wants no stats does not wait for the flush either. */
-	job->defer_flush = update->omit_stats && h->policy == STORE_POLICY_STREAMING;
+	job->chunk = update->chunk_key_len == ZC_CHUNK_KEY_BYTES;
+	memcpy(job->chunk_key, update->chunk_key, sizeof(job->chunk_key));
+	/* A caller that wants no stats does not wait for the flush either (a
+	 * chunk-keyed block leaves no residual to flush). */
+	job->defer_flush = update->omit_stats && h->policy == STORE_POLICY_STREAMING && !job->chunk;
 	job->job.run = update_run;
 	job->job.done = update_done;
 	job->job.may_overlap_flush = update_may_overlap_flush;
@@ -984,6 +1417,8 @@ static bool handle_session_job(const struct request *rq, const wire_request *req
 	case JOB_EXPORT:
 	case JOB_IMPORT:
 	case JOB_RESTORE:
+	case JOB_LOOKUP:
+	case JOB_PREFIX_FETCH:
 		break;
 	}
 	/* Trim and close cost nothing: they move counters, not elements. */
@@ -1536,9 +1971,12 @@ static void restore_fetched_done(struct job *base)
 		return;
 	}
 	if (job->rc < 0 && !job->manifest_found) {
-		/* Nothing offloaded under this name: an attach that may create. */
-		open_create(&job->rq, &job->open);
-		job_end(job);
+		/* Nothing offloaded under this name: an attach that may create.
+		 * A prefix's fetch, if it needs one, ends the request itself. */
+		if (open_create(&job->rq, &job->open, true))
+			job_free(job);
+		else
+			job_end(job);
 		return;
 	}
 	if (job->rc < 0) {
@@ -1701,7 +2139,7 @@ void dispatch_request(struct server *server, struct peer *peer, struct responder
 		reply_hello(&rq);
 		break;
 	case WIRE_OP_OPEN_SESSION:
-		handle_open(&rq, &request);
+		queued = handle_open(&rq, &request);
 		break;
 	case WIRE_OP_UPDATE_AND_FETCH:
 		queued = handle_update(&rq, &request);
@@ -1732,6 +2170,9 @@ void dispatch_request(struct server *server, struct peer *peer, struct responder
 		break;
 	case WIRE_OP_IMPORT_SESSION:
 		queued = handle_import(&rq, &request);
+		break;
+	case WIRE_OP_LOOKUP_PREFIX:
+		queued = handle_lookup(&rq, &request);
 		break;
 	case WIRE_OP_RELEASE: {
 		struct session *session = session_find(&server->sessions, request.release.session_id,

@@ -24,7 +24,7 @@
 static const char *const op_names[METRICS_OP_COUNT] = {
 	"hello", "open_session", "update_and_fetch", "trim", "close_session",
 	"stats", "list_sessions", "staging", "fork_session", "release", "export_session",
-	"import_session", "invalid",
+	"import_session", "lookup_prefix", "invalid",
 };
 
 static const char *const status_names[METRICS_STATUS_COUNT] = {
@@ -39,7 +39,7 @@ static const char *const reason_names[METRICS_REASON_COUNT] = {
 };
 
 static const char *const relief_step_names[METRICS_RELIEF_STEP_COUNT] = {
-	"drop_views", "offload", "refuse",
+	"drop_views", "drop_chunks", "offload", "refuse",
 };
 
 /* Upper bounds in seconds: a decode step is tens of microseconds, a
@@ -85,6 +85,8 @@ enum metrics_op metrics_op_of(enum wire_op op)
 		return METRICS_OP_EXPORT_SESSION;
 	case WIRE_OP_IMPORT_SESSION:
 		return METRICS_OP_IMPORT_SESSION;
+	case WIRE_OP_LOOKUP_PREFIX:
+		return METRICS_OP_LOOKUP_PREFIX;
 	case WIRE_OP_NONE:
 		break;
 	}

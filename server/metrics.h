@@ -23,6 +23,7 @@ enum metrics_op {
 	METRICS_OP_RELEASE,
 	METRICS_OP_EXPORT_SESSION,
 	METRICS_OP_IMPORT_SESSION,
+	METRICS_OP_LOOKUP_PREFIX,
 	METRICS_OP_INVALID,
 	METRICS_OP_COUNT
 };
@@ -49,6 +50,7 @@ enum metrics_reason {
 /* The steps of memory relief (server/relief.c), in the order they run. */
 enum metrics_relief_step {
 	METRICS_RELIEF_DROP_VIEWS,
+	METRICS_RELIEF_DROP_CHUNKS, /* prefix chunks only the chunk index holds */
 	METRICS_RELIEF_OFFLOAD,     /* idle sessions written to the remote tier and dropped */
 	METRICS_RELIEF_REFUSE,
 	METRICS_RELIEF_STEP_COUNT

@@ -7,6 +7,7 @@
 #include "log.h"
 #include "metrics.h"
 #include "offload.h"
+#include "prefix.h"
 #include "quota.h"
 #include "server.h"
 #include "session.h"
@@ -76,6 +77,20 @@ static uint64_t drop_views(struct server *server, uint64_t wanted, const struct 
 	return freed;
 }
 
+/* Step 1b. Returns the bytes freed. */
+static uint64_t drop_chunks(struct server *server, uint32_t uid)
+{
+	const struct quota_usage *usage;
+	bool own_only = uid_quota_binding(server, uid, &usage);
+	uint64_t freed = 0;
+	server->metrics.relief_steps[METRICS_RELIEF_DROP_CHUNKS]++;
+	size_t blocks = prefix_index_drop_unused(&server->prefix, !own_only, uid, &freed);
+	if (blocks)
+		log_info("server", "dropped unused prefix chunks", "blocks=%zu bytes=%llu", blocks,
+			 (unsigned long long)freed);
+	return freed;
+}
+
 /* Step 2: the sentence names the uid's quota or the daemon's budget,
  * whichever has less room, with its size and use. */
 static int refuse(struct server *server, uint32_t uid, char *text, size_t size)
@@ -109,7 +124,7 @@ static uint64_t offload_sessions(struct server *server, uint64_t wanted, const s
 int relief_run(struct server *server, uint64_t wanted, const struct session *keep, uint32_t uid,
 	       bool tried, char *text, size_t size)
 {
-	if (!tried && drop_views(server, wanted, keep, uid) > 0)
+	if (!tried && (drop_views(server, wanted, keep, uid) > 0 || drop_chunks(server, uid) > 0))
 		return 0;
 	/* Also after step 1 freed too little: each offload takes a session
 	 * away, so the caller's retries end. */

@@ -10,6 +10,11 @@
  *                  short, only that uid's sessions: other users' views would
  *                  not make room for it. A dropped view is rebuilt from the
  *                  compressed store when its session is used again.
+ *   1b. drop_chunks  When no view came back: drop the prefix chunks
+ *                  (server/prefix.h) that only the chunk index still holds,
+ *                  the uid's own when its quota is short, else every uid's.
+ *                  A dropped chunk is prefilled again (or fetched from the
+ *                  remote tier) by whoever needs it next.
  *   2. offload     With --remote: idle, unleased sessions written to the
  *                  remote tier (least recently used first) and dropped
  *                  here; attach restores them (server/offload.h).
@@ -22,7 +27,8 @@
  * (which, taking a whole session each time it succeeds, may let the
  * caller try again as often as there are idle sessions) and then step 3. Each step that runs is counted in zipcache_relief_steps_total{step};
  * every session whose views were dropped in zipcache_view_drops_total.
- * Sessions are never evicted. Loop thread only.
+ * Sessions are never lost: an offloaded one is restored by its next
+ * attach. Loop thread only.
  */
 #ifndef ZIPCACHE_RELIEF_H
 #define ZIPCACHE_RELIEF_H

@@ -739,6 +739,13 @@ int remote_exists(struct remote *r, const struct remote_key *key)
 	return rc < 0 ? rc : found > 0;
 }
 
+int remote_exists_count(struct remote *r, const struct remote_key *const *keys, size_t count,
+			uint64_t *found)
+{
+	*found = 0;
+	return integer_many(r, "EXISTS", keys, count, NULL, found);
+}
+
 int remote_expire(struct remote *r, const struct remote_key *key, uint32_t ttl_seconds)
 {
 	char ttl[16];

@@ -209,6 +209,10 @@ int remote_del_many(struct remote *remote, const struct remote_key *const *keys,
 /* 1 when the key exists, 0 when not, or a failure. */
 int remote_exists(struct remote *remote, const struct remote_key *key);
 
+/* EXISTS of every key, pipelined: *found how many exist. */
+int remote_exists_count(struct remote *remote, const struct remote_key *const *keys, size_t count,
+			uint64_t *found);
+
 /* EXPIRE key ttl: 0, or ZC_ENOTFOUND when there is no such key. */
 int remote_expire(struct remote *remote, const struct remote_key *key, uint32_t ttl_seconds);
 

@@ -718,6 +718,9 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	}
 	limits_resolve(server);
 	pool_set_init(&server->pools, server->shm_dir_fd, server->options.shm_dir);
+	rc = prefix_index_init(&server->prefix, PREFIX_INDEX_MAX_BLOCKS);
+	if (rc < 0)
+		return rc;
 	adopt_scan(server);
 	if (options->remote.n_endpoints) {
 		char why[512];
@@ -788,6 +791,8 @@ void server_free(struct server *server)
 	/* Let the close callbacks run, then release what they released. */
 	uv_run(server->loop, UV_RUN_DEFAULT);
 	session_table_free(&server->sessions);
+	/* Its references go back before the pools are freed. */
+	prefix_index_free(&server->prefix);
 	/* After the stores (which borrow them), before the quotas (which
 	 * they charge). */
 	pool_set_free(&server->pools);

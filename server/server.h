@@ -24,6 +24,7 @@
 #include "quota.h"
 #include "session.h"
 #include "pool.h"
+#include "prefix.h"
 
 struct server;
 
@@ -68,6 +69,7 @@ struct server {
 	struct store_budget staging;   /* staging bytes of all connections: counted, no limit */
 	struct quota_table quotas;
 	struct pool_set pools;         /* one block pool per uid */
+	struct prefix_index prefix;    /* chunks of prefix reuse (docs/PREFIX.md) */
 	uint64_t reply_queue_bytes;    /* unsent reply bytes of all connections */
 	bool replies_over;             /* past --max-reply-queue-total */
 	struct connection_limits connection_limits;

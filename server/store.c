@@ -2341,6 +2341,48 @@ int store_append(struct store *store, uint32_t layer, uint32_t tokens, const uin
 	return rc;
 }
 
+/*
+ * A chunk-keyed block (docs/PREFIX.md): compressed as exactly one block of
+ * its tokens whatever the policy, so that its boundaries are the chunk's.
+ * Only on a layer whose residual is empty (ZC_EPRECONDITION otherwise):
+ * the residual's rows would have to go into the block or ahead of it.
+ * On success *out is the new block's entry and the caller owns one more
+ * reference on it (for the chunk index).
+ */
+int store_append_block(struct store *store, uint32_t layer, uint32_t tokens,
+		       const uint16_t *keys, const uint16_t *values, store_block *out)
+{
+	const struct store_header *h = store->header;
+	int rc;
+
+	if (layer >= h->layers || tokens == 0)
+		return ZC_EINVALID;
+	const struct layer_state *l = &store->layer[layer];
+	if (l->residual_tokens > 0)
+		return ZC_EPRECONDITION;
+	if ((uint64_t)l->tokens + tokens > h->max_tokens)
+		return ZC_EEXHAUSTED;
+	if (views_full(store) && !store->room[layer].view_valid) {
+		rc = views_rebuild_layer(store, layer);
+		if (rc < 0)
+			return rc;
+	}
+	if (views_full(store)) {
+		rc = reserve_views(store, layer, (uint64_t)l->tokens + tokens);
+		if (rc < 0)
+			return rc;
+	}
+	sequence_begin(store, layer);
+	rc = update_direct(store, layer, tokens, keys, values);
+	mirror_layer(store, layer);
+	sequence_end(store, layer);
+	if (rc < 0)
+		return rc;
+	*out = store->index[layer].entries[store->layer[layer].blocks - 1];
+	pool_ref(store->pool, out->key_offset);
+	return 0;
+}
+
 /* What trimming `tokens` from a layer leaves (next starts as its state);
  * returns the tokens cut. Pure: nothing is written. */
 static uint32_t trim_state(const struct store *store, uint32_t layer, uint32_t tokens,
@@ -2727,6 +2769,43 @@ int store_import_block(struct store *store, uint32_t layer, const store_block *e
 	b.key_offset = key_offset;
 	b.value_offset = pool_value_offset(key_offset, entry->key_bytes);
 	b.flags = 0;
+	pthread_mutex_lock(&store->index_lock);
+	store->index[layer].entries[at] = b;
+	pthread_mutex_unlock(&store->index_lock);
+	file_index(store, layer)[at] = b;
+	zc_block_shape key_shape = { h->batch, h->kv_heads, b.tokens, h->head_dim_k };
+	zc_block_shape value_shape = { h->batch, h->kv_heads, b.tokens, h->head_dim_v };
+	zc_byte_count key_count = { 0 }, value_count = { 0 };
+	zc_block_count_bytes(&store->codec, ZC_TENSOR_KEYS, &key_shape, &key_count);
+	zc_block_count_bytes(&store->codec, ZC_TENSOR_VALUES, &value_shape, &value_count);
+	l->key_compressed += key_count.compressed;
+	l->key_baseline += key_count.baseline;
+	l->value_compressed += value_count.compressed;
+	l->value_baseline += value_count.baseline;
+	__atomic_store_n(&l->blocks, at + 1, __ATOMIC_RELEASE);
+	fault_point("import.block");
+	return 0;
+}
+
+/*
+ * A block another session or the chunk index holds, shared into an
+ * import by reference (a prefix open, docs/PREFIX.md): one more reference
+ * and the next entry of the layer's index, as store_import_block does
+ * with a copy.
+ */
+int store_import_shared_block(struct store *store, uint32_t layer, const store_block *entry)
+{
+	const struct store_header *h = store->header;
+	struct layer_state *l = &store->layer[layer];
+	uint32_t at = l->blocks;
+	int rc = index_grow(store, layer, at);
+	if (rc == 0)
+		rc = reserve_index_entry(store, layer, at);
+	if (rc < 0)
+		return rc;
+	store_block b = *entry;
+	b.flags = 0;
+	pool_ref(store->pool, b.key_offset);
 	pthread_mutex_lock(&store->index_lock);
 	store->index[layer].entries[at] = b;
 	pthread_mutex_unlock(&store->index_lock);

@@ -217,6 +217,12 @@ int store_flush_begin(struct store *store, uint32_t layer, struct store_flush *f
 void store_flush_compress(const struct store *store, struct store_flush *flush);
 int store_flush_publish(struct store *store, struct store_flush *flush);
 void store_flush_abandon(struct store *store, struct store_flush *flush);
+/* A chunk-keyed block (docs/PREFIX.md): one block of exactly `tokens`
+ * whatever the policy, on a layer whose residual is empty (else
+ * ZC_EPRECONDITION, nothing stored); *out is its entry, with one more
+ * pool reference the caller owns. Otherwise as store_update. */
+int store_append_block(struct store *store, uint32_t layer, uint32_t tokens,
+		       const uint16_t *keys, const uint16_t *values, store_block *out);
 
 /* Drops the last `tokens` tokens of every layer (fewer where a layer is
  * shorter); *trimmed is what the longest layer lost. */
@@ -286,6 +292,9 @@ int store_import_begin(int dir_fd, const char *dir_path, const struct store_para
 		       struct store_budget *budget, struct pool *pool, struct store **out);
 int store_import_block(struct store *store, uint32_t layer, const store_block *entry,
 		       const void *key, const void *value);
+/* A block shared into the import by reference (a prefix open): the
+ * entry names a live extent of the same pool; one more reference. */
+int store_import_shared_block(struct store *store, uint32_t layer, const store_block *entry);
 int store_import_layer(struct store *store, uint32_t layer, uint32_t tokens,
 		       uint32_t residual_tokens, const uint16_t *key_rows, const uint16_t *value_rows);
 int store_import_commit(struct store *store);

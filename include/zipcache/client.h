@@ -123,6 +123,25 @@
 #define ZC_MODEL_ID_MAX 64u            /* a model id's bytes, likewise */
 #define ZC_DEFAULT_RESIDUAL_TOKENS 128u
 
+/*
+ * Prefix reuse by content (docs/PREFIX.md). A prompt's leading tokens are
+ * cut into chunks of ZC_PREFIX_CHUNK_TOKENS; each chunk has a chain key
+ * computed by the client from the token ids (the daemon never sees them):
+ *
+ *	key[0] = zc_chunk_chain(NULL, tokens[0 .. C))
+ *	key[i] = zc_chunk_chain(key[i-1], tokens[i*C .. (i+1)*C))
+ *
+ * zc_chunk_chain is XXH3-128 (xxHash 0.8, seed 0) over the previous key
+ * (16 zero bytes for the first chunk) followed by the chunk's token ids as
+ * little-endian uint32; the key is the hash in xxHash's canonical form
+ * (big-endian high 64 bits, then low 64 bits). Each chunk goes to the
+ * daemon as one block per layer with its key (zc_update_and_fetch_chunk);
+ * the tail that is not a whole chunk goes the ordinary way.
+ */
+#define ZC_PREFIX_CHUNK_TOKENS 256u   /* a chunk's tokens: one compressed block per layer */
+#define ZC_CHUNK_KEY_BYTES 16u
+#define ZC_PREFIX_MAX_CHUNKS 256u     /* keys per lookup or open (65536 tokens) */
+
 typedef struct zc_client zc_client;
 typedef struct zc_session zc_session;
 
@@ -152,6 +171,13 @@ typedef struct zc_session_config {
 	const char *model_id;      /* NULL or "": none; at most ZC_MODEL_ID_MAX bytes,
 				    * kept with the session and part of its
 				    * snapshots' fingerprint (not compared by attach) */
+	/* Prefix reuse: the session starts with these chunks' blocks, shared
+	 * (prefix_chunks keys of ZC_CHUNK_KEY_BYTES each, at most
+	 * ZC_PREFIX_MAX_CHUNKS); every one must be held for the caller's uid
+	 * and this model id, shape and codec (zc_client_lookup_prefix), else
+	 * ZC_ENOTFOUND and nothing is made. 0: none. */
+	const uint8_t *prefix;
+	uint32_t prefix_chunks;
 } zc_session_config;
 
 /* A layer's fp16 K and V as the daemon holds them, read-only. Element
@@ -396,6 +422,33 @@ const uint8_t *zc_session_pool(const zc_session *session, size_t *bytes);
 int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
 			const uint16_t *keys, const uint16_t *values, zc_view *view,
 			zc_layer_stats *stats);
+
+/* The chain key of a chunk: prev is the previous chunk's key, NULL for
+ * the first; n token ids (n > 0). See ZC_PREFIX_CHUNK_TOKENS above. */
+int zc_chunk_chain(const uint8_t *prev, const uint32_t *token_ids, size_t n,
+		   uint8_t out[ZC_CHUNK_KEY_BYTES]);
+
+/* zc_update_and_fetch of one prefix chunk with its chain key: tokens must
+ * be ZC_PREFIX_CHUNK_TOKENS and the layer must hold whole chunks only (no
+ * residual rows: ZC_EPRECONDITION); the block is compressed as one block
+ * whatever the policy and recorded in the daemon's chunk index. */
+int zc_update_and_fetch_chunk(zc_session *session, uint32_t layer, uint32_t tokens,
+			      const uint16_t *keys, const uint16_t *values,
+			      const uint8_t chunk_key[ZC_CHUNK_KEY_BYTES], zc_view *view,
+			      zc_layer_stats *stats);
+
+/* How much of a chain is held for the caller's uid and the model id,
+ * shape and codec of config (its name, max_tokens, views and prefix are
+ * not used): the leading chunks held in every layer, in this daemon or
+ * (with --remote) in the shared tier. */
+typedef struct zc_prefix_held {
+	uint32_t chunks;        /* leading chunks of the chain held */
+	uint32_t tokens;        /* chunks x ZC_PREFIX_CHUNK_TOKENS */
+	uint32_t local_chunks;  /* of them, in this daemon */
+} zc_prefix_held;
+
+int zc_client_lookup_prefix(zc_client *client, const zc_session_config *config,
+			    const uint8_t *keys, size_t n_keys, zc_prefix_held *out);
 
 /*
  * Stats, when asked for (stats not NULL), describe the layer after this

@@ -19,7 +19,13 @@ from .attend import AttendBlock, attend, attend_arrays
 from .cache import ZipCacheKVCache, make_prompt_cache
 from .reader import Block, LayerRead, ReadAttempts
 from .client import (
+    CHUNK_KEY_BYTES,
+    CHUNK_TOKENS,
+    MAX_PREFIX_CHUNKS,
     Client,
+    PrefixHeld,
+    chunk_chain,
+    chunk_keys,
     CodecConfig,
     LayerStats,
     MemoryStats,
@@ -57,6 +63,12 @@ __all__ = [
     "AttendBlock",
     "Client",
     "Session",
+    "PrefixHeld",
+    "chunk_chain",
+    "chunk_keys",
+    "CHUNK_TOKENS",
+    "CHUNK_KEY_BYTES",
+    "MAX_PREFIX_CHUNKS",
     "ZipCacheKVCache",
     "Block",
     "LayerRead",

@@ -207,7 +207,19 @@ class zc_session_config(Structure):
         ("attach", c_bool),
         ("views", c_int),
         ("model_id", c_char_p),
+        ("prefix", c_void_p),
+        ("prefix_chunks", c_uint32),
     ]
+
+
+# Prefix reuse (client.h): one chunk's tokens, a chain key's bytes, keys per call.
+ZC_PREFIX_CHUNK_TOKENS = 256
+ZC_CHUNK_KEY_BYTES = 16
+ZC_PREFIX_MAX_CHUNKS = 256
+
+
+class zc_prefix_held(Structure):
+    _fields_ = [("chunks", c_uint32), ("tokens", c_uint32), ("local_chunks", c_uint32)]
 
 
 class zc_view(Structure):
@@ -372,7 +384,8 @@ class zc_block(Structure):
 
 # The structs above that the library reports the layout of (by C name).
 MIRRORED_STRUCTS = (zc_read, zc_layer_contents, zc_block, zc_block_shape, zc_strides,
-                    zc_session_config, zc_session_info, zc_server_info, zc_view)
+                    zc_session_config, zc_session_info, zc_server_info, zc_view,
+                    zc_prefix_held)
 
 # Opaque handles: only ever passed back to the library.
 zc_client_p = c_void_p
@@ -483,6 +496,22 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "zc_wait_all": (c_int, [zc_client_p]),
     "zc_client_set_async_window": (c_int, [zc_client_p, c_uint]),
     "zc_client_set_async_batch": (c_int, [zc_client_p, c_uint]),
+    "zc_chunk_chain": (c_int, [c_void_p, c_void_p, c_size_t, c_void_p]),
+    "zc_update_and_fetch_chunk": (
+        c_int,
+        [
+            zc_session_p,
+            c_uint32,
+            c_uint32,
+            c_void_p,
+            c_void_p,
+            c_void_p,
+            POINTER(zc_view),
+            POINTER(zc_layer_stats),
+        ],
+    ),
+    "zc_client_lookup_prefix": (c_int, [zc_client_p, POINTER(zc_session_config), c_void_p,
+                                        c_size_t, POINTER(zc_prefix_held)]),
     "zc_session_view": (c_int, [zc_session_p, c_uint32, POINTER(zc_view)]),
     "zc_session_trim": (c_int, [zc_session_p, c_uint32, POINTER(c_uint32)]),
     "zc_session_trim_layer": (c_int, [zc_session_p, c_uint32, c_uint32, POINTER(c_uint32)]),

@@ -487,6 +487,29 @@ class Client:
             handle.check(lib.zc_client_memory_stats(handle.ptr, ctypes.byref(m)), "memory_stats")
         return MemoryStats(*(getattr(m, name) for name, _ in _lib.zc_memory_stats._fields_))
 
+    def lookup_prefix(self, keys: Any, *, layers: int, kv_heads: int, head_dim: int,
+                      batch: int = 1, head_dim_v: int | None = None,
+                      codec: "CodecConfig | None" = None, model_id: str | None = None,
+                      max_tokens: int = 1) -> PrefixHeld:
+        """How many leading chunks of a chain (``chunk_keys`` of a prompt)
+        the daemon holds for this user and this model id, shape and codec,
+        itself or (with --remote) in the shared tier; open a session with
+        ``prefix=keys[:held.chunks]`` and prefill only the rest."""
+        handle = self._native()
+        blob = _prefix_bytes(keys, "lookup_prefix")
+        config, keep = _session_config(
+            layers=layers, kv_heads=kv_heads, head_dim=head_dim, max_tokens=max_tokens,
+            batch=batch, head_dim_v=head_dim_v, codec=codec, policy=Policy.STREAMING,
+            residual_tokens=0, name=None, attach=False, views=0, model_id=model_id,
+            operation="lookup_prefix")
+        held = _lib.zc_prefix_held()
+        with handle.lock:
+            handle.check(lib.zc_client_lookup_prefix(handle.ptr, ctypes.byref(config), blob,
+                                                     len(blob) // CHUNK_KEY_BYTES,
+                                                     ctypes.byref(held)), "lookup_prefix")
+        del keep
+        return PrefixHeld(held.chunks, held.tokens, held.local_chunks)
+
     def import_session(self, source: Any, name: str | None = None, *,
                        model_id: str | None = None, fingerprint: int | None = None,
                        views: str = "source", check_finite: bool = False) -> "Session":
@@ -532,6 +555,121 @@ class Client:
                 if count.value <= capacity:
                     return [SessionInfo.from_c(infos[i]) for i in range(count.value)]
                 capacity = count.value
+
+
+# --- prefix reuse (docs/PREFIX.md) ---------------------------------------------
+
+#: Tokens of one prefix chunk: one compressed block per layer.
+CHUNK_TOKENS = _lib.ZC_PREFIX_CHUNK_TOKENS
+#: Bytes of one chunk's chain key.
+CHUNK_KEY_BYTES = _lib.ZC_CHUNK_KEY_BYTES
+#: Chain keys one lookup_prefix or open_session(prefix=...) may carry.
+MAX_PREFIX_CHUNKS = _lib.ZC_PREFIX_MAX_CHUNKS
+
+
+def _token_ids(token_ids: Any, what: str) -> np.ndarray:
+    array = np.asarray(token_ids)
+    if array.ndim != 1 or array.size == 0 or array.dtype.kind not in "iu":
+        raise InvalidArgument(_lib.ZC_EINVALID, f"{what} must be a non-empty 1-D sequence of "
+                              f"integer token ids, got {array.dtype} of shape {array.shape}",
+                              operation="chunk_chain")
+    if array.min() < 0 or array.max() > _UINT32_MAX:
+        raise InvalidArgument(_lib.ZC_EINVALID, f"{what}: token ids must be in 0..{_UINT32_MAX}",
+                              operation="chunk_chain")
+    return np.ascontiguousarray(array, dtype="<u4")
+
+
+def chunk_chain(prev: bytes | None, token_ids: Any) -> bytes:
+    """The chain key of one chunk: XXH3-128 over ``prev`` (the previous
+    chunk's key; None for the first chunk, read as 16 zero bytes) followed
+    by the chunk's token ids as little-endian uint32, in xxHash's canonical
+    (big-endian) form. The C library's ``zc_chunk_chain``, so bit-identical."""
+    ids = _token_ids(token_ids, "token_ids")
+    if prev is not None and (not isinstance(prev, (bytes, bytearray)) or
+                             len(prev) != CHUNK_KEY_BYTES):
+        raise InvalidArgument(_lib.ZC_EINVALID, f"prev must be {CHUNK_KEY_BYTES} bytes or None",
+                              operation="chunk_chain")
+    out = ctypes.create_string_buffer(CHUNK_KEY_BYTES)
+    prev_buffer = None if prev is None else ctypes.create_string_buffer(bytes(prev), CHUNK_KEY_BYTES)
+    rc = lib.zc_chunk_chain(prev_buffer, ids.ctypes.data, ids.size, out)
+    if rc < 0:
+        raise error_from_code(rc, "chunk_chain refused its arguments", "chunk_chain")
+    return out.raw
+
+
+def chunk_keys(token_ids: Any) -> list[bytes]:
+    """The chain keys of a prompt's whole chunks (its first
+    ``len(token_ids) // CHUNK_TOKENS * CHUNK_TOKENS`` tokens); the tail that
+    is not a whole chunk has none."""
+    ids = _token_ids(token_ids, "token_ids")
+    keys: list[bytes] = []
+    prev = None
+    for start in range(0, ids.size - CHUNK_TOKENS + 1, CHUNK_TOKENS):
+        prev = chunk_chain(prev, ids[start:start + CHUNK_TOKENS])
+        keys.append(prev)
+    return keys
+
+
+def _prefix_bytes(keys: Any, operation: str) -> bytes:
+    """Chain keys (a list of 16-byte keys, or their concatenation) as one blob."""
+    blob = bytes(keys) if isinstance(keys, (bytes, bytearray)) else b"".join(bytes(k) for k in keys)
+    if isinstance(keys, (list, tuple)) and any(len(k) != CHUNK_KEY_BYTES for k in keys):
+        raise InvalidArgument(_lib.ZC_EINVALID, f"every chain key is {CHUNK_KEY_BYTES} bytes",
+                              operation=operation)
+    if len(blob) % CHUNK_KEY_BYTES:
+        raise InvalidArgument(_lib.ZC_EINVALID,
+                              f"chain keys are {CHUNK_KEY_BYTES} bytes each; got {len(blob)} bytes",
+                              operation=operation)
+    if len(blob) // CHUNK_KEY_BYTES > MAX_PREFIX_CHUNKS:
+        raise InvalidArgument(_lib.ZC_EINVALID,
+                              f"{len(blob) // CHUNK_KEY_BYTES} chain keys; at most "
+                              f"{MAX_PREFIX_CHUNKS} per call", operation=operation)
+    return blob
+
+
+@dataclass(frozen=True)
+class PrefixHeld:
+    """What lookup_prefix found: leading chunks of the chain held in every
+    layer (here or in the remote tier), their tokens, and how many of them
+    this daemon holds itself."""
+    chunks: int
+    tokens: int
+    local_chunks: int
+
+
+def _session_config(*, layers: int, kv_heads: int, head_dim: int, max_tokens: int, batch: int,
+                    head_dim_v: int | None, codec: "CodecConfig | None", policy: Any,
+                    residual_tokens: int, name: str | None, attach: bool, views: int,
+                    model_id: str | None, operation: str) -> tuple[Any, list[Any]]:
+    """The C config of a session (open_session's and lookup_prefix's), and
+    the buffers it points into, which must outlive the call."""
+    codec = codec if codec is not None else CodecConfig()
+    for label, value in (("layers", layers), ("batch", batch), ("kv_heads", kv_heads),
+                         ("head_dim", head_dim), ("max_tokens", max_tokens),
+                         ("head_dim_v", head_dim if head_dim_v is None else head_dim_v),
+                         ("residual_tokens", residual_tokens)):
+        if not isinstance(value, (int, np.integer)) or not 0 <= value <= _UINT32_MAX:
+            raise InvalidArgument(_lib.ZC_EINVALID,
+                                  f"{label} must be an integer in 0..{_UINT32_MAX}, got {value!r}",
+                                  operation=operation)
+    config = _lib.zc_session_config()
+    lib.zc_session_config_default(ctypes.byref(config))
+    name_bytes = name.encode() if name else None
+    config.name = name_bytes
+    config.layers = layers
+    config.batch = batch
+    config.kv_heads = kv_heads
+    config.head_dim_k = head_dim
+    config.head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    config.max_tokens = max_tokens
+    config.codec = codec.to_c()
+    config.policy = int(Policy.coerce(policy))
+    config.residual_tokens = residual_tokens
+    config.attach = attach
+    config.views = views
+    model_bytes = model_id.encode() if model_id else None
+    config.model_id = model_bytes
+    return config, [name_bytes, model_bytes]
 
 
 # --- Session ------------------------------------------------------------------
@@ -616,6 +754,10 @@ class Session:
     blocks and its exact residual; ``update_and_fetch`` then returns the
     layer's token count, and the layer is read with ``read``,
     ``layer_blocks``, ``layer_residual`` or ``reconstruct_layer``.
+    ``prefix`` (chain keys from ``chunk_keys``, as many leading ones as
+    ``Client.lookup_prefix`` found) starts the session with those chunks'
+    blocks, shared with whoever made them (docs/PREFIX.md); NotFound when
+    one is not held for this user, model id, shape and codec.
     ``check_finite=True`` rejects NaN/Inf before sending rather than
     leaving it to the daemon (which always checks): it saves a round trip
     on bad data at the cost of a scan of every block.
@@ -644,40 +786,28 @@ class Session:
         check_finite: bool = False,
         views: str = "full",
         model_id: str | None = None,
+        prefix: Any = None,
         _fork_of: tuple["Session", int] | None = None,
     ) -> None:
         self._client = client
         self.check_finite = check_finite
         client_handle = client._native()
-        codec = codec if codec is not None else CodecConfig()
-        for label, value in (("layers", layers), ("batch", batch), ("kv_heads", kv_heads),
-                             ("head_dim", head_dim), ("max_tokens", max_tokens),
-                             ("head_dim_v", head_dim if head_dim_v is None else head_dim_v),
-                             ("residual_tokens", residual_tokens)):
-            if not isinstance(value, (int, np.integer)) or not 0 <= value <= _UINT32_MAX:
-                raise InvalidArgument(_lib.ZC_EINVALID,
-                                      f"{label} must be an integer in 0..{_UINT32_MAX}, got {value!r}",
-                                      operation="open_session")
-        config = _lib.zc_session_config()
-        lib.zc_session_config_default(ctypes.byref(config))
-        name_bytes = name.encode() if name else None
-        config.name = name_bytes
-        config.layers = layers
-        config.batch = batch
-        config.kv_heads = kv_heads
-        config.head_dim_k = head_dim
-        config.head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        config.max_tokens = max_tokens
-        config.codec = codec.to_c()
-        config.policy = int(Policy.coerce(policy))
-        config.residual_tokens = residual_tokens
-        config.attach = attach
         if views == "source" and _fork_of is None:
             raise InvalidArgument(_lib.ZC_EINVALID, "views must be 'full' or 'none'",
                                   operation="open_session")
-        config.views = _views_code(views, "open_session")
-        model_bytes = model_id.encode() if model_id else None
-        config.model_id = model_bytes
+        config, keep = _session_config(
+            layers=layers, kv_heads=kv_heads, head_dim=head_dim, max_tokens=max_tokens,
+            batch=batch, head_dim_v=head_dim_v, codec=codec, policy=policy,
+            residual_tokens=residual_tokens, name=name, attach=attach,
+            views=_views_code(views, "open_session"), model_id=model_id,
+            operation="open_session")
+        name_bytes = keep[0]
+        if prefix is not None:
+            blob = _prefix_bytes(prefix, "open_session")
+            prefix_buffer = ctypes.create_string_buffer(blob, max(len(blob), 1))
+            keep.append(prefix_buffer)
+            config.prefix = ctypes.cast(prefix_buffer, ctypes.c_void_p)
+            config.prefix_chunks = len(blob) // CHUNK_KEY_BYTES
         ptr = _lib.zc_session_p()
         with client_handle.lock:
             if _fork_of is None:
@@ -797,7 +927,8 @@ class Session:
     def closed(self) -> bool:
         return self._handle is None
 
-    def update_and_fetch(self, layer: int, keys: Any, values: Any) -> Any:
+    def update_and_fetch(self, layer: int, keys: Any, values: Any,
+                         chunk_key: bytes | None = None) -> Any:
         """Appends a [B, H, S, D] float16 block to ``layer``; returns the whole layer.
 
         With ``views="none"`` it returns the layer's token count instead
@@ -809,6 +940,10 @@ class Session:
         checked before anything is sent. After a refusal nothing was
         stored; after Unavailable (the connection broke, see Client) the
         block is there wholly or not at all, and may still land later.
+
+        ``chunk_key``: the block is one prefix chunk (exactly CHUNK_TOKENS
+        tokens, on a layer holding whole chunks only) with this chain key;
+        ``prefill_chunked`` sends a prompt that way.
         """
         handle = self._native()
         layer = self._check_layer(layer, "update_and_fetch")
@@ -825,11 +960,21 @@ class Session:
         view = _lib.zc_view()
         stats = _lib.zc_layer_stats()
         client = handle.client
+        if chunk_key is not None and (not isinstance(chunk_key, (bytes, bytearray)) or
+                                      len(chunk_key) != CHUNK_KEY_BYTES):
+            raise InvalidArgument(_lib.ZC_EINVALID,
+                                  f"chunk_key must be {CHUNK_KEY_BYTES} bytes",
+                                  operation="update_and_fetch")
         with client.lock:
-            client.check(
-                lib.zc_update_and_fetch(handle.ptr, layer, tokens, keys.ctypes.data,
-                                        values.ctypes.data, ctypes.byref(view), ctypes.byref(stats)),
-                "update_and_fetch")
+            if chunk_key is None:
+                rc = lib.zc_update_and_fetch(handle.ptr, layer, tokens, keys.ctypes.data,
+                                             values.ctypes.data, ctypes.byref(view),
+                                             ctypes.byref(stats))
+            else:
+                rc = lib.zc_update_and_fetch_chunk(handle.ptr, layer, tokens, keys.ctypes.data,
+                                                   values.ctypes.data, bytes(chunk_key),
+                                                   ctypes.byref(view), ctypes.byref(stats))
+            client.check(rc, "update_and_fetch")
         # Kept raw: converted only if someone asks (a decode step should not
         # pay for accounting nobody reads).
         self._stats[layer] = (view.sequence, stats)
@@ -886,6 +1031,39 @@ class Session:
         client = handle.client
         with client.lock:
             return client.check(lib.zc_poll(handle.ptr, layer, int(ticket)), "poll") == 1
+    def prefill_chunked(self, layer: int, token_ids: Any, keys: Any, values: Any,
+                        start: int = 0) -> list[bytes]:
+        """Prefills tokens ``start..len(token_ids)`` of a prompt into ``layer``
+        by the boundary rule of prefix reuse (docs/PREFIX.md): each whole
+        chunk of CHUNK_TOKENS tokens as one block with its chain key, then
+        the tail that is not a whole chunk as an ordinary block.
+
+        ``keys``/``values`` are [B, H, len(token_ids) - start, D] float16,
+        the K/V of exactly those tokens. ``start`` is where this layer
+        stands: a multiple of CHUNK_TOKENS (0, or the tokens a prefix open
+        gave). Returns the prompt's chain keys (``chunk_keys(token_ids)``).
+        """
+        ids = _token_ids(token_ids, "token_ids")
+        if not isinstance(start, (int, np.integer)) or start < 0 or start % CHUNK_TOKENS or \
+                start > ids.size:
+            raise InvalidArgument(_lib.ZC_EINVALID,
+                                  f"start must be a multiple of {CHUNK_TOKENS} within the prompt, "
+                                  f"got {start!r}", operation="prefill_chunked")
+        i = self._info
+        tokens = ids.size - start
+        if tokens == 0:
+            return chunk_keys(ids) if ids.size >= CHUNK_TOKENS else []
+        keys = _check_block(keys, "keys", i.batch, i.kv_heads, i.head_dim_k, tokens)
+        values = _check_block(values, "values", i.batch, i.kv_heads, i.head_dim_v, tokens)
+        chain = chunk_keys(ids) if ids.size >= CHUNK_TOKENS else []
+        at = start
+        for c in range(start // CHUNK_TOKENS, len(chain)):
+            lo, hi = at - start, at - start + CHUNK_TOKENS
+            self.update_and_fetch(layer, keys[:, :, lo:hi], values[:, :, lo:hi], chunk_key=chain[c])
+            at += CHUNK_TOKENS
+        if at < ids.size:
+            self.update_and_fetch(layer, keys[:, :, at - start:], values[:, :, at - start:])
+        return chain
 
     # -- forks and leases
 
