@@ -1454,12 +1454,43 @@ static void fork_run(struct job *base)
 	}
 }
 
+/* A store a job made (a fork, an import, a restore) into the session
+ * table, with the caller's lease on it; NULL when the table refused it
+ * (the store closed, the refusal sent). */
+static struct session *job_session_add(struct request_job *job, const char *verb)
+{
+	struct server *server = job->rq.server;
+	struct session *session;
+	char why[200];
+	int rc = session_table_add(&server->sessions, job->fork_store, &session);
+	if (rc < 0) {
+		store_close(job->fork_store, true);
+		reply_error(&job->rq, rc, "cannot %s: %s; nothing was made", verb,
+			    reply_resource_text(server, rc, why, sizeof(why)));
+		return NULL;
+	}
+	session_lease(session, job->rq.peer->id,
+		      session_now_ms() + server->options.lease_seconds * 1000);
+	return session;
+}
+
+/* The new session's reply; one that cannot be sent undoes the session,
+ * so a retry starts from nothing. True when it was sent. */
+static bool job_session_reply(struct request_job *job, struct session *session,
+			      int (*reply)(const struct request *rq, struct session *session))
+{
+	if (reply(&job->rq, session) == 0)
+		return true;
+	session_retire(&job->rq.server->sessions, session, true);
+	session_release_if_unused(session);
+	return false;
+}
+
 static void fork_done(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
 	struct server *server = job->rq.server;
 	struct session *session;
-	char why[200];
 
 	if (job->rc == STORE_EBUDGET &&
 	    job_relieve_or_fail(job, 4u << 20, "the session was not forked"))
@@ -1474,24 +1505,11 @@ static void fork_done(struct job *base)
 		job_end(job);
 		return;
 	}
-	int rc = session_table_add(&server->sessions, job->fork_store, &session);
-	if (rc < 0) {
-		store_close(job->fork_store, true);
-		reply_error(&job->rq, rc, "cannot fork: %s; nothing was made",
-			    reply_resource_text(server, rc, why, sizeof(why)));
-		job_end(job);
-		return;
-	}
-	session_lease(session, job->rq.peer->id,
-		      session_now_ms() + server->options.lease_seconds * 1000);
-	if (reply_fork(&job->rq, session) < 0) {
-		session_retire(&server->sessions, session, true);
-		session_release_if_unused(session);
-	} else {
+	session = job_session_add(job, "fork");
+	if (session && job_session_reply(job, session, reply_fork))
 		log_info("session", "forked", "session=%llu name=%s from=%llu tokens=%u uid=%u",
 			 (unsigned long long)session->id, session->name,
 			 (unsigned long long)base->session->id, job->tokens, session->owner_uid);
-	}
 	job_end(job);
 }
 
@@ -1807,28 +1825,15 @@ static void import_done(struct job *base)
 		job_end(job);
 		return;
 	}
-	int rc = session_table_add(&server->sessions, job->fork_store, &session);
-	if (rc < 0) {
-		store_close(job->fork_store, true);
-		reply_error(&job->rq, rc, "cannot import: %s; nothing was made",
-			    reply_resource_text(server, rc, why, sizeof(why)));
-		job_end(job);
-		return;
-	}
-	session_lease(session, job->rq.peer->id,
-		      session_now_ms() + server->options.lease_seconds * 1000);
-	if (job->kind == JOB_RESTORE) {
+	session = job_session_add(job, "import");
+	if (session && job->kind == JOB_RESTORE) {
 		restore_committed(job, session);
 		return;
 	}
-	if (reply_import(&job->rq, session) < 0) {
-		session_retire(&server->sessions, session, true);
-		session_release_if_unused(session);
-	} else {
+	if (session && job_session_reply(job, session, reply_import))
 		log_info("session", "imported", "session=%llu name=%s model_id=%s uid=%u",
 			 (unsigned long long)session->id, session->name,
 			 store_header(session->store)->model_id, session->owner_uid);
-	}
 	job_end(job);
 }
 
