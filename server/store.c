@@ -2745,6 +2745,31 @@ int store_import_begin(int dir_fd, const char *dir_path, const struct store_para
 	return store_build(dir_fd, dir_path, params, budget, pool, out);
 }
 
+/* Entry `at` of an import's layer (room reserved, its pool reference
+ * taken): into the index and the file's, counted in the layer's bytes
+ * at once, so store_import_abandon drops its reference. */
+static void import_entry_add(struct store *store, uint32_t layer, uint32_t at,
+			     const store_block *b)
+{
+	const struct store_header *h = store->header;
+	struct layer_state *l = &store->layer[layer];
+	pthread_mutex_lock(&store->index_lock);
+	store->index[layer].entries[at] = *b;
+	pthread_mutex_unlock(&store->index_lock);
+	file_index(store, layer)[at] = *b;
+	zc_block_shape key_shape = { h->batch, h->kv_heads, b->tokens, h->head_dim_k };
+	zc_block_shape value_shape = { h->batch, h->kv_heads, b->tokens, h->head_dim_v };
+	zc_byte_count key_count = { 0 }, value_count = { 0 };
+	zc_block_count_bytes(&store->codec, ZC_TENSOR_KEYS, &key_shape, &key_count);
+	zc_block_count_bytes(&store->codec, ZC_TENSOR_VALUES, &value_shape, &value_count);
+	l->key_compressed += key_count.compressed;
+	l->key_baseline += key_count.baseline;
+	l->value_compressed += value_count.compressed;
+	l->value_baseline += value_count.baseline;
+	__atomic_store_n(&l->blocks, at + 1, __ATOMIC_RELEASE);
+	fault_point("import.block");
+}
+
 /*
  * One block of an import into a fresh pool extent and the next entry of
  * the layer's index (scratch until the rename). Counted in the layer at
@@ -2753,9 +2778,7 @@ int store_import_begin(int dir_fd, const char *dir_path, const struct store_para
 int store_import_block(struct store *store, uint32_t layer, const store_block *entry,
 		       const void *key, const void *value)
 {
-	const struct store_header *h = store->header;
-	struct layer_state *l = &store->layer[layer];
-	uint32_t at = l->blocks;
+	uint32_t at = store->layer[layer].blocks;
 	int rc = index_grow(store, layer, at);
 	if (rc == 0)
 		rc = reserve_index_entry(store, layer, at);
@@ -2769,21 +2792,7 @@ int store_import_block(struct store *store, uint32_t layer, const store_block *e
 	b.key_offset = key_offset;
 	b.value_offset = pool_value_offset(key_offset, entry->key_bytes);
 	b.flags = 0;
-	pthread_mutex_lock(&store->index_lock);
-	store->index[layer].entries[at] = b;
-	pthread_mutex_unlock(&store->index_lock);
-	file_index(store, layer)[at] = b;
-	zc_block_shape key_shape = { h->batch, h->kv_heads, b.tokens, h->head_dim_k };
-	zc_block_shape value_shape = { h->batch, h->kv_heads, b.tokens, h->head_dim_v };
-	zc_byte_count key_count = { 0 }, value_count = { 0 };
-	zc_block_count_bytes(&store->codec, ZC_TENSOR_KEYS, &key_shape, &key_count);
-	zc_block_count_bytes(&store->codec, ZC_TENSOR_VALUES, &value_shape, &value_count);
-	l->key_compressed += key_count.compressed;
-	l->key_baseline += key_count.baseline;
-	l->value_compressed += value_count.compressed;
-	l->value_baseline += value_count.baseline;
-	__atomic_store_n(&l->blocks, at + 1, __ATOMIC_RELEASE);
-	fault_point("import.block");
+	import_entry_add(store, layer, at, &b);
 	return 0;
 }
 
@@ -2795,9 +2804,7 @@ int store_import_block(struct store *store, uint32_t layer, const store_block *e
  */
 int store_import_shared_block(struct store *store, uint32_t layer, const store_block *entry)
 {
-	const struct store_header *h = store->header;
-	struct layer_state *l = &store->layer[layer];
-	uint32_t at = l->blocks;
+	uint32_t at = store->layer[layer].blocks;
 	int rc = index_grow(store, layer, at);
 	if (rc == 0)
 		rc = reserve_index_entry(store, layer, at);
@@ -2806,21 +2813,7 @@ int store_import_shared_block(struct store *store, uint32_t layer, const store_b
 	store_block b = *entry;
 	b.flags = 0;
 	pool_ref(store->pool, b.key_offset);
-	pthread_mutex_lock(&store->index_lock);
-	store->index[layer].entries[at] = b;
-	pthread_mutex_unlock(&store->index_lock);
-	file_index(store, layer)[at] = b;
-	zc_block_shape key_shape = { h->batch, h->kv_heads, b.tokens, h->head_dim_k };
-	zc_block_shape value_shape = { h->batch, h->kv_heads, b.tokens, h->head_dim_v };
-	zc_byte_count key_count = { 0 }, value_count = { 0 };
-	zc_block_count_bytes(&store->codec, ZC_TENSOR_KEYS, &key_shape, &key_count);
-	zc_block_count_bytes(&store->codec, ZC_TENSOR_VALUES, &value_shape, &value_count);
-	l->key_compressed += key_count.compressed;
-	l->key_baseline += key_count.baseline;
-	l->value_compressed += value_count.compressed;
-	l->value_baseline += value_count.baseline;
-	__atomic_store_n(&l->blocks, at + 1, __ATOMIC_RELEASE);
-	fault_point("import.block");
+	import_entry_add(store, layer, at, &b);
 	return 0;
 }
 
