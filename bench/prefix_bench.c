@@ -48,6 +48,7 @@
 #include <hiredis/hiredis.h>
 
 #include "bench_daemon.h"
+#include "redis_peer.h"
 #include "synthetic_kv.h"
 #include "zipcache/client.h"
 
@@ -70,11 +71,7 @@ struct options {
 	const char *daemon;
 };
 
-static struct {
-	pid_t pid;
-	uint16_t port;
-	char dir[64];
-} redis;
+static struct redis_tcp redis;
 
 static int parse_args(int argc, char **argv, struct options *o)
 {
@@ -103,21 +100,6 @@ static int parse_args(int argc, char **argv, struct options *o)
 	return 0;
 }
 
-static uint16_t free_port(void)
-{
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	socklen_t len = sizeof(a);
-	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) < 0 ||
-	    getsockname(fd, (struct sockaddr *)&a, &len) < 0) {
-		if (fd >= 0)
-			close(fd);
-		return 0;
-	}
-	close(fd);
-	return ntohs(a.sin_port);
-}
-
 static redisContext *redis_connect_local(void)
 {
 	struct timeval timeout = { 5, 0 };
@@ -127,68 +109,6 @@ static redisContext *redis_connect_local(void)
 		return NULL;
 	}
 	return c;
-}
-
-static void redis_stop(void)
-{
-	if (redis.pid > 0) {
-		kill(redis.pid, SIGTERM);
-		for (int i = 0; i < 100 && waitpid(redis.pid, NULL, WNOHANG) == 0; i++)
-			usleep(20000);
-		kill(redis.pid, SIGKILL);
-		waitpid(redis.pid, NULL, 0);
-		redis.pid = 0;
-	}
-	if (redis.dir[0]) {
-		char path[128];
-		snprintf(path, sizeof(path), "%s/redis.log", redis.dir);
-		unlink(path);
-		rmdir(redis.dir);
-		redis.dir[0] = '\0';
-	}
-}
-
-/* redis-server on 127.0.0.1:free port, no persistence; 0 once PING answers. */
-static int redis_start(void)
-{
-	snprintf(redis.dir, sizeof(redis.dir), "/tmp/zc-prefix-redis.XXXXXX");
-	if (!mkdtemp(redis.dir)) {
-		redis.dir[0] = '\0';
-		return -errno;
-	}
-	redis.port = free_port();
-	if (!redis.port)
-		return -EADDRNOTAVAIL;
-	char port[16], log[128];
-	snprintf(port, sizeof(port), "%u", redis.port);
-	snprintf(log, sizeof(log), "%s/redis.log", redis.dir);
-	redis.pid = fork();
-	if (redis.pid < 0)
-		return -errno;
-	if (redis.pid == 0) {
-		execlp("redis-server", "redis-server", "--port", port, "--bind", "127.0.0.1", "--save",
-		       "", "--appendonly", "no", "--dir", redis.dir, "--logfile", log, "--daemonize",
-		       "no", (char *)NULL);
-		_exit(127);
-	}
-	for (int i = 0; i < 500; i++) {
-		redisContext *c = redis_connect_local();
-		if (c) {
-			redisReply *r = redisCommand(c, "PING");
-			bool up = r && r->type == REDIS_REPLY_STATUS;
-			if (r)
-				freeReplyObject(r);
-			redisFree(c);
-			if (up)
-				return 0;
-		}
-		if (waitpid(redis.pid, NULL, WNOHANG) == redis.pid) {
-			redis.pid = 0;
-			return -ENOENT;
-		}
-		usleep(10000);
-	}
-	return -ETIMEDOUT;
 }
 
 /* Chunk keys in Redis and the bytes of their values. */
@@ -344,10 +264,10 @@ int main(int argc, char **argv)
 		bench_fail("prompt", -ENOMEM);
 		return 1;
 	}
-	if ((rc = redis_start()) < 0) {
+	if ((rc = redis_tcp_start("prefix", &redis)) < 0) {
 		fprintf(stderr, "prefix: cannot start redis-server (%s): is redis-server installed "
 				"(make deps)?\n", strerror(-rc));
-		redis_stop();
+		redis_tcp_stop(&redis);
 		return 1;
 	}
 	snprintf(url, sizeof(url), "redis://127.0.0.1:%u", redis.port);
@@ -466,6 +386,6 @@ out:
 	zc_client_close(client);
 	bench_daemon_stop();
 	bench_dir_remove();
-	redis_stop();
+	redis_tcp_stop(&redis);
 	return status;
 }

@@ -1,11 +1,17 @@
 /* A redis-server to compare with: see redis_peer.h. */
 #include "redis_peer.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <hiredis/hiredis.h>
+#include <limits.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -117,4 +123,104 @@ int redis_round_trip(int fd, const uint8_t *command, size_t len)
 		got += (size_t)n;
 	}
 	return memcmp(reply, "+OK\r\n", 5) == 0 ? 0 : -EPROTO;
+}
+
+uint16_t bench_free_port(void)
+{
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	socklen_t len = sizeof(a);
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) < 0 ||
+	    getsockname(fd, (struct sockaddr *)&a, &len) < 0) {
+		if (fd >= 0)
+			close(fd);
+		return 0;
+	}
+	close(fd);
+	return ntohs(a.sin_port);
+}
+
+static bool tcp_answers(uint16_t port)
+{
+	struct timeval timeout = { 5, 0 };
+	redisContext *c = redisConnectWithTimeout("127.0.0.1", port, timeout);
+	bool up = false;
+	if (c && !c->err) {
+		redisReply *r = redisCommand(c, "PING");
+		up = r && r->type == REDIS_REPLY_STATUS;
+		if (r)
+			freeReplyObject(r);
+	}
+	if (c)
+		redisFree(c);
+	return up;
+}
+
+static void tcp_log_path(const struct redis_tcp *server, char *out, size_t size)
+{
+	snprintf(out, size, "%s/redis.log", server->dir);
+}
+
+int redis_tcp_start(const char *tag, struct redis_tcp *server)
+{
+	const char *binary = redis_binary();
+	*server = (struct redis_tcp){ 0 };
+	if (!binary)
+		return -ENOENT;
+	server->port = bench_free_port();
+	if (!server->port)
+		return -EADDRNOTAVAIL;
+	snprintf(server->dir, sizeof(server->dir), "/tmp/zc-%s-redis.XXXXXX", tag);
+	if (!mkdtemp(server->dir)) {
+		server->dir[0] = '\0';
+		return -errno;
+	}
+	char port[16], log[PATH_MAX];
+	const char *dir = server->dir;
+	snprintf(port, sizeof(port), "%u", server->port);
+	tcp_log_path(server, log, sizeof(log));
+	server->pid = fork();
+	if (server->pid < 0) {
+		int rc = -errno;
+		redis_tcp_stop(server);
+		return rc;
+	}
+	if (server->pid == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		execl(binary, "redis-server", "--port", port, "--bind", "127.0.0.1", "--save", "",
+		      "--appendonly", "no", "--dir", dir, "--logfile", log, "--daemonize", "no",
+		      "--maxmemory", "0", (char *)NULL);
+		_exit(127);
+	}
+	for (int i = 0; i < 500; i++) {
+		if (tcp_answers(server->port))
+			return 0;
+		if (waitpid(server->pid, NULL, WNOHANG) == server->pid) {
+			server->pid = 0;
+			redis_tcp_stop(server);
+			return -ENOENT;
+		}
+		usleep(10000);
+	}
+	redis_tcp_stop(server);
+	return -ETIMEDOUT;
+}
+
+void redis_tcp_stop(struct redis_tcp *server)
+{
+	if (server->pid > 0) {
+		kill(server->pid, SIGTERM);
+		for (int i = 0; i < 200 && waitpid(server->pid, NULL, WNOHANG) == 0; i++)
+			usleep(10000);
+		kill(server->pid, SIGKILL);
+		waitpid(server->pid, NULL, 0);
+		server->pid = 0;
+	}
+	if (server->dir[0]) {
+		char log[PATH_MAX];
+		tcp_log_path(server, log, sizeof(log));
+		unlink(log);
+		rmdir(server->dir);
+		server->dir[0] = '\0';
+	}
 }

@@ -42,7 +42,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -50,6 +49,7 @@
 #include <hiredis/hiredis.h>
 
 #include "bench_daemon.h"
+#include "redis_peer.h"
 #include "synthetic_kv.h"
 #include "zipcache/client.h"
 
@@ -66,65 +66,7 @@
 #define SPEED_GOAL 0.8
 #define WAIT_S 120.0
 
-static uint16_t free_port(void)
-{
-	int fd = socket(AF_INET, SOCK_STREAM, 0);
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	socklen_t len = sizeof(a);
-	if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) < 0 ||
-	    getsockname(fd, (struct sockaddr *)&a, &len) < 0) {
-		if (fd >= 0)
-			close(fd);
-		return 0;
-	}
-	close(fd);
-	return ntohs(a.sin_port);
-}
-
-static pid_t redis_pid;
-
-static int redis_start(uint16_t port, const char *dir)
-{
-	char p[16];
-	snprintf(p, sizeof(p), "%u", port);
-	redis_pid = fork();
-	if (redis_pid < 0)
-		return -errno;
-	if (redis_pid == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		freopen("/dev/null", "w", stdout);
-		execlp("redis-server", "redis-server", "--port", p, "--bind", "127.0.0.1", "--save", "",
-		       "--appendonly", "no", "--dir", dir, "--maxmemory", "0", (char *)NULL);
-		_exit(127);
-	}
-	for (int i = 0; i < 500; i++) {
-		redisContext *c = redisConnect("127.0.0.1", port);
-		if (c && !c->err) {
-			redisReply *r = redisCommand(c, "PING");
-			bool ok = r && r->type == REDIS_REPLY_STATUS;
-			freeReplyObject(r);
-			redisFree(c);
-			if (ok)
-				return 0;
-		} else if (c) {
-			redisFree(c);
-		}
-		usleep(10000);
-	}
-	return -ETIMEDOUT;
-}
-
-static void redis_stop(void)
-{
-	if (redis_pid <= 0)
-		return;
-	kill(redis_pid, SIGTERM);
-	for (int i = 0; i < 200 && waitpid(redis_pid, NULL, WNOHANG) == 0; i++)
-		usleep(10000);
-	kill(redis_pid, SIGKILL);
-	waitpid(redis_pid, NULL, 0);
-	redis_pid = 0;
-}
+static struct redis_tcp redis;
 
 /* A sample of /metrics on 127.0.0.1:port (-1 when absent). */
 static double metric(uint16_t port, const char *sample)
@@ -294,15 +236,16 @@ int main(int argc, char **argv)
 	double *to = calloc((size_t)runs, sizeof(double)), *tr = calloc((size_t)runs, sizeof(double));
 	double *ts = calloc((size_t)runs, sizeof(double)), *tg = calloc((size_t)runs, sizeof(double));
 	double *tn = calloc((size_t)runs, sizeof(double));
-	uint16_t port = free_port(), metrics_port = free_port();
+	uint16_t metrics_port = bench_free_port();
 	char url[64], listen_at[32];
-	snprintf(url, sizeof(url), "redis://127.0.0.1:%u", port);
-	snprintf(listen_at, sizeof(listen_at), "127.0.0.1:%u", metrics_port);
-	if (!to || !tr || !ts || !tg || !tn || port == 0 || metrics_port == 0 ||
-	    (rc = redis_start(port, "/tmp")) < 0) {
+	if (!to || !tr || !ts || !tg || !tn || metrics_port == 0 ||
+	    (rc = redis_tcp_start("remote", &redis)) < 0) {
 		fprintf(stderr, "remote: redis-server did not start\n");
 		goto out;
 	}
+	uint16_t port = redis.port;
+	snprintf(url, sizeof(url), "redis://127.0.0.1:%u", port);
+	snprintf(listen_at, sizeof(listen_at), "127.0.0.1:%u", metrics_port);
 	const char *extra[] = { "--remote", url, "--offload-idle-seconds", "1", "--metrics-listen",
 				listen_at, "--remote-timeout-ms", "20000", NULL };
 	if ((rc = bench_daemon_start(daemon_path, -1, extra, &client)) < 0) {
@@ -440,7 +383,7 @@ out:
 		redisFree(c);
 	zc_client_close(client);
 	bench_daemon_stop();
-	redis_stop();
+	redis_tcp_stop(&redis);
 	bench_dir_remove();
 	return status;
 }
