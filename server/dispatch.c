@@ -104,8 +104,9 @@ struct request_job {
 	struct wire_open_request open;
 	struct offload_manifest manifest;
 	bool manifest_found;
-	uint64_t restore_bytes;
-	uint64_t restore_start_ns, fetched_ns, verified_ns;   /* for the log line */
+	uint64_t manifest_bytes;
+	struct restore_result restored;                        /* for the log line */
+	uint64_t restore_start_ns, manifest_ns;
 	/* results */
 	int rc;
 	char message[200];
@@ -1726,12 +1727,14 @@ static void import_verify_run(struct job *base)
 }
 
 static void import_build_run(struct job *base);
+static void restore_build_run(struct job *base);
 static void import_done(struct job *base);
 static void restore_failed(struct request_job *job);
 static void restore_committed(struct request_job *job, struct session *session);
 
 /* On the loop: the uid's pool (made now if it is the uid's first
- * session), then the second job builds the session. */
+ * session), then the second job builds the session (an import's from its
+ * verified file, a restore's from the remote tier as it is fetched). */
 static void import_verified_done(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
@@ -1755,7 +1758,7 @@ static void import_verified_done(struct job *base)
 		job_end(job);
 		return;
 	}
-	job->job.run = import_build_run;
+	job->job.run = job->kind == JOB_RESTORE ? restore_build_run : import_build_run;
 	job->job.done = import_done;
 	session_table_run_detached(&server->sessions, &job->job);
 }
@@ -1907,44 +1910,65 @@ static bool handle_import(const struct request *rq, const wire_request *request)
 /* ---- restore: attach of a session offloaded to the remote tier ---- */
 
 /*
- * The first job, off the loop: the manifest and every part it names into
- * one snapshot image, verified whole as an import verifies a file
- * (every block's checksum, the residuals', the whole's, the fingerprint
- * the manifest names) before anything is made. The rest is the import's
- * path (import_verified_done, import_build_run, import_done).
+ * The first job, off the loop: the manifest only (nothing is made). Its
+ * header says whether the session can be taken in at all (this daemon's
+ * --max-tokens; the budget's room is checked with the layer table, in
+ * restore_build). The rest is the import's path (import_verified_done:
+ * the uid's pool; restore_build_run; import_done).
  */
 static void restore_run(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
 	struct server *server = job->rq.server;
 	char why[200];
-	int fd = -1;
 
-	int rc = restore_fetch(server->remote, job->rq.peer->uid, job->fork_name, &fd, &job->manifest,
-			       &job->manifest_found, &job->restore_bytes, why, sizeof(why));
-	job->fetched_ns = uv_hrtime();
+	int rc = restore_manifest(server->remote, job->rq.peer->uid, job->fork_name, &job->manifest,
+				  &job->manifest_found, &job->manifest_bytes, why, sizeof(why));
+	job->manifest_ns = uv_hrtime();
 	if (rc < 0) {
 		job_fail(job, rc, "cannot restore session '%s' from the remote tier: %s; nothing was made",
 			 job->fork_name, why);
 		return;
 	}
-	job->snapshot_fd = fd;
-	job->expect.has_fingerprint = true;
-	job->expect.fingerprint = job->manifest.header.fingerprint;
-	rc = snapshot_verify(fd, &job->expect, &job->snapshot, why, sizeof(why));
-	job->verified_ns = uv_hrtime();
-	if (rc < 0) {
-		job_fail(job, rc, "cannot restore session '%s' from the remote tier: %s; nothing was made",
-			 job->fork_name, why);
-		return;
-	}
-	if (job->snapshot.max_tokens > server->options.max_tokens) {
+	if (job->manifest.header.max_tokens > server->options.max_tokens)
 		job_fail(job, ZC_EEXHAUSTED, "cannot restore session '%s': its max_tokens %u is above "
 			 "this daemon's --max-tokens %u; nothing was made", job->fork_name,
-			 job->snapshot.max_tokens, server->options.max_tokens);
+			 job->manifest.header.max_tokens, server->options.max_tokens);
+}
+
+/*
+ * The second job, off the loop, with the uid's pool: every part fetched,
+ * verified as it arrives and built into the new session's temporary file
+ * layer by layer (offload.c's pipeline), renamed into place only once all
+ * passed. On any failure nothing is left. STORE_EBUDGET: import_done may
+ * free memory and run the job again (from the first part).
+ */
+static void restore_build_run(struct job *base)
+{
+	struct request_job *job = (struct request_job *)base;
+	struct server *server = job->rq.server;
+	char why[240];
+
+	job->fork_params.name = job->fork_name;
+	job->expect.has_fingerprint = true;
+	job->expect.fingerprint = job->manifest.header.fingerprint;
+	const struct restore_target target = {
+		.params = &job->fork_params,
+		.dir_fd = server->shm_dir_fd,
+		.dir_path = server->options.shm_dir,
+		.budget = &job->rq.peer->quota->memory,
+		.pool = job->pool,
+	};
+	int rc = restore_build(server->remote, job->rq.peer->uid, job->fork_name, &job->manifest,
+			       &job->expect, &target, &job->fork_store, &job->restored, why,
+			       sizeof(why));
+	if (rc == STORE_EBUDGET) {
+		job->rc = rc;
 		return;
 	}
-	fault_point("restore.fetched");
+	if (rc < 0)
+		job_fail(job, rc, "cannot restore session '%s' from the remote tier: %s; nothing was made",
+			 job->fork_name, rc == ZC_EEXISTS ? "a file holds the new session's id" : why);
 }
 
 static void restore_failed(struct request_job *job)
@@ -1962,7 +1986,7 @@ static void restore_failed(struct request_job *job)
 	job_end(job);
 }
 
-static void restore_fetched_done(struct job *base)
+static void restore_manifest_done(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
 	struct server *server = job->rq.server;
@@ -2004,13 +2028,16 @@ static void restore_committed(struct request_job *job, struct session *session)
 	if (server->offload.offloaded > 0)
 		server->offload.offloaded--;
 	uint64_t now_ns = uv_hrtime();
+	const struct restore_result *r = &job->restored;
 	log_info("session", "restored", "session=%llu name=%s uid=%u generation=%llu bytes=%llu "
-		 "fetch_ms=%.3f verify_ms=%.3f build_ms=%.3f", (unsigned long long)session->id,
+		 "manifest_ms=%.3f pipeline_ms=%.3f fetch_ms=%.3f verify_ms=%.3f build_ms=%.3f "
+		 "build_wait_ms=%.3f overlapped=%s total_ms=%.3f", (unsigned long long)session->id,
 		 session->name, session->owner_uid, (unsigned long long)job->manifest.head.generation,
-		 (unsigned long long)job->restore_bytes,
-		 (double)(job->fetched_ns - job->restore_start_ns) * 1e-6,
-		 (double)(job->verified_ns - job->fetched_ns) * 1e-6,
-		 (double)(now_ns - job->verified_ns) * 1e-6);
+		 (unsigned long long)(job->manifest_bytes + r->bytes_read),
+		 (double)(job->manifest_ns - job->restore_start_ns) * 1e-6,
+		 (double)r->elapsed_ns * 1e-6, (double)r->fetch_ns * 1e-6, (double)r->verify_ns * 1e-6,
+		 (double)r->build_ns * 1e-6, (double)r->wait_ns * 1e-6, r->overlapped ? "yes" : "no",
+		 (double)(now_ns - job->restore_start_ns) * 1e-6);
 	fault_point("restore.committed");
 	offload_forget(server, session->owner_uid, session->name, job->manifest.head.generation);
 	reply_session_info(session, &has);
@@ -2049,7 +2076,7 @@ static void restore_submit(const struct request *rq, const struct wire_open_requ
 		.views = open->views == ZC_VIEWS_NONE ? ZC_VIEWS_NONE : ZC_VIEWS_FULL,
 	};
 	job->job.run = restore_run;
-	job->job.done = restore_fetched_done;
+	job->job.done = restore_manifest_done;
 	job->restore_start_ns = uv_hrtime();
 	/* handle_open's request ends when it returns; this one stays begun
 	 * until the restore has replied. */

@@ -402,117 +402,277 @@ out:
 	return rc;
 }
 
-int restore_fetch(struct remote *remote, uint32_t uid, const char *name, int *fd_out,
-		  struct offload_manifest *m, bool *found, uint64_t *bytes_read, char *why,
-		  size_t why_size)
+int restore_manifest(struct remote *remote, uint32_t uid, const char *name,
+		     struct offload_manifest *m, bool *found, uint64_t *bytes_read, char *why,
+		     size_t why_size)
 {
-	struct remote_key *keys = NULL;
-	struct remote_item *items = NULL;
-	int fd = -1;
-
-	*fd_out = -1;
 	*bytes_read = 0;
 	int rc = manifest_read(remote, uid, name, m, bytes_read, why, why_size);
 	*found = rc != ZC_ENOTFOUND;
 	if (rc < 0)
 		return rc;
-	fd = memfd_create("zipcache-restore", MFD_CLOEXEC);
-	if (fd < 0 || ftruncate(fd, (off_t)m->head.snapshot_bytes) < 0) {
-		rc = -errno;
-		snprintf(why, why_size, "cannot make a buffer for the snapshot: %s", strerror(errno));
-		goto fail;
-	}
-	/* The header, the layer table and the trailer come from the manifest. */
-	uint64_t table_bytes = (uint64_t)m->head.layers * SNAPSHOT_LAYER_BYTES;
-	if (pwrite(fd, &m->header, SNAPSHOT_HEADER_BYTES, 0) != SNAPSHOT_HEADER_BYTES ||
-	    pwrite(fd, m->table, table_bytes, SNAPSHOT_HEADER_BYTES) != (ssize_t)table_bytes ||
-	    pwrite(fd, &m->table_checksum, sizeof(uint64_t), SNAPSHOT_HEADER_BYTES + table_bytes) !=
-		    sizeof(uint64_t) ||
-	    pwrite(fd, &m->trailer, SNAPSHOT_TRAILER_BYTES,
-		   (off_t)(m->head.snapshot_bytes - SNAPSHOT_TRAILER_BYTES)) != SNAPSHOT_TRAILER_BYTES) {
-		rc = -EIO;
-		snprintf(why, why_size, "cannot write the snapshot's buffer");
-		goto fail;
-	}
 	uint32_t most = 0;
 	for (uint32_t l = 0; l < m->head.layers; l++)
 		if (m->table[l].blocks > most)
 			most = m->table[l].blocks;
 	/* A block holds one token at least. */
 	if (most > m->header.max_tokens) {
-		rc = ZC_ECORRUPT;
 		snprintf(why, why_size, "the manifest names %u blocks in one layer", most);
-		goto fail;
+		offload_manifest_free(m);
+		return ZC_ECORRUPT;
 	}
-	keys = calloc((size_t)most + 1, sizeof(*keys));
-	items = calloc((size_t)most + 1, sizeof(*items));
-	if (!keys || !items) {
-		rc = -ENOMEM;
-		snprintf(why, why_size, "out of memory");
-		goto fail;
-	}
-	uint64_t fingerprint = m->header.fingerprint, generation = m->head.generation;
-	/* One layer's parts at a time: at most a layer is held twice. */
-	for (uint32_t l = 0; l < m->head.layers; l++) {
-		const struct snapshot_layer *t = &m->table[l];
-		size_t n = 0;
-		for (uint32_t b = 0; b <= t->blocks; b++) {
-			part_key(&keys[n], uid, name, fingerprint, generation, l,
-				 b == t->blocks ? UINT32_MAX : b);
-			items[n] = (struct remote_item){ .key = &keys[n] };
-			n++;
-		}
-		rc = remote_get_many(remote, items, n);
-		if (rc < 0) {
-			char what[120];
-			snprintf(what, sizeof(what), "cannot read layer %u of '%s' from the remote tier", l,
-				 name);
-			remote_why(remote, what, why, why_size);
-			goto fail;
-		}
-		uint64_t p = t->offset, end = t->offset + t->bytes;
-		for (size_t i = 0; i < n && rc == 0; i++) {
-			bool residual = i == n - 1;
-			if (items[i].status == ZC_ENOTFOUND) {
-				rc = ZC_ENOTFOUND;
-				if (residual)
-					snprintf(why, why_size, "layer %u residual (generation %llu) is "
-						 "missing from the remote tier", l, (unsigned long long)generation);
-				else
-					snprintf(why, why_size, "layer %u block %zu (generation %llu) is "
-						 "missing from the remote tier", l, i,
-						 (unsigned long long)generation);
-			} else if (items[i].got_len > end - p || (residual && items[i].got_len != end - p)) {
-				rc = ZC_ECORRUPT;
-				snprintf(why, why_size, "%s of layer %u is %zu bytes, not what the manifest's "
-					 "layer table leaves for it", residual ? "the residual" : "a block", l,
-					 items[i].got_len);
-			} else if (items[i].got_len &&
-				   pwrite(fd, items[i].got, items[i].got_len, (off_t)p) !=
-					   (ssize_t)items[i].got_len) {
-				rc = -EIO;
-				snprintf(why, why_size, "cannot write the snapshot's buffer");
-			}
-			p += items[i].got_len;
-			*bytes_read += items[i].got_len;
-		}
-		for (size_t i = 0; i < n; i++) {
-			free(items[i].got);
-			items[i].got = NULL;
-		}
-		if (rc < 0)
-			goto fail;
-	}
-	free(items);
-	free(keys);
-	*fd_out = fd;
 	return 0;
-fail:
-	free(items);
-	free(keys);
-	if (fd >= 0)
-		close(fd);
-	offload_manifest_free(m);
+}
+
+/*
+ * The restore's pipeline (docs/REMOTE.md "Restore"): a fetcher, on a
+ * thread of its own, reads each layer's parts (one pipelined batch per
+ * layer) and verifies them as they arrive (snapshot_stream_layer); the
+ * caller's thread builds each verified layer into the new session's
+ * temporary file while later layers are fetched. At most RESTORE_AHEAD
+ * layers are held. Nothing is visible until the last part and the
+ * whole-snapshot checksum passed and the file is renamed into place.
+ */
+#define RESTORE_AHEAD 3u
+
+struct fetched_layer {
+	struct remote_key *keys;        /* blocks + 1 (the residual last) */
+	struct remote_item *items;
+	struct snapshot_part *parts;
+	store_block *entries;
+};
+
+struct restore_pipe {
+	struct remote *remote;
+	uint32_t uid;
+	const char *name;
+	const struct offload_manifest *m;
+	struct snapshot_stream *stream;
+	struct fetched_layer slots[RESTORE_AHEAD];
+	pthread_mutex_t lock;
+	pthread_cond_t cond;
+	uint32_t fetched;    /* layers fetched and verified (layer L in slot L % AHEAD) */
+	uint32_t built;      /* layers the builder let go of */
+	bool stop;           /* the builder failed: fetch no more */
+	int rc;              /* the fetcher's failure, with why */
+	char why[240];
+	uint64_t bytes_read, fetch_ns, verify_ns;
+};
+
+static void slot_release(struct fetched_layer *slot, size_t n)
+{
+	for (size_t i = 0; slot->items && i < n; i++) {
+		free(slot->items[i].got);
+		slot->items[i].got = NULL;
+	}
+}
+
+/* Layer l's parts into its slot, each checked; 0 or the failure (why set). */
+static int layer_fetch(struct restore_pipe *p, uint32_t l)
+{
+	const struct offload_manifest *m = p->m;
+	const struct snapshot_layer *t = &m->table[l];
+	struct fetched_layer *slot = &p->slots[l % RESTORE_AHEAD];
+	uint64_t fingerprint = m->header.fingerprint, generation = m->head.generation;
+	size_t n = (size_t)t->blocks + 1;
+	char why[200];
+
+	for (uint32_t b = 0; b <= t->blocks; b++) {
+		part_key(&slot->keys[b], p->uid, p->name, fingerprint, generation, l,
+			 b == t->blocks ? UINT32_MAX : b);
+		slot->items[b] = (struct remote_item){ .key = &slot->keys[b] };
+	}
+	uint64_t t0 = uv_hrtime();
+	int rc = remote_get_many(p->remote, slot->items, n);
+	uint64_t t1 = uv_hrtime();
+	p->fetch_ns += t1 - t0;
+	if (rc < 0) {
+		char what[120];
+		snprintf(what, sizeof(what), "cannot read layer %u of '%s' from the remote tier", l,
+			 p->name);
+		remote_why(p->remote, what, p->why, sizeof(p->why));
+		return rc;
+	}
+	for (size_t i = 0; i < n; i++) {
+		p->bytes_read += slot->items[i].got_len;
+		if (slot->items[i].status != ZC_ENOTFOUND) {
+			slot->parts[i] = (struct snapshot_part){ slot->items[i].got, slot->items[i].got_len };
+			continue;
+		}
+		slot_release(slot, n);
+		if (i == n - 1)
+			snprintf(p->why, sizeof(p->why), "layer %u residual (generation %llu) is missing "
+				 "from the remote tier", l, (unsigned long long)generation);
+		else
+			snprintf(p->why, sizeof(p->why), "layer %u block %zu (generation %llu) is missing "
+				 "from the remote tier", l, i, (unsigned long long)generation);
+		return ZC_ENOTFOUND;
+	}
+	rc = snapshot_stream_layer(p->stream, l, slot->parts, &slot->parts[n - 1], slot->entries, why,
+				   sizeof(why));
+	p->verify_ns += uv_hrtime() - t1;
+	if (rc < 0) {
+		slot_release(slot, n);
+		snprintf(p->why, sizeof(p->why), "%s", why);
+		return rc;
+	}
+	fault_point("restore.part");
+	return 0;
+}
+
+static void *fetcher_run(void *arg)
+{
+	struct restore_pipe *p = arg;
+	for (uint32_t l = 0; l < p->m->head.layers; l++) {
+		pthread_mutex_lock(&p->lock);
+		while (!p->stop && l - p->built >= RESTORE_AHEAD)
+			pthread_cond_wait(&p->cond, &p->lock);
+		bool stop = p->stop;
+		pthread_mutex_unlock(&p->lock);
+		if (stop)
+			break;
+		int rc = layer_fetch(p, l);
+		pthread_mutex_lock(&p->lock);
+		if (rc < 0)
+			p->rc = rc;
+		else
+			p->fetched = l + 1;
+		pthread_cond_broadcast(&p->cond);
+		pthread_mutex_unlock(&p->lock);
+		if (rc < 0)
+			break;
+	}
+	return NULL;
+}
+
+int restore_build(struct remote *remote, uint32_t uid, const char *name,
+		  const struct offload_manifest *m, const struct snapshot_expect *expect,
+		  const struct restore_target *target, struct store **out,
+		  struct restore_result *result, char *why, size_t why_size)
+{
+	struct restore_pipe p = { .remote = remote, .uid = uid, .name = name, .m = m };
+	struct store *store = NULL;
+	pthread_t thread;
+	bool threaded = false, synced = false;
+	uint32_t layers = m->head.layers, most = 0;
+	uint64_t start_ns = uv_hrtime();
+
+	*out = NULL;
+	memset(result, 0, sizeof(*result));
+	int rc = snapshot_stream_open(&m->header, m->table, m->table_checksum, expect, &p.stream, why,
+				      why_size);
+	if (rc < 0)
+		return rc;
+	for (uint32_t l = 0; l < layers; l++)
+		if (m->table[l].blocks > most)
+			most = m->table[l].blocks;
+	for (uint32_t i = 0; i < RESTORE_AHEAD; i++) {
+		struct fetched_layer *slot = &p.slots[i];
+		slot->keys = calloc((size_t)most + 1, sizeof(*slot->keys));
+		slot->items = calloc((size_t)most + 1, sizeof(*slot->items));
+		slot->parts = calloc((size_t)most + 1, sizeof(*slot->parts));
+		slot->entries = calloc((size_t)most + 1, sizeof(*slot->entries));
+		if (!slot->keys || !slot->items || !slot->parts || !slot->entries) {
+			rc = -ENOMEM;
+			snprintf(why, why_size, "out of memory");
+			goto out;
+		}
+	}
+	if (pthread_mutex_init(&p.lock, NULL) == 0) {
+		if (pthread_cond_init(&p.cond, NULL) == 0) {
+			synced = true;
+			threaded = pthread_create(&thread, NULL, fetcher_run, &p) == 0;
+		} else {
+			pthread_mutex_destroy(&p.lock);
+		}
+	}
+
+	for (uint32_t l = 0; l < layers; l++) {
+		uint64_t t0 = uv_hrtime();
+		if (threaded) {
+			pthread_mutex_lock(&p.lock);
+			while (p.fetched <= l && p.rc == 0)
+				pthread_cond_wait(&p.cond, &p.lock);
+			rc = p.rc;
+			pthread_mutex_unlock(&p.lock);
+		} else {
+			/* No thread: each layer fetched, then built, in line. */
+			rc = layer_fetch(&p, l);
+			p.rc = rc;
+		}
+		uint64_t t1 = uv_hrtime();
+		result->wait_ns += t1 - t0;
+		if (rc < 0) {
+			snprintf(why, why_size, "%s", p.why);
+			goto out;
+		}
+		struct fetched_layer *slot = &p.slots[l % RESTORE_AHEAD];
+		/* The session's file is made once its first layer passed. */
+		if (!store) {
+			rc = snapshot_build_begin(&m->header, target->params, target->dir_fd,
+						  target->dir_path, target->budget, target->pool, &store,
+						  why, why_size);
+			if (rc < 0)
+				goto out;
+		}
+		rc = snapshot_build_layer(store, &m->header, l, &m->table[l], slot->parts,
+					  slot->entries, slot->parts[m->table[l].blocks].bytes, why,
+					  why_size);
+		slot_release(slot, (size_t)m->table[l].blocks + 1);
+		result->build_ns += uv_hrtime() - t1;
+		if (rc < 0)
+			goto out;
+		if (threaded) {
+			pthread_mutex_lock(&p.lock);
+			p.built = l + 1;
+			pthread_cond_broadcast(&p.cond);
+			pthread_mutex_unlock(&p.lock);
+		}
+		fault_point("restore.layer");
+	}
+	/* Every part passed: the whole-snapshot checksum, then the commit. */
+	rc = snapshot_stream_end(p.stream, &m->trailer, why, why_size);
+	if (rc < 0)
+		goto out;
+	fault_point("restore.fetched");
+	uint64_t t2 = uv_hrtime();
+	rc = store_import_commit(store);
+	result->build_ns += uv_hrtime() - t2;
+	if (rc < 0) {
+		store = NULL;   /* the commit threw it away */
+		snprintf(why, why_size, "cannot put the session's file in place: %s", zc_strerror(rc));
+		goto out;
+	}
+	*out = store;
+	store = NULL;
+out:
+	if (threaded) {
+		pthread_mutex_lock(&p.lock);
+		p.stop = true;
+		pthread_cond_broadcast(&p.cond);
+		pthread_mutex_unlock(&p.lock);
+		pthread_join(thread, NULL);
+	}
+	if (synced) {
+		pthread_cond_destroy(&p.cond);
+		pthread_mutex_destroy(&p.lock);
+	}
+	/* Layers fetched and not built (a failure): their buffers. */
+	for (uint32_t i = 0; i < RESTORE_AHEAD; i++) {
+		slot_release(&p.slots[i], (size_t)most + 1);
+		free(p.slots[i].keys);
+		free(p.slots[i].items);
+		free(p.slots[i].parts);
+		free(p.slots[i].entries);
+	}
+	if (store)
+		store_import_abandon(store);
+	snapshot_stream_free(p.stream);
+	result->bytes_read = p.bytes_read;
+	result->fetch_ns = p.fetch_ns;
+	result->verify_ns = p.verify_ns;
+	result->elapsed_ns = uv_hrtime() - start_ns;
+	result->overlapped = threaded;
 	return rc;
 }
 

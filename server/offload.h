@@ -6,12 +6,14 @@
  * residual rows, under a new generation, and last a manifest naming the
  * generation with the snapshot's header, layer table and trailer, under
  * its own checksum. The manifest is the commit point. A restore fetches
- * the parts back into one snapshot image in a memfd, which the snapshot
- * import verifies whole before it creates anything.
+ * the parts back layer by layer, verifies each as it arrives and builds
+ * the session from the verified layers while later ones are fetched; the
+ * session appears only with its file's rename, after the last part
+ * passed.
  *
- * The I/O calls (offload_write, restore_fetch, offload_delete) run on a
- * worker thread or, for relief, on the loop thread with the session
- * idle; the scheduling calls (offload_scan, offload_relief) on the loop
+ * The I/O calls (offload_write, restore_manifest, restore_build,
+ * offload_delete) run on a worker thread or, for relief, on the loop
+ * thread with the session idle; the scheduling calls (offload_scan, offload_relief) on the loop
  * thread only.
  */
 #ifndef ZIPCACHE_OFFLOAD_H
@@ -22,6 +24,7 @@
 #include <stdint.h>
 
 #include "remote.h"
+#include "snapshot.h"
 #include "snapshot_format.h"
 #include "store.h"
 
@@ -91,16 +94,53 @@ int offload_write(struct remote *remote, struct store *store, uint32_t uid, cons
 		  uint32_t ttl_seconds, struct offload_result *result, char *why, size_t why_size);
 
 /*
- * Reads uid's manifest of `name` and every part it names into a new memfd
- * (*fd, caller closes) holding the snapshot. ZC_ENOTFOUND: no manifest
- * (*found false) or a part it names is missing (*found true); ZC_ECORRUPT:
- * a damaged manifest or a part of the wrong size
- * (why names it; the snapshot's verification finds the rest); a remote
- * failure. *manifest filled on success (caller frees).
+ * Reads uid's manifest of `name` (the first step of a restore, before
+ * anything is made). ZC_ENOTFOUND: no manifest (*found false);
+ * ZC_ECORRUPT: a damaged manifest (why names it); a remote failure.
+ * *manifest filled on success (caller frees); *bytes_read its size.
  */
-int restore_fetch(struct remote *remote, uint32_t uid, const char *name, int *fd,
-		  struct offload_manifest *manifest, bool *found, uint64_t *bytes_read, char *why,
-		  size_t why_size);
+int restore_manifest(struct remote *remote, uint32_t uid, const char *name,
+		     struct offload_manifest *manifest, bool *found, uint64_t *bytes_read,
+		     char *why, size_t why_size);
+
+/* Where a restore builds its session (as snapshot_import's arguments). */
+struct restore_target {
+	const struct store_params *params;   /* id, epoch, owner, name, views */
+	int dir_fd;
+	const char *dir_path;
+	struct store_budget *budget;
+	struct pool *pool;
+};
+
+/* What one restore did, for its log line. */
+struct restore_result {
+	uint64_t bytes_read;     /* the parts' values */
+	uint64_t fetch_ns;       /* the fetcher in remote_get_many */
+	uint64_t verify_ns;      /* the fetcher checking the parts */
+	uint64_t build_ns;       /* the builder storing layers, and the rename */
+	uint64_t wait_ns;        /* the builder waiting for a verified layer */
+	uint64_t elapsed_ns;
+	bool overlapped;         /* the fetcher had a thread of its own */
+};
+
+/*
+ * Fetches every part the manifest names and builds the session from
+ * them, as a pipeline: each layer's parts verified as they arrive (every
+ * block record's checksums and tiling, the residual's, the sizes the
+ * layer table gives, the whole-snapshot checksum computed along the
+ * way), each verified layer stored into the new session's temporary file
+ * and pool extents while later layers are fetched. The commit point is
+ * the file's rename, made only after the last part and the trailer's
+ * checksum passed; on any failure (a part missing: ZC_ENOTFOUND naming
+ * it; damaged: ZC_ECORRUPT; Redis failing; STORE_EBUDGET) nothing is
+ * left: no file, no pool extent. Fault points restore.part (a layer
+ * fetched and verified), restore.layer (a layer built), restore.fetched
+ * (all verified, before the rename), and the import's.
+ */
+int restore_build(struct remote *remote, uint32_t uid, const char *name,
+		  const struct offload_manifest *manifest, const struct snapshot_expect *expect,
+		  const struct restore_target *target, struct store **out,
+		  struct restore_result *result, char *why, size_t why_size);
 
 /* Loop thread: deletes, off the loop and best effort, uid's remote copy
  * of name if its manifest still names `generation` (manifest first). */

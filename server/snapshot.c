@@ -761,6 +761,54 @@ static int hash_range(int fd, uint64_t offset, uint64_t n, uint8_t *chunk, uint6
 	return 0;
 }
 
+/* Every count of the layer table against the others and the layout of
+ * a file_bytes snapshot (both passes, and a restore's parts). */
+static int table_check(const struct snapshot_header *h, const struct snapshot_layer *table,
+		       uint64_t file_bytes, char *why, size_t size)
+{
+	uint32_t layers = h->config.layers;
+	uint32_t capacity = store_residual_capacity(h->config.residual_tokens, h->max_tokens);
+	uint64_t offset = SNAPSHOT_HEADER_BYTES + table_bytes(layers), tokens = 0, blocks = 0;
+	for (uint32_t i = 0; i < layers; i++) {
+		const struct snapshot_layer *l = &table[i];
+		const char *bad = NULL;
+		if (l->tokens > h->max_tokens)
+			bad = "more tokens than max_tokens";
+		else if (l->residual_tokens > l->tokens || l->residual_tokens > capacity)
+			bad = "residual larger than its tokens or the residual's capacity";
+		else if (l->blocks > l->tokens - l->residual_tokens)
+			bad = "more blocks than tokens before the residual";
+		else if (l->pad)
+			bad = "padding not 0";
+		else if (l->offset != offset)
+			bad = "does not start where the layer before it ends";
+		else if (l->bytes > file_bytes - offset ||
+			 l->bytes < (uint64_t)l->blocks * snapshot_record_bytes(0, 0) +
+					    (uint64_t)l->residual_tokens * residual_row_bytes(&h->config))
+			bad = "byte count does not fit its blocks and residual in the file";
+		if (bad) {
+			return fail(ZC_ECORRUPT, why, size,
+				    "inconsistent counts: layer %u (%u tokens, %u residual, %u blocks, "
+				    "%llu bytes at %llu): %s", i, l->tokens, l->residual_tokens, l->blocks,
+				    (unsigned long long)l->bytes, (unsigned long long)l->offset, bad);
+		}
+		offset += l->bytes;
+		tokens += l->tokens;
+		blocks += l->blocks;
+	}
+	if (offset + SNAPSHOT_TRAILER_BYTES != file_bytes || tokens != h->tokens ||
+	    blocks != h->blocks) {
+		return fail(ZC_ECORRUPT, why, size,
+			    "inconsistent counts: the layers hold %llu tokens, %llu blocks and end at "
+			    "byte %llu; the header says %llu tokens, %llu blocks, %llu bytes",
+			    (unsigned long long)tokens, (unsigned long long)blocks,
+			    (unsigned long long)(offset + SNAPSHOT_TRAILER_BYTES),
+			    (unsigned long long)h->tokens, (unsigned long long)h->blocks,
+			    (unsigned long long)file_bytes);
+	}
+	return 0;
+}
+
 /* Reads and checks the header and the layer table (both passes). */
 static int head_read(int fd, uint64_t file_bytes, struct snapshot_header *h,
 		     struct snapshot_layer **table_out, uint64_t *table_checksum, char *why,
@@ -799,47 +847,10 @@ static int head_read(int fd, uint64_t file_bytes, struct snapshot_header *h,
 		free(table);
 		return fail(ZC_ECORRUPT, why, size, "layer table checksum mismatch");
 	}
-	/* Every count against the others and the layout. */
-	uint32_t capacity = store_residual_capacity(h->config.residual_tokens, h->max_tokens);
-	uint64_t offset = SNAPSHOT_HEADER_BYTES + table_bytes(layers), tokens = 0, blocks = 0;
-	for (uint32_t i = 0; i < layers; i++) {
-		const struct snapshot_layer *l = &table[i];
-		const char *bad = NULL;
-		if (l->tokens > h->max_tokens)
-			bad = "more tokens than max_tokens";
-		else if (l->residual_tokens > l->tokens || l->residual_tokens > capacity)
-			bad = "residual larger than its tokens or the residual's capacity";
-		else if (l->blocks > l->tokens - l->residual_tokens)
-			bad = "more blocks than tokens before the residual";
-		else if (l->pad)
-			bad = "padding not 0";
-		else if (l->offset != offset)
-			bad = "does not start where the layer before it ends";
-		else if (l->bytes > file_bytes - offset ||
-			 l->bytes < (uint64_t)l->blocks * snapshot_record_bytes(0, 0) +
-					    (uint64_t)l->residual_tokens * residual_row_bytes(&h->config))
-			bad = "byte count does not fit its blocks and residual in the file";
-		if (bad) {
-			free(table);
-			return fail(ZC_ECORRUPT, why, size,
-				    "inconsistent counts: layer %u (%u tokens, %u residual, %u blocks, "
-				    "%llu bytes at %llu): %s", i, l->tokens, l->residual_tokens, l->blocks,
-				    (unsigned long long)l->bytes, (unsigned long long)l->offset, bad);
-		}
-		offset += l->bytes;
-		tokens += l->tokens;
-		blocks += l->blocks;
-	}
-	if (offset + SNAPSHOT_TRAILER_BYTES != file_bytes || tokens != h->tokens ||
-	    blocks != h->blocks) {
+	rc = table_check(h, table, file_bytes, why, size);
+	if (rc < 0) {
 		free(table);
-		return fail(ZC_ECORRUPT, why, size,
-			    "inconsistent counts: the layers hold %llu tokens, %llu blocks and end at "
-			    "byte %llu; the header says %llu tokens, %llu blocks, %llu bytes",
-			    (unsigned long long)tokens, (unsigned long long)blocks,
-			    (unsigned long long)(offset + SNAPSHOT_TRAILER_BYTES),
-			    (unsigned long long)h->tokens, (unsigned long long)h->blocks,
-			    (unsigned long long)file_bytes);
+		return rc;
 	}
 	*table_out = table;
 	return 0;
@@ -977,6 +988,179 @@ out:
 	return rc;
 }
 
+/* ---- verify part by part (a restore from the remote tier) ------------------------- */
+
+/* The whole-snapshot checksum covers the header, the table and every
+ * record's and residual's own checksum, in file order: it is computed as
+ * the parts arrive, never over the payloads a second time. */
+struct snapshot_stream {
+	struct snapshot_header header;
+	const struct snapshot_layer *table;
+	uint32_t next_layer;
+	XXH3_state_t whole;
+};
+
+int snapshot_stream_open(const struct snapshot_header *h, const struct snapshot_layer *table,
+			 uint64_t table_checksum, const struct snapshot_expect *expect,
+			 struct snapshot_stream **out, char *why, size_t size)
+{
+	*out = NULL;
+	int rc = snapshot_header_verify(h, why, size);
+	if (rc < 0)
+		return rc;
+	uint32_t layers = h->config.layers;
+	if (expect->max_bytes && h->file_bytes > expect->max_bytes)
+		return fail(ZC_EEXHAUSTED, why, size,
+			    "the snapshot is %llu bytes; the memory budget has room for %llu",
+			    (unsigned long long)h->file_bytes, (unsigned long long)expect->max_bytes);
+	if (SNAPSHOT_HEADER_BYTES + table_bytes(layers) + SNAPSHOT_TRAILER_BYTES > h->file_bytes)
+		return fail(ZC_ECORRUPT, why, size, "truncated in the layer table");
+	if (XXH3_64bits(table, (size_t)layers * SNAPSHOT_LAYER_BYTES) != table_checksum)
+		return fail(ZC_ECORRUPT, why, size, "layer table checksum mismatch");
+	rc = table_check(h, table, h->file_bytes, why, size);
+	if (rc < 0)
+		return rc;
+	if (expect->model_id && strcmp(expect->model_id, h->config.model_id) != 0)
+		return fail(ZC_EPRECONDITION, why, size,
+			    "wrong fingerprint: the snapshot is of model '%s', not '%s'",
+			    h->config.model_id, expect->model_id);
+	if (expect->has_fingerprint && expect->fingerprint != h->fingerprint)
+		return fail(ZC_EPRECONDITION, why, size,
+			    "wrong fingerprint: the snapshot's is %016llx, not %016llx",
+			    (unsigned long long)h->fingerprint, (unsigned long long)expect->fingerprint);
+	struct snapshot_stream *s;
+	if (posix_memalign((void **)&s, 64, sizeof(*s)) != 0)
+		return fail(-ENOMEM, why, size, "out of memory");
+	memset(s, 0, sizeof(*s));
+	s->header = *h;
+	s->table = table;
+	XXH3_64bits_reset(&s->whole);
+	XXH3_64bits_update(&s->whole, h, sizeof(*h));
+	XXH3_64bits_update(&s->whole, table, (size_t)layers * SNAPSHOT_LAYER_BYTES);
+	XXH3_64bits_update(&s->whole, &table_checksum, sizeof(table_checksum));
+	*out = s;
+	return 0;
+}
+
+int snapshot_stream_layer(struct snapshot_stream *s, uint32_t layer,
+			  const struct snapshot_part *blocks, const struct snapshot_part *residual,
+			  store_block *entries, char *why, size_t size)
+{
+	const struct snapshot_header *h = &s->header;
+	if (layer != s->next_layer || layer >= h->config.layers)
+		return fail(ZC_EINTERNAL, why, size, "layer %u verified out of order", layer);
+	const struct snapshot_layer *l = &s->table[layer];
+	uint64_t bytes = residual->len;
+	struct snapshot_block prev = { 0 }, b;
+	for (uint32_t k = 0; k < l->blocks; k++) {
+		int rc = snapshot_block_verify(h, layer, k, blocks[k].bytes, blocks[k].len, &entries[k],
+					       why, size);
+		if (rc < 0)
+			return rc;
+		memcpy(&b, blocks[k].bytes, sizeof(b));
+		rc = tiling_check(layer, k, &prev, &b, why, size);
+		if (rc < 0)
+			return rc;
+		uint64_t sum;
+		memcpy(&sum, (const uint8_t *)blocks[k].bytes + blocks[k].len - sizeof(sum), sizeof(sum));
+		XXH3_64bits_update(&s->whole, &b.checksum, sizeof(b.checksum));
+		XXH3_64bits_update(&s->whole, &sum, sizeof(sum));
+		bytes += blocks[k].len;
+		prev = b;
+	}
+	int rc = last_block_check(layer, l, &prev, why, size);
+	if (rc < 0)
+		return rc;
+	uint64_t rows = (uint64_t)l->residual_tokens * residual_row_bytes(&h->config);
+	if (residual->len != rows || bytes != l->bytes)
+		return fail(ZC_ECORRUPT, why, size,
+			    "inconsistent counts: layer %u's parts hold %llu bytes (%llu of residual); "
+			    "its table entry says %llu (%u residual rows, %llu bytes)", layer,
+			    (unsigned long long)bytes, (unsigned long long)residual->len,
+			    (unsigned long long)l->bytes, l->residual_tokens, (unsigned long long)rows);
+	if (XXH3_64bits(residual->bytes, rows) != l->residual_checksum)
+		return fail(ZC_ECORRUPT, why, size, "layer %u residual checksum mismatch", layer);
+	XXH3_64bits_update(&s->whole, &l->residual_checksum, sizeof(uint64_t));
+	s->next_layer++;
+	return 0;
+}
+
+int snapshot_stream_end(struct snapshot_stream *s, const struct snapshot_trailer *trailer,
+			char *why, size_t size)
+{
+	if (s->next_layer != s->header.config.layers)
+		return fail(ZC_EINTERNAL, why, size, "%u of %u layers verified", s->next_layer,
+			    s->header.config.layers);
+	if (memcmp(trailer->magic, SNAPSHOT_TRAILER_MAGIC, sizeof(trailer->magic)) != 0 ||
+	    trailer->file_bytes != s->header.file_bytes)
+		return fail(ZC_ECORRUPT, why, size, "trailer: bad magic or size (truncated?)");
+	if (trailer->checksum != XXH3_64bits_digest(&s->whole))
+		return fail(ZC_ECORRUPT, why, size, "trailer: whole-snapshot checksum mismatch");
+	return 0;
+}
+
+void snapshot_stream_free(struct snapshot_stream *s)
+{
+	free(s);
+}
+
+/* ---- building a verified snapshot's session ---------------------------------------- */
+
+int snapshot_build_begin(const struct snapshot_header *h, const struct store_params *params,
+			 int dir_fd, const char *dir_path, struct store_budget *budget,
+			 struct pool *pool, struct store **out, char *why, size_t size)
+{
+	const struct snapshot_config *c = &h->config;
+	struct store_params p = *params;
+	p.model_id = c->model_id;
+	p.layers = c->layers;
+	p.batch = c->batch;
+	p.kv_heads = c->kv_heads;
+	p.head_dim_k = c->head_dim_k;
+	p.head_dim_v = c->head_dim_v;
+	p.max_tokens = h->max_tokens;
+	p.codec = config_codec(c);
+	p.policy = (enum store_policy)c->policy;
+	p.residual_tokens = c->residual_tokens;
+	int rc = store_import_begin(dir_fd, dir_path, &p, budget, pool, out);
+	if (rc < 0) {
+		*out = NULL;
+		if (rc != STORE_EBUDGET)
+			fail(rc, why, size, "cannot create the session's file: %s", zc_strerror(rc));
+	}
+	return rc;
+}
+
+/* Layer `layer`'s residual rows (compact, K then V) into the import. */
+static int build_residual(struct store *store, const struct snapshot_config *c, uint32_t layer,
+			  const struct snapshot_layer *l, const uint8_t *rows, char *why, size_t size)
+{
+	uint64_t key_part = (uint64_t)c->batch * c->kv_heads * l->residual_tokens * c->head_dim_k * 2;
+	int rc = store_import_layer(store, layer, l->tokens, l->residual_tokens,
+				    (const uint16_t *)rows, (const uint16_t *)(rows + key_part));
+	if (rc < 0 && rc != STORE_EBUDGET)
+		fail(rc, why, size, "cannot store layer %u's residual: %s", layer, zc_strerror(rc));
+	return rc;
+}
+
+int snapshot_build_layer(struct store *store, const struct snapshot_header *h, uint32_t layer,
+			 const struct snapshot_layer *l, const struct snapshot_part *blocks,
+			 const store_block *entries, const void *residual, char *why, size_t size)
+{
+	for (uint32_t k = 0; k < l->blocks; k++) {
+		const uint8_t *record = blocks[k].bytes;
+		int rc = store_import_block(store, layer, &entries[k], record + SNAPSHOT_BLOCK_BYTES,
+					    record + SNAPSHOT_BLOCK_BYTES + entries[k].key_bytes);
+		if (rc < 0) {
+			if (rc != STORE_EBUDGET)
+				fail(rc, why, size, "cannot store layer %u block %u: %s", layer, k,
+				     zc_strerror(rc));
+			return rc;
+		}
+	}
+	return build_residual(store, &h->config, layer, l, residual, why, size);
+}
+
 /* ---- import (the second pass) ----------------------------------------------------- */
 
 int snapshot_import(int fd, const struct snapshot_header *verified, const struct store_params *params,
@@ -997,25 +1181,9 @@ int snapshot_import(int fd, const struct snapshot_header *verified, const struct
 	if (rc < 0)
 		goto out;
 
-	struct store_params p = *params;
-	p.model_id = c->model_id;
-	p.layers = c->layers;
-	p.batch = c->batch;
-	p.kv_heads = c->kv_heads;
-	p.head_dim_k = c->head_dim_k;
-	p.head_dim_v = c->head_dim_v;
-	p.max_tokens = verified->max_tokens;
-	p.codec = config_codec(c);
-	p.policy = (enum store_policy)c->policy;
-	p.residual_tokens = c->residual_tokens;
-	rc = store_import_begin(dir_fd, dir_path, &p, budget, pool, &store);
-	if (rc < 0) {
-		if (rc != STORE_EBUDGET)
-			fail(rc, why, size, "cannot create the session's file: %s", zc_strerror(rc));
-		store = NULL;
+	rc = snapshot_build_begin(verified, params, dir_fd, dir_path, budget, pool, &store, why, size);
+	if (rc < 0)
 		goto out;
-	}
-	uint32_t heads = c->batch * c->kv_heads;
 	for (uint32_t i = 0; i < c->layers; i++) {
 		const struct snapshot_layer *l = &table[i];
 		uint64_t at = l->offset;
@@ -1077,15 +1245,9 @@ int snapshot_import(int fd, const struct snapshot_header *verified, const struct
 			rc = fail(ZC_ECORRUPT, why, size, "the snapshot changed while it was imported");
 		if (rc < 0)
 			goto out;
-		uint64_t key_part = (uint64_t)heads * l->residual_tokens * c->head_dim_k * 2;
-		rc = store_import_layer(store, i, l->tokens, l->residual_tokens, (const uint16_t *)buf,
-					(const uint16_t *)(buf + key_part));
-		if (rc < 0) {
-			if (rc != STORE_EBUDGET)
-				fail(rc, why, size, "cannot store layer %u's residual: %s", i,
-				     zc_strerror(rc));
+		rc = build_residual(store, c, i, l, buf, why, size);
+		if (rc < 0)
 			goto out;
-		}
 	}
 	rc = store_import_commit(store);
 	if (rc < 0) {

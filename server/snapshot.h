@@ -106,4 +106,48 @@ int snapshot_import(int fd, const struct snapshot_header *header, const struct s
 		    int dir_fd, const char *dir_path, struct store_budget *budget, struct pool *pool,
 		    struct store **out, char *why, size_t why_size);
 
+/* One part of a snapshot held in memory: a block record or a residual. */
+struct snapshot_part {
+	const void *bytes;
+	uint64_t len;
+};
+
+/*
+ * A snapshot verified part by part as its parts arrive (a restore from
+ * the remote tier, docs/REMOTE.md), with the same checks snapshot_verify
+ * makes of a file: open checks the header, the layer table (checksum and
+ * every count) and the expectations; each layer, in order, its block
+ * records (checksums, tiling, sizes; *entries filled) and its residual;
+ * end the trailer and the whole-snapshot checksum, computed along the
+ * way. Only a snapshot whose end returned 0 is intact. The table is
+ * borrowed until free. Errors as snapshot_verify's.
+ */
+struct snapshot_stream;
+int snapshot_stream_open(const struct snapshot_header *header, const struct snapshot_layer *table,
+			 uint64_t table_checksum, const struct snapshot_expect *expect,
+			 struct snapshot_stream **out, char *why, size_t why_size);
+int snapshot_stream_layer(struct snapshot_stream *stream, uint32_t layer,
+			  const struct snapshot_part *blocks, const struct snapshot_part *residual,
+			  store_block *entries, char *why, size_t why_size);
+int snapshot_stream_end(struct snapshot_stream *stream, const struct snapshot_trailer *trailer,
+			char *why, size_t why_size);
+void snapshot_stream_free(struct snapshot_stream *stream);
+
+/*
+ * The session a snapshot's header describes, built layer by layer under
+ * its temporary name (store_import_begin; params as for snapshot_import),
+ * from layers snapshot_stream_layer passed: snapshot_build_layer stores
+ * the layer's blocks (entries from the verification) and residual rows.
+ * The caller commits (store_import_commit: the rename) or abandons
+ * (store_import_abandon: no file, no block). STORE_EBUDGET when the
+ * memory budget refused a page.
+ */
+int snapshot_build_begin(const struct snapshot_header *header, const struct store_params *params,
+			 int dir_fd, const char *dir_path, struct store_budget *budget,
+			 struct pool *pool, struct store **out, char *why, size_t why_size);
+int snapshot_build_layer(struct store *store, const struct snapshot_header *header, uint32_t layer,
+			 const struct snapshot_layer *entry, const struct snapshot_part *blocks,
+			 const store_block *entries, const void *residual, char *why,
+			 size_t why_size);
+
 #endif
