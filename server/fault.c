@@ -39,6 +39,9 @@ const char *const fault_steps[] = {
 	"fork.layers",       /* a fork's records, index and residual written, before the rename */
 	"pool.create",       /* a uid's pool file made, not yet renamed into place */
 	"pool.write",        /* a new block's bytes in the pool, not yet named by a session */
+	"pool.retain",       /* a freed extent's first page punched, its other pages kept: free from here */
+	"pool.reuse",        /* a kept extent taken for a new block, before its pages are reserved */
+	"retain.map",        /* a closed session's map kept for the next session (not durable) */
 	"import.verified",   /* a snapshot verified whole, nothing made yet */
 	"import.block",      /* one imported block in the pool and the new file's index */
 	"import.layers",     /* every layer of an import written, before the rename */

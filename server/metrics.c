@@ -15,6 +15,7 @@
 
 #include "pool.h"
 #include "remote.h"
+#include "retain.h"
 #include "server.h"
 #include "store.h"
 #include "version.h"
@@ -39,7 +40,7 @@ static const char *const reason_names[METRICS_REASON_COUNT] = {
 };
 
 static const char *const relief_step_names[METRICS_RELIEF_STEP_COUNT] = {
-	"drop_views", "drop_chunks", "offload", "refuse",
+	"release_retained", "drop_views", "drop_chunks", "offload", "refuse",
 };
 
 /* Upper bounds in seconds: a decode step is tens of microseconds, a
@@ -346,10 +347,25 @@ int metrics_render(const struct server *server, char **out, size_t *out_len)
 	const struct { const char *kind; uint64_t bytes; } by_kind[] = {
 		{ "views", kinds.views }, { "blocks", kinds.blocks }, { "residual", kinds.residual },
 		{ "index", kinds.index }, { "headers", kinds.headers },
+		{ "retained", kinds.retained_maps + kinds.retained_extents },
 	};
 	for (size_t i = 0; i < sizeof(by_kind) / sizeof(by_kind[0]); i++)
 		text_printf(&text, "zipcache_memory_file_bytes{kind=\"%s\"} %llu\n", by_kind[i].kind,
 			    (unsigned long long)by_kind[i].bytes);
+	family(&text, "zipcache_retained_bytes", "gauge",
+	       "Pages kept from closed sessions for new ones (--retain-bytes), by kind.");
+	text_printf(&text, "zipcache_retained_bytes{kind=\"maps\"} %llu\n",
+		    (unsigned long long)kinds.retained_maps);
+	text_printf(&text, "zipcache_retained_bytes{kind=\"extents\"} %llu\n",
+		    (unsigned long long)kinds.retained_extents);
+	gauge(&text, "zipcache_retain_limit_bytes", "The bound on retained pages (0: off).",
+	      (double)retain_limit());
+	family(&text, "zipcache_retain_reuses_total", "counter",
+	       "New sessions' maps and blocks that reused retained pages, by kind.");
+	text_printf(&text, "zipcache_retain_reuses_total{kind=\"maps\"} %llu\n",
+		    (unsigned long long)retain_map_reuses());
+	text_printf(&text, "zipcache_retain_reuses_total{kind=\"extents\"} %llu\n",
+		    (unsigned long long)retain_extent_reuses());
 	gauge(&text, "zipcache_shared_block_bytes",
 	      "Block pool bytes that more than one session refers to (forks sharing a prefix).",
 	      (double)pool_set_shared_bytes(&server->pools));

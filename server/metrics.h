@@ -49,6 +49,7 @@ enum metrics_reason {
 
 /* The steps of memory relief (server/relief.c), in the order they run. */
 enum metrics_relief_step {
+	METRICS_RELIEF_RELEASE_RETAINED, /* pages kept from closed sessions (retain.h) */
 	METRICS_RELIEF_DROP_VIEWS,
 	METRICS_RELIEF_DROP_CHUNKS, /* prefix chunks only the chunk index holds */
 	METRICS_RELIEF_OFFLOAD,     /* idle sessions written to the remote tier and dropped */

@@ -15,6 +15,7 @@
 #include "offload.h"
 #include "quota.h"
 #include "resources.h"
+#include "retain.h"
 #include "version.h"
 #include "zipcache/client.h"
 #include "zipcache/codec.h"
@@ -50,6 +51,7 @@ void options_default(struct options *options)
 	/* ~64K elements is ~30 us of codec work: below it the hop to a
 	 * worker thread costs more than it saves. */
 	options->offload_elements = 1u << 16;
+	options->retain_bytes = RETAIN_DEFAULT_BYTES;
 	options->log_level = LOG_INFO;
 	options->adopt = true;
 	snprintf(options->metrics_listen, sizeof(options->metrics_listen), "127.0.0.1:9464");
@@ -111,6 +113,10 @@ void options_print_help(const char *program, const struct options *configured)
 	       "  --max-mapped-bytes N     address space all session files may map together; 0 = half\n"
 	       "                           the address-space limit (ulimit -v), at most 64T (default 0;\n"
 	       "                           each session is one mapping, so vm.max_map_count is not the limit)\n"
+	       "  --retain-bytes N         pages of closed sessions kept for new ones (their maps, freed\n"
+	       "                           block extents), so a new session's prefill or import does not\n"
+	       "                           wait for fresh pages to be zeroed; counted as memory in use,\n"
+	       "                           released first by memory relief; 0 = off (default %llu)\n"
 	       "  --idle-ttl SECONDS       close sessions idle this long, 0 = never (default %llu)\n"
 	       "  --lease-seconds SECONDS  a view returned to a client stays valid this long without\n"
 	       "                           another call on its session, or until released (default %llu)\n"
@@ -145,7 +151,8 @@ void options_print_help(const char *program, const struct options *configured)
 	       d.max_inline_bytes, d.max_connections, d.max_sessions, d.max_tokens,
 	       (unsigned long long)d.max_staging_bytes, rule[0], rule[1], rule[2], rule[3],
 	       (unsigned long long)d.max_reply_queue_bytes,
-	       (unsigned long long)d.max_reply_queue_total, (unsigned long long)d.idle_ttl_seconds,
+	       (unsigned long long)d.max_reply_queue_total, (unsigned long long)d.retain_bytes,
+	       (unsigned long long)d.idle_ttl_seconds,
 	       (unsigned long long)d.lease_seconds, (unsigned long long)d.view_idle_seconds,
 	       d.offload_elements, d.metrics_listen, d.remote.timeout_ms, d.remote_ttl_seconds,
 	       (unsigned long long)resources_descriptors_needed(configured), formula,
@@ -187,7 +194,7 @@ enum option_id {
 	OPT_TTL, OPT_LEASE, OPT_VIEW_IDLE, OPT_OFFLOAD, OPT_NO_ADOPT, OPT_LOG_LEVEL, OPT_METRICS, OPT_CONFIG, OPT_HELP,
 	OPT_VERSION, OPT_SESSIONS_PER_UID, OPT_CONNECTIONS_PER_UID, OPT_BUDGET_PER_UID,
 	OPT_STAGING_PER_UID, OPT_REPLY_QUEUE, OPT_REPLY_QUEUE_TOTAL, OPT_MAX_MAPPED, OPT_REMOTE,
-	OPT_REMOTE_CREDENTIALS, OPT_REMOTE_TIMEOUT, OPT_OFFLOAD_IDLE, OPT_REMOTE_TTL
+	OPT_REMOTE_CREDENTIALS, OPT_REMOTE_TIMEOUT, OPT_OFFLOAD_IDLE, OPT_REMOTE_TTL, OPT_RETAIN
 };
 
 static const struct option long_options[] = {
@@ -218,6 +225,7 @@ static const struct option long_options[] = {
 	{ "help", no_argument, NULL, OPT_HELP },
 	{ "version", no_argument, NULL, OPT_VERSION },
 	{ "max-mapped-bytes", required_argument, NULL, OPT_MAX_MAPPED },
+	{ "retain-bytes", required_argument, NULL, OPT_RETAIN },
 	{ "remote", required_argument, NULL, OPT_REMOTE },
 	{ "remote-credentials", required_argument, NULL, OPT_REMOTE_CREDENTIALS },
 	{ "remote-timeout-ms", required_argument, NULL, OPT_REMOTE_TIMEOUT },
@@ -323,6 +331,9 @@ static int option_apply(struct options *o, int id, const char *arg)
 		return 0;
 	case OPT_MAX_MAPPED:
 		o->max_mapped_bytes = value;
+		return 0;
+	case OPT_RETAIN:
+		o->retain_bytes = value;
 		return 0;
 	case OPT_SESSIONS_PER_UID:
 	case OPT_CONNECTIONS_PER_UID:

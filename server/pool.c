@@ -1,6 +1,28 @@
 /*
  * A uid's block pool (pool.h): extents in a sparse file, a reference
  * count per extent, first-fit reuse of freed space.
+ *
+ * Kept extents (server/retain.h): a freed extent's pages may be kept,
+ * up to --retain-bytes over the daemon, so that a new block written into
+ * them does not wait for the kernel to zero fresh pages. Freeing one
+ * takes two steps:
+ *
+ *   1. its first page is punched ("pool.retain"): the commit point. From
+ *      then on the extent is free as far as any later daemon can tell: a
+ *      session file naming it would fail adoption's claim check (every
+ *      page of a live extent holds bytes: a hole means the block is gone),
+ *      exactly as a fully punched extent does.
+ *   2. it goes on the kept list, its other pages still charged to the
+ *      pool's budget and counted in retain.h's bound.
+ *
+ * The pool has no durable record of kept extents and needs none: a new
+ * daemon's sweep punches every byte no adopted session claims, kept
+ * extents included, so a crash at any step leaks nothing. Reuse
+ * ("pool.reuse") takes the front of a kept extent for a new block, whose
+ * fallocate then refills the punched page: the block is a fresh extent
+ * like any other until a commit names it. Memory relief, a tmpfs that is
+ * full (ENOSPC) and the bound release kept extents by punching them
+ * whole, after which they are ordinary free space.
  */
 #include "pool.h"
 
@@ -15,6 +37,7 @@
 #include <unistd.h>
 
 #include "fault.h"
+#include "retain.h"
 #include "log.h"
 #include "zipcache/map.h"
 
@@ -32,6 +55,13 @@ struct span {
 	uint64_t start, bytes;
 };
 
+/* A freed extent whose pages are kept: every page but, when head_hole,
+ * the first (punched when it was freed). */
+struct kept {
+	uint64_t start, bytes;
+	bool head_hole;
+};
+
 struct pool {
 	pthread_mutex_t lock;
 	struct store_budget *budget;
@@ -47,6 +77,11 @@ struct pool {
 	struct span *free;
 	size_t n_free, free_capacity;
 	uint64_t top;             /* nothing at or above it */
+	/* Kept extents (below top, not in `free`), oldest first. */
+	struct kept *kept;
+	size_t n_kept, kept_capacity;
+	uint64_t kept_bytes;      /* their pages (atomic reads) */
+	uint64_t reused_bytes;    /* new blocks written into kept pages */
 	bool swept;
 	bool existed;             /* its file was there when this daemon opened it */
 };
@@ -235,8 +270,8 @@ static uint64_t charge_sync_locked(struct pool *pool)
 	return grown;
 }
 
-/* Gives the extent's pages back: the file, then the budget. */
-static void extent_release(struct pool *pool, uint64_t start, uint64_t bytes)
+/* Punches a range and gives what the file released back to the budget. */
+static uint64_t punch_locked(struct pool *pool, uint64_t start, uint64_t bytes)
 {
 	uint64_t before = fd_allocated(pool->fd);
 	if (fallocate(pool->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)start,
@@ -249,6 +284,96 @@ static void extent_release(struct pool *pool, uint64_t start, uint64_t bytes)
 		released = pool->charged;
 	pool->charged -= released;
 	store_budget_give(pool->budget, released);
+	return released;
+}
+
+/* The pages a kept extent holds. */
+static uint64_t kept_pages(const struct kept *k)
+{
+	return k->bytes - (k->head_hole ? PAGE_BYTES : 0);
+}
+
+/* Frees an extent keeping its pages (the file comment's steps 1 and 2),
+ * or returns false when the bound or memory says no. */
+static bool extent_keep(struct pool *pool, uint64_t start, uint64_t bytes)
+{
+	if (bytes <= PAGE_BYTES || !retain_take(bytes - PAGE_BYTES))
+		return false;
+	if (pool->n_kept == pool->kept_capacity) {
+		size_t capacity = pool->kept_capacity ? pool->kept_capacity * 2 : 16;
+		struct kept *kept = realloc(pool->kept, capacity * sizeof(*kept));
+		if (!kept) {
+			retain_give(bytes - PAGE_BYTES);
+			return false;
+		}
+		pool->kept = kept;
+		pool->kept_capacity = capacity;
+	}
+	/* The commit point: with its first page a hole, no session file can
+	 * name this extent and be adopted. */
+	punch_locked(pool, start, PAGE_BYTES);
+	fault_point("pool.retain");
+	pool->kept[pool->n_kept++] = (struct kept){ start, bytes, true };
+	__atomic_store_n(&pool->kept_bytes, pool->kept_bytes + bytes - PAGE_BYTES, __ATOMIC_RELAXED);
+	return true;
+}
+
+/* Punches kept extents, oldest first, until about `wanted` bytes came
+ * back; they become ordinary free space. Returns the bytes freed. */
+static uint64_t kept_release_locked(struct pool *pool, uint64_t wanted)
+{
+	uint64_t freed = 0;
+	size_t i = 0;
+	for (; i < pool->n_kept && freed < wanted; i++) {
+		struct kept *k = &pool->kept[i];
+		uint64_t pages = kept_pages(k);
+		freed += punch_locked(pool, k->start, k->bytes);
+		retain_give(pages);
+		__atomic_store_n(&pool->kept_bytes, pool->kept_bytes - pages, __ATOMIC_RELAXED);
+		free_insert(pool, k->start, k->bytes);
+	}
+	memmove(pool->kept, pool->kept + i, (pool->n_kept - i) * sizeof(*pool->kept));
+	pool->n_kept -= i;
+	return freed;
+}
+
+/* The smallest kept extent that holds `bytes`, or -1. */
+static ssize_t kept_find(const struct pool *pool, uint64_t bytes)
+{
+	ssize_t best = -1;
+	for (size_t i = 0; i < pool->n_kept; i++)
+		if (pool->kept[i].bytes >= bytes &&
+		    (best < 0 || pool->kept[i].bytes < pool->kept[best].bytes))
+			best = (ssize_t)i;
+	return best;
+}
+
+/* Takes the front `bytes` of kept extent i for a new block. */
+static uint64_t kept_use(struct pool *pool, size_t i, uint64_t bytes)
+{
+	struct kept *k = &pool->kept[i];
+	uint64_t start = k->start;
+	uint64_t pages = bytes - (k->head_hole ? PAGE_BYTES : 0);
+	k->start += bytes;
+	k->bytes -= bytes;
+	k->head_hole = false;
+	retain_give(pages);
+	__atomic_store_n(&pool->kept_bytes, pool->kept_bytes - pages, __ATOMIC_RELAXED);
+	__atomic_store_n(&pool->reused_bytes, pool->reused_bytes + bytes, __ATOMIC_RELAXED);
+	retain_count_extent_reuse();
+	if (k->bytes == 0) {
+		memmove(k, k + 1, (pool->n_kept - i - 1) * sizeof(*k));
+		pool->n_kept--;
+	}
+	return start;
+}
+
+/* Gives the extent's pages back, or keeps them for the next block. */
+static void extent_release(struct pool *pool, uint64_t start, uint64_t bytes)
+{
+	if (extent_keep(pool, start, bytes))
+		return;
+	punch_locked(pool, start, bytes);
 	free_insert(pool, start, bytes);
 }
 
@@ -387,11 +512,14 @@ void pool_close(struct pool *pool)
 {
 	if (!pool)
 		return;
+	/* Kept pages stay in the file; the next daemon's sweep punches them. */
+	retain_give(pool->kept_bytes);
 	store_budget_give(pool->budget, pool->charged);
 	close(pool->fd);
 	pthread_mutex_destroy(&pool->lock);
 	free(pool->slots);
 	free(pool->free);
+	free(pool->kept);
 	free(pool);
 }
 
@@ -431,33 +559,54 @@ int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const voi
 	       uint64_t value_bytes, uint64_t *key_offset)
 {
 	uint64_t bytes = pool_extent_bytes(key_bytes, value_bytes), start;
+	int rc;
 	pthread_mutex_lock(&pool->lock);
-	int rc = store_budget_take(pool->budget, bytes);
-	if (rc < 0)
-		goto out;
-	rc = space_take(pool, bytes, &start);
-	if (rc < 0) {
-		store_budget_give(pool->budget, bytes);
-		goto out;
+	for (int attempt = 0;; attempt++) {
+		/* A kept extent needs budget only for its punched page. */
+		ssize_t k = kept_find(pool, bytes);
+		uint64_t need = k < 0 ? bytes : pool->kept[k].head_hole ? PAGE_BYTES : 0;
+		rc = store_budget_take(pool->budget, need);
+		if (rc < 0)
+			goto out;
+		if (k >= 0) {
+			start = kept_use(pool, (size_t)k, bytes);
+			fault_point("pool.reuse");
+		} else {
+			rc = space_take(pool, bytes, &start);
+			if (rc < 0) {
+				store_budget_give(pool->budget, need);
+				goto out;
+			}
+		}
+		/* Pages first: a full tmpfs is an error reply, and the charge is
+		 * what the file really grew (a reader may have faulted some in
+		 * already). */
+		uint64_t before = fd_allocated(pool->fd);
+		if (fallocate(pool->fd, 0, (off_t)start, (off_t)bytes) < 0) {
+			rc = -errno;
+			store_budget_give(pool->budget, need);
+			if (k >= 0)
+				punch_locked(pool, start, bytes);
+			free_insert(pool, start, bytes);
+			/* Kept pages may be what filled the tmpfs: give them back
+			 * and try once more. */
+			if (rc == -ENOSPC && attempt == 0 && pool->n_kept > 0) {
+				kept_release_locked(pool, UINT64_MAX);
+				continue;
+			}
+			log_warn("pool", "fallocate failed", "path=%s bytes=%llu error=%s", pool->path,
+				 (unsigned long long)bytes, strerror(-rc));
+			goto out;
+		}
+		uint64_t after = fd_allocated(pool->fd);
+		uint64_t grown = after > before ? after - before : 0;
+		if (grown > need)
+			grown = need;
+		store_budget_give(pool->budget, need - grown);
+		pool->charged += grown;
+		charge_sync_locked(pool);
+		break;
 	}
-	/* Pages first: a full tmpfs is an error reply, and the charge is what
-	 * the file really grew (a reader may have faulted some in already). */
-	uint64_t before = fd_allocated(pool->fd);
-	if (fallocate(pool->fd, 0, (off_t)start, (off_t)bytes) < 0) {
-		rc = -errno;
-		store_budget_give(pool->budget, bytes);
-		free_insert(pool, start, bytes);
-		log_warn("pool", "fallocate failed", "path=%s bytes=%llu error=%s", pool->path,
-			 (unsigned long long)bytes, strerror(-rc));
-		goto out;
-	}
-	uint64_t after = fd_allocated(pool->fd);
-	uint64_t grown = after > before ? after - before : 0;
-	if (grown > bytes)
-		grown = bytes;
-	store_budget_give(pool->budget, bytes - grown);
-	pool->charged += grown;
-	charge_sync_locked(pool);
 	struct extent e = { .offset = start, .bytes = bytes, .key_bytes = key_bytes,
 			    .value_bytes = value_bytes, .refs = 1 };
 	rc = extent_insert(pool, &e);
@@ -687,6 +836,24 @@ uint64_t pool_blocks(const struct pool *pool)
 	return __atomic_load_n(&pool->count, __ATOMIC_RELAXED);
 }
 
+uint64_t pool_kept_bytes(const struct pool *pool)
+{
+	return __atomic_load_n(&pool->kept_bytes, __ATOMIC_RELAXED);
+}
+
+uint64_t pool_reused_bytes(const struct pool *pool)
+{
+	return __atomic_load_n(&pool->reused_bytes, __ATOMIC_RELAXED);
+}
+
+uint64_t pool_release_kept(struct pool *pool, uint64_t wanted)
+{
+	pthread_mutex_lock(&pool->lock);
+	uint64_t freed = kept_release_locked(pool, wanted);
+	pthread_mutex_unlock(&pool->lock);
+	return freed;
+}
+
 uint64_t pool_sync_charge(struct pool *pool)
 {
 	pthread_mutex_lock(&pool->lock);
@@ -801,6 +968,24 @@ uint64_t pool_set_file_bytes(const struct pool_set *set)
 	for (size_t i = 0; i < set->n; i++)
 		total += pool_file_bytes(set->items[i]);
 	return total;
+}
+
+uint64_t pool_set_kept_bytes(const struct pool_set *set, bool all, uint32_t uid)
+{
+	uint64_t total = 0;
+	for (size_t i = 0; i < set->n; i++)
+		if (all || set->items[i]->uid == uid)
+			total += pool_kept_bytes(set->items[i]);
+	return total;
+}
+
+uint64_t pool_set_release_kept(struct pool_set *set, bool all, uint32_t uid, uint64_t wanted)
+{
+	uint64_t freed = 0;
+	for (size_t i = 0; i < set->n && freed < wanted; i++)
+		if (all || set->items[i]->uid == uid)
+			freed += pool_release_kept(set->items[i], wanted - freed);
+	return freed;
 }
 
 uint64_t pool_set_shared_bytes(const struct pool_set *set)

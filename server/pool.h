@@ -3,7 +3,8 @@
  * shm-dir (pool-UID.zcp, layout in zipcache/map.h), shared by every
  * session of that uid. A block is written once into a page-aligned extent
  * of its own and never changes; sessions refer to it by offset, and it is
- * freed (its pages punched) when the last reference goes.
+ * freed (its pages punched, or kept for the next block: pool.c) when the
+ * last reference goes.
  *
  * Nothing about references is durable here: the session files are the
  * truth. After a restart each adopted session claims the extents it
@@ -88,6 +89,13 @@ uint64_t pool_shared_bytes(const struct pool *pool);
 /* What the file really holds (fstat's blocks): what the charge must match. */
 uint64_t pool_file_bytes(const struct pool *pool);
 uint64_t pool_blocks(const struct pool *pool);
+/* Kept extents (pool.c, server/retain.h): the pages they hold (part of
+ * pool_memory_bytes), and the bytes of new blocks written into them. */
+uint64_t pool_kept_bytes(const struct pool *pool);
+uint64_t pool_reused_bytes(const struct pool *pool);
+/* Punches kept extents, oldest first, until about `wanted` bytes came
+ * back; returns the bytes freed. */
+uint64_t pool_release_kept(struct pool *pool, uint64_t wanted);
 /* Charges pages a client's read faults allocated; returns the growth. */
 uint64_t pool_sync_charge(struct pool *pool);
 
@@ -114,6 +122,9 @@ void pool_set_free(struct pool_set *set);
 /* Sums over every pool. */
 uint64_t pool_set_memory_bytes(const struct pool_set *set);
 uint64_t pool_set_shared_bytes(const struct pool_set *set);
+/* Kept pages of every pool (all) or of uid's, and their release. */
+uint64_t pool_set_kept_bytes(const struct pool_set *set, bool all, uint32_t uid);
+uint64_t pool_set_release_kept(struct pool_set *set, bool all, uint32_t uid, uint64_t wanted);
 uint64_t pool_set_file_bytes(const struct pool_set *set);
 
 #endif

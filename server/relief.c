@@ -7,8 +7,10 @@
 #include "log.h"
 #include "metrics.h"
 #include "offload.h"
+#include "pool.h"
 #include "prefix.h"
 #include "quota.h"
+#include "retain.h"
 #include "server.h"
 #include "session.h"
 #include "store.h"
@@ -35,6 +37,25 @@ static int by_last_use(const void *a, const void *b)
 {
 	const struct session *x = *(struct session *const *)a, *y = *(struct session *const *)b;
 	return x->last_used_ms < y->last_used_ms ? -1 : x->last_used_ms > y->last_used_ms;
+}
+
+/* Step 0: pages kept from closed sessions (retain.h), the uid's own when
+ * its quota is short (they are charged to it), else every uid's. Only
+ * runs when there are some, so that a daemon without retained pages
+ * counts no such step. Returns the bytes freed. */
+static uint64_t release_retained(struct server *server, uint64_t wanted, uint32_t uid)
+{
+	const struct quota_usage *usage;
+	bool own_only = uid_quota_binding(server, uid, &usage);
+	if (retain_held_bytes() == 0)
+		return 0;
+	server->metrics.relief_steps[METRICS_RELIEF_RELEASE_RETAINED]++;
+	uint64_t freed = retain_maps_release(!own_only, uid, wanted);
+	if (freed < wanted)
+		freed += pool_set_release_kept(&server->pools, !own_only, uid, wanted - freed);
+	if (freed)
+		log_info("server", "released retained pages", "bytes=%llu", (unsigned long long)freed);
+	return freed;
 }
 
 /* Step 1. Returns the bytes freed. */
@@ -124,7 +145,15 @@ static uint64_t offload_sessions(struct server *server, uint64_t wanted, const s
 int relief_run(struct server *server, uint64_t wanted, const struct session *keep, uint32_t uid,
 	       bool tried, char *text, size_t size)
 {
+	/* Retained pages go before anything a session holds; when they were
+	 * not enough, step 1 runs in the same call (its one chance). Each
+	 * call that frees some ends with fewer kept, so the retries end. */
+	uint64_t retained = release_retained(server, wanted, uid);
+	if (retained >= wanted)
+		return 0;
 	if (!tried && (drop_views(server, wanted, keep, uid) > 0 || drop_chunks(server, uid) > 0))
+		return 0;
+	if (retained > 0)
 		return 0;
 	/* Also after step 1 freed too little: each offload takes a session
 	 * away, so the caller's retries end. */

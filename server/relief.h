@@ -3,6 +3,11 @@
  * quota, refuses a charge (STORE_EBUDGET from a store, a staging buffer,
  * an open). One policy, its steps in this order:
  *
+ *   0. release_retained  Free the pages kept from closed sessions for
+ *                  reuse (server/retain.h: spare maps, then the pools'
+ *                  kept extents), the uid's own when its quota is short,
+ *                  else every uid's. Nothing a session holds is touched
+ *                  before these are gone.
  *   1. drop_views  Drop the fp16 views of idle sessions, least recently
  *                  used first, until about what was wanted came back. Never
  *                  the views of the session the charge is for; and when the

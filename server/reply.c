@@ -170,7 +170,10 @@ static void stats_daemon_fill(const struct request *rq, struct wire_stats_respon
 	struct store_memory kinds;
 	server_memory_by_kind(server, own->trusted, uid, &kinds, &stats->memory_file_bytes);
 	stats->has_memory = true;
-	stats->memory = (struct wire_memory_by_kind){ .views = kinds.views, .blocks = kinds.blocks,
+	/* Retained pages count as what they held (views, blocks); /metrics
+	 * shows them apart. */
+	stats->memory = (struct wire_memory_by_kind){ .views = kinds.views + kinds.retained_maps,
+						      .blocks = kinds.blocks + kinds.retained_extents,
 						      .residual = kinds.residual, .index = kinds.index,
 						      .headers = kinds.headers };
 	if (own->trusted) {

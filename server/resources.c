@@ -13,6 +13,7 @@
 #include "connection.h"
 #include "http.h"
 #include "options.h"
+#include "retain.h"
 
 /* The headroom left below the smaller of file system and cgroup: other
  * files on the same tmpfs (its metadata, other programs' /dev/shm files),
@@ -31,6 +32,8 @@ uint64_t resources_descriptors_needed(const struct options *options)
 		need += HTTP_FIXED_DESCRIPTORS + HTTP_CONNECTION_LIMIT;
 	need += (uint64_t)options->max_connections * CONNECTION_DESCRIPTORS;
 	need += options->max_sessions;
+	if (options->retain_bytes)
+		need += RETAIN_MAX_MAPS;
 	return need;
 }
 
@@ -39,8 +42,10 @@ void resources_descriptors_formula(const struct options *options, char *text, si
 	int n = snprintf(text, size, "%u + %u per connection + 1 per session",
 			 RESOURCES_FIXED_DESCRIPTORS, CONNECTION_DESCRIPTORS);
 	if (n > 0 && (size_t)n < size && strcmp(options->metrics_listen, "off") != 0)
-		snprintf(text + n, size - (size_t)n, " + %u for metrics",
-			 HTTP_FIXED_DESCRIPTORS + HTTP_CONNECTION_LIMIT);
+		n += snprintf(text + n, size - (size_t)n, " + %u for metrics",
+			      HTTP_FIXED_DESCRIPTORS + HTTP_CONNECTION_LIMIT);
+	if (n > 0 && (size_t)n < size && options->retain_bytes)
+		snprintf(text + n, size - (size_t)n, " + %u retained maps", RETAIN_MAX_MAPS);
 }
 
 int resources_raise_descriptor_limit(uint64_t *before, uint64_t *soft, uint64_t *hard)

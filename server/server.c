@@ -31,6 +31,7 @@
 #include "quota.h"
 #include "remote.h"
 #include "reply.h"
+#include "retain.h"
 #include "resources.h"
 #include "staging.h"
 #include "store.h"
@@ -678,10 +679,16 @@ void server_memory_by_kind(const struct server *server, bool all, uint32_t uid,
 	for (size_t i = 0; i < server->pools.n; i++) {
 		const struct pool *pool = server->pools.items[i];
 		if (all || pool_uid(pool) == uid) {
-			kinds->blocks += pool_memory_bytes(pool);
-			*file_bytes += pool_memory_bytes(pool);
+			uint64_t held = pool_memory_bytes(pool), kept = pool_kept_bytes(pool);
+			if (kept > held)
+				kept = held;
+			kinds->blocks += held - kept;
+			kinds->retained_extents += kept;
+			*file_bytes += held;
 		}
 	}
+	kinds->retained_maps = retain_map_bytes(all, uid);
+	*file_bytes += kinds->retained_maps;
 }
 
 int server_start(struct server *server, uv_loop_t *loop, const struct options *options)
@@ -703,6 +710,7 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	};
 	session_table_init(&server->sessions, loop, options->offload_elements);
 	store_set_map_limit(options->max_mapped_bytes ? options->max_mapped_bytes : map_limit_default());
+	retain_set_limit(options->retain_bytes);
 	rc = boot_epoch_make(&server->boot_epoch);
 	if (rc < 0)
 		return rc;
@@ -791,6 +799,9 @@ void server_free(struct server *server)
 	/* Let the close callbacks run, then release what they released. */
 	uv_run(server->loop, UV_RUN_DEFAULT);
 	session_table_free(&server->sessions);
+	/* After the stores (the last closes may keep their maps), before the
+	 * quotas (which the maps are charged to). */
+	retain_maps_release(true, 0, UINT64_MAX);
 	/* Its references go back before the pools are freed. */
 	prefix_index_free(&server->prefix);
 	/* After the stores (which borrow them), before the quotas (which

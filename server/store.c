@@ -30,6 +30,7 @@
 #include "fault.h"
 #include "log.h"
 #include "pool.h"
+#include "retain.h"
 
 #define PAGE_BYTES 4096u
 
@@ -911,15 +912,26 @@ static int map_open(struct store *store)
 	int rc = map_take(bytes);
 	if (rc < 0)
 		return rc;
-	store->map_fd = memfd_create("zipcache-map", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-	if (store->map_fd < 0 || ftruncate(store->map_fd, (off_t)bytes) < 0 ||
-	    fcntl(store->map_fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
-		rc = -errno;
-		goto out_close;
+	/* A closed session's map of this size and uid, pages and all
+	 * (retain.h): its charge becomes this store's, its stale bytes are
+	 * never read (readers read what the header and tables say is there,
+	 * and the header pages are cleared below). */
+	uint64_t retained = 0;
+	store->map_fd = retain_map_get(bytes, store->header->owner_uid, store->budget, &retained);
+	if (store->map_fd >= 0) {
+		store->charged += retained;
+		kind_add(store, KIND_VIEWS, (int64_t)retained);
+	} else {
+		store->map_fd = memfd_create("zipcache-map", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+		if (store->map_fd < 0 || ftruncate(store->map_fd, (off_t)bytes) < 0 ||
+		    fcntl(store->map_fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
+			rc = -errno;
+			goto out_close;
+		}
+		/* Readers get a read-only descriptor; no write bits keeps them
+		 * (as any other user) from reopening it for writing. */
+		fchmod(store->map_fd, 0400);
 	}
-	/* Readers get a read-only descriptor; no write bits keeps them (as
-	 * any other user) from reopening it for writing. */
-	fchmod(store->map_fd, 0400);
 	rc = reserve_in(store, store->map_fd, 0, m->header_bytes, KIND_HEADERS);
 	if (rc < 0)
 		goto out_close;
@@ -930,12 +942,17 @@ static int map_open(struct store *store)
 	}
 	store->map_base = base;
 	store->map = base;
+	if (retained)
+		memset(store->map_base, 0, m->header_bytes);
 	memcpy(store->map, m, sizeof(*m));
 	for (uint32_t i = 0; i < m->layers; i++) {
 		mirror_layer(store, i);
 		__atomic_store_n(&store->map->layer[i].sequence, store->room[i].sequence,
 				 __ATOMIC_RELEASE);
 	}
+	/* The retained pages, by what they hold now. */
+	if (retained)
+		kinds_measure(store);
 	return 0;
 
 out_close:
@@ -960,6 +977,26 @@ static int map_table_fill(struct store *store, uint32_t layer)
 	if (rc == 0)
 		map_entries_write(store, layer, 0);
 	return rc;
+}
+
+/*
+ * A closed session's map, kept for the next session of its size and uid
+ * (retain.h) instead of closed: its pages and their charge leave the
+ * store. Only for a session gone for good (its file unlinked): a store
+ * closed at shutdown or for an offload keeps nothing.
+ */
+static void map_retain(struct store *store)
+{
+	if (!store->unlinked || store->map_fd < 0 || !store->map_base)
+		return;
+	uint64_t allocated = fd_allocated(store->map_fd);
+	if (allocated > store->charged)
+		return;
+	if (!retain_map_put(store->map_fd, store->layout.map_bytes, allocated,
+			    store->header->owner_uid, store->budget))
+		return;
+	store->charged -= allocated;
+	store->map_fd = -1;
 }
 
 static void store_unmap(struct store *store)
@@ -1648,6 +1685,7 @@ void store_close(struct store *store, bool remove_file)
 	 * outlive the cache; those pages go when the last mapping does.) */
 	if (store->unlinked)
 		store_release_blocks(store);
+	map_retain(store);
 	store_budget_give(store->budget, store->charged);
 	store_unmap(store);
 	close(store->fd);

@@ -160,6 +160,10 @@ struct store_memory {
 	uint64_t residual;   /* exact residual rows */
 	uint64_t index;      /* block index pages */
 	uint64_t headers;    /* headers and the commit area */
+	/* Pages kept for reuse (server/retain.h): closed sessions' maps, and
+	 * the pools' kept extents (not in `blocks`). */
+	uint64_t retained_maps;
+	uint64_t retained_extents;
 };
 
 /* Adds this store's charged memory, by kind, to *sum (safe from the loop

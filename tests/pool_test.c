@@ -19,6 +19,7 @@
 
 #include "../server/budget.h"
 #include "../server/pool.h"
+#include "../server/retain.h"
 #include "shm_dir.h"
 #include "suite_main.h"
 #include "zipcache/error.h"
@@ -928,6 +929,84 @@ START_TEST(a_file_that_is_not_a_pool_is_corrupt)
 }
 END_TEST
 
+/* Kept extents (retain.h): a freed block's pages stay (all but its
+ * punched first page, the commit point), under the bound, and the next
+ * block of a fitting size goes into them with its bytes exact; a claim of
+ * a kept extent is refused; release punches them; after a "crash" (the
+ * pool reopened without closing) the sweep frees them: nothing leaks. */
+START_TEST(kept_extents_are_reused_counted_and_swept)
+{
+	struct fixture f;
+	enum { BYTES = 16 * PAGE };
+	static uint8_t key[BYTES], value[BYTES], back[BYTES];
+	uint64_t a, b, c;
+	fixture_start(&f, "kept");
+	retain_set_limit(4 * BYTES);
+	for (size_t i = 0; i < BYTES; i++) {
+		key[i] = (uint8_t)(i * 7 + 1);
+		value[i] = (uint8_t)(i * 13 + 5);
+	}
+	ck_assert_int_eq(pool_write(f.pool, key, BYTES - 64, value, BYTES, &a), 0);
+	uint64_t extent = pool_extent_bytes(BYTES - 64, BYTES);
+	uint64_t file = pool_file_bytes(f.pool);
+	pool_unref(f.pool, a);
+	/* Kept: one page fewer in the file, the rest counted and charged. */
+	ck_assert_uint_eq(pool_kept_bytes(f.pool), extent - PAGE);
+	ck_assert_uint_eq(retain_held_bytes(), extent - PAGE);
+	ck_assert_uint_eq(pool_file_bytes(f.pool), file - PAGE);
+	ck_assert_uint_eq(f.budget.used, pool_file_bytes(f.pool));
+	/* The commit point: a session naming the kept extent is not adopted. */
+	ck_assert_int_eq(pool_claim(f.pool, a, BYTES - 64, pool_value_offset(a, BYTES - 64), BYTES,
+				    f.reason, sizeof(f.reason)), ZC_ECORRUPT);
+	/* Reused, bytes exact. */
+	uint64_t reuses = retain_extent_reuses();
+	memset(key, 0xA5, 100);
+	ck_assert_int_eq(pool_write(f.pool, key, BYTES - 64, value, BYTES, &b), 0);
+	ck_assert_uint_eq(b, a);
+	ck_assert_uint_eq(retain_extent_reuses(), reuses + 1);
+	ck_assert_uint_eq(pool_kept_bytes(f.pool), 0);
+	ck_assert_uint_eq(retain_held_bytes(), 0);
+	ck_assert_uint_eq(pool_file_bytes(f.pool), file);
+	ck_assert_int_eq(pool_read(f.pool, b, back, BYTES - 64), 0);
+	ck_assert_mem_eq(back, key, BYTES - 64);
+	ck_assert_int_eq(pool_read(f.pool, pool_value_offset(b, BYTES - 64), back, BYTES), 0);
+	ck_assert_mem_eq(back, value, BYTES);
+	/* The bound holds: of three freed extents, two fit under it. */
+	ck_assert_int_eq(pool_write(f.pool, key, BYTES, value, BYTES, &c), 0);
+	uint64_t d;
+	ck_assert_int_eq(pool_write(f.pool, key, BYTES, value, BYTES, &d), 0);
+	uint64_t big = pool_extent_bytes(BYTES, BYTES);
+	pool_unref(f.pool, b);
+	pool_unref(f.pool, c);
+	pool_unref(f.pool, d);
+	ck_assert_uint_le(retain_held_bytes(), 4 * BYTES);
+	ck_assert_uint_eq(pool_kept_bytes(f.pool), extent - PAGE + big - PAGE);
+	ck_assert_uint_eq(f.budget.used, pool_file_bytes(f.pool));
+	/* Release punches them whole. */
+	ck_assert_uint_gt(pool_release_kept(f.pool, UINT64_MAX), 0);
+	ck_assert_uint_eq(pool_kept_bytes(f.pool), 0);
+	ck_assert_uint_eq(retain_held_bytes(), 0);
+	ck_assert_uint_eq(pool_file_bytes(f.pool), PAGE);
+	/* Kept again, then the daemon dies: the next one's sweep frees them. */
+	ck_assert_int_eq(pool_write(f.pool, key, BYTES, value, BYTES, &c), 0);
+	pool_unref(f.pool, c);
+	ck_assert_uint_gt(pool_kept_bytes(f.pool), 0);
+	struct store_budget other = { 0 };
+	struct pool *next = NULL;
+	bool existed = false;
+	ck_assert_int_eq(pool_open(f.dir.fd, f.dir.path, UID, &other, &next, &existed, f.reason,
+				   sizeof(f.reason)), 0);
+	ck_assert(existed);
+	pool_sweep(next);
+	ck_assert_uint_eq(pool_file_bytes(next), PAGE);
+	pool_close(next);
+	ck_assert_uint_eq(other.used, 0);
+	fixture_end(&f);
+	ck_assert_uint_eq(retain_held_bytes(), 0);
+	retain_set_limit(0);
+}
+END_TEST
+
 static Suite *pool_suite(void)
 {
 	Suite *suite = suite_create("pool");
@@ -941,6 +1020,7 @@ static Suite *pool_suite(void)
 		{ "files", { pool_set_opens_one_pool_per_uid, pool_set_scan_after_the_directory_was_listed,
 			     a_file_that_is_not_a_pool_is_corrupt,
 			     NULL } },
+		{ "kept", { kept_extents_are_reused_counted_and_swept, NULL } },
 	};
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);
 	return suite;

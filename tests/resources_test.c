@@ -19,6 +19,7 @@
 #include "../server/http.h"
 #include "../server/options.h"
 #include "../server/resources.h"
+#include "../server/retain.h"
 #include "process_run.h"
 #include "suite_main.h"
 
@@ -141,6 +142,7 @@ START_TEST(descriptors_needed_follow_the_limits)
 	options_default(&o);
 	o.max_connections = 10;
 	o.max_sessions = 20;
+	o.retain_bytes = 0;
 	snprintf(o.metrics_listen, sizeof(o.metrics_listen), "off");
 	ck_assert_uint_eq(resources_descriptors_needed(&o),
 			  RESOURCES_FIXED_DESCRIPTORS + 10 * CONNECTION_DESCRIPTORS + 20);
@@ -153,6 +155,13 @@ START_TEST(descriptors_needed_follow_the_limits)
 				  HTTP_FIXED_DESCRIPTORS + HTTP_CONNECTION_LIMIT);
 	resources_descriptors_formula(&o, formula, sizeof(formula));
 	ck_assert_msg(strstr(formula, "metrics"), "%s", formula);
+	/* Retained maps hold a descriptor each. */
+	o.retain_bytes = 1 << 20;
+	ck_assert_uint_eq(resources_descriptors_needed(&o),
+			  RESOURCES_FIXED_DESCRIPTORS + 10 * CONNECTION_DESCRIPTORS + 20 +
+				  HTTP_FIXED_DESCRIPTORS + HTTP_CONNECTION_LIMIT + RETAIN_MAX_MAPS);
+	resources_descriptors_formula(&o, formula, sizeof(formula));
+	ck_assert_msg(strstr(formula, "retained maps"), "%s", formula);
 }
 END_TEST
 
