@@ -1754,7 +1754,7 @@ END_TEST
  * ones with the smallest norms, so key norm would never pick them; the
  * flushed block's mask must hold exactly them. Bad masses change nothing.
  */
-START_TEST(attention_masses_rank_the_flush)
+static void masses_rank_the_flush(bool deferred)
 {
 	struct fixture f;
 	fixture_start(&f, "store_mass");
@@ -1790,7 +1790,19 @@ START_TEST(attention_masses_rank_the_flush)
 	ck_assert_int_eq(store_residual_mass(s, 0, 0, n, mass), 0);
 	for (size_t i = 0; i < HEADS * DIM_K; i++)
 		k[i] = zc_float_to_fp16((float)RESIDUAL);
-	ck_assert_int_eq(store_update(s, 0, 1, k, v), 0);   /* fills the residual: flush */
+	/* Fills the residual: flush. */
+	ck_assert_int_eq(store_append(s, 0, 1, k, v, deferred), 0);
+	if (deferred) {
+		struct store_flush flush;
+		ck_assert_int_eq(store_flush_begin(s, 0, &flush), 0);
+		/* Masses sent beside the pending flush do not change its ranking. */
+		float late[HEADS * RESIDUAL];
+		for (size_t i = 0; i < HEADS * RESIDUAL; i++)
+			late[i] = i % RESIDUAL == RESIDUAL - 1 ? 1000.0f : 0.0f;
+		ck_assert_int_eq(store_residual_mass(s, 0, 0, RESIDUAL, late), 0);
+		store_flush_compress(s, &flush);
+		ck_assert_int_eq(store_flush_publish(s, &flush), 0);
+	}
 	struct store_cut cut;
 	store_layer_cut(s, 0, &cut);
 	ck_assert_uint_eq(cut.blocks, 1);
@@ -1815,6 +1827,17 @@ START_TEST(attention_masses_rank_the_flush)
 	store_close(s, true);
 	fixture_end(&f);
 }
+
+START_TEST(attention_masses_rank_the_flush)
+{
+	masses_rank_the_flush(false);
+}
+END_TEST
+
+START_TEST(attention_masses_rank_the_deferred_flush)
+{
+	masses_rank_the_flush(true);
+}
 END_TEST
 
 static Suite *store_suite(void)
@@ -1828,7 +1851,8 @@ static Suite *store_suite(void)
 		{ "fork", { fork_inside_a_block, fork_at_a_block_boundary, fork_inside_the_residual,
 			    fork_at_zero_and_past_the_end, fork_of_a_fork_after_a_trim_cut, NULL } },
 		{ "views", { drop_and_rebuild_views, NULL } },
-		{ "saliency", { attention_masses_rank_the_flush, NULL } },
+		{ "saliency", { attention_masses_rank_the_flush,
+				attention_masses_rank_the_deferred_flush, NULL } },
 		{ "adoption", { adoption_restores_every_session, adoption_refuses_what_cannot_be_right,
 				NULL } },
 		{ "refusals", { bad_input_changes_nothing, budget_refusal_changes_nothing,
