@@ -234,6 +234,17 @@ int64_t zc_block_compress_scored(const zc_codec_config *config, const zc_block_s
 			      capacity);
 }
 
+int64_t zc_block_compress_scored_strided(const zc_codec_config *config,
+					 const zc_block_shape *shape, const uint16_t *keys,
+					 const zc_strides *key_strides, const float *scores,
+					 void *out, size_t capacity)
+{
+	if (!scores || !key_strides)
+		return ZC_EINVALID;
+	return block_compress(config, ZC_TENSOR_KEYS, shape, keys, key_strides, scores, out,
+			      capacity);
+}
+
 /* Rows handed to one group_reconstruct call at most (a stack list). */
 #define RECONSTRUCT_CHUNK_ROWS 256u
 

@@ -14,6 +14,7 @@ void zc_codec_config_default(zc_codec_config *config)
 	config->hi_fraction = ZC_DEFAULT_HI_FRACTION;
 	config->group_size = ZC_DEFAULT_GROUP_SIZE;
 	config->quantize_values = true;
+	config->saliency = ZC_SALIENCY_KEY_NORM;
 }
 
 int zc_codec_config_validate(const zc_codec_config *config)
@@ -26,6 +27,8 @@ int zc_codec_config_validate(const zc_codec_config *config)
 		return ZC_EFRACTION;
 	if (config->group_size < 1)
 		return ZC_EGROUPSIZE;
+	if (config->saliency != ZC_SALIENCY_KEY_NORM && config->saliency != ZC_SALIENCY_ATTENTION)
+		return ZC_EINVALID;
 	return 0;
 }
 

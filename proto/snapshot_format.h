@@ -49,7 +49,10 @@ struct snapshot_config {
 	int32_t group_size;
 	double hi_fraction;
 	uint32_t quantize_values;
-	uint32_t pad;
+	/* enum zc_saliency. It was padding, hashed as 0: a snapshot written
+	 * before it holds 0 (key norm), and a key-norm session's fingerprint
+	 * is what it always was. */
+	uint32_t saliency;
 	char model_id[SNAPSHOT_MODEL_ID_BYTES];
 	char pad2[7];
 };

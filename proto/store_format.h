@@ -31,8 +31,10 @@
 #define STORE_MAGIC "ZCSTORE1"
 /* 4 added model_id (header) and a record's residual_start (was padding);
  * a version 3 file has zeros in both and is read as one without a model
- * id whose records start their residual at row 0. */
-#define STORE_VERSION 4u
+ * id whose records start their residual at row 0. 5 gave the header's
+ * pad0 a meaning, saliency; versions 3 and 4 wrote 0 there, which is
+ * ZC_SALIENCY_KEY_NORM, and are read as that. */
+#define STORE_VERSION 5u
 #define STORE_VERSION_OLDEST 3u
 #define STORE_NAME_BYTES 65
 
@@ -81,7 +83,7 @@ struct store_header {
 	int32_t group_size;
 	uint32_t quantize_values;
 	uint32_t views;           /* enum zc_views */
-	uint32_t pad0;
+	uint32_t saliency;        /* enum zc_saliency (version 5; 0 before) */
 	uint64_t max_blocks;      /* per layer */
 	uint64_t file_bytes;
 	uint64_t commit_offset;

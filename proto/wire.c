@@ -48,6 +48,7 @@ struct decode_ctx {
 	size_t len;
 	wire_span *keys;
 	wire_span *values;
+	wire_span *mass;
 	struct decode_list {
 		void *items;
 		size_t n;
@@ -88,7 +89,8 @@ static bool stream_in_frame(const struct decode_ctx *ctx, const pb_istream_t *st
 	return p >= lo && p - lo <= ctx->len && stream->bytes_left <= ctx->len - (p - lo);
 }
 
-/* keys / values of UpdateAndFetchRequest: remember where they are, skip them. */
+/* keys / values / attention_mass of UpdateAndFetchRequest: remember where
+ * they are, skip them. */
 static bool decode_inline(pb_istream_t *stream, const pb_field_t *field, void **arg)
 {
 	struct decode_ctx *ctx = *arg;
@@ -98,7 +100,9 @@ static bool decode_inline(pb_istream_t *stream, const pb_field_t *field, void **
 		ctx->why = "inline keys/values must be length-delimited bytes";
 		return false;
 	}
-	span = field->tag == zipcache_v1_UpdateAndFetchRequest_keys_tag ? ctx->keys : ctx->values;
+	span = field->tag == zipcache_v1_UpdateAndFetchRequest_keys_tag ? ctx->keys :
+	       field->tag == zipcache_v1_UpdateAndFetchRequest_values_tag ? ctx->values :
+								       ctx->mass;
 	/* A repeated occurrence replaces the earlier one, as for any bytes field. */
 	span->data = stream->state;
 	span->len = stream->bytes_left;
@@ -233,6 +237,9 @@ static const struct enum_field {
 	  _zipcache_v1_Views_MIN, _zipcache_v1_Views_MAX, "0 (VIEWS_FULL) or 1 (VIEWS_NONE)" },
 	{ &zipcache_v1_ImportSessionRequest_msg, zipcache_v1_ImportSessionRequest_views_tag,
 	  _zipcache_v1_Views_MIN, _zipcache_v1_Views_MAX, "0 (VIEWS_FULL) or 1 (VIEWS_NONE)" },
+	{ &zipcache_v1_CodecConfig_msg, zipcache_v1_CodecConfig_saliency_tag,
+	  _zipcache_v1_Saliency_MIN, _zipcache_v1_Saliency_MAX,
+	  "0 (SALIENCY_KEY_NORM) or 1 (SALIENCY_ATTENTION)" },
 };
 
 struct request_check {
@@ -408,6 +415,7 @@ int wire_pb_request_decode(const uint8_t *frame, size_t len, wire_pb_request *ou
 	memset(out, 0, sizeof(*out));
 	ctx.keys = &out->keys;
 	ctx.values = &out->values;
+	ctx.mass = &out->attention_mass;
 
 	s = pb_istream_from_buffer(frame, len);
 	if (!pb_decode(&s, &zipcache_v1_Request_msg, &out->msg))
@@ -432,17 +440,21 @@ int wire_pb_request_decode(const uint8_t *frame, size_t len, wire_pb_request *ou
 	uaf->keys.arg = &ctx;
 	uaf->values.funcs.decode = decode_inline;
 	uaf->values.arg = &ctx;
+	uaf->attention_mass.funcs.decode = decode_inline;
+	uaf->attention_mass.arg = &ctx;
 	s = pb_istream_from_buffer(frame, len);
 	if (!pb_decode_ex(&s, &zipcache_v1_Request_msg, &out->msg, PB_DECODE_NOINIT))
 		goto out_malformed;
 	if (out->msg.which_op != zipcache_v1_Request_update_and_fetch_tag ||
-	    uaf->keys.funcs.decode == NULL || uaf->values.funcs.decode == NULL) {
+	    uaf->keys.funcs.decode == NULL || uaf->values.funcs.decode == NULL ||
+	    uaf->attention_mass.funcs.decode == NULL) {
 		ctx.why = "another op precedes update_and_fetch in the request";
 		goto out_malformed;
 	}
 	/* No pointers to this stack frame may outlive it. */
 	memset(&uaf->keys, 0, sizeof(uaf->keys));
 	memset(&uaf->values, 0, sizeof(uaf->values));
+	memset(&uaf->attention_mass, 0, sizeof(uaf->attention_mass));
 	return 0;
 
 out_malformed:
@@ -559,6 +571,8 @@ static void request_prepare(const wire_pb_request *req, zipcache_v1_Request *msg
 		uaf->keys.arg = (void *)&req->keys;
 		uaf->values.funcs.encode = encode_inline;
 		uaf->values.arg = (void *)&req->values;
+		uaf->attention_mass.funcs.encode = encode_inline;
+		uaf->attention_mass.arg = (void *)&req->attention_mass;
 	}
 }
 
@@ -822,6 +836,9 @@ void wire_codec_from_config(const zc_codec_config *config, struct wire_codec *ou
 		.has_group_size = true,
 		.group_size = config->group_size < 0 ? 0 : (uint32_t)config->group_size,
 		.has_quantize_values = true, .quantize_values = config->quantize_values,
+		/* Out of range goes as a value the other side refuses. */
+		.has_saliency = true,
+		.saliency = config->saliency < 0 ? UINT32_MAX : (uint32_t)config->saliency,
 	};
 }
 
@@ -837,6 +854,8 @@ void wire_codec_to_config(const struct wire_codec *codec, zc_codec_config *confi
 		config->group_size = codec->group_size > ZC_MAX_BLOCK_TOKENS ? 0 : (int)codec->group_size;
 	if (codec->has_quantize_values)
 		config->quantize_values = codec->quantize_values;
+	if (codec->has_saliency)
+		config->saliency = codec->saliency > INT32_MAX ? -1 : (int)codec->saliency;
 }
 
 static void codec_to_pb(const struct wire_codec *c, zipcache_v1_CodecConfig *out)
@@ -847,6 +866,7 @@ static void codec_to_pb(const struct wire_codec *c, zipcache_v1_CodecConfig *out
 		.has_hi_fraction = c->has_hi_fraction, .hi_fraction = c->hi_fraction,
 		.has_group_size = c->has_group_size, .group_size = c->group_size,
 		.has_quantize_values = c->has_quantize_values, .quantize_values = c->quantize_values,
+		.has_saliency = c->has_saliency, .saliency = (zipcache_v1_Saliency)c->saliency,
 	};
 }
 
@@ -858,6 +878,7 @@ static void codec_from_pb(const zipcache_v1_CodecConfig *c, struct wire_codec *o
 		.has_hi_fraction = c->has_hi_fraction, .hi_fraction = c->hi_fraction,
 		.has_group_size = c->has_group_size, .group_size = c->group_size,
 		.has_quantize_values = c->has_quantize_values, .quantize_values = c->quantize_values,
+		.has_saliency = c->has_saliency, .saliency = (uint32_t)c->saliency,
 	};
 }
 
@@ -1065,6 +1086,8 @@ static void request_to_pb(const wire_request *req, wire_pb_request *out)
 		memcpy(p->chunk_key.bytes, u->chunk_key, p->chunk_key.size);
 		out->keys = u->keys;
 		out->values = u->values;
+		out->attention_mass = u->attention_mass;
+		p->mass_first_token = u->mass_first_token;
 		break;
 	}
 	case WIRE_OP_TRIM:
@@ -1173,6 +1196,8 @@ static void request_from_pb(const wire_pb_request *in, wire_request *out)
 		u->tokens = p->tokens;
 		u->keys = in->keys;
 		u->values = in->values;
+		u->attention_mass = in->attention_mass;
+		u->mass_first_token = p->mass_first_token;
 		u->staged = p->staged;
 		u->keys_offset = p->keys_offset;
 		u->values_offset = p->values_offset;

@@ -92,6 +92,8 @@ struct wire_codec {
 	uint32_t group_size;
 	bool has_quantize_values;
 	bool quantize_values;
+	bool has_saliency;
+	uint32_t saliency;            /* a zc_saliency (the decoder refuses others in requests) */
 };
 
 /* ---- requests ---- */
@@ -159,6 +161,11 @@ struct wire_update_request {
 	bool omit_stats;            /* the reply leaves the layer's stats out */
 	uint32_t chunk_key_len;       /* 0: none; the daemon wants ZC_CHUNK_KEY_BYTES */
 	uint8_t chunk_key[ZC_CHUNK_KEY_BYTES];
+	/* Saliency by attention: float32 masses [batch][kv_heads][n] of the
+	 * residual tokens from mass_first_token on (len 0: none); a span as
+	 * keys and values are. */
+	wire_span attention_mass;
+	uint32_t mass_first_token;
 };
 
 struct wire_trim_request {

@@ -31,6 +31,7 @@ typedef struct wire_pb_request {
 	 */
 	wire_span keys;
 	wire_span values;
+	wire_span attention_mass;   /* msg.op.update_and_fetch.attention_mass, likewise */
 	/* After a failed decode: why, a static string or `reason` below (so
 	 * valid as long as this struct). NULL otherwise. */
 	const char *error;

@@ -72,6 +72,8 @@ struct request_job {
 	bool chunk;                   /* a prefix chunk: chunk_key, chunk_block */
 	uint8_t chunk_key[ZC_CHUNK_KEY_BYTES];
 	store_block chunk_block;      /* made by update_run, one reference for the index */
+	float *mass;                  /* saliency by attention: the request's masses (owned) */
+	uint32_t mass_rows, mass_first_token;
 	/* lookup_prefix and an open's fetch of remote chunks: the request's
 	 * fields (owned), the chunks held here, what the remote tier gave */
 	struct wire_open_request *open_copy;
@@ -215,6 +217,10 @@ static bool attach_matches(const struct wire_open_request *open, const zc_sessio
 			mismatch_note(m, codec, "codec.quantize_values is %s, not %s",
 				      has->quantize_values ? "true" : "false",
 				      c->quantize_values ? "true" : "false");
+		if (c->has_saliency && c->saliency != (uint32_t)has->saliency)
+			mismatch_note(m, codec, "codec.saliency is %s, not %s",
+				      has->saliency == ZC_SALIENCY_ATTENTION ? "attention" : "key_norm",
+				      c->saliency == ZC_SALIENCY_ATTENTION ? "attention" : "key_norm");
 	}
 	return m->groups[0] == '\0';
 }
@@ -814,6 +820,7 @@ static void job_free(struct request_job *job)
 	if (job->snapshot_fd >= 0)
 		close(job->snapshot_fd);
 	free(job->inline_copy);
+	free(job->mass);
 	free(job->open_copy);
 	free(job->fetched);
 	prefix_records_free(job->records, job->n_records);
@@ -860,6 +867,30 @@ static void update_run(struct job *base)
 			 "nothing was stored", ZC_PREFIX_CHUNK_TOKENS, job->layer,
 			 job->layer_tokens_before);
 		return;
+	}
+	/* Before the append, so the flush it may cause ranks by them;
+	 * refused masses leave the layer as it was. */
+	if (job->mass) {
+		rc = store_residual_mass(store, job->layer, job->mass_first_token, job->mass_rows,
+					 job->mass);
+		if (rc == ZC_ESHAPE) {
+			job_fail(job, ZC_EINVALID,
+				 "attention_mass names tokens %u..%u of layer %u, which holds %u "
+				 "tokens (residual of at most %u rows); nothing was stored",
+				 job->mass_first_token, job->mass_first_token + job->mass_rows - 1,
+				 job->layer, job->layer_tokens_before, h->residual_capacity);
+			return;
+		}
+		if (rc == ZC_ENONFINITE) {
+			job_fail(job, ZC_EINVALID, "attention_mass holds a NaN, infinite or negative "
+				 "mass; nothing was stored");
+			return;
+		}
+		if (rc < 0) {
+			job_fail(job, rc, "attention_mass of layer %u refused: %s; nothing was stored",
+				 job->layer, zc_strerror(rc));
+			return;
+		}
 	}
 	rc = job->chunk ? store_append_block(store, job->layer, job->tokens, job->keys, job->values,
 					     &job->chunk_block) :
@@ -1052,6 +1083,42 @@ static struct request_job *job_new(const struct request *rq, struct session *ses
 	return job;
 }
 
+/*
+ * An update's attention masses (saliency by attention, docs/ATTEND.md):
+ * checked against the session's shape and copied into the job (the frame
+ * goes when the request returns; the copy is aligned for float). A bad
+ * one is answered here, before anything is queued: -1.
+ */
+static int update_mass_copy(const struct request *rq, const struct session *session,
+			    const struct wire_update_request *update, struct request_job *job)
+{
+	const struct store_header *h = store_header(session->store);
+	uint64_t row_bytes = (uint64_t)h->batch * h->kv_heads * sizeof(float);
+	size_t len = update->attention_mass.len;
+
+	if (store_codec(session->store).saliency != ZC_SALIENCY_ATTENTION) {
+		reply_error(rq, ZC_EINVALID, "attention_mass sent to session %llu, whose saliency is "
+			    "key_norm; nothing was stored", (unsigned long long)session->id);
+		return -1;
+	}
+	if (len % row_bytes != 0 || len / row_bytes > h->residual_capacity) {
+		reply_error(rq, ZC_EINVALID,
+			    "attention_mass is %zu bytes: it must be float32 [batch %u][kv_heads %u]"
+			    "[n] with 1 <= n <= %u (the residual's rows); nothing was stored",
+			    len, h->batch, h->kv_heads, h->residual_capacity);
+		return -1;
+	}
+	job->mass = malloc(len);
+	if (!job->mass) {
+		reply_error(rq, -ENOMEM, "out of memory");
+		return -1;
+	}
+	memcpy(job->mass, update->attention_mass.data, len);
+	job->mass_rows = (uint32_t)(len / row_bytes);
+	job->mass_first_token = update->mass_first_token;
+	return 0;
+}
+
 /* Returns true when a job was queued (it finishes the request). */
 static bool handle_update(const struct request *rq, const wire_request *request)
 {
@@ -1155,6 +1222,10 @@ static bool handle_update(const struct request *rq, const wire_request *request)
 		memcpy(job->inline_copy + key_bytes, update->values.data, value_bytes);
 		job->keys = (const uint16_t *)job->inline_copy;
 		job->values = (const uint16_t *)(job->inline_copy + key_bytes);
+	}
+	if (update->attention_mass.len && update_mass_copy(rq, session, update, job) < 0) {
+		job_free(job);
+		return false;
 	}
 	job->layer = update->layer;
 	job->tokens = update->tokens;

@@ -105,6 +105,10 @@ uint64_t prefix_fingerprint(const struct snapshot_config *config)
 	struct snapshot_config c = *config;
 	c.policy = 0;
 	c.residual_tokens = 0;
+	/* A chunk is one block compressed by key norm whatever the session's
+	 * saliency (only residual flushes rank by attention): the sessions of
+	 * both share chunks. */
+	c.saliency = 0;
 	return snapshot_fingerprint(&c);
 }
 
@@ -118,7 +122,8 @@ uint64_t prefix_fingerprint_of_store(const struct store_header *h)
 void prefix_config_of_params(const struct store_params *p, struct snapshot_config *c)
 {
 	/* The fields snapshot_config_of() reads, as store_create() writes
-	 * them into a header; policy and residual threshold left 0. */
+	 * them into a header; policy, residual threshold and saliency left 0
+	 * (prefix_fingerprint ignores them). */
 	memset(c, 0, sizeof(*c));
 	c->layers = p->layers;
 	c->batch = p->batch;

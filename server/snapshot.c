@@ -78,6 +78,7 @@ void snapshot_config_of(const struct store_header *h, struct snapshot_config *ou
 	out->group_size = h->group_size;
 	out->hi_fraction = h->hi_fraction;
 	out->quantize_values = h->quantize_values;
+	out->saliency = h->saliency;
 	snprintf(out->model_id, sizeof(out->model_id), "%s", h->model_id);
 }
 
@@ -91,6 +92,7 @@ static zc_codec_config config_codec(const struct snapshot_config *c)
 	codec.hi_fraction = c->hi_fraction;
 	codec.group_size = c->group_size;
 	codec.quantize_values = c->quantize_values != 0;
+	codec.saliency = c->saliency > 1 ? -1 : (int)c->saliency;
 	return codec;
 }
 
@@ -101,7 +103,6 @@ uint64_t snapshot_fingerprint(const struct snapshot_config *config)
 	struct snapshot_config c;
 	memset(&c, 0, sizeof(c));
 	c = *config;
-	c.pad = 0;
 	memset(c.pad2, 0, sizeof(c.pad2));
 	size_t used = strnlen(config->model_id, sizeof(c.model_id) - 1);
 	memset(c.model_id + used, 0, sizeof(c.model_id) - used);
@@ -171,8 +172,9 @@ int snapshot_header_verify(const struct snapshot_header *h, char *why, size_t si
 	zc_codec_config codec = config_codec(c);
 	if (c->quantize_values > 1 || zc_codec_config_validate(&codec) < 0)
 		return fail(ZC_EINVALID, why, size,
-			    "bad config: codec hi_bits %d lo_bits %d hi_fraction %g group_size %d",
-			    c->hi_bits, c->lo_bits, c->hi_fraction, c->group_size);
+			    "bad config: codec hi_bits %d lo_bits %d hi_fraction %g group_size %d "
+			    "saliency %u", c->hi_bits, c->lo_bits, c->hi_fraction, c->group_size,
+			    c->saliency);
 	if (h->tokens > (uint64_t)c->layers * h->max_tokens || h->blocks > h->tokens)
 		return fail(ZC_ECORRUPT, why, size,
 			    "header: %llu tokens and %llu blocks do not fit %u layers of %u tokens",

@@ -18,6 +18,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <float.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -80,6 +81,18 @@ struct layer_index {
 	uint32_t capacity;
 };
 
+/*
+ * Saliency by attention (docs/ATTEND.md): per layer, the attention mass
+ * clients sent for the residual's rows, row i being the residual's i-th
+ * token (not its buffer row). In memory only: after an adoption, for rows
+ * nobody sent a mass for, and for sessions ranked by key norm, there is
+ * none, and a flush falls back as mass_scores says.
+ */
+struct layer_mass {
+	float *mass;      /* [batch * kv_heads][residual_capacity] */
+	uint8_t *known;   /* [residual_capacity]: 1 where mass holds a client's figure */
+};
+
 struct store {
 	struct store_budget *budget;
 	uint64_t charged;         /* bytes of budget.used that are this store's */
@@ -103,6 +116,7 @@ struct store {
 	struct layer_state *layer;
 	struct layer_room *room;
 	struct layer_index *index;
+	struct layer_mass *mass;          /* NULL unless saliency is by attention */
 	/* Held while an index grows (realloc) and while the loop thread walks
 	 * the indexes (store_shared_bytes) as a job appends. */
 	pthread_mutex_t index_lock;
@@ -270,6 +284,8 @@ static zc_codec_config header_codec(const struct store_header *h)
 		.hi_fraction = h->hi_fraction,
 		.group_size = h->group_size,
 		.quantize_values = h->quantize_values != 0,
+		/* Version 3 and 4 files hold 0 there: key norm. */
+		.saliency = (int)h->saliency,
 	};
 }
 
@@ -845,6 +861,12 @@ static void store_free_memory(struct store *store)
 		for (uint32_t i = 0; i < store->header->layers; i++)
 			free(store->index[i].entries);
 	free(store->index);
+	if (store->mass)
+		for (uint32_t i = 0; i < store->header->layers; i++) {
+			free(store->mass[i].mass);
+			free(store->mass[i].known);
+		}
+	free(store->mass);
 	free(store->layer);
 	free(store->room);
 	free(store->header);
@@ -878,6 +900,19 @@ static int store_alloc(const struct store_header *h, struct store **out)
 		return rc;
 	}
 	store->codec = header_codec(h);
+	if (store->codec.saliency == ZC_SALIENCY_ATTENTION && h->residual_capacity > 0) {
+		uint64_t heads = (uint64_t)h->batch * h->kv_heads;
+		bool ok = (store->mass = calloc(h->layers, sizeof(*store->mass))) != NULL;
+		for (uint32_t i = 0; ok && i < h->layers; i++) {
+			store->mass[i].mass = calloc(heads * h->residual_capacity, sizeof(float));
+			store->mass[i].known = calloc(h->residual_capacity, 1);
+			ok = store->mass[i].mass && store->mass[i].known;
+		}
+		if (!ok) {
+			store_free_memory(store);
+			return -ENOMEM;
+		}
+	}
 	*out = store;
 	return 0;
 }
@@ -1043,6 +1078,7 @@ static void layout_from_params(struct store_header *layout, const struct store_p
 	layout->hi_fraction = params->codec.hi_fraction;
 	layout->group_size = params->codec.group_size;
 	layout->quantize_values = params->codec.quantize_values;
+	layout->saliency = (uint32_t)params->codec.saliency;
 	layout->views = (uint32_t)params->views;
 	snprintf(layout->name, sizeof(layout->name), "%s", params->name);
 	snprintf(layout->model_id, sizeof(layout->model_id), "%s",
@@ -1271,6 +1307,16 @@ static int fork_layer(struct store *fork, const struct store *source, uint32_t l
 					  &strides, s->residual_start, h, rows, dim);
 		}
 		next.residual_tokens = rows;
+		/* A fork goes on from the same attention: the rows it copies
+		 * keep the masses their clients sent (same codec, same
+		 * residual capacity). */
+		if (fork->mass && source->mass) {
+			for (uint64_t head = 0; head < heads_of(h); head++)
+				memcpy(fork->mass[layer].mass + head * h->residual_capacity,
+				       source->mass[layer].mass + head * h->residual_capacity,
+				       (size_t)rows * sizeof(float));
+			memcpy(fork->mass[layer].known, source->mass[layer].known, rows);
+		}
 	}
 	next.tokens = keep;
 	/* Records of generation 1, committed with the file's rename. */
@@ -1860,9 +1906,114 @@ static void scratch_put(uint8_t *buffer, bool owned)
 		free(buffer);
 }
 
+/* ---- saliency by attention (docs/ATTEND.md) ---------------------------------- */
+
+/* Forgets the masses of residual rows [from, capacity): rows that left
+ * the residual, or new ones no query has seen. */
+static void mass_forget(struct store *store, uint32_t layer, uint32_t from)
+{
+	uint32_t capacity = store->header->residual_capacity;
+	if (store->mass && from < capacity)
+		memset(store->mass[layer].known + from, 0, capacity - from);
+}
+
+/* The residual lost its first `rows` rows (a flush published): the
+ * masses of the `later` rows after them become rows 0.., the rest goes. */
+static void mass_shift(struct store *store, uint32_t layer, uint32_t rows, uint32_t later)
+{
+	const struct store_header *h = store->header;
+	if (!store->mass)
+		return;
+	struct layer_mass *m = &store->mass[layer];
+	if (later > 0) {
+		for (uint64_t head = 0; head < heads_of(h); head++) {
+			float *row = m->mass + head * h->residual_capacity;
+			memmove(row, row + rows, (size_t)later * sizeof(float));
+		}
+		memmove(m->known, m->known + rows, later);
+	}
+	mass_forget(store, layer, later);
+}
+
+/*
+ * The scores a flush of the residual's first `rows` rows ranks by,
+ * scores[head * rows + i]: a row's mass where a client sent one, and for
+ * a row with none (the update's own new tokens, which no query has seen
+ * yet) the mean of the head's others, so it ranks neither first nor
+ * last. False, with nothing written, when no row has a mass: the flush
+ * ranks by key norm then, as after a restart.
+ */
+static bool mass_scores(const struct store *store, uint32_t layer, uint32_t rows, float *scores)
+{
+	const struct store_header *h = store->header;
+	if (!store->mass || rows == 0 || rows > h->residual_capacity)
+		return false;
+	const struct layer_mass *m = &store->mass[layer];
+	uint32_t known = 0;
+	for (uint32_t i = 0; i < rows; i++)
+		known += m->known[i];
+	if (known == 0)
+		return false;
+	for (uint64_t head = 0; head < heads_of(h); head++) {
+		const float *mass = m->mass + head * h->residual_capacity;
+		double sum = 0.0;
+		for (uint32_t i = 0; i < rows; i++)
+			sum += m->known[i] ? mass[i] : 0.0;
+		float mean = (float)(sum / known);
+		for (uint32_t i = 0; i < rows; i++)
+			scores[head * rows + i] = m->known[i] ? mass[i] : mean;
+	}
+	return true;
+}
+
+/* mass_scores into a buffer of its own: NULL when there is nothing to
+ * rank by (or no memory for it: key norm then, which only costs quality). */
+static float *mass_scores_take(const struct store *store, uint32_t layer, uint32_t rows)
+{
+	if (!store->mass || rows == 0)
+		return NULL;
+	float *scores = malloc(heads_of(store->header) * rows * sizeof(float));
+	if (scores && !mass_scores(store, layer, rows, scores)) {
+		free(scores);
+		scores = NULL;
+	}
+	return scores;
+}
+
+int store_residual_mass(struct store *store, uint32_t layer, uint32_t first_token, uint32_t rows,
+			const float *mass)
+{
+	const struct store_header *h = store->header;
+	if (store->codec.saliency != ZC_SALIENCY_ATTENTION)
+		return ZC_EPRECONDITION;
+	if (layer >= h->layers || rows == 0 || !mass)
+		return ZC_EINVALID;
+	const struct layer_state *l = &store->layer[layer];
+	if (rows > h->residual_capacity || (uint64_t)first_token + rows > l->tokens)
+		return ZC_ESHAPE;
+	uint64_t heads = heads_of(h);
+	for (uint64_t i = 0; i < heads * rows; i++)
+		if (!(mass[i] >= 0.0f) || mass[i] > FLT_MAX)
+			return ZC_ENONFINITE;
+	if (!store->mass)
+		return 0;  /* per_call: no residual, nothing to rank */
+	uint32_t first = l->tokens - l->residual_tokens;
+	struct layer_mass *m = &store->mass[layer];
+	for (uint32_t j = 0; j < rows; j++) {
+		if (first_token + j < first)
+			continue;  /* compressed already */
+		uint32_t i = first_token + j - first;
+		for (uint64_t head = 0; head < heads; head++)
+			m->mass[head * h->residual_capacity + i] = mass[head * rows + j];
+		m->known[i] = 1;
+	}
+	return 0;
+}
+
 /*
  * Compresses a [B, H, tokens, D] block (keys and values, each with its own
- * strides) into a new pool block, reconstructs it into the views at
+ * strides; the keys ranked by scores when given, else by norm) into a new
+ * pool block, reconstructs it into the views at
  * first_token and writes its index entries past next's count; then
  * counts it in next. Nothing is committed here: until the caller commits
  * next, the block is scratch a crash forgets (the pool's sweep frees it),
@@ -1871,8 +2022,8 @@ static void scratch_put(uint8_t *buffer, bool owned)
 static int block_append(struct store *store, uint32_t layer, struct layer_state *next,
 			uint32_t first_token, uint32_t tokens, const uint16_t *keys,
 			const zc_strides *key_strides, const uint16_t *values,
-			const zc_strides *value_strides, const char *step_compress,
-			const char *step_index)
+			const zc_strides *value_strides, const float *scores,
+			const char *step_compress, const char *step_index)
 {
 	const struct store_header *h = store->header;
 	zc_block_shape key_shape = { h->batch, h->kv_heads, tokens, h->head_dim_k };
@@ -1897,8 +2048,12 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 	if (!key_out)
 		return -ENOMEM;
 	uint8_t *value_out = key_out + key_count.compressed;
-	int64_t written = zc_block_compress_strided(&store->codec, ZC_TENSOR_KEYS, &key_shape, keys,
-						    key_strides, key_out, key_count.compressed);
+	int64_t written = scores ? zc_block_compress_scored_strided(&store->codec, &key_shape, keys,
+								    key_strides, scores, key_out,
+								    key_count.compressed) :
+				   zc_block_compress_strided(&store->codec, ZC_TENSOR_KEYS, &key_shape,
+							     keys, key_strides, key_out,
+							     key_count.compressed);
 	if (written >= 0)
 		written = zc_block_compress_strided(&store->codec, ZC_TENSOR_VALUES, &value_shape,
 						    values, value_strides, value_out,
@@ -1963,10 +2118,12 @@ static int residual_to_block(struct store *store, uint32_t layer, struct layer_s
 	zc_strides value_strides = residual_strides(h, h->head_dim_v);
 	struct layer_state attempt = *next;
 	size_t start = next->residual_start;
+	float *scores = mass_scores_take(store, layer, next->residual_tokens);
 	int rc = block_append(store, layer, &attempt, next->tokens - next->residual_tokens,
 			      next->residual_tokens, key_residual(store, layer) + start * h->head_dim_k,
 			      &key_strides, value_residual(store, layer) + start * h->head_dim_v,
-			      &value_strides, "flush.compress", "flush.index");
+			      &value_strides, scores, "flush.compress", "flush.index");
+	free(scores);
 	if (rc < 0)
 		return rc;
 	attempt.residual_tokens = 0;
@@ -1980,8 +2137,10 @@ static int residual_flush(struct store *store, uint32_t layer)
 {
 	struct layer_state next = store->layer[layer];
 	int rc = residual_to_block(store, layer, &next);
-	if (rc == 0 && next.blocks != store->layer[layer].blocks)
+	if (rc == 0 && next.blocks != store->layer[layer].blocks) {
 		layer_commit(store, layer, &next, "flush.record", "flush.publish");
+		mass_forget(store, layer, 0);
+	}
 	return rc;
 }
 
@@ -2028,6 +2187,9 @@ int store_flush_begin(struct store *store, uint32_t layer, struct store_flush *f
 		.rows = l->residual_tokens,
 		.start = l->residual_start,
 	};
+	/* The masses as they are now: updates beside the flush may change
+	 * them, and the compress runs on another thread. */
+	flush->scores = mass_scores_take(store, layer, flush->rows);
 	store->room[layer].flush_pending = true;
 	store->room[layer].flush_rows = flush->rows;
 	return 0;
@@ -2059,10 +2221,13 @@ void store_flush_compress(const struct store *store, struct store_flush *flush)
 		return;
 	}
 	uint8_t *value_out = flush->payload + flush->key_count.compressed;
-	int64_t written = zc_block_compress_strided(
-		&store->codec, ZC_TENSOR_KEYS, &key_shape,
-		key_residual(store, flush->layer) + (size_t)flush->start * h->head_dim_k, &key_strides,
-		flush->payload, flush->key_count.compressed);
+	const uint16_t *keys = key_residual(store, flush->layer) + (size_t)flush->start * h->head_dim_k;
+	int64_t written = flush->scores ?
+		zc_block_compress_scored_strided(&store->codec, &key_shape, keys, &key_strides,
+						 flush->scores, flush->payload,
+						 flush->key_count.compressed) :
+		zc_block_compress_strided(&store->codec, ZC_TENSOR_KEYS, &key_shape, keys,
+					  &key_strides, flush->payload, flush->key_count.compressed);
 	if (written >= 0)
 		written = zc_block_compress_strided(
 			&store->codec, ZC_TENSOR_VALUES, &value_shape,
@@ -2084,6 +2249,8 @@ void store_flush_abandon(struct store *store, struct store_flush *flush)
 	flush->written = false;
 	free(flush->payload);
 	flush->payload = NULL;
+	free(flush->scores);
+	flush->scores = NULL;
 	if (flush->layer < store->header->layers)
 		store->room[flush->layer].flush_pending = false;
 }
@@ -2179,6 +2346,7 @@ int store_flush_publish(struct store *store, struct store_flush *flush)
 	next.residual_start = later ? flush->start + flush->rows : 0;
 	layer_commit(store, layer, &next, "flush.record", "flush.publish");
 	flush->written = false;  /* the layer names the block now */
+	mass_shift(store, layer, flush->rows, later);
 	if (later > 0) {
 		/* Readers' rows move inside this same write; the durable ones
 		 * go to rows the commit above made scratch. */
@@ -2239,7 +2407,7 @@ static int update_direct(struct store *store, uint32_t layer, uint32_t tokens,
 	int rc = residual_to_block(store, layer, &next);
 	if (rc == 0)
 		rc = block_append(store, layer, &next, next.tokens, tokens, keys, &key_input, values,
-				  &value_input, "append.compress", "append.index");
+				  &value_input, NULL, "append.compress", "append.index");
 	if (rc < 0) {
 		/* The residual's rows in the view may hold its reconstruction
 		 * now, but the residual stays exact: rebuild before the next read. */
@@ -2250,6 +2418,7 @@ static int update_direct(struct store *store, uint32_t layer, uint32_t tokens,
 	}
 	next.tokens += tokens;
 	layer_commit(store, layer, &next, "append.record", "append.publish");
+	mass_forget(store, layer, 0);  /* the residual went into a block */
 	return 0;
 }
 
@@ -2305,6 +2474,8 @@ static int update_residual(struct store *store, uint32_t layer, uint32_t tokens,
 			  value_residual(store, layer), &value_res, row, h, tokens, h->head_dim_v);
 	}
 	fault_point("residual.copy");
+	/* No query has seen the new rows. */
+	mass_forget(store, layer, next.residual_tokens);
 	next.residual_tokens += tokens;
 	next.tokens += tokens;
 	layer_commit(store, layer, &next, "residual.record", "residual.publish");
@@ -2496,6 +2667,7 @@ static int trim_layers(struct store *store, uint32_t first, uint32_t count, uint
 		sequence_begin(store, layer);
 		next[i].active = 1u - store->layer[layer].active;
 		layer_state_set(store, layer, &next[i]);
+		mass_forget(store, layer, next[i].residual_tokens);
 		/* The last block left may have been cut. */
 		if (next[i].blocks > 0)
 			map_entries_write(store, layer, next[i].blocks - 1);

@@ -206,6 +206,7 @@ struct store_flush {
 	int rc;                   /* of the compress */
 	bool written;             /* the pool holds the block, not yet named */
 	uint8_t *payload;         /* K then V, compressed (owned) */
+	float *scores;            /* saliency by attention: what the keys rank by (owned), or NULL */
 	zc_byte_count key_count, value_count;
 	uint64_t key_offset;
 };
@@ -221,6 +222,21 @@ int store_flush_begin(struct store *store, uint32_t layer, struct store_flush *f
 void store_flush_compress(const struct store *store, struct store_flush *flush);
 int store_flush_publish(struct store *store, struct store_flush *flush);
 void store_flush_abandon(struct store *store, struct store_flush *flush);
+/*
+ * Saliency by attention (docs/ATTEND.md): the attention mass clients
+ * measured for tokens [first_token, first_token + rows) of a layer,
+ * mass[(b * kv_heads + h) * rows + j], replacing what the store held for
+ * them; tokens no longer in the residual are skipped. Kept in memory only
+ * (not durable), for the residual flushes to rank by. Call it before the
+ * append of the same update. Returns 0, or with nothing changed:
+ * ZC_EPRECONDITION (the session ranks by key norm), ZC_EINVALID (layer,
+ * zero rows), ZC_ESHAPE (more rows than the residual holds, or tokens the
+ * layer does not have), ZC_ENONFINITE (a mass that is NaN, infinite or
+ * negative).
+ */
+int store_residual_mass(struct store *store, uint32_t layer, uint32_t first_token, uint32_t rows,
+			const float *mass);
+
 /* A chunk-keyed block (docs/PREFIX.md): one block of exactly `tokens`
  * whatever the policy, on a layer whose residual is empty (else
  * ZC_EPRECONDITION, nothing stored); *out is its entry, with one more

@@ -1747,6 +1747,99 @@ START_TEST(adoption_refuses_what_cannot_be_right)
 }
 END_TEST
 
+
+/*
+ * Saliency by attention: a residual flush ranks by the masses given
+ * (store_residual_mass), not by key norm. The tokens given mass are the
+ * ones with the smallest norms, so key norm would never pick them; the
+ * flushed block's mask must hold exactly them. Bad masses change nothing.
+ */
+static void masses_rank_the_flush(bool deferred)
+{
+	struct fixture f;
+	fixture_start(&f, "store_mass");
+	struct store_params p = params_of(40, false, ZC_VIEWS_NONE);
+	p.codec.saliency = ZC_SALIENCY_ATTENTION;
+	struct store *s = NULL;
+	ck_assert_int_eq(store_create(f.dir.fd, f.dir.path, &p, &f.budget, f.pool, &s), 0);
+	ck_assert_int_eq(store_codec(s).saliency, ZC_SALIENCY_ATTENTION);
+	ck_assert_uint_eq(store_header(s)->saliency, ZC_SALIENCY_ATTENTION);
+	/* Token t's rows all hold t + 1: norms rise with t. */
+	uint16_t k[HEADS * DIM_K], v[HEADS * DIM_V];
+	for (uint32_t t = 0; t + 1 < RESIDUAL; t++) {
+		for (size_t i = 0; i < HEADS * DIM_K; i++)
+			k[i] = zc_float_to_fp16((float)(t + 1));
+		for (size_t i = 0; i < HEADS * DIM_V; i++)
+			v[i] = zc_float_to_fp16(0.5f);
+		ck_assert_int_eq(store_update(s, 0, 1, k, v), 0);
+	}
+	uint32_t n = RESIDUAL - 1, n_hi = zc_codec_salient_tokens(&p.codec, ZC_TENSOR_KEYS, RESIDUAL);
+	float mass[HEADS * RESIDUAL];
+	for (uint32_t h = 0; h < HEADS; h++)
+		for (uint32_t j = 0; j < n; j++)
+			mass[h * n + j] = j < n_hi ? 1.0f - 0.01f * (float)j : 0.0f;
+	/* Refused, nothing changed: NaN, negative, tokens past the layer. */
+	mass[3] = NAN;
+	ck_assert_int_eq(store_residual_mass(s, 0, 0, n, mass), ZC_ENONFINITE);
+	mass[3] = -1.0f;
+	ck_assert_int_eq(store_residual_mass(s, 0, 0, n, mass), ZC_ENONFINITE);
+	mass[3] = n_hi > 3 ? 1.0f - 0.03f : 0.0f;
+	ck_assert_int_eq(store_residual_mass(s, 0, 1, n, mass), ZC_ESHAPE);
+	ck_assert_int_eq(store_residual_mass(s, 0, 0, 0, mass), ZC_EINVALID);
+	ck_assert_uint_eq(store_layer_tokens(s, 0), n);
+	ck_assert_int_eq(store_residual_mass(s, 0, 0, n, mass), 0);
+	for (size_t i = 0; i < HEADS * DIM_K; i++)
+		k[i] = zc_float_to_fp16((float)RESIDUAL);
+	/* Fills the residual: flush. */
+	ck_assert_int_eq(store_append(s, 0, 1, k, v, deferred), 0);
+	if (deferred) {
+		struct store_flush flush;
+		ck_assert_int_eq(store_flush_begin(s, 0, &flush), 0);
+		/* Masses sent beside the pending flush do not change its ranking. */
+		float late[HEADS * RESIDUAL];
+		for (size_t i = 0; i < HEADS * RESIDUAL; i++)
+			late[i] = i % RESIDUAL == RESIDUAL - 1 ? 1000.0f : 0.0f;
+		ck_assert_int_eq(store_residual_mass(s, 0, 0, RESIDUAL, late), 0);
+		store_flush_compress(s, &flush);
+		ck_assert_int_eq(store_flush_publish(s, &flush), 0);
+	}
+	struct store_cut cut;
+	store_layer_cut(s, 0, &cut);
+	ck_assert_uint_eq(cut.blocks, 1);
+	ck_assert_uint_eq(cut.residual_tokens, 0);
+	zc_block_shape shape = { BATCH, KV_HEADS, RESIDUAL, DIM_K };
+	zc_block_layout layout;
+	ck_assert_int_eq(zc_block_layout_compute(&p.codec, ZC_TENSOR_KEYS, &shape, &layout), 0);
+	uint8_t *payload = malloc(layout.total_bytes);
+	ck_assert_int_eq(pool_read(f.pool, cut.entries[0].key_offset, payload, layout.total_bytes), 0);
+	for (uint32_t h = 0; h < HEADS; h++) {
+		const uint8_t *mask = payload + h * layout.head_bytes + layout.mask_offset;
+		for (uint32_t t = 0; t < RESIDUAL; t++)
+			ck_assert_msg(((mask[t / 8] >> (t % 8)) & 1u) == (t < n_hi),
+				      "head %u token %u: salient %d, wanted %d", h, t,
+				      (mask[t / 8] >> (t % 8)) & 1, t < n_hi);
+	}
+	/* The same data by key norm picks the last tokens. */
+	struct store *plain = store_new(&f, 41, false, ZC_VIEWS_NONE);
+	ck_assert_int_eq(store_residual_mass(plain, 0, 0, 1, mass), ZC_EPRECONDITION);
+	free(payload);
+	store_close(plain, true);
+	store_close(s, true);
+	fixture_end(&f);
+}
+
+START_TEST(attention_masses_rank_the_flush)
+{
+	masses_rank_the_flush(false);
+}
+END_TEST
+
+START_TEST(attention_masses_rank_the_deferred_flush)
+{
+	masses_rank_the_flush(true);
+}
+END_TEST
+
 static Suite *store_suite(void)
 {
 	Suite *suite = suite_create("store");
@@ -1758,6 +1851,8 @@ static Suite *store_suite(void)
 		{ "fork", { fork_inside_a_block, fork_at_a_block_boundary, fork_inside_the_residual,
 			    fork_at_zero_and_past_the_end, fork_of_a_fork_after_a_trim_cut, NULL } },
 		{ "views", { drop_and_rebuild_views, NULL } },
+		{ "saliency", { attention_masses_rank_the_flush,
+				attention_masses_rank_the_deferred_flush, NULL } },
 		{ "adoption", { adoption_restores_every_session, adoption_refuses_what_cannot_be_right,
 				NULL } },
 		{ "refusals", { bad_input_changes_nothing, budget_refusal_changes_nothing,

@@ -1273,7 +1273,7 @@ START_TEST(plain_request_same_bytes)
 	size_t la, lb;
 	wire_request plain = { .request_id = 77, .op = WIRE_OP_OPEN_SESSION };
 	zc_codec_config config = { .hi_bits = 5, .lo_bits = 3, .hi_fraction = 0.25, .group_size = 16,
-				   .quantize_values = false };
+				   .quantize_values = false, .saliency = ZC_SALIENCY_ATTENTION };
 	wire_pb_request pb = { 0 };
 
 	snprintf(plain.open_session.name, sizeof(plain.open_session.name), "plain");
@@ -1295,7 +1295,8 @@ START_TEST(plain_request_same_bytes)
 	o->shape = (zipcache_v1_SessionShape){ 3, 1, 2, 64, 32 };
 	o->max_tokens = 4096;
 	o->has_codec = true;
-	o->codec = (zipcache_v1_CodecConfig){ true, 5, true, 3, true, 0.25, true, 16, true, false };
+	o->codec = (zipcache_v1_CodecConfig){ true, 5, true, 3, true, 0.25, true, 16, true, false,
+					      true, zipcache_v1_Saliency_SALIENCY_ATTENTION };
 	o->policy = zipcache_v1_BlockPolicy_PER_CALL;
 	o->has_residual_tokens = true;
 	o->residual_tokens = 64;
@@ -1318,7 +1319,8 @@ START_TEST(plain_request_same_bytes)
 	/* Field by field: the struct has padding memcmp would compare. */
 	ck_assert(again.hi_bits == config.hi_bits && again.lo_bits == config.lo_bits &&
 		  again.hi_fraction == config.hi_fraction && again.group_size == config.group_size &&
-		  again.quantize_values == config.quantize_values);
+		  again.quantize_values == config.quantize_values &&
+		  again.saliency == ZC_SALIENCY_ATTENTION);
 	ck_assert_int_eq(back.open_session.policy, ZC_POLICY_PER_CALL);
 	ck_assert(back.open_session.attach);
 }

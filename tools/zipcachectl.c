@@ -679,6 +679,8 @@ static void json_session_info(struct json *json, const zc_session_info *info)
 	json_double(json, "hi_fraction", info->codec.hi_fraction);
 	json_uint(json, "group_size", (uint64_t)info->codec.group_size);
 	json_bool(json, "quantize_values", info->codec.quantize_values);
+	json_text(json, "saliency",
+		  info->codec.saliency == ZC_SALIENCY_ATTENTION ? "attention" : "key_norm");
 	json_close(json, '}');
 	json_uint(json, "idle_ms", info->idle_ms);
 	json_text(json, "views", info->views == ZC_VIEWS_NONE ? "none" : "full");
@@ -823,9 +825,10 @@ static int print_session(struct ctl *ctl, const zc_session_info *info, const zc_
 	else
 		table_add(&summary, "per_call");
 	table_add(&summary, "codec");
-	table_add(&summary, "keys %d/%d bits, %g%% salient, groups of %d; values %s", info->codec.hi_bits,
-		  info->codec.lo_bits, info->codec.hi_fraction * 100.0, info->codec.group_size,
-		  info->codec.quantize_values ? "quantized" : "exact fp16");
+	table_add(&summary, "keys %d/%d bits, %g%% salient by %s, groups of %d; values %s",
+		  info->codec.hi_bits, info->codec.lo_bits, info->codec.hi_fraction * 100.0,
+		  info->codec.saliency == ZC_SALIENCY_ATTENTION ? "attention" : "key norm",
+		  info->codec.group_size, info->codec.quantize_values ? "quantized" : "exact fp16");
 	rc = table_print(&summary, ctl->out);
 	table_free(&summary);
 	if (rc < 0)

@@ -37,12 +37,27 @@
 #define ZC_MAX_HEAD_DIM 4096u
 #define ZC_MAX_BLOCK_TOKENS (1u << 24)
 
+/*
+ * How a session's residual flushes choose their salient key tokens. The
+ * codec's own calls always rank by key norm (the numerics contract,
+ * docs/CODEC.md); ZC_SALIENCY_ATTENTION is for the owner of the blocks: a
+ * daemon session with it ranks each residual flush by the attention mass
+ * its clients' zc_attend measured (zc_block_compress_scored), falling back
+ * to key norm where it has none (docs/ATTEND.md, "Saliency from
+ * attention"). Payloads are the same format either way.
+ */
+typedef enum zc_saliency {
+	ZC_SALIENCY_KEY_NORM = 0,   /* the default and the contract */
+	ZC_SALIENCY_ATTENTION = 1
+} zc_saliency;
+
 typedef struct zc_codec_config {
 	int hi_bits;         /* bits for salient key tokens and for all values, 1..8 */
 	int lo_bits;         /* bits for the other key tokens, 1..8 */
 	double hi_fraction;  /* fraction of key tokens that are salient, [0, 1] */
 	int group_size;      /* token rows per quantization group, >= 1 */
 	bool quantize_values;/* false: values are stored as exact fp16 */
+	int saliency;        /* a zc_saliency; anything else is ZC_EINVALID */
 } zc_codec_config;
 
 typedef enum zc_tensor {
@@ -144,6 +159,13 @@ int64_t zc_block_compress_strided(const zc_codec_config *config, zc_tensor tenso
 int64_t zc_block_compress_scored(const zc_codec_config *config, const zc_block_shape *shape,
 				 const uint16_t *keys, const float *scores, void *out,
 				 size_t capacity);
+
+/* The same over a block whose heads are not back to back (as
+ * zc_block_compress_strided); scores stay [batch][heads][tokens]. */
+int64_t zc_block_compress_scored_strided(const zc_codec_config *config,
+					 const zc_block_shape *shape, const uint16_t *keys,
+					 const zc_strides *key_strides, const float *scores,
+					 void *out, size_t capacity);
 
 /* Reconstructs a compressed block into out, token t of head (b, h) landing
  * at out[b*strides->batch + h*strides->head + t*strides->token]. size must

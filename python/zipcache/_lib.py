@@ -75,6 +75,7 @@ class zc_codec_config(Structure):
         ("hi_fraction", c_double),
         ("group_size", c_int),
         ("quantize_values", c_bool),
+        ("saliency", c_int),  # zc_saliency: 0 key_norm, 1 attention
     ]
 
 

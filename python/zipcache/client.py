@@ -89,6 +89,9 @@ class Policy(enum.IntEnum):
         return cls(value)
 
 
+_SALIENCY = {"key_norm": 0, "attention": 1}
+
+
 @dataclass(frozen=True)
 class CodecConfig:
     """The seed's ZipCache knobs (zc_codec_config); defaults as the seed's."""
@@ -98,6 +101,9 @@ class CodecConfig:
     hi_fraction: float = 0.20
     group_size: int = 32
     quantize_values: bool = True
+    # How residual flushes pick salient keys: "key_norm" (the contract)
+    # or "attention" (the mass zc_attend measured; docs/ATTEND.md).
+    saliency: str = "key_norm"
 
     def to_c(self) -> _lib.zc_codec_config:
         return _lib.zc_codec_config(
@@ -106,11 +112,14 @@ class CodecConfig:
             float(self.hi_fraction),
             int(self.group_size),
             bool(self.quantize_values),
+            _SALIENCY.get(self.saliency, -1),
         )
 
     @classmethod
     def from_c(cls, c: _lib.zc_codec_config) -> "CodecConfig":
-        return cls(c.hi_bits, c.lo_bits, c.hi_fraction, c.group_size, bool(c.quantize_values))
+        names = {v: k for k, v in _SALIENCY.items()}
+        return cls(c.hi_bits, c.lo_bits, c.hi_fraction, c.group_size, bool(c.quantize_values),
+                   names.get(c.saliency, str(c.saliency)))
 
     def validate(self) -> None:
         """Raises InvalidArgument for what the codec would refuse (zc_codec_config_validate)."""
