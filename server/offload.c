@@ -156,7 +156,7 @@ static void remote_why(struct remote *remote, const char *what, char *why, size_
 {
 	char text[200];
 	remote_last_error(remote, text, sizeof(text));
-	snprintf(why, why_size, "%s: %s", what, text);
+	snprintf(why, why_size, "%s: %.100s", what, text);
 }
 
 static uint64_t realtime_us(void)
