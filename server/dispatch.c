@@ -1764,21 +1764,6 @@ static bool handle_export(const struct request *rq, const wire_request *request)
 	return true;
 }
 
-/* What the budget (and every budget above it) has room for. */
-static uint64_t budget_room(const struct store_budget *budget)
-{
-	uint64_t room = UINT64_MAX;
-	for (const struct store_budget *b = budget; b; b = b->parent) {
-		if (!b->limit)
-			continue;
-		uint64_t used = __atomic_load_n(&b->used, __ATOMIC_RELAXED);
-		uint64_t left = b->limit > used ? b->limit - used : 0;
-		if (left < room)
-			room = left;
-	}
-	return room;
-}
-
 /* The first job: everything verified, nothing made (not even the uid's pool). */
 static void import_verify_run(struct job *base)
 {
@@ -1806,6 +1791,22 @@ static void restore_committed(struct request_job *job, struct session *session);
 /* On the loop: the uid's pool (made now if it is the uid's first
  * session), then the second job builds the session (an import's from its
  * verified file, a restore's from the remote tier as it is fetched). */
+/* About what an import or a restore charges: its snapshot's size (the
+ * blocks and residual rows it makes). */
+static uint64_t import_bytes(const struct request_job *job)
+{
+	return job->kind == JOB_RESTORE ? job->manifest.head.snapshot_bytes :
+					   job->snapshot.file_bytes;
+}
+
+/* What relief is asked for when the build was refused (and undone): the
+ * room it lacked, at least 4 MiB (views and tables beside the blocks). */
+static uint64_t import_shortfall(const struct request_job *job)
+{
+	uint64_t lacked = relief_lacking(&job->rq.peer->quota->memory, import_bytes(job));
+	return lacked > (4u << 20) ? lacked : 4u << 20;
+}
+
 static void import_verified_done(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
@@ -1829,6 +1830,10 @@ static void import_verified_done(struct job *base)
 		job_end(job);
 		return;
 	}
+	/* Pages kept from closed sessions make way before the build charges
+	 * its blocks (they were counted in the room it was let in by). */
+	relief_make_room(server, &job->rq.peer->quota->memory, job->rq.peer->uid,
+			 import_bytes(job));
 	job->job.run = job->kind == JOB_RESTORE ? restore_build_run : import_build_run;
 	job->job.done = import_done;
 	session_table_run_detached(&server->sessions, &job->job);
@@ -1867,7 +1872,8 @@ static void import_done(struct job *base)
 
 	if (job->rc == STORE_EBUDGET) {
 		if (!job->retried &&
-		    relief_run(server, 4u << 20, NULL, job->rq.peer->uid, false, why, sizeof(why)) == 0) {
+		    relief_run(server, import_shortfall(job), NULL, job->rq.peer->uid, false, why,
+			       sizeof(why)) == 0) {
 			job->retried = true;
 			job->rc = 0;
 			session_table_run_detached(&server->sessions, &job->job);
@@ -1964,7 +1970,7 @@ static bool handle_import(const struct request *rq, const wire_request *request)
 	job->expect.fingerprint = import->fingerprint;
 	/* A snapshot is about the size of the blocks it makes: one that
 	 * cannot fit the budget's room is refused before it is read. */
-	job->expect.max_bytes = budget_room(budget);
+	job->expect.max_bytes = relief_room(server, budget, rq->peer->uid);
 	job->views_given = import->has_views;
 	job->fork_params = (struct store_params){
 		.session_id = id,
@@ -2138,7 +2144,7 @@ static void restore_submit(const struct request *rq, const struct wire_open_requ
 	job->snapshot_fd = -1;
 	job->open = *open;
 	snprintf(job->fork_name, sizeof(job->fork_name), "%s", open->name);
-	job->expect.max_bytes = budget_room(&rq->peer->quota->memory);
+	job->expect.max_bytes = relief_room(server, &rq->peer->quota->memory, rq->peer->uid);
 	job->views_given = true;
 	job->fork_params = (struct store_params){
 		.session_id = server->sessions.next_id++,

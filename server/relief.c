@@ -142,6 +142,47 @@ static uint64_t offload_sessions(struct server *server, uint64_t wanted, const s
 	return offload_relief(server, wanted, keep, uid, uid_quota_binding(server, uid, &usage));
 }
 
+/* Retained pages step 0 would take out of `budget`: the daemon's budget
+ * (no parent) holds every uid's, a quota its uid's. */
+static uint64_t retained_in(struct server *server, const struct store_budget *budget, uint32_t uid)
+{
+	bool all = budget->parent == NULL;
+	return retain_map_bytes(all, uid) + pool_set_kept_bytes(&server->pools, all, uid);
+}
+
+uint64_t relief_room(struct server *server, const struct store_budget *budget, uint32_t uid)
+{
+	uint64_t room = UINT64_MAX;
+	bool any = retain_held_bytes() > 0;
+	for (const struct store_budget *b = budget; b; b = b->parent) {
+		uint64_t left = budget_room(b);
+		if (left == UINT64_MAX)
+			continue;
+		if (any)
+			left += retained_in(server, b, uid);
+		if (left < room)
+			room = left;
+	}
+	return room;
+}
+
+uint64_t relief_lacking(const struct store_budget *budget, uint64_t bytes)
+{
+	uint64_t room = UINT64_MAX;
+	for (const struct store_budget *b = budget; b; b = b->parent)
+		if (budget_room(b) < room)
+			room = budget_room(b);
+	return room < bytes ? bytes - room : 0;
+}
+
+void relief_make_room(struct server *server, const struct store_budget *budget, uint32_t uid,
+		      uint64_t bytes)
+{
+	uint64_t lacked = relief_lacking(budget, bytes);
+	if (lacked)
+		release_retained(server, lacked, uid);
+}
+
 int relief_run(struct server *server, uint64_t wanted, const struct session *keep, uint32_t uid,
 	       bool tried, char *text, size_t size)
 {

@@ -55,4 +55,27 @@ struct session;
 int relief_run(struct server *server, uint64_t wanted, const struct session *keep, uint32_t uid,
 	       bool tried, char *text, size_t size);
 
+struct store_budget;
+
+/*
+ * What `budget` (uid's, and every budget above it) has room for once
+ * step 0 ran: the room left now plus the retained pages relief would
+ * release first (the uid's own in its quota, every uid's in the daemon's
+ * budget). What a request that needs its size at once (an import, a
+ * restore) is measured against, so kept pages never refuse one.
+ */
+uint64_t relief_room(struct server *server, const struct store_budget *budget, uint32_t uid);
+
+/* How much more than `budget` (and every budget above it) has room for
+ * now a charge of `bytes` would be (0: it fits). */
+uint64_t relief_lacking(const struct store_budget *budget, uint64_t bytes);
+
+/*
+ * Step 0 alone, ahead of a charge of `bytes` known to come: releases
+ * retained pages until `budget` has room for it (or none are left).
+ * Nothing a session holds is touched.
+ */
+void relief_make_room(struct server *server, const struct store_budget *budget, uint32_t uid,
+		      uint64_t bytes);
+
 #endif

@@ -120,6 +120,12 @@ bool socket_accepts(const char *path);
 /* A port nothing listens on right now: bind 127.0.0.1:0, read, close. */
 uint16_t free_tcp_port(void);
 
+/* GET /metrics from 127.0.0.1:port: the body, malloc'd. */
+char *metrics_scrape(uint16_t port);
+
+/* A sample's value in /metrics ("name{labels}" exactly), -1 when absent. */
+long long metric_value(uint16_t port, const char *sample);
+
 /* The TCP sockets (IPv4 and IPv6) pid holds: their count (the first 1024
  * sockets among its descriptors). */
 int process_tcp_sockets(pid_t pid);

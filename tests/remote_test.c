@@ -759,24 +759,6 @@ END_TEST
 
 /* ---- the daemon ------------------------------------------------------ */
 
-/* GET /metrics from 127.0.0.1:port: the body, malloc'd. */
-static char *metrics_scrape(uint16_t port)
-{
-	int fd = socket(AF_INET, SOCK_STREAM, 0);
-	struct sockaddr_in address = { .sin_family = AF_INET, .sin_port = htons(port),
-				       .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	ck_assert_int_eq(connect(fd, (struct sockaddr *)&address, sizeof(address)), 0);
-	static const char request[] = "GET /metrics HTTP/1.0\r\n\r\n";
-	ck_assert_int_eq(write(fd, request, sizeof(request) - 1), (ssize_t)sizeof(request) - 1);
-	size_t capacity = 1 << 20, used = 0;
-	char *text = malloc(capacity);
-	ssize_t n;
-	while ((n = read(fd, text + used, capacity - 1 - used)) > 0)
-		used += (size_t)n;
-	text[used] = '\0';
-	close(fd);
-	return text;
-}
 
 /* zipcached --remote: the tier's families in /metrics, Redis up. */
 START_TEST(test_daemon_metrics)
