@@ -1,0 +1,243 @@
+/*
+ * Retained pages (server/retain.h) through a real zipcached: a closed
+ * session's map and block extents are kept, handed to the next session of
+ * the same shape without a byte of the old one showing, counted as memory
+ * in use, and the first thing memory relief, an import and a restore take
+ * back. The crash at each of their steps is tests/durability_test.c's.
+ */
+#include <check.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "daemon_harness.h"
+#include "layer_model.h"
+#include "process_run.h"
+#include "suite_main.h"
+#include "zipcache/client.h"
+#include "zipcache/error.h"
+
+/* A daemon with a metrics port. */
+struct node {
+	struct service service;
+	uint16_t port;
+};
+
+static void node_start(struct node *node, const char *const *more)
+{
+	char listen_at[32];
+	const char *args[16];
+	int n = 0;
+	node->port = free_tcp_port();
+	snprintf(listen_at, sizeof(listen_at), "127.0.0.1:%u", node->port);
+	args[n++] = "--metrics-listen";
+	args[n++] = listen_at;
+	for (int i = 0; more && more[i]; i++)
+		args[n++] = more[i];
+	args[n] = NULL;
+	service_start(&node->service, args);
+}
+
+static long long metric(const struct node *node, const char *sample)
+{
+	long long v = metric_value(node->port, sample);
+	ck_assert_msg(v >= 0, "%s is not in /metrics", sample);
+	return v;
+}
+
+#define KEPT_MAPS "zipcache_retained_bytes{kind=\"maps\"}"
+#define KEPT_EXTENTS "zipcache_retained_bytes{kind=\"extents\"}"
+#define REUSED_MAPS "zipcache_retain_reuses_total{kind=\"maps\"}"
+#define REUSED_EXTENTS "zipcache_retain_reuses_total{kind=\"extents\"}"
+#define RELEASES "zipcache_relief_steps_total{step=\"release_retained\"}"
+
+/* One layer of 8 heads of 128 for up to `tokens`: with views full its map
+ * is 8 MiB at 2048 tokens, well past what is worth keeping. */
+static zc_session_config big_config(const char *name, uint32_t tokens)
+{
+	return shaped_config(name, 1, 1, 8, 128, 128, tokens, ZC_POLICY_STREAMING, 0);
+}
+
+/* Opens name and fills it with updates of `each` tokens, `count` times. */
+static zc_session *filled(struct node *node, const zc_session_config *config,
+			  struct model *model, struct rng *rng, uint32_t each, int count)
+{
+	zc_session *s = open_session(node->service.client, config);
+	model_init(model, config);
+	for (int i = 0; i < count; i++)
+		CHECK(update_checked, node->service.client, s, model, rng, 0, each);
+	CHECK(session_matches, s, model);
+	return s;
+}
+
+START_TEST(a_kept_map_and_kept_extents_serve_the_next_session_bit_exact)
+{
+	struct node node;
+	struct model model, heir_model;
+	struct rng rng;
+	rng_seed(&rng, 5);
+	node_start(&node, NULL);
+	zc_session_config config = big_config("first", 2048);
+	zc_session *s = filled(&node, &config, &model, &rng, 256, 8);
+	long long used = metric(&node, "zipcache_memory_used_bytes");
+	ck_assert_int_eq(zc_session_close(s), 0);
+
+	/* Kept, and counted as memory in use: the close gave nothing back. */
+	long long maps = metric(&node, KEPT_MAPS), extents = metric(&node, KEPT_EXTENTS);
+	ck_assert_int_gt(maps, 8 << 20);
+	ck_assert_int_gt(extents, 0);
+	ck_assert_int_eq(metric(&node, "zipcache_memory_file_bytes{kind=\"retained\"}"),
+			 maps + extents);
+	ck_assert_int_le(metric(&node, "zipcache_memory_used_bytes"), used);
+	ck_assert_int_ge(metric(&node, "zipcache_memory_used_bytes"), maps + extents);
+
+	/* The same shape, fewer tokens: the old session's bytes are in the
+	 * pages it gets, and none of them may show. */
+	zc_session_config heir = big_config("heir", 2048);
+	s = filled(&node, &heir, &heir_model, &rng, 256, 1);
+	ck_assert_int_eq(metric(&node, REUSED_MAPS), 1);
+	ck_assert_int_ge(metric(&node, REUSED_EXTENTS), 1);
+	ck_assert_int_eq(metric(&node, KEPT_MAPS), 0);
+	CHECK(update_checked, node.service.client, s, &heir_model, &rng, 0, 300);
+	CHECK(update_checked, node.service.client, s, &heir_model, &rng, 0, 5);
+	CHECK(update_checked, node.service.client, s, &heir_model, &rng, 0, 1);
+	CHECK(trim_checked, node.service.client, s, &heir_model, 100);
+	CHECK(update_checked, node.service.client, s, &heir_model, &rng, 0, 7);
+	CHECK(session_matches, s, &heir_model);
+	ck_assert_int_eq(zc_session_close(s), 0);
+
+	/* Another map size takes nothing kept (a map is sealed at its size). */
+	struct model other_model;
+	zc_session_config other = big_config("other", 1024);
+	s = filled(&node, &other, &other_model, &rng, 64, 2);
+	ck_assert_int_eq(metric(&node, REUSED_MAPS), 1);
+	ck_assert_int_gt(metric(&node, KEPT_MAPS), 0);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	model_free(&other_model);
+	model_free(&heir_model);
+	model_free(&model);
+	service_stop(&node.service);
+}
+END_TEST
+
+START_TEST(relief_takes_kept_pages_before_any_view)
+{
+	struct node node;
+	struct model model, idle_model, grower_model;
+	struct rng rng;
+	rng_seed(&rng, 6);
+	node_start(&node, (const char *const[]){ "--memory-budget", "13M", NULL });
+	zc_session_config config = big_config("closed", 2048);
+	zc_session *s = filled(&node, &config, &model, &rng, 256, 8);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	long long kept = metric(&node, KEPT_MAPS) + metric(&node, KEPT_EXTENTS);
+	ck_assert_int_gt(kept, 10 << 20);
+
+	/* An idle, unleased session whose views relief could drop. */
+	zc_session_config idle = shaped_config("idle", 1, 1, 2, 64, 64, 256, ZC_POLICY_STREAMING, 0);
+	zc_session *i = filled(&node, &idle, &idle_model, &rng, 100, 1);
+	ck_assert_int_eq(zc_session_release_views(i), 0);
+
+	/* Another shape (no map to reuse) that needs what is kept. */
+	zc_session_config grower = big_config("grower", 1024);
+	zc_session *g = filled(&node, &grower, &grower_model, &rng, 256, 4);
+	ck_assert_int_ge(metric(&node, RELEASES), 1);
+	ck_assert_int_lt(metric(&node, KEPT_MAPS) + metric(&node, KEPT_EXTENTS), kept);
+	ck_assert_int_eq(metric(&node, "zipcache_view_drops_total"), 0);
+	ck_assert_int_le(metric(&node, "zipcache_memory_used_bytes"), 13 << 20);
+	CHECK(session_matches, i, &idle_model);
+	CHECK(session_matches, g, &grower_model);
+	ck_assert_int_eq(zc_session_close(g), 0);
+	ck_assert_int_eq(zc_session_close(i), 0);
+	model_free(&grower_model);
+	model_free(&idle_model);
+	model_free(&model);
+	service_stop(&node.service);
+}
+END_TEST
+
+START_TEST(an_import_is_never_refused_for_kept_pages)
+{
+	struct node node;
+	struct model model;
+	struct rng rng;
+	char path[PATH_MAX + 32];
+	rng_seed(&rng, 7);
+	/* 12 MiB: the closed session's kept pages (about 10.6 MiB) leave less
+	 * room than its snapshot needs. */
+	node_start(&node, (const char *const[]){ "--memory-budget", "12M", NULL });
+	zc_session_config config = big_config("exported", 2048);
+	zc_session *s = filled(&node, &config, &model, &rng, 256, 8);
+	snprintf(path, sizeof(path), "%s/snapshot.zcsnap", node.service.daemon.dir);
+	int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+	ck_assert_int_ge(fd, 0);
+	uint64_t bytes = 0;
+	ck_assert_int_eq(zc_session_export(s, fd, &bytes), 0);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	long long used = metric(&node, "zipcache_memory_used_bytes");
+	ck_assert_int_gt(used + (long long)bytes, 12 << 20);
+
+	zc_import_options options;
+	zc_import_options_default(&options);
+	options.name = "exported";
+	options.views = ZC_VIEWS_NONE;   /* no map of the kept one's size */
+	zc_session *imported = NULL;
+	int rc = zc_session_import(node.service.client, fd, &options, &imported);
+	ck_assert_msg(rc == 0, "import: %s (%s)", zc_error_name(rc),
+		      zc_client_last_error(node.service.client));
+	close(fd);
+	ck_assert_int_ge(metric(&node, RELEASES) + metric(&node, REUSED_EXTENTS), 1);
+	ck_assert_int_le(metric(&node, "zipcache_memory_used_bytes"), 12 << 20);
+	CHECK(session_matches, imported, &model);
+	ck_assert_int_eq(zc_session_close(imported), 0);
+	model_free(&model);
+	service_stop(&node.service);
+}
+END_TEST
+
+START_TEST(retain_bytes_zero_gives_everything_back)
+{
+	struct node node;
+	struct model model;
+	struct rng rng;
+	rng_seed(&rng, 8);
+	node_start(&node, (const char *const[]){ "--retain-bytes", "0", NULL });
+	zc_session_config config = big_config("gone", 2048);
+	zc_session *s = filled(&node, &config, &model, &rng, 256, 4);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	ck_assert_int_eq(metric(&node, KEPT_MAPS), 0);
+	ck_assert_int_eq(metric(&node, KEPT_EXTENTS), 0);
+	ck_assert_int_eq(metric(&node, "zipcache_retain_limit_bytes"), 0);
+	/* Every page back (the pool file keeps its header page; the client's
+	 * staging buffer stays charged to its connection). */
+	ck_assert_int_eq(metric(&node, "zipcache_memory_file_bytes{kind=\"retained\"}"), 0);
+	ck_assert_int_eq(metric(&node, "zipcache_memory_file_bytes{kind=\"views\"}"), 0);
+	ck_assert_int_le(metric(&node, "zipcache_memory_file_bytes{kind=\"blocks\"}"), 4096);
+	s = filled(&node, &config, &model, &rng, 256, 1);
+	ck_assert_int_eq(metric(&node, REUSED_MAPS), 0);
+	ck_assert_int_eq(metric(&node, REUSED_EXTENTS), 0);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	model_free(&model);
+	service_stop(&node.service);
+}
+END_TEST
+
+static Suite *retain_suite(void)
+{
+	Suite *suite = suite_create("retain");
+	const struct test_case cases[] = {
+		{ "reuse", { a_kept_map_and_kept_extents_serve_the_next_session_bit_exact,
+			     retain_bytes_zero_gives_everything_back, NULL } },
+		{ "relief", { relief_takes_kept_pages_before_any_view,
+			      an_import_is_never_refused_for_kept_pages, NULL } },
+	};
+	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), 120);
+	return suite;
+}
+
+int main(void)
+{
+	return suite_main(retain_suite(), CK_FORK);
+}
