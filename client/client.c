@@ -1634,6 +1634,7 @@ int zc_client_uid_stats(zc_client *client, zc_uid_stats *uid, zc_server_stats *s
 			.index_bytes = r->memory.index,
 			.headers_bytes = r->memory.headers,
 			.set_aside_files = r->set_aside_total,
+			.retained_bytes = r->memory.retained,
 		};
 	}
 	wire_response_free(&response);

@@ -1324,7 +1324,8 @@ static void stats_to_pb(const struct wire_stats_response *s, zipcache_v1_StatsRe
 	out->set_aside_total = s->set_aside_total;
 	out->has_memory = s->has_memory;
 	out->memory = (zipcache_v1_MemoryByKind){ s->memory.views, s->memory.blocks, s->memory.residual,
-						  s->memory.index, s->memory.headers };
+						  s->memory.index, s->memory.headers,
+						  s->memory.retained };
 }
 
 static void stats_from_pb(const zipcache_v1_StatsResponse *s, struct wire_stats_response *out)
@@ -1361,7 +1362,8 @@ static void stats_from_pb(const zipcache_v1_StatsResponse *s, struct wire_stats_
 	out->set_aside_total = s->set_aside_total;
 	out->has_memory = s->has_memory;
 	out->memory = (struct wire_memory_by_kind){ s->memory.views, s->memory.blocks, s->memory.residual,
-						    s->memory.index, s->memory.headers };
+						    s->memory.index, s->memory.headers,
+						    s->memory.retained };
 }
 
 /*

@@ -262,6 +262,7 @@ struct wire_uid_usage {
 
 struct wire_memory_by_kind {
 	uint64_t views, blocks, residual, index, headers;
+	uint64_t retained;   /* kept pages of closed sessions (server/retain.h) */
 };
 
 struct wire_stats_response {

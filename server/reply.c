@@ -170,12 +170,11 @@ static void stats_daemon_fill(const struct request *rq, struct wire_stats_respon
 	struct store_memory kinds;
 	server_memory_by_kind(server, own->trusted, uid, &kinds, &stats->memory_file_bytes);
 	stats->has_memory = true;
-	/* Retained pages count as what they held (views, blocks); /metrics
-	 * shows them apart. */
-	stats->memory = (struct wire_memory_by_kind){ .views = kinds.views + kinds.retained_maps,
-						      .blocks = kinds.blocks + kinds.retained_extents,
-						      .residual = kinds.residual, .index = kinds.index,
-						      .headers = kinds.headers };
+	stats->memory = (struct wire_memory_by_kind){
+		.views = kinds.views, .blocks = kinds.blocks, .residual = kinds.residual,
+		.index = kinds.index, .headers = kinds.headers,
+		.retained = kinds.retained_maps + kinds.retained_extents,
+	};
 	if (own->trusted) {
 		const struct adoption *adoption = &server->adoption;
 		size_t listed = sizeof(stats->set_aside) / sizeof(stats->set_aside[0]);

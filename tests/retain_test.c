@@ -92,6 +92,15 @@ START_TEST(a_kept_map_and_kept_extents_serve_the_next_session_bit_exact)
 			 maps + extents);
 	ck_assert_int_le(metric(&node, "zipcache_memory_used_bytes"), used);
 	ck_assert_int_ge(metric(&node, "zipcache_memory_used_bytes"), maps + extents);
+	/* The client's figures say the same, each kind where it is. */
+	zc_memory_stats st;
+	ck_assert_int_eq(zc_client_memory_stats(node.service.client, &st), 0);
+	ck_assert_uint_eq(st.retained_bytes, (uint64_t)(maps + extents));
+	ck_assert_uint_eq(st.views_bytes, 0);
+	ck_assert_uint_eq(st.blocks_bytes, 4096);   /* the pool file's header page */
+	ck_assert_uint_eq(st.views_bytes + st.blocks_bytes + st.residual_bytes + st.index_bytes +
+				  st.headers_bytes + st.retained_bytes,
+			  st.file_bytes);
 
 	/* The same shape, fewer tokens: the old session's bytes are in the
 	 * pages it gets, and none of them may show. */

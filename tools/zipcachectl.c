@@ -455,6 +455,7 @@ static void json_memory_stats(struct json *json, const zc_memory_stats *memory)
 	json_uint(json, "residual", memory->residual_bytes);
 	json_uint(json, "index", memory->index_bytes);
 	json_uint(json, "headers", memory->headers_bytes);
+	json_uint(json, "retained", memory->retained_bytes);
 	json_close(json, '}');
 	json_uint(json, "set_aside_files", memory->set_aside_files);
 }
@@ -563,6 +564,7 @@ static int cmd_stats(struct ctl *ctl)
 		{ "  views", memory.views_bytes }, { "  compressed blocks", memory.blocks_bytes },
 		{ "  residual", memory.residual_bytes }, { "  index", memory.index_bytes },
 		{ "  headers", memory.headers_bytes },
+		{ "  retained (closed sessions' pages)", memory.retained_bytes },
 	};
 	for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++) {
 		table_add(&table, "%s", kinds[i].kind);

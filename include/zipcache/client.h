@@ -265,6 +265,8 @@ typedef struct zc_memory_stats {
 	uint64_t index_bytes;      /* block index, */
 	uint64_t headers_bytes;    /* headers and commit areas */
 	uint32_t set_aside_files;  /* files not adopted (see zc_client_set_aside) */
+	uint64_t retained_bytes;   /* file_bytes' last kind: pages of closed sessions kept for
+				    * new ones (--retain-bytes), charged until reused or released */
 } zc_memory_stats;
 
 /* A session file in the daemon's directory that it did not adopt: corrupt

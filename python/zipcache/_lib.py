@@ -327,6 +327,7 @@ class zc_memory_stats(Structure):
         ("index_bytes", c_uint64),
         ("headers_bytes", c_uint64),
         ("set_aside_files", c_uint32),
+        ("retained_bytes", c_uint64),
     ]
 
 

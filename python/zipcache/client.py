@@ -250,6 +250,7 @@ class MemoryStats:
     index_bytes: int      # block index,
     headers_bytes: int    # headers and commit areas
     set_aside_files: int  # session files the daemon did not adopt
+    retained_bytes: int   # file_bytes' last kind: closed sessions' pages kept for new ones
 
 
 def default_socket_path() -> str:
