@@ -552,6 +552,12 @@ static void kill_loop(uint64_t seed, int rounds, int64_t time_budget_ms, const c
 			}
 			block_free(&block);
 			if (rc < 0 && daemon_lost(rc)) {
+				/* Only our SIGKILL may take the daemon away: an error
+				 * before it is sent is the daemon's own failure. */
+				ck_assert_msg(killer > 0, "op %zu (%s of %s), before the kill: %s: %s; log:\n%s",
+					      i, rk_name(op.kind), config.name, zc_error_name(rc),
+					      zc_client_last_error(client),
+					      daemon_log_tail(&daemon, tail, sizeof(tail)));
 				died = true;
 				break;
 			}
