@@ -445,7 +445,8 @@ static bool daemon_matches(zc_client *client, const struct expected *e, char *wh
 	zc_session_config configs[SESSIONS];
 	for (int s = 0; s < SESSIONS; s++)
 		configs[s] = script_config(s);
-	return daemon_sessions_match(client, configs, e->models, e->exists, SESSIONS, why, size);
+	return daemon_sessions_match(client, configs, e->models, e->exists, SESSIONS, NULL, why,
+				     size);
 }
 
 /* ---- fault points ------------------------------------------------------------------- */

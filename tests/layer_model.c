@@ -757,8 +757,8 @@ void assert_refused(zc_client *client, int rc, int expected, const char *needle,
 		      what, message, needle);
 }
 
-bool session_matches_after_crash(zc_session *session, const struct model *model, char *why,
-				 size_t size)
+bool session_matches_after_crash(zc_session *session, const struct model *model,
+				 uint32_t *unpublished, char *why, size_t size)
 {
 	/* Layers whose last block could be a flush not yet published. */
 	uint32_t candidates[16];
@@ -770,6 +770,8 @@ bool session_matches_after_crash(zc_session *session, const struct model *model,
 			candidates[n++] = i;
 		model_free(&probe);
 	}
+	if (unpublished)
+		*unpublished = 0;
 	if (session_matches(session, model, why, size))
 		return true;
 	for (unsigned mask = 1; mask < (1u << n); mask++) {
@@ -781,6 +783,10 @@ bool session_matches_after_crash(zc_session *session, const struct model *model,
 				model_unpublish_last_flush(&lazy, candidates[k]);
 		bool ok = session_matches(session, &lazy, inner, sizeof(inner));
 		model_free(&lazy);
+		if (ok && unpublished)
+			for (unsigned k = 0; k < n; k++)
+				if (mask & (1u << k))
+					*unpublished |= 1u << candidates[k];
 		if (ok)
 			return true;
 	}
@@ -788,8 +794,8 @@ bool session_matches_after_crash(zc_session *session, const struct model *model,
 }
 
 bool daemon_sessions_match(zc_client *client, const zc_session_config *configs,
-			   const struct model *models, const bool *exists, int n, char *why,
-			   size_t size)
+			   const struct model *models, const bool *exists, int n,
+			   uint32_t *unpublished, char *why, size_t size)
 {
 	zc_session_info infos[64];
 	size_t count = 0;
@@ -813,7 +819,9 @@ bool daemon_sessions_match(zc_client *client, const zc_session_config *configs,
 			return fail_with(why, size, "attach '%s': %s: %s", config.name, zc_strerror(rc),
 					 zc_client_last_error(client));
 		char inner[WHY_BYTES];
-		bool ok = session_matches_after_crash(session, &models[s], inner, sizeof(inner));
+		bool ok = session_matches_after_crash(session, &models[s],
+						      unpublished ? &unpublished[s] : NULL, inner,
+						      sizeof(inner));
 		zc_session_release(session);
 		if (!ok)
 			return fail_with(why, size, "session '%s': %s", config.name, inner);

@@ -168,16 +168,21 @@ bool session_matches(zc_session *session, const struct model *model, char *why, 
 /* session_matches, also accepting, for any of the layers, the state with
  * its last deferred flush not yet published (model_unpublish_last_flush):
  * what a daemon killed before the publish leaves (the tokens are all
- * there, exact). The first model tried is the model as given. */
-bool session_matches_after_crash(zc_session *session, const struct model *model, char *why,
-				 size_t size);
+ * there, exact). The first model tried is the model as given. On a match
+ * *unpublished (may be NULL) gets the layers so found (bit i: layer i):
+ * a test that goes on from here must unpublish them in its model too, or
+ * a later trim through those rows (exact in the daemon's residual, one
+ * block in the model) tells them apart. */
+bool session_matches_after_crash(zc_session *session, const struct model *model,
+				 uint32_t *unpublished, char *why, size_t size);
 
 /* After a restart: of the n sessions named by configs, exactly those with
  * exists[i] are on the daemon, and each (attached) equals models[i] (or
- * models[i] with deferred flushes unpublished: session_matches_after_crash). */
+ * models[i] with deferred flushes unpublished: session_matches_after_crash,
+ * whose layers go to unpublished[i] when it is not NULL). */
 bool daemon_sessions_match(zc_client *client, const zc_session_config *configs,
-			   const struct model *models, const bool *exists, int n, char *why,
-			   size_t size);
+			   const struct model *models, const bool *exists, int n,
+			   uint32_t *unpublished, char *why, size_t size);
 
 /* Whether a call's code means no reply came: the daemon is gone (killed,
  * or dead of an injected fault), not that it refused. */
