@@ -162,6 +162,15 @@ def test_bad_masses_are_refused_nothing_stored(open_session):
     s.set_attention_mass(0, 0, good)
     s.set_attention_mass(0, 0, None)  # cleared
     s.update_and_fetch(0, k[:, :, :1], v[:, :, :1])
+    # update_async carries them as well: the daemon's refusal comes with its ticket.
+    s.set_attention_mass(0, 40, good)
+    ticket = s.update_async(0, k[:, :, :1], v[:, :, :1])
+    with pytest.raises(zipcache.InvalidArgument, match="attention_mass"):
+        s.wait(0, ticket)
+    assert s.stats().layers[0].tokens == 6
+    s.set_attention_mass(0, 2, np.full((1, 2, 4), 0.5, np.float32))
+    s.wait(0, s.update_async(0, k[:, :, :1], v[:, :, :1]))
+    assert s.stats().layers[0].tokens == 7
     # A key-norm session attends with masses too (they are just not sent).
     plain.update_and_fetch(0, k, v)
     out, m = zipcache.attend(plain, 0, np.ones((1, 2, 1, 16), np.float32), mass=True)
