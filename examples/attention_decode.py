@@ -288,12 +288,15 @@ def report_saliency(args: argparse.Namespace, by_norm: PathResult, by_mass: Path
           f"  ({'unnormalized sums' if args.unnormalized else 'mean mass per step seen'})")
     print(f"  attention / key_norm: {e_mass / e_norm:.4f} "
           f"({'lower' if e_mass < e_norm else 'not lower'} with attention)")
+    ms = [1e3 * r.attend_s / max(r.evaluated_steps, 1) for r in (by_norm, by_mass)]
+    print(f"  attention/step {ms[0]:.3f} ms by key norm, {ms[1]:.3f} ms with the masses "
+          f"(their second score pass and the accumulator)")
     return {"saliency_compare": True, "stored_bytes": stored[0], "key_norm_error": e_norm,
             "attention_error": e_mass, "ratio": e_mass / e_norm,
             "query_correlation": args.query_correlation, "normalized": not args.unnormalized,
             "prompt": args.prompt, "steps": args.steps, "layers": args.layers,
             "residual": args.residual, "hi_fraction": args.hi_fraction,
-            "exact_values": args.exact_values}
+            "exact_values": args.exact_values, "attend_ms_key_norm": ms[0], "attend_ms_attention": ms[1]}
 
 
 def report(args: argparse.Namespace, results: list[PathResult]) -> None:
