@@ -90,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--query-correlation", type=float, default=0.0, metavar="C",
                    help="each head's query drifts: q_t = C q_(t-1) + sqrt(1 - C^2) noise (0: independent)")
     p.add_argument("--json", action="store_true", help="also print one JSON line of the figures")
+    p.add_argument("--mass-cost", type=int, default=0, metavar="N",
+                   help="instead: time N alternated zipcache.attend calls over one layer of --prompt tokens "
+                        "and a full residual, without masses, mass=True and a MassAccumulator")
     args = p.parse_args(argv)
     if not 0.0 <= args.query_correlation < 1.0:
         p.error("--query-correlation must be in [0, 1)")
@@ -333,8 +336,45 @@ def report(args: argparse.Namespace, results: list[PathResult]) -> None:
             print(json.dumps(figures))
 
 
+def mass_cost(args: argparse.Namespace, client: zipcache.Client) -> dict:
+    """What asking for the masses costs one attend call: medians of alternated calls."""
+    rng = np.random.default_rng(args.seed)
+    residual = args.residual or 128
+    layer = SyntheticLayer(rng, args.kv_heads, args.q_heads, args.head_dim)
+    codec = zipcache.CodecConfig(args.hi_bits, args.lo_bits, args.hi_fraction, args.group_size,
+                                 saliency="attention")
+    with client.open_session(layers=1, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                             max_tokens=args.prompt + residual, codec=codec, residual_tokens=residual,
+                             views="none") as session:
+        session.update_and_fetch(0, *layer.kv(args.prompt))
+        for _ in range(residual - 1):  # a residual one token short of its flush
+            session.update_and_fetch(0, *layer.kv(1))
+        q = layer.query()[:, :, None, :]
+        accumulator = zipcache.MassAccumulator(session)
+        times: dict[str, list[float]] = {"none": [], "mass": [], "accumulator": []}
+        for _ in range(args.mass_cost):
+            for name, mass in (("none", False), ("mass", True), ("accumulator", accumulator)):
+                t0 = time.perf_counter()
+                zipcache.attend(session, 0, q, threads=args.threads, mass=mass)
+                times[name].append(time.perf_counter() - t0)
+    us = {name: 1e6 * float(np.median(t)) for name, t in times.items()}
+    print(f"one attend call over {args.prompt} + {residual - 1} tokens (H_kv {args.kv_heads}, q_heads "
+          f"{args.q_heads}, D {args.head_dim}), median of {args.mass_cost}: {us['none']:.1f} us; "
+          f"mass=True {us['mass']:.1f} us ({us['mass'] / us['none']:.3f}); MassAccumulator "
+          f"{us['accumulator']:.1f} us ({us['accumulator'] / us['none']:.3f})")
+    return {"mass_cost": True, "tokens": args.prompt + residual - 1, "residual_rows": residual - 1,
+            "calls": args.mass_cost, "attend_us": us["none"], "mass_us": us["mass"],
+            "accumulator_us": us["accumulator"]}
+
+
 def main(argv: list[str] | None = None) -> list[PathResult]:
     args = parse_args(argv)
+    if args.mass_cost:
+        with zipcache.Client(args.socket) as client:
+            figures = mass_cost(args, client)
+        if args.json:
+            print(json.dumps(figures))
+        return []
     with zipcache.Client(args.socket) as client:
         info = client.server_info
         print(f"zipcached {info.server_version} at {args.socket}: {args.layers} layers x "

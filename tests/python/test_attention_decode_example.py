@@ -58,3 +58,12 @@ def test_attention_decode_saliency_both_at_equal_bytes(daemon, capsys):
     assert by_norm.errors[0].steps == by_mass.errors[0].steps == 48
     # ... and different blocks after it: the masses did change the choice.
     assert by_norm.k_err[0] != by_mass.k_err[0]
+
+
+def test_attention_decode_mass_cost_runs(daemon, capsys):
+    example = _example()
+    assert example.main(["--socket", daemon.socket_path, "--prompt", "64", "--kv-heads", "2",
+                         "--q-heads", "4", "--head-dim", "64", "--residual", "16",
+                         "--mass-cost", "3", "--json"]) == []
+    out = capsys.readouterr().out
+    assert "mass=True" in out and '"mass_cost": true' in out
