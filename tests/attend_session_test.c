@@ -996,8 +996,9 @@ START_TEST(attention_masses_rank_the_flush_through_the_daemon)
 			 * whole [batch][kv_heads] row, NaN, negative. */
 			uint64_t id = zc_session_get_info(session)->id;
 			sal_raw_refused(service.daemon.socket_path, id, &extra, send, 5, "5 bytes");
-			sal_raw_refused(service.daemon.socket_path, id, &extra, send,
-					sizeof(float) * SAL_HEADS * (SAL_R * 2 + 1), "more rows than the residual");
+			static const float past[SAL_HEADS * (SAL_R * 2 + 1)];
+			sal_raw_refused(service.daemon.socket_path, id, &extra, past, sizeof past,
+					"more rows than the residual");
 			float nan_mass[SAL_HEADS] = { 0.5f, NAN }, neg_mass[SAL_HEADS] = { 0.5f, -0.5f };
 			sal_raw_refused(service.daemon.socket_path, id, &extra, nan_mass, sizeof nan_mass,
 					"NaN");
