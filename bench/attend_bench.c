@@ -107,7 +107,7 @@ static int attend(const struct layer *layer, bool compressed, unsigned threads)
 	zc_attend_query query;
 	zc_attend_query_init(&query, BATCH, Q_HEADS, 1, HEAD_DIM, layer->q);
 	zc_attend_output output = { ZC_ATTEND_FP32, layer->out,
-				    sizeof(float) * Q_HEADS * HEAD_DIM };
+				    sizeof(float) * Q_HEADS * HEAD_DIM, NULL };
 	if (compressed)
 		return zc_attend_segments(layer->blocks, layer->n_blocks, &query, &output, threads);
 	return zc_attend_segments(&layer->view, 1, &query, &output, threads);

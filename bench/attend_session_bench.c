@@ -222,7 +222,7 @@ static int run_measure(struct bench *b, enum measure m, float *out)
 {
 	zc_attend_query query;
 	zc_attend_query_init(&query, 1, Q_HEADS, 1, HEAD_DIM, b->q);
-	zc_attend_output output = { ZC_ATTEND_FP32, out, b->out_bytes };
+	zc_attend_output output = { ZC_ATTEND_FP32, out, b->out_bytes, NULL };
 	switch (m) {
 	case M_SESSION:
 		return zc_attend(b->none, 0, &query, &output, 0, 1);

@@ -111,13 +111,15 @@ static zc_attend_segment rows_segment(const zc_session_info *info, uint32_t toke
  * view's row t lies t - first rows before the residual's row 0.
  */
 static int plan_read(const struct map_reader *reader, const zc_session_info *info,
-		     const zc_read *read, bool over_view, struct plan *plan)
+		     const zc_read *read, bool over_view, struct plan *plan,
+		     uint32_t *residual_first)
 {
 	zc_layer_contents layout;
 	int rc = map_layer_layout(reader, read, &layout);
 
 	if (rc < 0)
 		return rc;
+	*residual_first = layout.tokens - layout.residual_tokens;
 	if (over_view && !read->view)
 		return ZC_ESTALE;
 	if ((rc = plan_reserve(plan, (size_t)layout.blocks + 1)) < 0)
@@ -166,6 +168,7 @@ static int query_check(const zc_session_info *info, uint32_t layer, const zc_att
 		       const zc_attend_output *output, unsigned flags, size_t *out_bytes)
 {
 	if (!query || !output || !query->data || !output->data ||
+	    (output->mass && !output->mass->data) ||
 	    (flags & ~ZC_ATTEND_OVER_VIEW) || layer >= info->layers ||
 	    (output->dtype != ZC_ATTEND_FP32 && output->dtype != ZC_ATTEND_FP16))
 		return ZC_EINVALID;
@@ -191,16 +194,29 @@ int map_attend(const struct map_reader *reader, const zc_session_info *info, uin
 
 	if (rc < 0)
 		return rc;
-	zc_attend_output scratch = { output->dtype, malloc(out_bytes), out_bytes };
-	if (!scratch.data)
+	zc_attend_output scratch = { output->dtype, malloc(out_bytes), out_bytes, NULL };
+	/* The masses into scratch too, at most a full residual's worth of
+	 * the caller's capacity (more could never be written). */
+	zc_attend_mass mass = { 0 };
+	if (output->mass) {
+		size_t most = (size_t)info->batch * info->kv_heads * ZC_MAX_RESIDUAL_TOKENS;
+		mass.capacity = output->mass->capacity < most ? output->mass->capacity : most;
+		mass.data = malloc(mass.capacity ? mass.capacity * sizeof(float) : 1);
+		scratch.mass = &mass;
+	}
+	if (!scratch.data || (output->mass && !mass.data)) {
+		free(scratch.data);
+		free(mass.data);
 		return -ENOMEM;
+	}
 	int64_t deadline = clock_ms() + ZC_READ_TIMEOUT_MS;
 	for (;;) {
 		int64_t left = deadline - clock_ms();
 		zc_read read;
 		if ((rc = map_read_begin(reader, layer, left > 0 ? (int)left : 1, &read)) < 0)
 			break;
-		rc = plan_read(reader, info, &read, flags & ZC_ATTEND_OVER_VIEW, &plan);
+		rc = plan_read(reader, info, &read, flags & ZC_ATTEND_OVER_VIEW, &plan,
+			       &mass.first_token);
 		if (rc == 0)
 			rc = zc_attend_segments(plan.segments, plan.n, query, &scratch, threads);
 		size_t copies = plan.n_copies;
@@ -217,9 +233,18 @@ int map_attend(const struct map_reader *reader, const zc_session_info *info, uin
 		if ((end != ZC_EAGAIN && end != ZC_ESTALE) || clock_ms() >= deadline)
 			break;
 	}
-	if (rc == 0)
+	if (rc == 0) {
 		memcpy(output->data, scratch.data, out_bytes);
+		if (output->mass) {
+			size_t n = (size_t)info->batch * info->kv_heads * mass.tokens;
+			if (n)
+				memcpy(output->mass->data, mass.data, n * sizeof(float));
+			output->mass->first_token = mass.first_token;
+			output->mass->tokens = mass.tokens;
+		}
+	}
 	free(scratch.data);
+	free(mass.data);
 	plan_free(&plan);
 	return rc;
 }

@@ -11,6 +11,7 @@
 #include "zipcache/client.h"
 
 #include <errno.h>
+#include <float.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,6 +52,15 @@ struct zc_session {
 	uint64_t *value_offsets;
 	zc_session *prev, *next;
 	int64_t lease_until_ms;        /* this client's lease on the views, as the daemon counts it */
+	struct session_mass *masses;   /* per layer, what its next update carries; NULL: none yet */
+};
+
+/* Attention masses the next update of a layer carries
+ * (zc_session_set_attention_mass): count floats, 0 when none. */
+struct session_mass {
+	float *data;
+	size_t count;
+	uint32_t first_token;
 };
 
 /* An asynchronous update whose reply has not been read. */
@@ -438,7 +448,74 @@ static void session_free(zc_session *session)
 		munmap((void *)session->pool, session->pool_bytes);
 	free(session->key_offsets);
 	free(session->value_offsets);
+	if (session->masses)
+		for (uint32_t i = 0; i < session->info.layers; i++)
+			free(session->masses[i].data);
+	free(session->masses);
 	free(session);
+}
+
+int zc_session_set_attention_mass(zc_session *session, uint32_t layer, uint32_t first_token,
+				  const float *mass, size_t count)
+{
+	if (!session)
+		return ZC_EINVALID;
+	zc_client *client = session->client;
+	const zc_session_info *info = &session->info;
+	size_t row = (size_t)info->batch * info->kv_heads;
+
+	if (layer >= info->layers)
+		return error_set(client, ZC_EINVALID, "layer out of range");
+	if (info->codec.saliency != ZC_SALIENCY_ATTENTION)
+		return error_set(client, ZC_EPRECONDITION, "attention masses are for a session "
+				 "opened with saliency = attention; this one ranks by key norm");
+	if (count == 0) {
+		if (session->masses)
+			session->masses[layer].count = 0;
+		return 0;
+	}
+	/* The daemon's own checks, made here so that a bad array is named
+	 * at once and never costs an update. */
+	if (!mass || count % row != 0 || count / row > ZC_MAX_RESIDUAL_TOKENS ||
+	    count / row > info->residual_tokens ||
+	    (uint64_t)first_token + count / row > info->max_tokens)
+		return error_set(client, ZC_EINVALID, "attention masses must be float32 "
+				 "[batch][kv_heads][n], 1 <= n <= the residual's tokens, of tokens "
+				 "within max_tokens");
+	for (size_t i = 0; i < count; i++)
+		if (!(mass[i] >= 0.0f) || mass[i] > FLT_MAX)
+			return error_set(client, ZC_ENONFINITE, "attention masses must be finite "
+					 "and >= 0");
+	if (!session->masses &&
+	    !(session->masses = calloc(info->layers, sizeof(*session->masses))))
+		return error_set(client, -ENOMEM, "out of memory");
+	struct session_mass *m = &session->masses[layer];
+	float *data = realloc(m->data, count * sizeof(float));
+	if (!data)
+		return error_set(client, -ENOMEM, "out of memory");
+	memcpy(data, mass, count * sizeof(float));
+	*m = (struct session_mass){ data, count, first_token };
+	return 0;
+}
+
+/* The layer's pending masses into an update request (they stay pending
+ * until mass_sent: the request may still be refused before it is sent). */
+static void mass_attach(const zc_session *session, uint32_t layer,
+			struct wire_update_request *update)
+{
+	if (!session->masses || layer >= session->info.layers || !session->masses[layer].count)
+		return;
+	const struct session_mass *m = &session->masses[layer];
+	update->attention_mass = (wire_span){ (const uint8_t *)m->data, m->count * sizeof(float) };
+	update->mass_first_token = m->first_token;
+}
+
+/* The request that carried them was encoded: the next update carries
+ * none unless they are set again. */
+static void mass_sent(zc_session *session, uint32_t layer, const struct wire_update_request *update)
+{
+	if (update->attention_mass.len && session->masses && layer < session->info.layers)
+		session->masses[layer].count = 0;
 }
 
 /* A call on the session renews this client's lease on its views: from
@@ -787,7 +864,11 @@ static int update_call(zc_session *session, wire_request *request, uint32_t laye
 {
 	wire_response response;
 	int64_t sent = now_ms();
+	/* Chunk-keyed blocks come before any residual row: no mass is for them. */
+	if (!request->update_and_fetch.chunk_key_len)
+		mass_attach(session, layer, &request->update_and_fetch);
 	int rc = call(session->client, request, &response, NULL, 0);
+	mass_sent(session, layer, &request->update_and_fetch);
 	if (rc < 0)
 		return rc;
 	lease_renewed(session, sent);
@@ -1055,6 +1136,7 @@ static int update_encode(zc_session *session, uint32_t layer, uint32_t tokens,
 		update->keys = (wire_span){ (const uint8_t *)keys, key_bytes };
 		update->values = (wire_span){ (const uint8_t *)values, value_bytes };
 	}
+	mass_attach(session, layer, update);
 	int rc = wire_request_frame_size(&request, &size);
 	if (rc < 0)
 		return error_set(client, rc, "request cannot be encoded");
@@ -1071,6 +1153,7 @@ static int update_encode(zc_session *session, uint32_t layer, uint32_t tokens,
 		return error_set(client, rc, "request cannot be encoded");
 	*used += len;
 	*id = client->next_request_id++;
+	mass_sent(session, layer, update);
 	return 0;
 }
 

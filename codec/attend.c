@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "attend_kernels.h"
+#include "attend_softmax.h"
 #include "block.h"
 
 /* One segment after validation: what the walk needs per head. */
@@ -42,6 +43,8 @@ struct attend_job {
 	size_t padded_rows;   /* R rounded as the kernels want it */
 	size_t q_stride, v_stride;
 	float q_factor;       /* scale * log2(e) */
+	zc_attend_mass *mass; /* NULL: no masses */
+	uint32_t mass_first, mass_tokens;
 	_Atomic size_t next_item;
 };
 
@@ -220,6 +223,19 @@ static int job_prepare(struct attend_job *job, const zc_attend_segment *segments
 			   dtype_size(output->dtype);
 	if (output->capacity < out_bytes)
 		return ZC_EBUFFER;
+	if (output->mass) {
+		const zc_attend_mass *mass = output->mass;
+		if (mass->first_token > total)
+			return ZC_ESHAPE;
+		uint32_t n = (uint32_t)total - mass->first_token;
+		if (mass->capacity / ((size_t)query->batch * job->kv_heads) < n)
+			return ZC_EBUFFER;
+		if (n && !mass->data)
+			return ZC_EINVALID;
+		job->mass = output->mass;
+		job->mass_first = mass->first_token;
+		job->mass_tokens = n;
+	}
 	if ((rc = query_check_finite(query)) < 0)
 		return rc;
 
@@ -354,6 +370,21 @@ static void chunk_scores(const struct attend_job *job, const struct segment_plan
 	*lo_row += (uint32_t)__builtin_popcountll(lo);
 }
 
+/* A block's chunk the mass pass does not need: only the subset rows it
+ * holds, so that the next chunk's codes are found. */
+static void chunk_skip(const struct segment_plan *plan, size_t item, uint32_t t0, uint32_t n,
+		       uint32_t *hi_row, uint32_t *lo_row)
+{
+	if (plan->kind != ZC_ATTEND_BLOCK)
+		return;
+	const zc_block_layout *layout = &plan->key_layout;
+	const uint8_t *payload = plan->keys + item * layout->head_bytes;
+	uint64_t valid = n < 64 ? (UINT64_C(1) << n) - 1u : ~UINT64_C(0);
+	uint64_t word = mask_word(payload + layout->mask_offset, layout->mask_bytes, t0 / 8);
+	*hi_row += (uint32_t)__builtin_popcountll(word & valid);
+	*lo_row += (uint32_t)__builtin_popcountll(~word & valid);
+}
+
 static void chunk_values(const struct attend_job *job, const struct segment_plan *plan,
 			 size_t item, uint32_t t0, uint32_t n, const float *p, float *part)
 {
@@ -428,6 +459,37 @@ static void item_store(const struct attend_job *job, size_t item, const float *a
 		}
 }
 
+/*
+ * The masses of (batch, KV head) pair `item` (zc_attend_mass), once m and
+ * l are final: the chunks holding tokens from mass_first on are scored
+ * again, with the walk's kernels and mask, and attend_mass_chunk sums
+ * their probabilities over the rows.
+ */
+static void item_mass(const struct attend_job *job, size_t item, struct attend_scratch *sc)
+{
+	float *out = job->mass->data + item * (size_t)job->mass_tokens;
+	uint32_t first = 0, from = job->mass_first;
+
+	for (size_t i = 0; i < job->n_plans; i++) {
+		const struct segment_plan *plan = &job->plans[i];
+		uint32_t hi_row = 0, lo_row = 0;
+		for (uint32_t t0 = 0; t0 < plan->tokens; t0 += ATTEND_CHUNK) {
+			uint32_t n = plan->tokens - t0 < ATTEND_CHUNK ? plan->tokens - t0 :
+									 ATTEND_CHUNK;
+			uint32_t at = first + t0;
+			if (at + n <= from) {
+				chunk_skip(plan, item, t0, n, &hi_row, &lo_row);
+				continue;
+			}
+			chunk_scores(job, plan, item, t0, n, &hi_row, &lo_row, sc->q, sc->s);
+			chunk_mask(job, at, n, sc->s);
+			unsigned lo = at < from ? from - at : 0;
+			attend_mass_chunk(sc->s, job->rows, sc->m, sc->l, lo, n, out + (at + lo - from));
+		}
+		first += plan->tokens;
+	}
+}
+
 /* One (batch, KV head) pair: one pass over every segment. */
 static void item_run(const struct attend_job *job, size_t item, struct attend_scratch *sc)
 {
@@ -456,6 +518,8 @@ static void item_run(const struct attend_job *job, size_t item, struct attend_sc
 		first += plan->tokens;
 	}
 	item_store(job, item, sc->acc, sc->l);
+	if (job->mass && job->mass_tokens)
+		item_mass(job, item, sc);
 }
 
 struct worker {
@@ -518,6 +582,8 @@ int zc_attend_segments(const zc_attend_segment *segments, size_t n_segments,
 	for (size_t i = 1; i < n_workers; i++)
 		if (workers[i].started)
 			pthread_join(workers[i].thread, NULL);
+	if (job.mass)
+		job.mass->tokens = job.mass_tokens;
 	rc = 0;
 out_workers:
 	for (size_t i = 0; i < ready; i++)

@@ -79,6 +79,25 @@ static inline void attend_softmax_step(float *s, size_t n_rows, float *m, float 
 	}
 }
 
+/*
+ * Saliency by attention: the masses of positions [from, n) of one chunk,
+ * once the walk is over and m and l are final. s holds the chunk's scores
+ * again (the same kernels, so the same bits as in the walk, masked
+ * positions -Inf); mass[t - from] = sum over rows r, r increasing, of
+ * 2^(s - m[r]) / l[r]. Called from codec/attend.c only (compiled once,
+ * whatever the ISA), so every table gives the same masses.
+ */
+static inline void attend_mass_chunk(const float *s, size_t n_rows, const float *m,
+				     const float *l, unsigned from, unsigned n, float *mass)
+{
+	for (unsigned t = from; t < n; t++) {
+		float sum = 0.0f;
+		for (size_t r = 0; r < n_rows; r++)
+			sum = sum + attend_exp2(s[r * ATTEND_CHUNK + t] - m[r]) / l[r];
+		mass[t - from] = sum;
+	}
+}
+
 static inline void attend_combine_rows(float *acc, float *part, size_t n_rows, size_t stride,
 				       const float *alpha)
 {

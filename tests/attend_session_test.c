@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../client/attend_session.h"
 #include "daemon_harness.h"
@@ -121,9 +122,9 @@ static bool attend_matches(zc_session *session, const struct model *model, uint3
 	float *got = allocate(bytes), *want = allocate(bytes), *whole = allocate(bytes);
 	zc_attend_segment *segments = allocate((l->n_blocks + 1) * sizeof(*segments));
 	size_t n_segments = model_segments(model, layer, segments);
-	zc_attend_output out = { ZC_ATTEND_FP32, got, bytes };
-	zc_attend_output ref = { ZC_ATTEND_FP32, want, bytes };
-	zc_attend_output one = { ZC_ATTEND_FP32, whole, bytes };
+	zc_attend_output out = { ZC_ATTEND_FP32, got, bytes, NULL };
+	zc_attend_output ref = { ZC_ATTEND_FP32, want, bytes, NULL };
+	zc_attend_output one = { ZC_ATTEND_FP32, whole, bytes, NULL };
 	zc_attend_segment all = model_rows(model, l->keys, l->values, 0, l->tokens);
 	char what[128];
 	bool ok = true;
@@ -328,7 +329,7 @@ START_TEST(variants_attend_bit_identical)
 		q.scale = 0.3;
 		zc_attend_segment *segments = allocate((l->n_blocks + 1) * sizeof(*segments));
 		size_t n_segments = model_segments(model, 0, segments);
-		zc_attend_output out = { ZC_ATTEND_FP16, got, n * 2 }, ref = { ZC_ATTEND_FP16, want, n * 2 };
+		zc_attend_output out = { ZC_ATTEND_FP16, got, n * 2, NULL }, ref = { ZC_ATTEND_FP16, want, n * 2, NULL };
 		ck_assert_int_eq(zc_attend_segments(segments, n_segments, &q, &ref, 1), 0);
 		ck_assert_int_eq(zc_attend(sessions[k], 0, &q, &out, 0, 2), 0);
 		ck_assert_msg(memcmp(got, want, n * 2) == 0, "fp16 output differs from the model's");
@@ -359,7 +360,7 @@ static void assert_refused_untouched(zc_session *session, uint32_t layer, const 
 				     size_t capacity, unsigned flags, int expected, const char *what)
 {
 	static uint8_t out[1 << 16];
-	zc_attend_output output = { ZC_ATTEND_FP32, out, capacity };
+	zc_attend_output output = { ZC_ATTEND_FP32, out, capacity, NULL };
 
 	memset(out, UNTOUCHED, sizeof(out));
 	int rc = zc_attend(session, layer, q, &output, flags, 1);
@@ -420,9 +421,9 @@ START_TEST(bad_queries_are_refused_output_untouched)
 	good.data[7] = INFINITY;
 	assert_refused_untouched(session, 0, &good.q, cap, 0, ZC_ENONFINITE, "Inf in q");
 	good.data[7] = 0.5f;
-	ck_assert_int_eq(zc_attend(NULL, 0, &good.q, &(zc_attend_output){ ZC_ATTEND_FP32, good.data, 4 },
+	ck_assert_int_eq(zc_attend(NULL, 0, &good.q, &(zc_attend_output){ ZC_ATTEND_FP32, good.data, 4, NULL },
 				   0, 1), ZC_EINVALID);
-	ck_assert_int_eq(zc_attend(session, 0, NULL, &(zc_attend_output){ ZC_ATTEND_FP32, good.data, 4 },
+	ck_assert_int_eq(zc_attend(session, 0, NULL, &(zc_attend_output){ ZC_ATTEND_FP32, good.data, 4, NULL },
 				   0, 1), ZC_EINVALID);
 	ck_assert_int_eq(zc_attend(session, 0, &good.q, NULL, 0, 1), ZC_EINVALID);
 
@@ -485,7 +486,7 @@ START_TEST(dropped_view_is_reported_blocks_still_attend)
 
 	size_t n = queries.item[0].out_elements, bytes = n * sizeof(float);
 	uint8_t *out = allocate(bytes);
-	zc_attend_output output = { ZC_ATTEND_FP32, out, bytes };
+	zc_attend_output output = { ZC_ATTEND_FP32, out, bytes, NULL };
 	/* The residual rows are gone with the view: said, not read as zeros. */
 	memset(out, UNTOUCHED, bytes);
 	rc = zc_attend(cold, 0, &queries.item[0].q, &output, 0, 1);
@@ -506,9 +507,9 @@ START_TEST(dropped_view_is_reported_blocks_still_attend)
 		ck_assert_uint_le(cold_model.layer[1].n_blocks + 1, 16);
 		size_t n_segments = model_segments(&cold_model, 1, segments);
 		ck_assert_int_eq(zc_attend_segments(segments, n_segments, &query->q,
-						    &(zc_attend_output){ ZC_ATTEND_FP32, want, qb }, 1), 0);
+						    &(zc_attend_output){ ZC_ATTEND_FP32, want, qb, NULL }, 1), 0);
 		ck_assert_int_eq(zc_attend(cold, 1, &query->q,
-					   &(zc_attend_output){ ZC_ATTEND_FP32, got, qb }, 0, 1), 0);
+					   &(zc_attend_output){ ZC_ATTEND_FP32, got, qb, NULL }, 0, 1), 0);
 		CHECK(outputs_equal, "layer 1 from the pool, its view dropped", got, want,
 		      query->out_elements);
 		free(got);
@@ -575,10 +576,10 @@ START_TEST(block_at_the_pool_end_is_attended_from_a_copy)
 	size_t bytes = query.out_elements * sizeof(float), copied = SIZE_MAX;
 	float *a = allocate(bytes), *b = allocate(bytes);
 	ck_assert_int_eq(map_attend(&whole, zc_session_get_info(session), 0, &query.q,
-				    &(zc_attend_output){ ZC_ATTEND_FP32, a, bytes }, 0, 1, &copied), 0);
+				    &(zc_attend_output){ ZC_ATTEND_FP32, a, bytes, NULL }, 0, 1, &copied), 0);
 	ck_assert_uint_eq(copied, 0);
 	ck_assert_int_eq(map_attend(&cut, zc_session_get_info(session), 0, &query.q,
-				    &(zc_attend_output){ ZC_ATTEND_FP32, b, bytes }, 0, 1, &copied), 0);
+				    &(zc_attend_output){ ZC_ATTEND_FP32, b, bytes, NULL }, 0, 1, &copied), 0);
 	ck_assert_uint_ge(copied, 1);
 	CHECK(outputs_equal, "attended from a copy", b, a, query.out_elements);
 	CHECK(attend_matches, session, &model, 0, &query, 1);
@@ -699,7 +700,7 @@ static uint64_t model_attention_hash(const struct model *model, const struct que
 	zc_attend_segment *segments = allocate((l->n_blocks + 1) * sizeof(*segments));
 	size_t n = model_segments(model, 0, segments), bytes = query->out_elements * sizeof(float);
 	int rc = zc_attend_segments(segments, n, &query->q,
-				    &(zc_attend_output){ ZC_ATTEND_FP32, out, bytes }, 1);
+				    &(zc_attend_output){ ZC_ATTEND_FP32, out, bytes, NULL }, 1);
 	free(segments);
 	ck_assert_msg(rc == 0, "the model's attention: %s", zc_error_name(rc));
 	return bytes_hash(out, bytes);
@@ -741,7 +742,7 @@ START_TEST(attends_racing_a_writer_see_whole_states)
 	ck_assert_int_eq(pthread_create(&thread, NULL, race_writer_main, &writer), 0);
 	while (!__atomic_load_n(&writer.done, __ATOMIC_ACQUIRE)) {
 		int rc = zc_attend(session, 0, &query.q,
-				   &(zc_attend_output){ ZC_ATTEND_FP32, out, bytes }, 0, 1);
+				   &(zc_attend_output){ ZC_ATTEND_FP32, out, bytes, NULL }, 0, 1);
 		ck_assert_msg(rc == 0, "attend %zu, with a writer: %s", calls, zc_error_name(rc));
 		calls++;
 		if (n_records < RACE_MAX_RECORDS)
@@ -788,6 +789,258 @@ START_TEST(attends_racing_a_writer_see_whole_states)
 }
 END_TEST
 
+/* ---- 6. saliency by attention ---------------------------------------------------- */
+
+#define SAL_R 32          /* residual rows: the 32nd token flushes them */
+#define SAL_HEADS 2
+#define SAL_DIM 64
+#define SAL_Q_HEADS 4
+static const uint32_t sal_targets[] = { 3, 9, 17, 22 };
+
+static bool sal_is_target(uint32_t t)
+{
+	for (size_t i = 0; i < sizeof sal_targets / sizeof sal_targets[0]; i++)
+		if (sal_targets[i] == t)
+			return true;
+	return false;
+}
+
+/* Token t's K/V: the targets have keys 4 e_0 (norm 4), the others normal
+ * on channels 1.. (norm about 8, so key norm never picks a target); the
+ * queries are 30 e_0, so only the targets get attention. */
+static void sal_token(struct block *block, uint32_t t, struct rng *rng)
+{
+	block_make_shape(block, SAL_HEADS, SAL_DIM, SAL_DIM, 1, rng);
+	for (uint32_t h = 0; h < SAL_HEADS; h++)
+		for (uint32_t c = 0; c < SAL_DIM; c++) {
+			double x = sal_is_target(t) ? (c == 0 ? 4.0 : 0.0) :
+						      (c == 0 ? 0.0 : rng_normal(rng));
+			block->keys[h * SAL_DIM + c] = zc_float_to_fp16((float)x);
+		}
+}
+
+/* The key payload's saliency mask bit of token t in head h of block 0. */
+static void sal_block_mask(zc_session *session, const zc_session_config *config, bool *hi,
+			   uint32_t *n_hi)
+{
+	zc_read read;
+	zc_layer_contents layout;
+	zc_block block;
+	zc_block_layout kl;
+	for (;;) {
+		ck_assert_int_eq(zc_read_begin(session, 0, 5000, &read), 0);
+		ck_assert_int_eq(zc_layer_layout(session, &read, &layout), 0);
+		ck_assert_uint_eq(layout.blocks, 1);
+		ck_assert_uint_eq(layout.residual_tokens, 0);
+		ck_assert_int_eq(zc_layer_block(session, &read, 0, &block), 0);
+		ck_assert_int_eq(zc_block_layout_compute(&config->codec, ZC_TENSOR_KEYS, &block.key_shape,
+							 &kl), 0);
+		for (uint32_t h = 0; h < SAL_HEADS; h++) {
+			const uint8_t *mask = block.key_payload + h * kl.head_bytes + kl.mask_offset;
+			for (uint32_t t = 0; t < SAL_R; t++)
+				hi[h * SAL_R + t] = (mask[t / 8] >> (t % 8)) & 1u;
+		}
+		*n_hi = kl.n_hi;
+		if (zc_read_end(session, &read) == 0)
+			return;
+	}
+}
+
+static uint32_t sal_layer_tokens(zc_session *session)
+{
+	zc_layer_stats layers[2], total;
+	ck_assert_int_eq(zc_session_stats(session, layers, 2, &total), 0);
+	return layers[0].tokens;
+}
+
+/* A raw update of one token carrying `mass_bytes` of masses: refused with
+ * INVALID_ARGUMENT naming attention_mass. */
+static void sal_raw_refused(const char *socket_path, uint64_t session_id, const struct block *block,
+			    const float *mass, size_t mass_bytes, const char *what)
+{
+	int fd = raw_connect(socket_path);
+	ck_assert_int_ge(fd, 0);
+	wire_pb_request request;
+	memset(&request, 0, sizeof request);
+	request.msg.request_id = 7;
+	request.msg.which_op = zipcache_v1_Request_update_and_fetch_tag;
+	request.msg.op.update_and_fetch.session_id = session_id;
+	request.msg.op.update_and_fetch.layer = 0;
+	request.msg.op.update_and_fetch.tokens = block->tokens;
+	request.keys = (wire_span){ (const uint8_t *)block->keys, block->key_elements * 2 };
+	request.values = (wire_span){ (const uint8_t *)block->values, block->value_elements * 2 };
+	request.attention_mass = (wire_span){ (const uint8_t *)mass, mass_bytes };
+	wire_pb_response reply;
+	ck_assert_int_eq(raw_call(fd, &request, &reply, NULL), 0);
+	ck_assert_msg(reply.msg.status == zipcache_v1_Status_INVALID_ARGUMENT &&
+			      strstr(reply.msg.message, "attention_mass") &&
+			      strstr(reply.msg.message, "nothing was stored"),
+		      "%s: status %s, message '%s'", what, response_status_name(reply.msg.status),
+		      reply.msg.message);
+	close(fd);
+}
+
+/*
+ * A decode of SAL_R tokens into two sessions of the same data, one ranked
+ * by attention (zc_attend's masses, summed over the steps, handed to each
+ * next update) and one by key norm (checked against layer_model.c's
+ * key-norm reconstruction, bit for bit). At the flush the attention
+ * session's block holds exactly the tokens the queries attended to among
+ * its salient rows; the key-norm one none of them. Bad masses are refused
+ * (by the client, and by the daemon when they pass the client) with
+ * nothing stored.
+ */
+START_TEST(attention_masses_rank_the_flush_through_the_daemon)
+{
+	struct service service;
+	zc_session_config by_mass = attend_config("by_mass", 1, SAL_HEADS, SAL_DIM, SAL_DIM, 256, SAL_R,
+						  ZC_VIEWS_NONE);
+	by_mass.codec.saliency = ZC_SALIENCY_ATTENTION;
+	zc_session_config by_norm = attend_config("by_norm", 1, SAL_HEADS, SAL_DIM, SAL_DIM, 256, SAL_R,
+						  ZC_VIEWS_NONE);
+	struct model model;
+	struct rng rng;
+	float q[SAL_Q_HEADS * SAL_DIM] = { 0 };
+	float out[SAL_Q_HEADS * SAL_DIM], plain[SAL_Q_HEADS * SAL_DIM];
+	float step_mass[SAL_HEADS * SAL_R], sum[SAL_HEADS][SAL_R] = { { 0 } }, send[SAL_HEADS * SAL_R];
+
+	service_start(&service, NULL);
+	zc_session *session = open_session(service.client, &by_mass);
+	zc_session *norm = open_session(service.client, &by_norm);
+	ck_assert_int_eq(zc_session_get_info(session)->codec.saliency, ZC_SALIENCY_ATTENTION);
+	ck_assert_uint_eq(zc_session_get_info(session)->residual_tokens, SAL_R);
+	model_init(&model, &by_norm);
+	rng_seed(&rng, 2011);
+	for (uint32_t h = 0; h < SAL_Q_HEADS; h++)
+		q[h * SAL_DIM] = 30.0f;
+	zc_attend_query query;
+	zc_attend_query_init(&query, 1, SAL_Q_HEADS, 1, SAL_DIM, q);
+
+	for (uint32_t t = 0; t < SAL_R; t++) {
+		struct block block;
+		zc_view view;
+		sal_token(&block, t, &rng);
+		CHECK(update_block_checked, service.client, norm, &model, 0, &block, NULL, NULL);
+		/* With stats: the flush is done when the call returns. */
+		zc_layer_stats stats;
+		ck_assert_int_eq(zc_update_and_fetch(session, 0, 1, block.keys, block.values, &view,
+						     &stats), 0);
+		block_free(&block);
+		if (t + 1 == SAL_R)
+			break;   /* that one flushed */
+		/* The masses of the residual (every token so far), and the
+		 * same output bytes as without them. */
+		zc_attend_mass mass = { step_mass, SAL_HEADS * SAL_R, 999, 999 };
+		zc_attend_output with = { ZC_ATTEND_FP32, out, sizeof out, &mass };
+		zc_attend_output without = { ZC_ATTEND_FP32, plain, sizeof plain, NULL };
+		ck_assert_int_eq(zc_attend(session, 0, &query, &with, 0, 1), 0);
+		ck_assert_int_eq(zc_attend(session, 0, &query, &without, 0, 1), 0);
+		ck_assert_int_eq(memcmp(out, plain, sizeof out), 0);
+		ck_assert_uint_eq(mass.first_token, 0);
+		ck_assert_uint_eq(mass.tokens, t + 1);
+		/* Too small a buffer for the residual's rows. */
+		zc_attend_mass small = { step_mass, SAL_HEADS * (t + 1) - 1, 0, 0 };
+		ck_assert_int_eq(zc_attend(session, 0, &query,
+					   &(zc_attend_output){ ZC_ATTEND_FP32, out, sizeof out, &small },
+					   0, 1), ZC_EBUFFER);
+		for (uint32_t h = 0; h < SAL_HEADS; h++) {
+			double total = 0.0;
+			for (uint32_t i = 0; i <= t; i++) {
+				float m = step_mass[h * (t + 1) + i];
+				total += m;
+				sum[h][i] += m;
+				send[h * (t + 1) + i] = sum[h][i];
+			}
+			/* Each of the group's 2 query rows sums to 1. */
+			ck_assert_msg(fabs(total - 2.0) < 1e-5, "step %u head %u: masses sum to %.9g",
+				      t, h, total);
+		}
+		if (t == 20) {
+			/* Refused by the client, nothing kept. */
+			size_t count = SAL_HEADS * (t + 1);
+			ck_assert_int_eq(zc_session_set_attention_mass(session, 0, 0, send, count - 1),
+					 ZC_EINVALID);
+			ck_assert_int_eq(zc_session_set_attention_mass(session, 2, 0, send, count),
+					 ZC_EINVALID);
+			ck_assert_int_eq(zc_session_set_attention_mass(session, 0, 0, NULL, count),
+					 ZC_EINVALID);
+			float many[SAL_HEADS * (SAL_R + 1)] = { 0 };
+			ck_assert_int_eq(zc_session_set_attention_mass(session, 0, 0, many,
+								       SAL_HEADS * (SAL_R + 1)),
+					 ZC_EINVALID);
+			float bad = send[5];
+			send[5] = NAN;
+			ck_assert_int_eq(zc_session_set_attention_mass(session, 0, 0, send, count),
+					 ZC_ENONFINITE);
+			send[5] = -1.0f;
+			ck_assert_int_eq(zc_session_set_attention_mass(session, 0, 0, send, count),
+					 ZC_ENONFINITE);
+			send[5] = INFINITY;
+			ck_assert_int_eq(zc_session_set_attention_mass(session, 0, 0, send, count),
+					 ZC_ENONFINITE);
+			send[5] = bad;
+			ck_assert_int_eq(zc_session_set_attention_mass(norm, 0, 0, send, count),
+					 ZC_EPRECONDITION);
+			/* Past the client (it does not know the layer's tokens),
+			 * refused by the daemon: the update it rode on is not
+			 * stored either. */
+			struct block extra;
+			sal_token(&extra, 100, &rng);
+			ck_assert_int_eq(zc_session_set_attention_mass(session, 0, 40, send, 2), 0);
+			ck_assert_int_eq(zc_update_and_fetch(session, 0, 1, extra.keys, extra.values,
+							     &view, NULL), ZC_EINVALID);
+			ck_assert_ptr_nonnull(strstr(zc_client_last_error(service.client),
+						     "attention_mass"));
+			ck_assert_uint_eq(sal_layer_tokens(session), t + 1);
+			/* Refused by the daemon on the wire: a length that is no
+			 * whole [batch][kv_heads] row, NaN, negative. */
+			uint64_t id = zc_session_get_info(session)->id;
+			sal_raw_refused(service.daemon.socket_path, id, &extra, send, 5, "5 bytes");
+			static const float past[SAL_HEADS * (SAL_R * 2 + 1)];
+			sal_raw_refused(service.daemon.socket_path, id, &extra, past, sizeof past,
+					"more rows than the residual");
+			float nan_mass[SAL_HEADS] = { 0.5f, NAN }, neg_mass[SAL_HEADS] = { 0.5f, -0.5f };
+			sal_raw_refused(service.daemon.socket_path, id, &extra, nan_mass, sizeof nan_mass,
+					"NaN");
+			sal_raw_refused(service.daemon.socket_path, id, &extra, neg_mass, sizeof neg_mass,
+					"negative");
+			ck_assert_uint_eq(sal_layer_tokens(session), t + 1);
+			block_free(&extra);
+		}
+		ck_assert_int_eq(zc_session_set_attention_mass(session, 0, 0, send,
+							       SAL_HEADS * (t + 1)), 0);
+	}
+
+	bool hi[SAL_HEADS * SAL_R], norm_hi[SAL_HEADS * SAL_R];
+	uint32_t n_hi, norm_n_hi;
+	sal_block_mask(session, &by_mass, hi, &n_hi);
+	sal_block_mask(norm, &by_norm, norm_hi, &norm_n_hi);
+	ck_assert_uint_eq(n_hi, norm_n_hi);
+	ck_assert_uint_ge(n_hi, sizeof sal_targets / sizeof sal_targets[0]);
+	for (uint32_t h = 0; h < SAL_HEADS; h++) {
+		uint32_t count = 0, norm_count = 0;
+		for (uint32_t t = 0; t < SAL_R; t++) {
+			count += hi[h * SAL_R + t];
+			norm_count += norm_hi[h * SAL_R + t];
+			if (sal_is_target(t)) {
+				ck_assert_msg(hi[h * SAL_R + t], "head %u: target token %u not salient "
+					      "by attention", h, t);
+				ck_assert_msg(!norm_hi[h * SAL_R + t], "head %u: target token %u "
+					      "salient by key norm", h, t);
+			}
+		}
+		ck_assert_uint_eq(count, n_hi);
+		ck_assert_uint_eq(norm_count, n_hi);
+	}
+	/* Key norm as before: the model's reconstruction, bit for bit. */
+	CHECK(session_matches, norm, &model);
+	ck_assert_int_eq(zc_session_close(norm), 0);
+	ck_assert_int_eq(zc_session_close(session), 0);
+	model_free(&model);
+	service_stop(&service);
+}
+END_TEST
+
 static Suite *attend_session_suite(void)
 {
 	Suite *suite = suite_create("attend_session");
@@ -799,6 +1052,7 @@ static Suite *attend_session_suite(void)
 			      dropped_view_is_reported_blocks_still_attend, NULL } },
 		{ "pool_end", { block_at_the_pool_end_is_attended_from_a_copy, NULL } },
 		{ "race", { attends_racing_a_writer_see_whole_states, NULL } },
+		{ "saliency", { attention_masses_rank_the_flush_through_the_daemon, NULL } },
 	};
 
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);

@@ -82,11 +82,31 @@ typedef struct zc_attend_query {
 	bool causal;    /* query i is token T - n_q + i of the T tokens and sees only tokens <= it */
 } zc_attend_query;
 
+/*
+ * The attention mass each token got (saliency by attention, docs/ATTEND.md):
+ * for each (batch b, KV head h) and each token t from first_token on, the
+ * softmax probability of t summed over the query rows of h's group (its
+ * q_heads / kv_heads query heads times n_q queries; a causally masked
+ * query adds 0): data[(b * kv_heads + h) * tokens + t - first_token].
+ * Computed after the online softmax, from its final max and sum, by a
+ * second score pass over these tokens only; the same bytes on every ISA
+ * and thread count.
+ */
+typedef struct zc_attend_mass {
+	float *data;
+	size_t capacity;       /* floats at data: at least batch * kv_heads * tokens */
+	uint32_t first_token;  /* zc_attend_segments: the first token wanted (in, <= the
+				* segments' tokens); zc_attend: the layer's first residual
+				* token (out) */
+	uint32_t tokens;       /* out: the tokens from first_token on (0: none) */
+} zc_attend_mass;
+
 /* Output [batch][q_heads][n_q][head_dim_v], C order. */
 typedef struct zc_attend_output {
 	zc_attend_dtype dtype;
 	void *data;
-	size_t capacity;  /* bytes at data */
+	size_t capacity;       /* bytes at data */
+	zc_attend_mass *mass;  /* NULL: no masses wanted */
 } zc_attend_output;
 
 /* A query of the given shape over fp32 data, default scale, not causal. */
@@ -106,6 +126,10 @@ void zc_attend_query_init(zc_attend_query *query, uint32_t batch, uint32_t q_hea
  * disagrees with its layout), ZC_EBUFFER (output too small), a codec
  * config error (ZC_EBITS, ...), -ENOMEM, or a pthread error. On error the
  * output is untouched, and nothing past any buffer is ever read.
+ *
+ * With output->mass, also the masses of the tokens from mass->first_token
+ * on (ZC_ESHAPE past the segments' tokens, ZC_EBUFFER for too small a
+ * capacity, ZC_EINVALID for NULL data with tokens to write).
  */
 int zc_attend_segments(const zc_attend_segment *segments, size_t n_segments,
 		       const zc_attend_query *query, const zc_attend_output *output,
@@ -153,6 +177,14 @@ typedef struct zc_session zc_session;
  * contradicts itself; -ENOMEM. On any error the output is untouched: the
  * call computes into scratch of the output's size and copies it out once
  * the read is known to be consistent.
+ *
+ * With output->mass, the masses of the layer's residual rows (the tokens
+ * that wait exact, which a later flush ranks): mass->first_token and
+ * mass->tokens are set to the residual's first token and its rows (0 rows:
+ * an empty residual), read in the same consistent read; ZC_EBUFFER when
+ * capacity holds fewer than batch * kv_heads * rows floats. They are what
+ * zc_session_set_attention_mass (zipcache/client.h) hands to the layer's
+ * next update.
  */
 int zc_attend(const zc_session *session, uint32_t layer, const zc_attend_query *query,
 	      const zc_attend_output *output, unsigned flags, unsigned threads);

@@ -425,6 +425,25 @@ int zc_update_and_fetch(zc_session *session, uint32_t layer, uint32_t tokens,
 			const uint16_t *keys, const uint16_t *values, zc_view *view,
 			zc_layer_stats *stats);
 
+/*
+ * Saliency by attention (a session opened with codec.saliency =
+ * ZC_SALIENCY_ATTENTION; docs/ATTEND.md): the attention masses the next
+ * update of `layer` carries, whichever call sends it (zc_update_and_fetch,
+ * _staged, zc_update_async, zc_update_many; not a chunk-keyed one), and
+ * only that one: mass is float32 [batch][kv_heads][n] (count = batch *
+ * kv_heads * n floats), the masses of the layer's tokens first_token ..
+ * first_token + n - 1 as a client measured them, e.g. zc_attend's
+ * zc_attend_mass or a running sum of them (the daemon keeps the last it
+ * was sent per token, and ranks the residual's next flush by them). Copied;
+ * a later call replaces them, count 0 clears them. Returns 0, or
+ * ZC_EPRECONDITION (a key_norm session), ZC_EINVALID (layer out of range,
+ * mass NULL, count not a whole number of [batch][kv_heads] rows, more rows
+ * than the residual holds, tokens past max_tokens), ZC_ENONFINITE (a NaN,
+ * infinite or negative mass); nothing is kept then.
+ */
+int zc_session_set_attention_mass(zc_session *session, uint32_t layer, uint32_t first_token,
+				  const float *mass, size_t count);
+
 /* The chain key of a chunk: prev is the previous chunk's key, NULL for
  * the first; n token ids (n > 0). See ZC_PREFIX_CHUNK_TOKENS above. */
 int zc_chunk_chain(const uint8_t *prev, const uint32_t *token_ids, size_t n,

@@ -15,7 +15,7 @@ through $ZIPCACHE_LIBRARY, else the build tree next to this package
 """
 
 from ._lib import library_path
-from .attend import AttendBlock, attend, attend_arrays
+from .attend import AttendBlock, AttentionMass, MassAccumulator, attend, attend_arrays
 from .cache import ZipCacheKVCache, make_prompt_cache
 from .reader import Block, LayerRead, ReadAttempts
 from .client import (
@@ -61,6 +61,8 @@ __all__ = [
     "attend",
     "attend_arrays",
     "AttendBlock",
+    "AttentionMass",
+    "MassAccumulator",
     "Client",
     "Session",
     "PrefixHeld",

@@ -180,8 +180,18 @@ class zc_attend_query(Structure):
     ]
 
 
+class zc_attend_mass(Structure):
+    _fields_ = [
+        ("data", c_void_p),
+        ("capacity", c_size_t),   # floats at data
+        ("first_token", c_uint32),
+        ("tokens", c_uint32),
+    ]
+
+
 class zc_attend_output(Structure):
-    _fields_ = [("dtype", c_int), ("data", c_void_p), ("capacity", c_size_t)]
+    _fields_ = [("dtype", c_int), ("data", c_void_p), ("capacity", c_size_t),
+                ("mass", POINTER(zc_attend_mass))]
 
 
 # --- client.h ----------------------------------------------------------------
@@ -469,6 +479,7 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "zc_session_close": (c_int, [zc_session_p]),
     "zc_session_release": (None, [zc_session_p]),
     "zc_session_get_info": (POINTER(zc_session_info), [zc_session_p]),
+    "zc_session_set_attention_mass": (c_int, [zc_session_p, c_uint32, c_uint32, c_void_p, c_size_t]),
     "zc_session_fork": (c_int, [zc_session_p, c_uint32, c_char_p, c_int, POINTER(zc_session_p)]),
     "zc_session_release_views": (c_int, [zc_session_p]),
     "zc_import_options_default": (None, [POINTER(zc_import_options)]),

@@ -11,6 +11,19 @@ without reconstructing anything: what a ``views="none"`` session is for.
 ``over_view=True`` runs the same call over the fp16 view of a ``views="full"``
 session instead (cut at the same blocks, so the result is the same bytes).
 
+Saliency by attention (a session opened with CodecConfig(saliency="attention")):
+``attend(..., mass=True)`` also returns each residual token's attention mass
+(AttentionMass: the softmax probability it got, summed over the query rows of
+its KV head's group); ``attend(..., mass=accumulator)`` with a MassAccumulator
+adds them to a running figure per token (the mean over the calls that saw it,
+the ZipCache paper's normalized score) and hands it to the layer's next update,
+so the daemon's next flush of the residual ranks the tokens by it:
+
+    acc = zipcache.MassAccumulator(session)
+    for step ...:
+        session.update_and_fetch(layer, k, v)         # carries the masses so far
+        out = zipcache.attend(session, layer, q, mass=acc)
+
 ``attend_arrays`` is zc_attend_segments(), the compute core: a layer is a list
 of segments in token order, each a compressed block as codec.compress() (or
 the daemon) wrote it, or fp16 rows [B, H, T, D] (the exact residual, or a
@@ -38,7 +51,7 @@ from .errors import ConcurrentWrite, StaleView, error_from_code
 if TYPE_CHECKING:  # pragma: no cover
     from .client import Session
 
-__all__ = ["AttendBlock", "attend", "attend_arrays"]
+__all__ = ["AttendBlock", "AttentionMass", "MassAccumulator", "attend", "attend_arrays"]
 
 
 @dataclass
@@ -59,6 +72,73 @@ class AttendBlock:
 
 
 Segment = Union[AttendBlock, tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass
+class AttentionMass:
+    """The attention mass of tokens first_token .. first_token + n - 1 of a layer:
+    mass[b, h, i] is the softmax probability token first_token + i got, summed over
+    the query rows of KV head h's group (its q_heads / kv_heads query heads times n_q)."""
+
+    first_token: int
+    mass: np.ndarray  # float32 [B, kv_heads, n]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.mass.shape[2])
+
+
+class MassAccumulator:
+    """Each residual token's attention mass over the attend calls that saw it, per layer.
+
+    ``add`` (or ``attend(..., mass=acc)``) adds one call's AttentionMass:
+    tokens before its first_token (compressed since) are forgotten, new ones
+    start at 0. ``figure(layer)`` is what is sent: with ``normalize`` (the
+    default) each token's sum over the number of calls that saw it (the
+    ZipCache paper's normalized attention score: a token that arrived late
+    is not outranked for having been seen fewer times), else the plain sum.
+    ``send(layer)`` hands it to the session for the layer's next update;
+    ``attend(..., mass=acc)`` does that after every add.
+    """
+
+    def __init__(self, session: "Session", normalize: bool = True) -> None:
+        self.session = session
+        self.normalize = normalize
+        self._layers: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
+
+    def add(self, layer: int, m: AttentionMass) -> None:
+        first, n = int(m.first_token), m.tokens
+        if n == 0:
+            self._layers.pop(layer, None)
+            return
+        total = np.zeros(m.mass.shape, np.float64)
+        seen = np.zeros(n, np.int64)
+        if layer in self._layers:
+            old_first, old_total, old_seen = self._layers[layer]
+            lo, hi = max(first, old_first), min(first + n, old_first + old_seen.size)
+            if lo < hi:
+                total[:, :, lo - first:hi - first] = old_total[:, :, lo - old_first:hi - old_first]
+                seen[lo - first:hi - first] = old_seen[lo - old_first:hi - old_first]
+        total += m.mass
+        seen += 1
+        self._layers[layer] = (first, total, seen)
+
+    def figure(self, layer: int) -> AttentionMass | None:
+        """The layer's running figure (None before any add, or after an empty residual)."""
+        if layer not in self._layers:
+            return None
+        first, total, seen = self._layers[layer]
+        figure = total / seen if self.normalize else total
+        return AttentionMass(first, figure.astype(np.float32))
+
+    def send(self, layer: int) -> None:
+        figure = self.figure(layer)
+        if figure is None:
+            self.session.set_attention_mass(layer, 0, None)
+            return
+        # At most the residual's rows (the daemon's bound): the newest.
+        cut = max(0, figure.tokens - self.session.info.residual_tokens)
+        self.session.set_attention_mass(layer, figure.first_token + cut, figure.mass[:, :, cut:])
 
 
 def _payload(data) -> np.ndarray:
@@ -171,7 +251,7 @@ class _InCall:
 
 def attend(session: "Session", layer: int, q: np.ndarray, scale: float | None = None,
            causal: bool = False, *, over_view: bool = False, out_dtype=np.float32,
-           threads: int = 1) -> np.ndarray:
+           threads: int = 1, mass: "bool | MassAccumulator" = False):
     """softmax(q K^T * scale) V over one layer of a session, as float32 (or float16) [B, q_heads, n_q, D_v].
 
     Read here, inside one consistent read of the layer (zc_attend): its
@@ -189,12 +269,28 @@ def attend(session: "Session", layer: int, q: np.ndarray, scale: float | None = 
     and the call made again; StaleView if it is gone again by then,
     ConcurrentWrite if the daemon never stopped writing the layer for
     ZC_READ_TIMEOUT_MS.
+
+    mass=True: returns (out, AttentionMass) with the masses of the layer's
+    residual rows, read in the same consistent read (any session; an empty
+    residual gives n = 0). mass=a MassAccumulator: they are added to it and
+    sent with the layer's next update (Session.set_attention_mass, a
+    saliency="attention" session); returns out.
     """
     handle = session._native()
     layer = session._check_layer(layer, "attend")
     i = session.info
     q, query = _query(q, scale, causal)
     out, output = _output(q, i.head_dim_v, _out_dtype(out_dtype))
+    if mass is not False and mass is not True and not isinstance(mass, MassAccumulator):
+        raise TypeError(f"mass must be True, False or a MassAccumulator, got {type(mass).__name__}")
+    if isinstance(mass, MassAccumulator) and mass.session is not session:
+        raise ValueError("the MassAccumulator belongs to another session")
+    if mass is not False:
+        # A residual holds residual_tokens rows, up to twice that only
+        # after a crash left them (the next update flushes them).
+        masses = np.empty(i.batch * i.kv_heads * max(1, 2 * i.residual_tokens), "<f4")
+        c_mass = _lib.zc_attend_mass(masses.ctypes.data, masses.size, 0, 0)
+        output.mass = ctypes.pointer(c_mass)
     flags = _lib.ZC_ATTEND_OVER_VIEW if over_view else 0
     call = _InCall()
     for refreshed in (False, True):
@@ -216,6 +312,15 @@ def attend(session: "Session", layer: int, q: np.ndarray, scale: float | None = 
                               f"{_lib.ZC_READ_TIMEOUT_MS} ms", operation="attend")
     if rc < 0:
         raise error_from_code(rc, _attend_message(rc, session, layer, q, over_view), "attend")
+    if mass is False:
+        return out
+    n = int(c_mass.tokens)
+    got = AttentionMass(int(c_mass.first_token),
+                        masses[:i.batch * i.kv_heads * n].reshape(i.batch, i.kv_heads, n).copy())
+    if mass is True:
+        return out, got
+    mass.add(layer, got)
+    mass.send(layer)
     return out
 
 

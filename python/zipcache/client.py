@@ -937,6 +937,41 @@ class Session:
     def closed(self) -> bool:
         return self._handle is None
 
+    def set_attention_mass(self, layer: int, first_token: int, mass: Any) -> None:
+        """The attention masses the next update of ``layer`` carries (saliency="attention").
+
+        ``mass`` is float32 [B, kv_heads, n]: what tokens first_token ..
+        first_token + n - 1 of the layer received (zipcache.attend's
+        AttentionMass, or a MassAccumulator's running figure); the daemon
+        ranks the residual's next flush by them. Only the next update
+        (update_and_fetch, update_async, ...) carries them; a later call
+        replaces them, ``None`` clears them. FailedPrecondition for a
+        key_norm session; InvalidArgument for a shape that is not [B,
+        kv_heads, n] with 1 <= n <= residual_tokens, or NaN, Inf or negative
+        masses; nothing is kept then.
+        """
+        handle = self._native()
+        layer = self._check_layer(layer, "set_attention_mass")
+        i = self._info
+        client = handle.client
+        if mass is None:
+            with client.lock:
+                client.check(lib.zc_session_set_attention_mass(handle.ptr, layer, 0, None, 0),
+                             "set_attention_mass")
+            return
+        mass = np.ascontiguousarray(mass, dtype="<f4")
+        if mass.ndim != 3 or mass.shape[:2] != (i.batch, i.kv_heads) or mass.shape[2] < 1:
+            raise InvalidArgument(_lib.ZC_EINVALID,
+                                  f"attention masses must be float32 [{i.batch}, {i.kv_heads}, n], "
+                                  f"got shape {list(mass.shape)}", operation="set_attention_mass")
+        if not isinstance(first_token, (int, np.integer)) or not 0 <= first_token < 2**32:
+            raise InvalidArgument(_lib.ZC_EINVALID, f"first_token {first_token!r} out of range",
+                                  operation="set_attention_mass")
+        with client.lock:
+            client.check(lib.zc_session_set_attention_mass(handle.ptr, layer, int(first_token),
+                                                           mass.ctypes.data, mass.size),
+                         "set_attention_mass")
+
     def update_and_fetch(self, layer: int, keys: Any, values: Any,
                          chunk_key: bytes | None = None) -> Any:
         """Appends a [B, H, S, D] float16 block to ``layer``; returns the whole layer.

@@ -38,3 +38,32 @@ def test_attention_decode_runs_and_both_paths_agree(daemon, capsys):
     # count a page of their map under views).
     assert view.memory["views_bytes"] - compressed.memory["views_bytes"] == view.fp16_bytes
     assert compressed.held_bytes < 0.6 * compressed.fp16_bytes < view.held_bytes
+
+
+def test_attention_decode_saliency_both_at_equal_bytes(daemon, capsys):
+    example = _example()
+    # 3 flushes of a residual of 16 by each ranking, over the same data.
+    results = example.main(["--socket", daemon.socket_path, "--layers", "1", "--prompt", "32",
+                            "--steps", "48", "--kv-heads", "2", "--q-heads", "4",
+                            "--head-dim", "64", "--residual", "16", "--saliency", "both",
+                            "--query-correlation", "0.9", "--json"])
+    out = capsys.readouterr().out
+    assert len(results) == 3
+    by_norm, _, by_mass = results
+    assert "attention / key_norm:" in out and '"saliency_compare": true' in out
+    stored = [sum(l.compressed_bytes for l in r.stats.layers) for r in (by_norm, by_mass)]
+    assert stored[0] == stored[1]
+    # The same tokens and queries: the same error until the first decode
+    # flush (the prefill block is ranked by key norm either way) ...
+    assert by_norm.errors[0].steps == by_mass.errors[0].steps == 48
+    # ... and different blocks after it: the masses did change the choice.
+    assert by_norm.k_err[0] != by_mass.k_err[0]
+
+
+def test_attention_decode_mass_cost_runs(daemon, capsys):
+    example = _example()
+    assert example.main(["--socket", daemon.socket_path, "--prompt", "64", "--kv-heads", "2",
+                         "--q-heads", "4", "--head-dim", "64", "--residual", "16",
+                         "--mass-cost", "3", "--json"]) == []
+    out = capsys.readouterr().out
+    assert "mass=True" in out and '"mass_cost": true' in out
