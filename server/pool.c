@@ -18,8 +18,9 @@
  * The pool has no durable record of kept extents and needs none: a new
  * daemon's sweep punches every byte no adopted session claims, kept
  * extents included, so a crash at any step leaks nothing. Reuse
- * ("pool.reuse") takes the front of a kept extent for a new block, whose
- * fallocate then refills the punched page: the block is a fresh extent
+ * ("pool.reuse") takes the front of a kept extent for a new block (or of
+ * a run of neighbouring ones, for a block larger than each), whose
+ * fallocate then refills the punched pages: the block is a fresh extent
  * like any other until a commit names it. Memory relief, a tmpfs that is
  * full (ENOSPC) and the bound release kept extents by punching them
  * whole, after which they are ordinary free space.
@@ -77,7 +78,9 @@ struct pool {
 	struct span *free;
 	size_t n_free, free_capacity;
 	uint64_t top;             /* nothing at or above it */
-	/* Kept extents (below top, not in `free`), oldest first. */
+	/* Kept extents (below top, not in `free`), sorted by start: a closed
+	 * session's blocks, written one after another, lie side by side, and
+	 * such a run takes a block larger than any one of them. */
 	struct kept *kept;
 	size_t n_kept, kept_capacity;
 	uint64_t kept_bytes;      /* their pages (atomic reads) */
@@ -293,6 +296,20 @@ static uint64_t kept_pages(const struct kept *k)
 	return k->bytes - (k->head_hole ? PAGE_BYTES : 0);
 }
 
+/* Where a kept extent starting at `start` goes in the sorted list. */
+static size_t kept_position(const struct pool *pool, uint64_t start)
+{
+	size_t low = 0, high = pool->n_kept;
+	while (low < high) {
+		size_t mid = low + (high - low) / 2;
+		if (pool->kept[mid].start < start)
+			low = mid + 1;
+		else
+			high = mid;
+	}
+	return low;
+}
+
 /* Frees an extent keeping its pages (the file comment's steps 1 and 2),
  * or returns false when the bound or memory says no. */
 static bool extent_keep(struct pool *pool, uint64_t start, uint64_t bytes)
@@ -313,12 +330,15 @@ static bool extent_keep(struct pool *pool, uint64_t start, uint64_t bytes)
 	 * name this extent and be adopted. */
 	punch_locked(pool, start, PAGE_BYTES);
 	fault_point("pool.retain");
-	pool->kept[pool->n_kept++] = (struct kept){ start, bytes, true };
+	size_t at = kept_position(pool, start);
+	memmove(pool->kept + at + 1, pool->kept + at, (pool->n_kept - at) * sizeof(*pool->kept));
+	pool->kept[at] = (struct kept){ start, bytes, true };
+	pool->n_kept++;
 	__atomic_store_n(&pool->kept_bytes, pool->kept_bytes + bytes - PAGE_BYTES, __ATOMIC_RELAXED);
 	return true;
 }
 
-/* Punches kept extents, oldest first, until about `wanted` bytes came
+/* Punches kept extents, lowest first, until about `wanted` bytes came
  * back; they become ordinary free space. Returns the bytes freed. */
 static uint64_t kept_release_locked(struct pool *pool, uint64_t wanted)
 {
@@ -337,33 +357,68 @@ static uint64_t kept_release_locked(struct pool *pool, uint64_t wanted)
 	return freed;
 }
 
-/* The smallest kept extent that holds `bytes`, or -1. */
+/* Whether kept extent i+1 starts where i ends. */
+static bool kept_adjacent(const struct pool *pool, size_t i)
+{
+	return i + 1 < pool->n_kept &&
+	       pool->kept[i].start + pool->kept[i].bytes == pool->kept[i + 1].start;
+}
+
+/* Where `bytes` can go into kept pages: the smallest kept extent that
+ * holds it, else the first run of neighbours that does (its first
+ * extent's index), or -1. */
 static ssize_t kept_find(const struct pool *pool, uint64_t bytes)
 {
-	ssize_t best = -1;
+	ssize_t best = -1, run = -1;
 	for (size_t i = 0; i < pool->n_kept; i++)
 		if (pool->kept[i].bytes >= bytes &&
 		    (best < 0 || pool->kept[i].bytes < pool->kept[best].bytes))
 			best = (ssize_t)i;
-	return best;
+	if (best >= 0)
+		return best;
+	for (size_t i = 0; i < pool->n_kept && run < 0;) {
+		size_t first = i;
+		uint64_t total = pool->kept[i].bytes;
+		while (total < bytes && kept_adjacent(pool, i))
+			total += pool->kept[++i].bytes;
+		if (total >= bytes)
+			run = (ssize_t)first;
+		i++;   /* past the run: a later start in it holds less */
+	}
+	return run;
 }
 
-/* Takes the front `bytes` of kept extent i for a new block. */
+/* The budget `bytes` taken from kept extent i onwards needs: the punched
+ * first pages of the extents it reaches (every other page is held). */
+static uint64_t kept_need(const struct pool *pool, size_t i, uint64_t bytes)
+{
+	uint64_t need = 0;
+	for (uint64_t taken = 0; taken < bytes; taken += pool->kept[i++].bytes)
+		need += pool->kept[i].head_hole ? PAGE_BYTES : 0;
+	return need;
+}
+
+/* Takes `bytes` for a new block from the front of kept extent i and, when
+ * it is not enough, of its neighbours after it (kept_find chose them). */
 static uint64_t kept_use(struct pool *pool, size_t i, uint64_t bytes)
 {
-	struct kept *k = &pool->kept[i];
-	uint64_t start = k->start;
-	uint64_t pages = bytes - (k->head_hole ? PAGE_BYTES : 0);
-	k->start += bytes;
-	k->bytes -= bytes;
-	k->head_hole = false;
-	retain_give(pages);
-	__atomic_store_n(&pool->kept_bytes, pool->kept_bytes - pages, __ATOMIC_RELAXED);
+	uint64_t start = pool->kept[i].start;
 	__atomic_store_n(&pool->reused_bytes, pool->reused_bytes + bytes, __ATOMIC_RELAXED);
 	retain_count_extent_reuse();
-	if (k->bytes == 0) {
-		memmove(k, k + 1, (pool->n_kept - i - 1) * sizeof(*k));
-		pool->n_kept--;
+	while (bytes > 0) {
+		struct kept *k = &pool->kept[i];
+		uint64_t take = bytes < k->bytes ? bytes : k->bytes;
+		uint64_t pages = take - (k->head_hole ? PAGE_BYTES : 0);
+		k->start += take;
+		k->bytes -= take;
+		k->head_hole = false;
+		bytes -= take;
+		retain_give(pages);
+		__atomic_store_n(&pool->kept_bytes, pool->kept_bytes - pages, __ATOMIC_RELAXED);
+		if (k->bytes == 0) {
+			memmove(k, k + 1, (pool->n_kept - i - 1) * sizeof(*k));
+			pool->n_kept--;
+		}
 	}
 	return start;
 }
@@ -564,7 +619,7 @@ int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const voi
 	for (int attempt = 0;; attempt++) {
 		/* A kept extent needs budget only for its punched page. */
 		ssize_t k = kept_find(pool, bytes);
-		uint64_t need = k < 0 ? bytes : pool->kept[k].head_hole ? PAGE_BYTES : 0;
+		uint64_t need = k < 0 ? bytes : kept_need(pool, (size_t)k, bytes);
 		rc = store_budget_take(pool->budget, need);
 		if (rc < 0)
 			goto out;

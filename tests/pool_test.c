@@ -1007,6 +1007,65 @@ START_TEST(kept_extents_are_reused_counted_and_swept)
 }
 END_TEST
 
+/* Neighbouring kept extents (a closed session's blocks, one after the
+ * other) take a block larger than any one of them: it lands at the first,
+ * runs across the others' punched pages (charged again, each once), reads
+ * back exact, and what is left of the run stays kept and counted. */
+START_TEST(neighbouring_kept_extents_take_a_larger_block)
+{
+	struct fixture f;
+	enum { SMALL = 4 * PAGE, LARGE = 10 * PAGE };
+	static uint8_t key[LARGE], value[LARGE], back[LARGE];
+	uint64_t at[4], big;
+	fixture_start(&f, "kept-run");
+	retain_set_limit(64 * PAGE);
+	for (size_t i = 0; i < LARGE; i++) {
+		key[i] = (uint8_t)(i * 11 + 3);
+		value[i] = (uint8_t)(i * 5 + 9);
+	}
+	/* Four extents of 4 pages each (2 of key, 2 of value), side by side. */
+	for (int i = 0; i < 4; i++)
+		ck_assert_int_eq(pool_write(f.pool, key, SMALL / 2, value, SMALL / 2, &at[i]), 0);
+	for (int i = 1; i < 4; i++)
+		ck_assert_uint_eq(at[i], at[i - 1] + SMALL);
+	uint64_t file = pool_file_bytes(f.pool);
+	/* Freed out of order: the list is by position, not by age. */
+	pool_unref(f.pool, at[2]);
+	pool_unref(f.pool, at[0]);
+	pool_unref(f.pool, at[3]);
+	pool_unref(f.pool, at[1]);
+	ck_assert_uint_eq(pool_kept_bytes(f.pool), 4 * (SMALL - PAGE));
+	ck_assert_uint_eq(f.budget.used, pool_file_bytes(f.pool));
+	uint64_t reuses = retain_extent_reuses();
+	/* 10 pages: three of the kept extents, the third only in part. */
+	ck_assert_uint_eq(pool_extent_bytes(LARGE / 2, LARGE / 2), LARGE);
+	ck_assert_int_eq(pool_write(f.pool, key, LARGE / 2, value, LARGE / 2, &big), 0);
+	ck_assert_uint_eq(big, at[0]);
+	ck_assert_uint_eq(retain_extent_reuses(), reuses + 1);
+	/* Left kept: the last 2 pages of the third and all of the fourth but
+	 * its punched page. */
+	ck_assert_uint_eq(pool_kept_bytes(f.pool), 2 * PAGE + SMALL - PAGE);
+	ck_assert_uint_eq(pool_file_bytes(f.pool), file - PAGE);
+	ck_assert_uint_eq(f.budget.used, pool_file_bytes(f.pool));
+	ck_assert_int_eq(pool_read(f.pool, big, back, LARGE / 2), 0);
+	ck_assert_mem_eq(back, key, LARGE / 2);
+	ck_assert_int_eq(pool_read(f.pool, pool_value_offset(big, LARGE / 2), back, LARGE / 2), 0);
+	ck_assert_mem_eq(back, value, LARGE / 2);
+	/* The rest of the run takes a block of its size (2 + 4 pages). */
+	uint64_t rest;
+	ck_assert_int_eq(pool_write(f.pool, key, 2 * PAGE, value, 4 * PAGE, &rest), 0);
+	ck_assert_uint_eq(rest, at[2] + 2 * PAGE);
+	ck_assert_uint_eq(pool_kept_bytes(f.pool), 0);
+	ck_assert_uint_eq(retain_held_bytes(), 0);
+	ck_assert_uint_eq(pool_file_bytes(f.pool), file);
+	ck_assert_uint_eq(f.budget.used, pool_file_bytes(f.pool));
+	pool_unref(f.pool, big);
+	pool_unref(f.pool, rest);
+	fixture_end(&f);
+	retain_set_limit(0);
+}
+END_TEST
+
 static Suite *pool_suite(void)
 {
 	Suite *suite = suite_create("pool");
@@ -1020,7 +1079,8 @@ static Suite *pool_suite(void)
 		{ "files", { pool_set_opens_one_pool_per_uid, pool_set_scan_after_the_directory_was_listed,
 			     a_file_that_is_not_a_pool_is_corrupt,
 			     NULL } },
-		{ "kept", { kept_extents_are_reused_counted_and_swept, NULL } },
+		{ "kept", { kept_extents_are_reused_counted_and_swept,
+			    neighbouring_kept_extents_take_a_larger_block, NULL } },
 	};
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);
 	return suite;
