@@ -4,6 +4,7 @@
  *
  *   build/bench/cuda_bench [--layers 32] [--tokens 32768] [--heads 8] [--dim 128]
  *                          [--block-tokens 4096] [--repeat 5] [--decode-steps 64]
+ *                          [--kernels-only 1]
  *
  * The session: `layers` layers of `tokens` tokens, batch 1, compressed on
  * the host by the codec at the default config in blocks of block-tokens
@@ -19,7 +20,8 @@
  *                   alone, fp16 bytes written per second
  *   decode_step     one new exact token per layer, incremental (a mirror per layer)
  * and for scale: a device-to-device copy of the fp16 bytes, and the cost
- * of registering the mapping once.
+ * of registering the mapping once. --kernels-only 1 skips the host-memory
+ * paths (seconds each): for comparing kernel builds within one lease.
  */
 #include <cuda_runtime.h>
 #include <errno.h>
@@ -55,7 +57,7 @@
 	} while (0)
 
 struct options {
-	uint32_t layers, tokens, heads, dim, block_tokens, repeat, decode_steps;
+	uint32_t layers, tokens, heads, dim, block_tokens, repeat, decode_steps, kernels_only;
 };
 
 struct bench_layer {
@@ -71,7 +73,7 @@ struct bench_layer {
 	void *device_arena;                 /* for zc_kernels */
 };
 
-static struct options opt = { 32, 32768, 8, 128, 4096, 5, 64 };
+static struct options opt = { 32, 32768, 8, 128, 4096, 5, 64, 0 };
 static zc_codec_config config;
 static struct bench_layer *layers;
 static uint8_t *mapping_rw;
@@ -382,9 +384,11 @@ static void parse(int argc, char **argv)
 		else if (!strcmp(argv[i], "--block-tokens")) opt.block_tokens = v;
 		else if (!strcmp(argv[i], "--repeat")) opt.repeat = v;
 		else if (!strcmp(argv[i], "--decode-steps")) opt.decode_steps = v;
+		else if (!strcmp(argv[i], "--kernels-only")) opt.kernels_only = v;
 		else {
 			fprintf(stderr, "usage: cuda_bench [--layers N] [--tokens N] [--heads N] "
-					"[--dim N] [--block-tokens N] [--repeat N] [--decode-steps N]\n");
+					"[--dim N] [--block-tokens N] [--repeat N] [--decode-steps N] "
+					"[--kernels-only 0|1]\n");
 			exit(2);
 		}
 	}
@@ -474,9 +478,13 @@ int main(int argc, char **argv)
 	CHECK_ZC(cuda, zc_cuda_open(0, 0, &cuda));
 	double fp16 = (double)layer_fp16_bytes() * opt.layers;
 
-	double pageable = time_fp16(false, stream);
+	double pageable = 0, pinned = 0;
+	char extra[256];
+	if (opt.kernels_only)
+		goto kernels;
+	pageable = time_fp16(false, stream);
 	print_path("fp16_pageable", pageable, fp16, "");
-	double pinned = time_fp16(true, stream);
+	pinned = time_fp16(true, stream);
 	print_path("fp16_pinned", pinned, fp16, "");
 	double flat[2];
 	for (int p = 0; p < 2; p++) {
@@ -503,7 +511,6 @@ int main(int argc, char **argv)
 	print_path("fp16_pageable_contiguous", flat[0], fp16, "");
 	print_path("fp16_pinned_contiguous", flat[1], fp16, "");
 
-	char extra[256];
 	double bounce = time_compressed(cuda, ZC_CUDA_HOST, stream, NULL);
 	verify_layer0();
 	snprintf(extra, sizeof extra, ",\"vs_pinned\":%.2f,\"vs_pageable\":%.2f,\"verified\":true",
@@ -538,6 +545,7 @@ int main(int argc, char **argv)
 		zc_cuda_close(reg);
 	}
 
+kernels:
 	/* Kernels alone: the compressed arenas already on the device. */
 	for (uint32_t l = 0; l < opt.layers; l++) {
 		CHECK_CUDA(cudaMalloc(&layers[l].device_arena, 2 * arena_room));

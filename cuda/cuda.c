@@ -421,9 +421,22 @@ static int chunk_transfer(zc_cuda *cuda, struct slot *slot, bool host)
 		bool direct = !place->strided && place->bytes >= DIRECT_MIN_BYTES &&
 			      is_registered(cuda, place->source, place->bytes);
 		if (direct) {
-			if (direct_host && direct_host + (direct_end - direct_begin) == place->source &&
-			    direct_end == place->offset) {
-				direct_end += place->bytes;
+			/* Joins the open run when it follows it in host memory as it
+			 * does in the chunk: back to back, or a few bytes on inside
+			 * the same registered range (a block's V after its K, which
+			 * plan_next_chunk placed with the same gap). */
+			const uint8_t *host_end = direct_host ? direct_host + (direct_end - direct_begin)
+							      : NULL;
+			uint64_t gap = place->offset - direct_end;
+			bool joins = direct_host && place->offset >= direct_end &&
+				     place->source >= host_end &&
+				     (uint64_t)(place->source - host_end) == gap &&
+				     (gap == 0 || (gap <= PLAN_GAP_BYTES &&
+						   is_registered(cuda, direct_host,
+								 (uint64_t)(place->source - direct_host) +
+									 place->bytes)));
+			if (joins) {
+				direct_end = place->offset + place->bytes;
 			} else {
 				if (copy_run(cuda, slot->device + direct_begin, direct_host,
 					     direct_end - direct_begin) < 0)
@@ -437,7 +450,7 @@ static int chunk_transfer(zc_cuda *cuda, struct slot *slot, bool host)
 		}
 		plan_stage(place, slot->pinned);
 		cuda->stats.bytes_staged += place->bytes;
-		if (run_open && place->offset <= run_end + PLAN_ALIGN) {
+		if (run_open && place->offset <= run_end + PLAN_GAP_BYTES) {
 			run_end = place->offset + place->bytes;
 		} else {
 			if (run_open && copy_run(cuda, slot->device + run_begin, slot->pinned + run_begin,

@@ -17,9 +17,13 @@
 #define CHUNK_CHANNELS 8u
 #define TILE_THREADS 256u
 /* Items per thread: enough work per block that its start-up (finding the
- * job, loading the head's fields and mask words) is amortised; 128 tokens
- * at D = 128. */
-#define TILE_ITEMS_PER_THREAD 8u
+ * job, loading the head's fields, mask words and parameters: several
+ * dependent memory round trips) is amortised; 256 tokens at D = 128.
+ * 16 measured 1.68 TB/s on an H200 against 1.64 for 8 (docs/BENCHMARKS.md).
+ * Overridable (-D) for such comparisons; host and kernels must agree. */
+#ifndef TILE_ITEMS_PER_THREAD
+#define TILE_ITEMS_PER_THREAD 16u
+#endif
 #define TILE_ITEMS (TILE_THREADS * TILE_ITEMS_PER_THREAD)
 /* Mask words a tile's tokens can span (tiles start on any token). */
 #define TILE_MASK_WORDS (TILE_ITEMS / 64u + 2u)

@@ -13,6 +13,8 @@
  * one 16-byte store each where the target's alignment allows. Consecutive threads take
  * consecutive channels of a token, then the next token, so a warp's stores
  * are coalesced rows and its code reads are neighbours in the stream.
+ * Three paths, the first that applies: the table path (below), the fast
+ * path, and core.h's item for anything else; all bit for bit the CPU's.
  */
 #include <cuda_runtime.h>
 
@@ -282,7 +284,264 @@ __device__ static __forceinline__ int fast_item(const struct cuda_job *job,
 	return 0;
 }
 
-__global__ void __launch_bounds__(TILE_THREADS, 8)
+/*
+ * The table path: the fast path's arithmetic with its per-item overhead
+ * moved out of the item loop. What depends on the token alone (its rank in
+ * the mask, row, subset, code offset, parameter slot) is computed once per
+ * token into shared memory, not once per 8 channels; a thread keeps one
+ * channel chunk c0 for all its items (TILE_THREADS is a multiple of the
+ * chunks), so the head's fields live in registers; a window is two or three
+ * aligned words under one bound check. Tiles of more tokens than the table
+ * holds, or of more chunks than threads, take the fast path above.
+ */
+#define TABLE_TOKENS 512u
+#define TABLE_BAD 0xffffffffu   /* the mask sends the token past its subset */
+#ifndef ZC_TABLE_UNROLL
+#define ZC_TABLE_UNROLL 1
+#endif
+static constexpr int table_unroll = ZC_TABLE_UNROLL;
+
+/* Blocks per SM the compiler plans registers for: 5 gives 48 registers,
+ * no spills (the shared memory allows 5 blocks too); 8 gives 32 with spills
+ * in the item loop, 6 gives 40 with some: measured on an H200, 5 was the
+ * fastest (docs/BENCHMARKS.md). */
+#ifndef ZC_TILE_BLOCKS_PER_SM
+#define ZC_TILE_BLOCKS_PER_SM 5
+#endif
+
+/* Two floats to an fp16 pair, lo in the low half, round to nearest even.
+ * Callers pass y >= -65504 (or NaN-free: see table_values); satfinite then
+ * rounds what the CPU clamps at 65504 to 65504, as the clamp does, and
+ * leaves every other value to the plain rounding. */
+__device__ static __forceinline__ uint32_t table_pack(float lo, float hi)
+{
+#if defined(ZC_NO_SATFINITE)
+	__half2 pair = __floats2half2_rn(fminf(lo, 65504.0f), fminf(hi, 65504.0f));
+	return *(uint32_t *)&pair;
+#else
+	uint32_t r;
+	asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+	return r;
+#endif
+}
+
+/*
+ * Eight codes into fp16 pairs, bit for bit core_quantized_item's values:
+ * code * scale is exact (a code < 256 times an fp16 scale has at most 19
+ * significant bits), so one fused multiply-add rounds once, as the CPU's
+ * product-then-sum does. The CPU then takes max(y, -65504), which sends
+ * NaN to -65504 as fmaxf does, and min(y, 65504), which satfinite does.
+ */
+template <typename Window>
+__device__ static __forceinline__ void table_values(Window window, uint32_t bits,
+						    uint32_t code_mask, const float4 p0,
+						    const float4 p1, const float4 p2,
+						    const float4 p3, uint4 *out)
+{
+	const float s[CHUNK_CHANNELS] = { p0.x, p0.z, p1.x, p1.z, p2.x, p2.z, p3.x, p3.z };
+	const float m[CHUNK_CHANNELS] = { p0.y, p0.w, p1.y, p1.w, p2.y, p2.w, p3.y, p3.w };
+	float y[CHUNK_CHANNELS];
+#pragma unroll
+	for (uint32_t k = 0; k < CHUNK_CHANNELS; k++) {
+		uint32_t code = (uint32_t)window & code_mask;
+		window >>= bits;
+		float value = __fsub_rn(__uint_as_float(0x4b000000u | code), 8388608.0f);
+		y[k] = fmaxf(__fmaf_rn(value, s[k], m[k]), -65504.0f);
+	}
+	out->x = table_pack(y[0], y[1]);
+	out->y = table_pack(y[2], y[3]);
+	out->z = table_pack(y[4], y[5]);
+	out->w = table_pack(y[6], y[7]);
+}
+
+/* Whether the table path takes this tile (fast->ok already). */
+__device__ static __forceinline__ int table_ok(const struct cuda_job *job)
+{
+	return job->chunks <= TILE_THREADS && job->tile_tokens <= TABLE_TOKENS &&
+	       job->head_bytes >= 16u;
+}
+
+/* Two fp16 of the payload at byte offset `offset` (any alignment), low one
+ * first, from aligned words under one bound check; bytes outside read as 0. */
+__device__ static __forceinline__ uint32_t table_pair(const uint8_t *head, uint32_t head_bytes,
+						      uint32_t offset)
+{
+	uintptr_t address = (uintptr_t)head + offset;
+	uintptr_t aligned = address & ~(uintptr_t)3;
+	uint32_t rel = (uint32_t)(aligned - (uintptr_t)head); /* wraps below head */
+	uint32_t w0, w1;
+	if (rel <= head_bytes - 8u) {
+		w0 = __ldg((const unsigned int *)aligned);
+		w1 = __ldg((const unsigned int *)aligned + 1);
+	} else {
+		w0 = core_word(head, head_bytes, aligned);
+		w1 = core_word(head, head_bytes, aligned + 4);
+	}
+	return __funnelshift_r(w0, w1, (uint32_t)(address - aligned) * 8u);
+}
+
+/* The parameters of the tile's groups as floats, laid out for the item
+ * loop's 16-byte loads: a slot holds 4 planes of dim / 2 floats, and plane
+ * q holds for each chunk of 8 channels c0 .. c0 + 7 the scale and minimum
+ * of channels c0 + 2q and c0 + 2q + 1. The threads of a token, one chunk
+ * each, then read consecutive 16 bytes of a plane (two shared-memory
+ * wavefronts for 16 threads; channel-major pairs would take eight). A
+ * thread-step converts two channels. */
+__device__ static void table_load_params(const struct cuda_job *job, const struct core_tile *tile,
+					 const struct fast_tile *fast, float *params)
+{
+	const uint8_t *head = (const uint8_t *)(uintptr_t)tile->src;
+	uint32_t dim = job->dim, half = dim / 2u, head_bytes = (uint32_t)job->head_bytes;
+	uint32_t total = fast->slots * half;
+	uint32_t slot = threadIdx.x / half, e = threadIdx.x - slot * half;
+	for (uint32_t idx = threadIdx.x; idx < total; idx += TILE_THREADS) {
+		int hi = slot < fast->hi_groups;
+		uint32_t group = hi ? fast->hi_group0 + slot : fast->lo_group0 + (slot - fast->hi_groups);
+		uint32_t offset = (uint32_t)(hi ? job->hi_params_offset : job->lo_params_offset) +
+				  group * 4u * dim + 4u * e;
+		uint32_t scales = table_pair(head, head_bytes, offset);
+		uint32_t mins = table_pair(head, head_bytes, offset + 2u * dim);
+		float4 f = make_float4(CORE_HALF_TO_FLOAT(scales & 0xffffu), CORE_HALF_TO_FLOAT(mins & 0xffffu),
+				       CORE_HALF_TO_FLOAT(scales >> 16), CORE_HALF_TO_FLOAT(mins >> 16));
+		*(float4 *)&params[2u * slot * dim + (e & 3u) * half + 4u * (e >> 2)] = f;
+		e += TILE_THREADS;
+		while (e >= half) {
+			e -= half;
+			slot++;
+		}
+	}
+}
+
+/* Each token of the tile: its code bit offset, its parameter slot and subset. */
+__device__ static void table_fill(const struct cuda_job *job, const struct core_tile *tile,
+				  const struct fast_tile *fast, uint2 *table, uint32_t n_tokens)
+{
+	for (uint32_t l = threadIdx.x; l < n_tokens; l += TILE_THREADS) {
+		uint32_t t = tile->first_token + l;
+		uint32_t j = (t >> 6) - tile->first_word;
+		uint64_t word = tile->mask[j];
+		uint32_t below = t & 63u;
+		uint32_t rank = tile->before[j] +
+				(uint32_t)__popcll(word & ((UINT64_C(1) << below) - 1u));
+		uint32_t salient = (uint32_t)(word >> below) & 1u;
+		uint32_t row = salient ? rank : t - rank;
+		uint32_t rows = salient ? job->n_hi : job->n_lo;
+		uint32_t bits = salient ? job->hi_bits : job->lo_bits;
+		uint32_t codes = (uint32_t)(salient ? job->hi_codes_offset : job->lo_codes_offset);
+		uint2 entry = make_uint2(0u, TABLE_BAD);
+		if (row < rows) {
+			uint32_t group = row >> fast->group_shift;
+			uint32_t slot = salient ? group - fast->hi_group0
+						: fast->hi_groups + (group - fast->lo_group0);
+			entry.x = codes * 8u + row * job->dim * bits;
+			entry.y = slot * 2u * job->dim | salient << 31;
+		}
+		table[l] = entry;
+	}
+}
+
+/* A thread's items on the table path; returns 1 when a token was past its
+ * subset. Narrow: both widths <= 4, so 8 codes fit a 32-bit window. */
+template <int Narrow>
+__device__ static __forceinline__ int table_items(const struct cuda_job *job,
+						  const struct core_tile *tile,
+						  const struct fast_tile *fast, const float *params,
+						  const uint2 *table, uint32_t n_tokens)
+{
+	const uint8_t *head = (const uint8_t *)(uintptr_t)tile->src;
+	const uint32_t head_bytes = (uint32_t)job->head_bytes;
+	const uint32_t c0 = (threadIdx.x & (job->chunks - 1u)) * CHUNK_CHANNELS;
+	const uint32_t step = TILE_THREADS >> fast->chunk_shift;
+	const uint32_t bits_pair = job->hi_bits << 16 | job->lo_bits;
+	const uint32_t limit = head_bytes - (Narrow ? 8u : 12u);
+	uint32_t local = threadIdx.x >> fast->chunk_shift;
+	uint64_t dst = tile->dst + 2u * ((uint64_t)(tile->first_token + local) * job->dst_token + c0);
+	const uint64_t dst_step = 2u * (uint64_t)step * job->dst_token;
+	const uint32_t plane = job->dim / 2u;
+	const float *pbase = params + c0 / 2u;
+	uint32_t end = local + TILE_ITEMS_PER_THREAD * step;
+	end = end < n_tokens ? end : n_tokens;
+	int bad = 0;
+#pragma unroll table_unroll
+	for (; local < end; local += step, dst += dst_step) {
+		uint2 entry = table[local];
+		if (entry.y == TABLE_BAD) {
+			bad = 1;
+			continue;
+		}
+		uint32_t salient = entry.y >> 31;
+		uint32_t bits = salient ? bits_pair >> 16 : bits_pair & 0xffffu;
+		uint32_t code_mask = (1u << bits) - 1u;
+		uint32_t bit = entry.x + c0 * bits;
+		const float *scale = pbase + (entry.y & 0x7fffffffu);
+		float4 p0 = *(const float4 *)scale, p1 = *(const float4 *)(scale + plane);
+		float4 p2 = *(const float4 *)(scale + 2u * plane),
+		       p3 = *(const float4 *)(scale + 3u * plane);
+		uintptr_t address = (uintptr_t)head + (bit >> 3);
+		uintptr_t aligned = address & ~(uintptr_t)3;
+		uint32_t rel = (uint32_t)(aligned - (uintptr_t)head); /* wraps below head */
+		uint32_t shift = (uint32_t)(address - aligned) * 8u + (bit & 7u);
+		uint4 packed;
+		if (Narrow) {
+			uint32_t w0, w1;
+			if (rel <= limit) {
+				w0 = __ldg((const unsigned int *)aligned);
+				w1 = __ldg((const unsigned int *)aligned + 1);
+			} else {
+				w0 = core_word(head, head_bytes, aligned);
+				w1 = core_word(head, head_bytes, aligned + 4);
+			}
+			table_values(__funnelshift_r(w0, w1, shift), bits, code_mask, p0, p1, p2, p3,
+				     &packed);
+		} else {
+			uint32_t w0, w1, w2;
+			if (rel <= limit) {
+				w0 = __ldg((const unsigned int *)aligned);
+				w1 = __ldg((const unsigned int *)aligned + 1);
+				w2 = __ldg((const unsigned int *)aligned + 2);
+			} else {
+				w0 = core_word(head, head_bytes, aligned);
+				w1 = core_word(head, head_bytes, aligned + 4);
+				w2 = core_word(head, head_bytes, aligned + 8);
+			}
+			uint64_t window = (uint64_t)__funnelshift_r(w0, w1, shift) |
+					  (uint64_t)__funnelshift_r(w1, w2, shift) << 32;
+			table_values(window, bits, code_mask, p0, p1, p2, p3, &packed);
+		}
+		*(uint4 *)(uintptr_t)dst = packed;
+	}
+	return bad;
+}
+
+/* The paths the table path leaves, as calls: their registers then do not
+ * weigh on the table path's allocation (ptxas plans the kernel for its
+ * most demanding path). */
+#ifdef ZC_INLINE_COLD
+#define COLD_FN __device__ static __forceinline__
+#else
+#define COLD_FN __device__ static __noinline__
+#endif
+
+COLD_FN int fast_items(const struct cuda_job *job, const struct core_tile *tile,
+		       const struct fast_tile *fast, const float *params)
+{
+	int bad = 0;
+#pragma unroll 2
+	for (uint32_t k = 0; k < TILE_ITEMS_PER_THREAD; k++)
+		bad |= fast_item(job, tile, fast, params, k * TILE_THREADS + threadIdx.x);
+	return bad;
+}
+
+COLD_FN int general_items(const struct cuda_job *job, const struct core_tile *tile)
+{
+	int bad = 0;
+#pragma unroll 2
+	for (uint32_t k = 0; k < TILE_ITEMS_PER_THREAD; k++)
+		bad |= core_tile_item(job, tile, k * TILE_THREADS + threadIdx.x);
+	return bad;
+}
+
+__global__ void __launch_bounds__(TILE_THREADS, ZC_TILE_BLOCKS_PER_SM)
 reconstruct_kernel(const struct cuda_launch *launch, const uint32_t *prefix, int *error)
 {
 	const struct cuda_job *jobs = (const struct cuda_job *)(launch + 1);
@@ -290,6 +549,7 @@ reconstruct_kernel(const struct cuda_launch *launch, const uint32_t *prefix, int
 	__shared__ struct core_tile tile;
 	__shared__ struct fast_tile fast;
 	__shared__ __align__(16) float params[FAST_PARAM_FLOATS];
+	__shared__ uint2 table[TABLE_TOKENS];
 
 	block_job_load(jobs, block_job_find(jobs, launch->n_jobs, blockIdx.x, 0), &job);
 	__syncthreads();
@@ -306,20 +566,32 @@ reconstruct_kernel(const struct cuda_launch *launch, const uint32_t *prefix, int
 		if (threadIdx.x == 0)
 			fast_plan(&job, &tile, &fast);
 		__syncthreads();
+#ifndef ZC_NO_TABLE
+		if (fast.ok && table_ok(&job)) {
+			uint32_t n_tokens = job.valid - tile.first_token;
+			n_tokens = n_tokens < job.tile_tokens ? n_tokens : job.tile_tokens;
+			table_load_params(&job, &tile, &fast, params);
+			table_fill(&job, &tile, &fast, table, n_tokens);
+			__syncthreads();
+			if (job.hi_bits <= 4u && job.lo_bits <= 4u)
+				bad = table_items<1>(&job, &tile, &fast, params, table, n_tokens);
+			else
+				bad = table_items<0>(&job, &tile, &fast, params, table, n_tokens);
+			if (bad)
+				atomicOr(error, 1);
+			return;
+		}
+#endif
 		if (fast.ok) {
 			fast_load_params(&job, &tile, &fast, params);
 			__syncthreads();
-#pragma unroll 2
-			for (uint32_t k = 0; k < TILE_ITEMS_PER_THREAD; k++)
-				bad |= fast_item(&job, &tile, &fast, params, k * TILE_THREADS + threadIdx.x);
+			bad = fast_items(&job, &tile, &fast, params);
 			if (bad)
 				atomicOr(error, 1);
 			return;
 		}
 	}
-#pragma unroll 2
-	for (uint32_t k = 0; k < TILE_ITEMS_PER_THREAD; k++)
-		bad |= core_tile_item(&job, &tile, k * TILE_THREADS + threadIdx.x);
+	bad = general_items(&job, &tile);
 	if (bad)
 		atomicOr(error, 1);
 }
@@ -332,7 +604,15 @@ extern "C" int cuda_kernels_launch(const struct cuda_launch *launch, uint64_t n_
 	(void)n_jobs;
 	if (scan_heads)
 		scan_kernel<<<(unsigned)scan_heads, TILE_THREADS, 0, s>>>(launch, prefix, error);
+#ifdef ZC_DIAG_SCAN2 /* timing only: what the scan costs */
+	if (scan_heads)
+		scan_kernel<<<(unsigned)scan_heads, TILE_THREADS, 0, s>>>(launch, prefix, error);
+#endif
 	if (tiles)
 		reconstruct_kernel<<<(unsigned)tiles, TILE_THREADS, 0, s>>>(launch, prefix, error);
+#ifdef ZC_DIAG_REC2 /* timing only: what the reconstruction costs */
+	if (tiles)
+		reconstruct_kernel<<<(unsigned)tiles, TILE_THREADS, 0, s>>>(launch, prefix, error);
+#endif
 	return (int)cudaGetLastError();
 }

@@ -340,11 +340,25 @@ int plan_layer(struct plan *plan, const zc_cuda_layer *layer, const zc_cuda_targ
 	}
 
 	plan->blocks_skipped = skip;
-	/* All keys, then all values: a layer's K payloads lie back to back in
-	 * its K arena, so in this order neighbouring units are neighbours in
-	 * host memory too and move in one DMA. */
-	for (int tensor = ZC_TENSOR_KEYS; tensor <= ZC_TENSOR_VALUES; tensor++) {
-		for (size_t i = skip; i < layer->n_blocks; i++) {
+	/* All keys, then all values: where a layer's K payloads lie back to
+	 * back in a K arena, neighbouring units are neighbours in host memory
+	 * too and move in one DMA. Where instead each block's V follows its K
+	 * (the daemon's pool: one extent per block), block by block, K then V,
+	 * so that each block moves in one DMA (plan_next_chunk keeps the gap). */
+	bool by_block = plan->memory == ZC_CUDA_HOST && layer->n_blocks > skip;
+	for (size_t i = skip; i < layer->n_blocks && by_block; i++) {
+		const zc_cuda_block *block = &layer->blocks[i];
+		const uint8_t *k_end = (const uint8_t *)block->keys + block->key_bytes;
+		const uint8_t *v = (const uint8_t *)block->values;
+		if (block->valid_tokens && (v < k_end || (uint64_t)(v - k_end) > PLAN_GAP_BYTES))
+			by_block = false;
+	}
+	size_t outer = by_block ? layer->n_blocks - skip : 2;
+	size_t inner = by_block ? 2 : layer->n_blocks - skip;
+	for (size_t a = 0; a < outer; a++) {
+		for (size_t b = 0; b < inner; b++) {
+			size_t i = skip + (by_block ? a : b);
+			int tensor = (int)(by_block ? b : a) + ZC_TENSOR_KEYS;
 			const zc_cuda_block *block = &layer->blocks[i];
 			bool keys = tensor == ZC_TENSOR_KEYS;
 			zc_block_layout layout;
@@ -399,6 +413,17 @@ bool plan_next_chunk(const struct plan *plan, struct plan_cursor *cursor,
 		 * payloads are read at any byte, so they pack back to back (and
 		 * neighbours in host memory stay neighbours: one DMA). */
 		uint64_t offset = unit->strided ? align_up(chunk->data_bytes) : chunk->data_bytes;
+		/* A payload a few bytes past the previous one in host memory keeps
+		 * that gap here: the two then move in one DMA (cuda.c). */
+		if (host && !unit->strided && unit->job.kind == JOB_QUANTIZED && chunk->n_jobs > 0) {
+			const struct plan_placement *prev = &chunk->placements[chunk->n_jobs - 1];
+			const uint8_t *first = unit->source + (uint64_t)cursor->head * unit->head_stride_bytes;
+			const uint8_t *prev_end = prev->source + prev->bytes;
+			if (!prev->strided && prev->bytes && first >= prev_end &&
+			    (uint64_t)(first - prev_end) <= PLAN_GAP_BYTES &&
+			    prev->offset + prev->bytes == chunk->data_bytes)
+				offset += (uint64_t)(first - prev_end);
+		}
 		if (host && unit->per_head) {
 			uint64_t room = offset < data_capacity ? data_capacity - offset : 0;
 			uint64_t fit = room / unit->per_head;

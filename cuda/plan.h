@@ -121,5 +121,9 @@ int plan_mirror_update(zc_cuda_mirror *mirror, const zc_cuda_layer *layer,
 
 /* Alignment of every placement in the data area (16-byte vector loads). */
 #define PLAN_ALIGN 16u
+/* A block whose V payload starts at most this far past its K payload's
+ * end (the pool puts V at the next 64-byte boundary) has its two payloads
+ * placed in a chunk with the same gap, so that one DMA moves both. */
+#define PLAN_GAP_BYTES 64u
 
 #endif

@@ -327,6 +327,115 @@ START_TEST(test_plan_refusals)
 }
 END_TEST
 
+/* The daemon's pool layout: each block one extent, V at the next 64-byte
+ * boundary after K. The plan then goes block by block, K then V, and
+ * places V with the same gap as in host memory (so cuda.c moves both in
+ * one DMA); loads through small chunks stay bit-identical. A K arena and a
+ * V arena (the other tests' layout) keep all keys, then all values. */
+START_TEST(test_plan_pool_layout)
+{
+	for (int i = 0; i < test_case_config_count(); i++) {
+		struct test_case_config c;
+		struct test_layer layer;
+		struct host_target t;
+		struct emulator e;
+		struct plan plan;
+		struct plan_chunk chunk = { 0 };
+		int error;
+
+		test_case_config_get(i, &c);
+		build_case(&layer, &c, i);
+		zc_cuda_layer *l = test_layer_state(&layer, layer.n_blocks, c.residual);
+		zc_cuda_block blocks[TEST_LAYER_MAX_BLOCKS];
+		uint8_t *extents[TEST_LAYER_MAX_BLOCKS];
+		for (size_t b = 0; b < l->n_blocks; b++) {
+			blocks[b] = l->blocks[b];
+			size_t v_at = (blocks[b].key_bytes + 63u) & ~(size_t)63u;
+			extents[b] = aligned_alloc(4096, (v_at + blocks[b].value_bytes + 4095u) & ~(size_t)4095u);
+			ck_assert_ptr_nonnull(extents[b]);
+			memcpy(extents[b], blocks[b].keys, blocks[b].key_bytes);
+			memcpy(extents[b] + v_at, blocks[b].values, blocks[b].value_bytes);
+			blocks[b].keys = extents[b];
+			blocks[b].values = extents[b] + v_at;
+		}
+		zc_cuda_layer pool = *l;
+		pool.blocks = blocks;
+		host_target_init(&t, &layer, layer.tokens, 0, 0);
+
+		/* One chunk of room: K0 V0 K1 V1 ..., each V at its K's gap. */
+		plan_init(&plan);
+		ck_assert_int_eq(plan_layer(&plan, &pool, &t.target, NULL), 0);
+		chunk.max_jobs = 64;
+		chunk.jobs = calloc(chunk.max_jobs, sizeof *chunk.jobs);
+		chunk.placements = calloc(chunk.max_jobs, sizeof *chunk.placements);
+		ck_assert(chunk.jobs && chunk.placements);
+		struct plan_cursor cursor = { 0, 0 };
+		ck_assert(plan_next_chunk(&plan, &cursor, UINT64_C(1) << 30, &chunk));
+		size_t job = 0;
+		for (size_t b = 0; b < pool.n_blocks; b++) {
+			if (blocks[b].valid_tokens == 0)
+				continue;
+			REQUIRE(job + 1 < chunk.n_jobs, "case %d: block %zu: jobs missing", i, b);
+			const struct plan_placement *k = &chunk.placements[job], *v = &chunk.placements[job + 1];
+			REQUIRE(k->source == blocks[b].keys && v->source == blocks[b].values,
+				"case %d: block %zu: not K then V", i, b);
+			/* Exact (unquantized) values are packed rows, staged: no gap. */
+			REQUIRE(chunk.jobs[job + 1].kind != JOB_QUANTIZED ||
+					v->offset - k->offset == (uint64_t)(v->source - k->source),
+				"case %d: block %zu: V at %llu, K at %llu, host gap %td", i, b,
+				(unsigned long long)v->offset, (unsigned long long)k->offset,
+				v->source - k->source);
+			job += 2;
+		}
+		plan_free(&plan);
+
+		/* A K arena and a V arena of back-to-back payloads: all keys first. */
+		size_t k_total = 0, v_total = 0;
+		for (size_t b = 0; b < pool.n_blocks; b++) {
+			k_total += blocks[b].key_bytes;
+			v_total += blocks[b].value_bytes;
+		}
+		uint8_t *k_arena = malloc(k_total + 1), *v_arena = malloc(v_total + 1);
+		ck_assert(k_arena && v_arena);
+		zc_cuda_block arena_blocks[TEST_LAYER_MAX_BLOCKS];
+		size_t k_at = 0, v_at = 0;
+		for (size_t b = 0; b < pool.n_blocks; b++) {
+			arena_blocks[b] = blocks[b];
+			memcpy(k_arena + k_at, blocks[b].keys, blocks[b].key_bytes);
+			memcpy(v_arena + v_at, blocks[b].values, blocks[b].value_bytes);
+			arena_blocks[b].keys = k_arena + k_at;
+			arena_blocks[b].values = v_arena + v_at;
+			k_at += blocks[b].key_bytes;
+			v_at += blocks[b].value_bytes;
+		}
+		zc_cuda_layer arenas = pool;
+		arenas.blocks = arena_blocks;
+		plan_init(&plan);
+		ck_assert_int_eq(plan_layer(&plan, &arenas, &t.target, NULL), 0);
+		cursor = (struct plan_cursor){ 0, 0 };
+		ck_assert(plan_next_chunk(&plan, &cursor, UINT64_C(1) << 30, &chunk));
+		if (arenas.n_blocks > 1 && arenas.blocks[0].valid_tokens && arenas.blocks[1].valid_tokens)
+			REQUIRE(chunk.placements[1].source == arenas.blocks[1].keys,
+				"case %d: arena layout not all keys first", i);
+		free(k_arena);
+		free(v_arena);
+		plan_free(&plan);
+		free(chunk.jobs);
+		free(chunk.placements);
+
+		emulator_init(&e, 1000 + (uint64_t)(i % 7) * 3000);
+		REQUIRE(emulate_load(&e, &pool, &t.target, NULL, &error) == 0, "case %d: load", i);
+		REQUIRE(error == 0, "case %d: the kernels flagged a valid payload", i);
+		assert_matches(&t, &layer, "pool layout", i);
+		emulator_free(&e);
+		host_target_free(&t);
+		for (size_t b = 0; b < pool.n_blocks; b++)
+			free(extents[b]);
+		test_layer_free(&layer);
+	}
+}
+END_TEST
+
 /* A mask word that only partly belongs to the mask: its bits past the last
  * token are params, never counted; corrupt params cannot send a read
  * outside the head (every read goes through core_word's bounds). */
@@ -358,7 +467,8 @@ int main(void)
 	const struct test_case cases[] = {
 		{ "emulated", { test_emulated_bit_identity, test_emulated_incremental,
 				test_emulated_trim, NULL } },
-		{ "plan", { test_plan_refusals, test_core_reads_stay_inside, NULL } },
+		{ "plan", { test_plan_refusals, test_core_reads_stay_inside, test_plan_pool_layout,
+			    NULL } },
 	};
 	Suite *suite = suite_create("cuda_plan");
 	suite_add_cases(suite, cases, sizeof cases / sizeof cases[0], 300);
