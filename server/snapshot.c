@@ -18,6 +18,7 @@
 #include <limits.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,6 +27,26 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+/*
+ * XXH3 header-only (nothing linked), with its x86 vector kernels chosen
+ * at run time: built without -mavx2, the header alone would fix the SSE2
+ * kernel (about 10 GB/s, a third of the AVX2 one: the export's largest
+ * cost after the kernel's two copies, BENCHMARKS.md). XXH_X86DISPATCH
+ * makes the header compile every x86 kernel under its own target
+ * attribute, as the library's xxh_x86dispatch.c does; hash_update()
+ * below picks one by the codec's ISA choice (the CPU's, or ZC_CODEC_ISA).
+ * Every kernel computes the same XXH3: the format does not change.
+ */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SNAPSHOT_HASH_DISPATCH 1
+#define XXH_X86DISPATCH
+#define XXH_DISPATCH_AVX2 1
+#define XXH_DISPATCH_AVX512 1
+#define XXH_TARGET_SSE2 __attribute__((__target__("sse2")))
+#define XXH_TARGET_AVX2 __attribute__((__target__("avx2")))
+#define XXH_TARGET_AVX512 __attribute__((__target__("avx512f")))
+#include <immintrin.h>   /* the kernels' vector types, whatever -m flags say */
+#endif
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
@@ -59,6 +80,64 @@ static int fail(int rc, char *why, size_t size, const char *format, ...)
 		va_end(args);
 	}
 	return rc;
+}
+
+/* ---- hashing ------------------------------------------------------------------ */
+
+typedef void (*hash_update_fn)(XXH3_state_t *state, const void *data, size_t len);
+
+static void hash_update_default(XXH3_state_t *state, const void *data, size_t len)
+{
+	XXH3_64bits_update(state, data, len);
+}
+
+#ifdef SNAPSHOT_HASH_DISPATCH
+XXH_TARGET_AVX2 static void hash_update_avx2(XXH3_state_t *state, const void *data, size_t len)
+{
+	XXH3_update(state, (const xxh_u8 *)data, len, XXH3_accumulate_512_avx2,
+		    XXH3_scrambleAcc_avx2);
+}
+
+XXH_TARGET_AVX512 static void hash_update_avx512(XXH3_state_t *state, const void *data,
+						 size_t len)
+{
+	XXH3_update(state, (const xxh_u8 *)data, len, XXH3_accumulate_512_avx512,
+		    XXH3_scrambleAcc_avx512);
+}
+#endif
+
+static hash_update_fn hash_update_chosen;
+static pthread_once_t hash_once = PTHREAD_ONCE_INIT;
+
+static void hash_choose(void)
+{
+	hash_update_chosen = hash_update_default;
+#ifdef SNAPSHOT_HASH_DISPATCH
+	/* The codec checked the CPU and the OS (the registers' state is saved). */
+	zc_isa isa = zc_codec_isa();
+	if (isa == ZC_ISA_AVX512)
+		hash_update_chosen = hash_update_avx512;
+	else if (isa == ZC_ISA_AVX2)
+		hash_update_chosen = hash_update_avx2;
+#endif
+}
+
+/* XXH3_64bits_update with the fastest kernel: for payloads and residuals. */
+static void hash_update(XXH3_state_t *state, const void *data, size_t len)
+{
+	pthread_once(&hash_once, hash_choose);
+	hash_update_chosen(state, data, len);
+}
+
+/* XXH3_64bits: the same value (the streaming form equals the one-shot one). */
+static uint64_t hash64(const void *data, size_t len)
+{
+	if (len <= 4096)
+		return XXH3_64bits(data, len);
+	XXH3_state_t state;
+	XXH3_64bits_reset(&state);
+	hash_update(&state, data, len);
+	return XXH3_64bits_digest(&state);
 }
 
 /* ---- the parts ------------------------------------------------------------- */
@@ -224,8 +303,8 @@ void snapshot_block_encode(uint64_t fingerprint, uint32_t layer, uint32_t index,
 	memcpy(record + SNAPSHOT_BLOCK_BYTES + entry->key_bytes, value, entry->value_bytes);
 	XXH3_state_t state;
 	XXH3_64bits_reset(&state);
-	XXH3_64bits_update(&state, key, entry->key_bytes);
-	XXH3_64bits_update(&state, value, entry->value_bytes);
+	hash_update(&state, key, entry->key_bytes);
+	hash_update(&state, value, entry->value_bytes);
 	uint64_t sum = XXH3_64bits_digest(&state);
 	memcpy(record + SNAPSHOT_BLOCK_BYTES + entry->key_bytes + entry->value_bytes, &sum,
 	       sizeof(sum));
@@ -296,8 +375,7 @@ int snapshot_block_verify(const struct snapshot_header *h, uint32_t layer, uint3
 	uint64_t sum;
 	memcpy(&sum, (const uint8_t *)record + SNAPSHOT_BLOCK_BYTES + b.key_bytes + b.value_bytes,
 	       sizeof(sum));
-	if (XXH3_64bits((const uint8_t *)record + SNAPSHOT_BLOCK_BYTES, b.key_bytes + b.value_bytes) !=
-	    sum)
+	if (hash64((const uint8_t *)record + SNAPSHOT_BLOCK_BYTES, b.key_bytes + b.value_bytes) != sum)
 		return fail(ZC_ECORRUPT, why, size, "layer %u block %u: payload checksum mismatch", layer,
 			    index);
 	entry_of(&b, entry);
@@ -419,14 +497,39 @@ static int write_all(int fd, bool pipe, const void *buf, uint64_t n)
 
 /* ---- export ------------------------------------------------------------------------ */
 
-/* Residual rows of one tensor, compact [batch][kv_heads][rows][dim]. */
-static void residual_pack(uint8_t *out, const uint16_t *rows, uint32_t capacity, uint32_t count,
-			  uint32_t heads, uint32_t dim)
+/*
+ * A layer's residual as the file has it: compact rows, [batch][kv_heads]
+ * [rows][dim] of K, then of V. In the store each head's rows are
+ * contiguous (the residual's capacity apart), so the file's bytes are
+ * 2 x heads segments taken in order: hashed and written segment by
+ * segment, never packed into a copy first.
+ */
+struct residual_segment {
+	const void *bytes;
+	size_t len;
+};
+
+static struct residual_segment residual_segment(const struct store_cut *cut, uint32_t heads,
+						uint32_t head_dim_k, uint32_t head_dim_v,
+						uint32_t index)
 {
-	size_t row_bytes = (size_t)dim * 2;
-	for (uint32_t head = 0; head < heads; head++)
-		memcpy(out + (size_t)head * count * row_bytes,
-		       rows + (size_t)head * capacity * dim, (size_t)count * row_bytes);
+	bool value = index >= heads;
+	uint32_t head = value ? index - heads : index, dim = value ? head_dim_v : head_dim_k;
+	const uint16_t *rows = value ? cut->value_residual : cut->key_residual;
+	return (struct residual_segment){ rows + (size_t)head * cut->residual_capacity * dim,
+					  (size_t)cut->residual_tokens * dim * 2 };
+}
+
+static uint64_t residual_hash(const struct store_cut *cut, uint32_t heads, uint32_t head_dim_k,
+			      uint32_t head_dim_v)
+{
+	XXH3_state_t state;
+	XXH3_64bits_reset(&state);
+	for (uint32_t i = 0; cut->residual_tokens && i < 2 * heads; i++) {
+		struct residual_segment seg = residual_segment(cut, heads, head_dim_k, head_dim_v, i);
+		hash_update(&state, seg.bytes, seg.len);
+	}
+	return XXH3_64bits_digest(&state);
 }
 
 static int buffer_fit(uint8_t **buf, uint64_t *capacity, uint64_t bytes)
@@ -496,6 +599,11 @@ static int writer_open(struct writer *w, int fd, bool pipe)
 	if (!w->bufs[0] || !w->bufs[1])
 		return -ENOMEM;
 	w->buf = w->bufs[0];
+	/* On one CPU (the daemon pinned to it) the thread could overlap
+	 * nothing: each buffer would only cost two switches. */
+	cpu_set_t cpus;
+	if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) < 2)
+		return 0;
 	if (pthread_mutex_init(&w->lock, NULL) == 0) {
 		if (pthread_cond_init(&w->cond, NULL) == 0) {
 			w->threaded = pthread_create(&w->thread, NULL, writer_thread, w) == 0;
@@ -586,7 +694,7 @@ static int writer_from_pool(struct writer *w, struct pool *pool, uint64_t offset
 		int rc = pool_read(pool, offset, w->buf + w->used, take);
 		if (rc < 0)
 			return rc;
-		XXH3_64bits_update(hash, w->buf + w->used, take);
+		hash_update(hash, w->buf + w->used, take);
 		w->used += take;
 		offset += take;
 		n -= take;
@@ -609,8 +717,6 @@ int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_resu
 	struct snapshot_header header;
 	uint32_t layers = sh->layers;
 	uint32_t heads = sh->batch * sh->kv_heads;
-	uint8_t *buf = NULL;
-	uint64_t capacity = 0;
 	int rc;
 
 	snapshot_config_of(sh, &config);
@@ -643,16 +749,7 @@ int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_resu
 	for (uint32_t i = 0; i < layers; i++) {
 		struct store_cut cut;
 		store_layer_cut(store, i, &cut);
-		uint64_t bytes = (uint64_t)cut.residual_tokens * residual_row_bytes(&config);
-		rc = buffer_fit(&buf, &capacity, bytes ? bytes : 1);
-		if (rc < 0)
-			goto out_nomem;
-		uint64_t key_part = (uint64_t)heads * cut.residual_tokens * sh->head_dim_k * 2;
-		residual_pack(buf, cut.key_residual, cut.residual_capacity, cut.residual_tokens, heads,
-			      sh->head_dim_k);
-		residual_pack(buf + key_part, cut.value_residual, cut.residual_capacity,
-			      cut.residual_tokens, heads, sh->head_dim_v);
-		table[i].residual_checksum = XXH3_64bits(buf, bytes);
+		table[i].residual_checksum = residual_hash(&cut, heads, sh->head_dim_k, sh->head_dim_v);
 	}
 
 	XXH3_state_t whole;
@@ -702,14 +799,10 @@ int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_resu
 			XXH3_64bits_update(&whole, &h.checksum, sizeof(h.checksum));
 			XXH3_64bits_update(&whole, &sum, sizeof(sum));
 		}
-		uint64_t bytes = (uint64_t)cut.residual_tokens * residual_row_bytes(&config);
-		if (bytes) {
-			uint64_t key_part = (uint64_t)heads * cut.residual_tokens * sh->head_dim_k * 2;
-			residual_pack(buf, cut.key_residual, cut.residual_capacity, cut.residual_tokens,
-				      heads, sh->head_dim_k);
-			residual_pack(buf + key_part, cut.value_residual, cut.residual_capacity,
-				      cut.residual_tokens, heads, sh->head_dim_v);
-			rc = writer_put(&w, buf, bytes);
+		for (uint32_t k = 0; cut.residual_tokens && k < 2 * heads; k++) {
+			struct residual_segment seg = residual_segment(&cut, heads, sh->head_dim_k,
+								       sh->head_dim_v, k);
+			rc = writer_put(&w, seg.bytes, seg.len);
 			if (rc < 0)
 				goto out_write;
 		}
@@ -737,7 +830,6 @@ out_write:
 out:
 	if (writer_made)
 		writer_close(&w, false);
-	free(buf);
 	free(table);
 	return rc;
 }
@@ -755,7 +847,7 @@ static int hash_range(int fd, uint64_t offset, uint64_t n, uint8_t *chunk, uint6
 		int rc = read_at(fd, offset, chunk, part, what, why, size);
 		if (rc < 0)
 			return rc;
-		XXH3_64bits_update(&state, chunk, part);
+		hash_update(&state, chunk, part);
 		offset += part;
 		n -= part;
 	}
@@ -1080,7 +1172,7 @@ int snapshot_stream_layer(struct snapshot_stream *s, uint32_t layer,
 			    "its table entry says %llu (%u residual rows, %llu bytes)", layer,
 			    (unsigned long long)bytes, (unsigned long long)residual->len,
 			    (unsigned long long)l->bytes, l->residual_tokens, (unsigned long long)rows);
-	if (XXH3_64bits(residual->bytes, rows) != l->residual_checksum)
+	if (hash64(residual->bytes, rows) != l->residual_checksum)
 		return fail(ZC_ECORRUPT, why, size, "layer %u residual checksum mismatch", layer);
 	XXH3_64bits_update(&s->whole, &l->residual_checksum, sizeof(uint64_t));
 	s->next_layer++;
@@ -1243,7 +1335,7 @@ int snapshot_import(int fd, const struct snapshot_header *verified, const struct
 			goto out;
 		}
 		rc = read_at(fd, at, buf, residual, "a residual", why, size);
-		if (rc == 0 && XXH3_64bits(buf, residual) != l->residual_checksum)
+		if (rc == 0 && hash64(buf, residual) != l->residual_checksum)
 			rc = fail(ZC_ECORRUPT, why, size, "the snapshot changed while it was imported");
 		if (rc < 0)
 			goto out;
