@@ -28,8 +28,9 @@
  *
  * The benchmark runs on one CPU and zipcached on another (--cpu,
  * --daemon-cpu); --daemon-cpus N gives zipcached N CPUs instead (the
- * allowed ones after the benchmark's), so that the export's writer thread
- * can write one buffer while the export reads and hashes the next.
+ * allowed ones other than the benchmark's, then the benchmark's own, which
+ * only waits meanwhile), so that the export's writer thread can write one
+ * buffer while the export reads and hashes the next.
  *
  * usage: snapshot [--quick] [--runs N] [--cpu N] [--daemon-cpu N] [--daemon-cpus N]
  *                 [--daemon PATH]
@@ -137,8 +138,8 @@ static int session_fill(zc_client *client, zc_session *s, const struct options *
 }
 
 /* The daemon's threads (and so the ones they make) on `count` of the
- * allowed CPUs (the benchmark's before it pinned itself) other than
- * `avoid`; how many it got, 0 on failure. */
+ * allowed CPUs (the benchmark's before it pinned itself), `avoid` (the
+ * benchmark's) last; how many it got, 0 on failure. */
 static int daemon_spread(pid_t pid, const cpu_set_t *allowed, int avoid, int count)
 {
 	cpu_set_t set;
@@ -149,6 +150,12 @@ static int daemon_spread(pid_t pid, const cpu_set_t *allowed, int avoid, int cou
 			CPU_SET(c, &set);
 			got++;
 		}
+	/* Too few others: the benchmark's own too (it waits while the daemon
+	 * exports or imports). */
+	if (got < count && avoid >= 0 && CPU_ISSET(avoid, allowed)) {
+		CPU_SET(avoid, &set);
+		got++;
+	}
 	char path[64];
 	snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
 	DIR *dir = opendir(path);

@@ -459,7 +459,43 @@ START_TEST(checksums_are_xxh3_on_every_kernel)
 	size_t a_len, b_len;
 	uint8_t *a = (uint8_t *)file_read_whole(file, &a_len);
 	ck_assert_uint_eq(a_len, bytes);
+	ck_assert_uint_ge(a_len, 4u << 20);   /* written in parallel where there are two CPUs */
 	checksums_recompute(a, a_len);
+	/* The same bytes through a pipe (in order, one writer)... */
+	int p[2];
+	char piped[PATH_MAX];
+	path_in(&one, "piped.zcsnap", piped, sizeof(piped));
+	ck_assert_int_eq(pipe2(p, O_CLOEXEC), 0);
+	int out = open(piped, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+	int args[2] = { p[0], out };
+	pid_t reader = child_spawn(pipe_reader, args, p[1]);
+	close(p[0]);
+	close(out);
+	uint64_t piped_bytes = 0;
+	ck_assert_int_eq(zc_session_export(session, p[1], &piped_bytes), 0);
+	close(p[1]);
+	child_wait_ok(reader, "pipe reader");
+	uint8_t *b = (uint8_t *)file_read_whole(piped, &b_len);
+	ck_assert_uint_eq(b_len, a_len);
+	ck_assert_int_eq(memcmp(a, b, a_len), 0);
+	free(b);
+	/* ...and from a file's offset on, leaving the offset after the
+	 * snapshot; appended with O_APPEND (in order) too. */
+	static const char prefix[] = "a prefix the export must not touch";
+	for (int append = 0; append < 2; append++) {
+		int fd = open(piped, O_WRONLY | O_TRUNC | O_CLOEXEC | (append ? O_APPEND : 0));
+		ck_assert_int_ge(fd, 0);
+		ck_assert_int_eq(write(fd, prefix, sizeof(prefix)), (ssize_t)sizeof(prefix));
+		ck_assert_int_eq(zc_session_export(session, fd, &piped_bytes), 0);
+		ck_assert_int_eq(lseek(fd, 0, SEEK_CUR), (off_t)(sizeof(prefix) + a_len));
+		close(fd);
+		b = (uint8_t *)file_read_whole(piped, &b_len);
+		ck_assert_uint_eq(b_len, sizeof(prefix) + a_len);
+		ck_assert_int_eq(memcmp(b, prefix, sizeof(prefix)), 0);
+		ck_assert_msg(memcmp(b + sizeof(prefix), a, a_len) == 0, "append %d: other bytes",
+			      append);
+		free(b);
+	}
 
 	zc_import_options options;
 	zc_session *imported;
@@ -468,7 +504,7 @@ START_TEST(checksums_are_xxh3_on_every_kernel)
 	ck_assert_int_eq(import_file(scalar.client, file, &options, &imported), 0);
 	CHECK(session_matches, imported, &model);
 	export_file(imported, again);
-	uint8_t *b = (uint8_t *)file_read_whole(again, &b_len);
+	b = (uint8_t *)file_read_whole(again, &b_len);
 	ck_assert_uint_eq(a_len, b_len);
 	ck_assert_int_eq(memcmp(a, b, a_len), 0);
 	free(a);
