@@ -26,10 +26,19 @@
  * Ratios are throughputs: (bytes / export seconds) / (bytes / memcpy
  * seconds). Output: a table, then one JSON object per line.
  *
- * usage: snapshot [--quick] [--runs N] [--cpu N] [--daemon-cpu N] [--daemon PATH]
+ * The benchmark runs on one CPU and zipcached on another (--cpu,
+ * --daemon-cpu); --daemon-cpus N gives zipcached N CPUs instead (the
+ * allowed ones other than the benchmark's, then the benchmark's own, which
+ * only waits meanwhile), so that the export's writer thread can write one
+ * buffer while the export reads and hashes the next.
+ *
+ * usage: snapshot [--quick] [--runs N] [--cpu N] [--daemon-cpu N] [--daemon-cpus N]
+ *                 [--daemon PATH]
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <limits.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -60,7 +69,7 @@
 struct options {
 	bool quick;
 	uint32_t layers, tokens;
-	int runs, cpu, daemon_cpu;
+	int runs, cpu, daemon_cpu, daemon_cpus;
 	const char *daemon;
 };
 
@@ -68,7 +77,7 @@ static void *(*volatile memcpy_fn)(void *, const void *, size_t) = memcpy;
 
 static int parse_args(int argc, char **argv, struct options *o)
 {
-	*o = (struct options){ false, LAYERS, TOKENS, RUNS, -1, -1, NULL };
+	*o = (struct options){ false, LAYERS, TOKENS, RUNS, -1, -1, 1, NULL };
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i];
 		if (strcmp(a, "--quick") == 0) {
@@ -84,6 +93,10 @@ static int parse_args(int argc, char **argv, struct options *o)
 			o->cpu = atoi(argv[++i]);
 		} else if (i + 1 < argc && strcmp(a, "--daemon-cpu") == 0) {
 			o->daemon_cpu = atoi(argv[++i]);
+		} else if (i + 1 < argc && strcmp(a, "--daemon-cpus") == 0) {
+			o->daemon_cpus = atoi(argv[++i]);
+			if (o->daemon_cpus < 1)
+				return -1;
 		} else if (i + 1 < argc && strcmp(a, "--daemon") == 0) {
 			o->daemon = argv[++i];
 		} else {
@@ -124,6 +137,46 @@ static int session_fill(zc_client *client, zc_session *s, const struct options *
 	return rc;
 }
 
+/* The daemon's threads (and so the ones they make) on `count` of the
+ * allowed CPUs (the benchmark's before it pinned itself), `avoid` (the
+ * benchmark's) last; how many it got, 0 on failure. */
+static int daemon_spread(pid_t pid, const cpu_set_t *allowed, int avoid, int count)
+{
+	cpu_set_t set;
+	int got = 0;
+	CPU_ZERO(&set);
+	for (int c = 0; c < CPU_SETSIZE && got < count; c++)
+		if (CPU_ISSET(c, allowed) && c != avoid) {
+			CPU_SET(c, &set);
+			got++;
+		}
+	/* Too few others: the benchmark's own too (it waits while the daemon
+	 * exports or imports). */
+	if (got < count && avoid >= 0 && CPU_ISSET(avoid, allowed)) {
+		CPU_SET(avoid, &set);
+		got++;
+	}
+	char path[64];
+	snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+	DIR *dir = opendir(path);
+	struct dirent *entry;
+	if (!dir || got == 0) {
+		if (dir)
+			closedir(dir);
+		return 0;
+	}
+	while ((entry = readdir(dir)) != NULL) {
+		pid_t tid = (pid_t)atoi(entry->d_name);
+		if (tid > 0 && sched_setaffinity(tid, sizeof set, &set) != 0 && errno != ESRCH) {
+			fprintf(stderr, "snapshot: sched_setaffinity of thread %d: %s\n", (int)tid,
+				strerror(errno));
+			got = 0;
+		}
+	}
+	closedir(dir);
+	return got;
+}
+
 int main(int argc, char **argv)
 {
 	struct options opt;
@@ -135,20 +188,34 @@ int main(int argc, char **argv)
 	bench_set_name("snapshot");
 	if (parse_args(argc, argv, &opt) < 0) {
 		fprintf(stderr, "usage: snapshot [--quick] [--runs N] [--cpu N] [--daemon-cpu N] "
-				"[--daemon PATH]\n");
+				"[--daemon-cpus N] [--daemon PATH]\n");
 		return 2;
 	}
 	if (bench_daemon_path(opt.daemon, daemon_path, sizeof daemon_path) < 0)
 		return 1;
 	bench_choose_cpus(&opt.cpu, &opt.daemon_cpu);
+	cpu_set_t allowed;
+	if (sched_getaffinity(0, sizeof allowed, &allowed) != 0)
+		CPU_ZERO(&allowed);
 	if (opt.cpu >= 0 && bench_pin(0, opt.cpu) < 0)
 		opt.cpu = -1;
 	zc_codec_init();
 	if (bench_dir_make("snapshot") < 0)
 		return 1;
-	if ((rc = bench_daemon_start(daemon_path, opt.daemon_cpu, NULL, &client)) < 0) {
+	if ((rc = bench_daemon_start(daemon_path, opt.daemon_cpus > 1 ? -1 : opt.daemon_cpu, NULL,
+				     &client)) < 0) {
 		fprintf(stderr, "snapshot: zipcached did not answer: %s\n", zc_strerror(rc));
 		goto out;
+	}
+	if (opt.daemon_cpus > 1) {
+		opt.daemon_cpus = daemon_spread(bench_daemon_pid(), &allowed, opt.cpu,
+					       opt.daemon_cpus);
+		if (opt.daemon_cpus == 0) {
+			fprintf(stderr, "snapshot: cannot set zipcached's CPUs\n");
+			goto out;
+		}
+	} else if (opt.daemon_cpu < 0) {
+		opt.daemon_cpus = 0;   /* unpinned */
 	}
 	zc_session_config config;
 	zc_session_config_default(&config);
@@ -269,9 +336,11 @@ int main(int argc, char **argv)
 	double gb = (double)bytes / 1e9;
 	uint64_t fp16 = (uint64_t)opt.layers * (opt.tokens + DECODE_STEPS) * HEADS * HEAD_DIM * 2 * 2;
 	printf("snapshot benchmark: zipcached %s, %u layers x %u tokens (+%u decoded), B=1 H=%u "
-	       "D=%u, default codec, views full; file on tmpfs; medians of %d runs%s\n",
+	       "D=%u, default codec, views full; file on tmpfs; zipcached on %d CPU(s) (0: "
+	       "unpinned); medians of %d runs%s\n",
 	       zc_client_server_info(client)->server_version, opt.layers, opt.tokens, DECODE_STEPS,
-	       HEADS, HEAD_DIM, opt.runs, opt.quick ? " (QUICK: a smoke test, not a measurement)" : "");
+	       HEADS, HEAD_DIM, opt.daemon_cpus, opt.runs,
+	       opt.quick ? " (QUICK: a smoke test, not a measurement)" : "");
 	printf("snapshot %.1f MiB (%.3f of the %.1f MiB fp16)\n", (double)bytes / 1048576.0,
 	       (double)bytes / (double)fp16, (double)fp16 / 1048576.0);
 	printf("  %-26s %9s %8s %14s %14s %12s\n", "op", "ms", "GB/s", "/ memcpy warm",
@@ -294,11 +363,11 @@ int main(int argc, char **argv)
 		       "\"fp16_bytes\":%llu,\"runs\":%d,\"median_ms\":%.3f,\"gbps\":%.3f,"
 		       "\"memcpy_gbps\":%.3f,\"memcpy_fresh_gbps\":%.3f,\"write_gbps\":%.3f,"
 		       "\"ratio\":%.3f,\"ratio_fresh\":%.3f,\"ratio_write\":%.3f,\"goal\":%.1f,"
-		       "\"quick\":%s}\n",
+		       "\"daemon_cpus\":%d,\"quick\":%s}\n",
 		       k == 0 ? "export" : "import", opt.layers, opt.tokens, (unsigned long long)bytes,
 		       (unsigned long long)fp16, opt.runs, t * 1e3, gb / t, gb / m, gb / f,
 		       gb / (k == 0 ? wr : wn), m / t, f / t, (k == 0 ? wr : wn) / t, GOAL,
-		       opt.quick ? "true" : "false");
+		       opt.daemon_cpus, opt.quick ? "true" : "false");
 	}
 	status = 0;
 out:

@@ -179,7 +179,8 @@ struct encoder {
 static void *encoder_run(void *arg)
 {
 	struct encoder *e = arg;
-	e->rc = snapshot_export(e->store, e->fd, false, &e->result, e->why, sizeof(e->why));
+	/* In order: the offload reads each layer once the memfd's size passed it. */
+	e->rc = snapshot_export_in_order(e->store, e->fd, &e->result, e->why, sizeof(e->why));
 	__atomic_store_n(&e->done, true, __ATOMIC_RELEASE);
 	return NULL;
 }

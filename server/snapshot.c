@@ -18,6 +18,7 @@
 #include <limits.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,6 +27,26 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+/*
+ * XXH3 header-only (nothing linked), with its x86 vector kernels chosen
+ * at run time: built without -mavx2, the header alone would fix the SSE2
+ * kernel (about 10 GB/s, a third of the AVX2 one: the export's largest
+ * cost after the kernel's two copies, BENCHMARKS.md). XXH_X86DISPATCH
+ * makes the header compile every x86 kernel under its own target
+ * attribute, as the library's xxh_x86dispatch.c does; hash_update()
+ * below picks one by the codec's ISA choice (the CPU's, or ZC_CODEC_ISA).
+ * Every kernel computes the same XXH3: the format does not change.
+ */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SNAPSHOT_HASH_DISPATCH 1
+#define XXH_X86DISPATCH
+#define XXH_DISPATCH_AVX2 1
+#define XXH_DISPATCH_AVX512 1
+#define XXH_TARGET_SSE2 __attribute__((__target__("sse2")))
+#define XXH_TARGET_AVX2 __attribute__((__target__("avx2")))
+#define XXH_TARGET_AVX512 __attribute__((__target__("avx512f")))
+#include <immintrin.h>   /* the kernels' vector types, whatever -m flags say */
+#endif
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
@@ -59,6 +80,64 @@ static int fail(int rc, char *why, size_t size, const char *format, ...)
 		va_end(args);
 	}
 	return rc;
+}
+
+/* ---- hashing ------------------------------------------------------------------ */
+
+typedef void (*hash_update_fn)(XXH3_state_t *state, const void *data, size_t len);
+
+static void hash_update_default(XXH3_state_t *state, const void *data, size_t len)
+{
+	XXH3_64bits_update(state, data, len);
+}
+
+#ifdef SNAPSHOT_HASH_DISPATCH
+XXH_TARGET_AVX2 static void hash_update_avx2(XXH3_state_t *state, const void *data, size_t len)
+{
+	XXH3_update(state, (const xxh_u8 *)data, len, XXH3_accumulate_512_avx2,
+		    XXH3_scrambleAcc_avx2);
+}
+
+XXH_TARGET_AVX512 static void hash_update_avx512(XXH3_state_t *state, const void *data,
+						 size_t len)
+{
+	XXH3_update(state, (const xxh_u8 *)data, len, XXH3_accumulate_512_avx512,
+		    XXH3_scrambleAcc_avx512);
+}
+#endif
+
+static hash_update_fn hash_update_chosen;
+static pthread_once_t hash_once = PTHREAD_ONCE_INIT;
+
+static void hash_choose(void)
+{
+	hash_update_chosen = hash_update_default;
+#ifdef SNAPSHOT_HASH_DISPATCH
+	/* The codec checked the CPU and the OS (the registers' state is saved). */
+	zc_isa isa = zc_codec_isa();
+	if (isa == ZC_ISA_AVX512)
+		hash_update_chosen = hash_update_avx512;
+	else if (isa == ZC_ISA_AVX2)
+		hash_update_chosen = hash_update_avx2;
+#endif
+}
+
+/* XXH3_64bits_update with the fastest kernel: for payloads and residuals. */
+static void hash_update(XXH3_state_t *state, const void *data, size_t len)
+{
+	pthread_once(&hash_once, hash_choose);
+	hash_update_chosen(state, data, len);
+}
+
+/* XXH3_64bits: the same value (the streaming form equals the one-shot one). */
+static uint64_t hash64(const void *data, size_t len)
+{
+	if (len <= 4096)
+		return XXH3_64bits(data, len);
+	XXH3_state_t state;
+	XXH3_64bits_reset(&state);
+	hash_update(&state, data, len);
+	return XXH3_64bits_digest(&state);
 }
 
 /* ---- the parts ------------------------------------------------------------- */
@@ -224,8 +303,8 @@ void snapshot_block_encode(uint64_t fingerprint, uint32_t layer, uint32_t index,
 	memcpy(record + SNAPSHOT_BLOCK_BYTES + entry->key_bytes, value, entry->value_bytes);
 	XXH3_state_t state;
 	XXH3_64bits_reset(&state);
-	XXH3_64bits_update(&state, key, entry->key_bytes);
-	XXH3_64bits_update(&state, value, entry->value_bytes);
+	hash_update(&state, key, entry->key_bytes);
+	hash_update(&state, value, entry->value_bytes);
 	uint64_t sum = XXH3_64bits_digest(&state);
 	memcpy(record + SNAPSHOT_BLOCK_BYTES + entry->key_bytes + entry->value_bytes, &sum,
 	       sizeof(sum));
@@ -296,8 +375,7 @@ int snapshot_block_verify(const struct snapshot_header *h, uint32_t layer, uint3
 	uint64_t sum;
 	memcpy(&sum, (const uint8_t *)record + SNAPSHOT_BLOCK_BYTES + b.key_bytes + b.value_bytes,
 	       sizeof(sum));
-	if (XXH3_64bits((const uint8_t *)record + SNAPSHOT_BLOCK_BYTES, b.key_bytes + b.value_bytes) !=
-	    sum)
+	if (hash64((const uint8_t *)record + SNAPSHOT_BLOCK_BYTES, b.key_bytes + b.value_bytes) != sum)
 		return fail(ZC_ECORRUPT, why, size, "layer %u block %u: payload checksum mismatch", layer,
 			    index);
 	entry_of(&b, entry);
@@ -417,16 +495,61 @@ static int write_all(int fd, bool pipe, const void *buf, uint64_t n)
 	return 0;
 }
 
+/* Writes all n bytes at offset `at` of a regular file. */
+static int pwrite_all(int fd, const void *buf, uint64_t n, uint64_t at)
+{
+	const uint8_t *p = buf;
+	while (n > 0) {
+		size_t chunk = n > (1u << 30) ? (1u << 30) : (size_t)n;
+		ssize_t put = pwrite(fd, p, chunk, (off_t)at);
+		if (put < 0 && errno == EINTR)
+			continue;
+		if (put < 0)
+			return -errno;
+		if (put == 0)
+			return -EIO;
+		p += put;
+		n -= (uint64_t)put;
+		at += (uint64_t)put;
+	}
+	return 0;
+}
+
 /* ---- export ------------------------------------------------------------------------ */
 
-/* Residual rows of one tensor, compact [batch][kv_heads][rows][dim]. */
-static void residual_pack(uint8_t *out, const uint16_t *rows, uint32_t capacity, uint32_t count,
-			  uint32_t heads, uint32_t dim)
+/*
+ * A layer's residual as the file has it: compact rows, [batch][kv_heads]
+ * [rows][dim] of K, then of V. In the store each head's rows are
+ * contiguous (the residual's capacity apart), so the file's bytes are
+ * 2 x heads segments taken in order: hashed and written segment by
+ * segment, never packed into a copy first.
+ */
+struct residual_segment {
+	const void *bytes;
+	size_t len;
+};
+
+static struct residual_segment residual_segment(const struct store_cut *cut, uint32_t heads,
+						uint32_t head_dim_k, uint32_t head_dim_v,
+						uint32_t index)
 {
-	size_t row_bytes = (size_t)dim * 2;
-	for (uint32_t head = 0; head < heads; head++)
-		memcpy(out + (size_t)head * count * row_bytes,
-		       rows + (size_t)head * capacity * dim, (size_t)count * row_bytes);
+	bool value = index >= heads;
+	uint32_t head = value ? index - heads : index, dim = value ? head_dim_v : head_dim_k;
+	const uint16_t *rows = value ? cut->value_residual : cut->key_residual;
+	return (struct residual_segment){ rows + (size_t)head * cut->residual_capacity * dim,
+					  (size_t)cut->residual_tokens * dim * 2 };
+}
+
+static uint64_t residual_hash(const struct store_cut *cut, uint32_t heads, uint32_t head_dim_k,
+			      uint32_t head_dim_v)
+{
+	XXH3_state_t state;
+	XXH3_64bits_reset(&state);
+	for (uint32_t i = 0; cut->residual_tokens && i < 2 * heads; i++) {
+		struct residual_segment seg = residual_segment(cut, heads, head_dim_k, head_dim_v, i);
+		hash_update(&state, seg.bytes, seg.len);
+	}
+	return XXH3_64bits_digest(&state);
 }
 
 static int buffer_fit(uint8_t **buf, uint64_t *capacity, uint64_t bytes)
@@ -452,6 +575,8 @@ static int buffer_fit(uint8_t **buf, uint64_t *capacity, uint64_t bytes)
 struct writer {
 	int fd;
 	bool pipe;
+	bool positional;           /* pwrite at `at` (a parallel export's worker) */
+	uint64_t at;
 	uint8_t *bufs[2];
 	uint8_t *buf;              /* the one being filled */
 	size_t used;
@@ -488,14 +613,22 @@ static void *writer_thread(void *arg)
 	return NULL;
 }
 
-static int writer_open(struct writer *w, int fd, bool pipe)
+/* positional: one buffer, no thread, each flush a pwrite at w->at. */
+static int writer_open(struct writer *w, int fd, bool pipe, bool positional)
 {
-	*w = (struct writer){ .fd = fd, .pipe = pipe };
+	*w = (struct writer){ .fd = fd, .pipe = pipe, .positional = positional };
 	w->bufs[0] = malloc(SNAPSHOT_CHUNK_BYTES);
-	w->bufs[1] = malloc(SNAPSHOT_CHUNK_BYTES);
-	if (!w->bufs[0] || !w->bufs[1])
+	w->bufs[1] = positional ? NULL : malloc(SNAPSHOT_CHUNK_BYTES);
+	if (!w->bufs[0] || (!positional && !w->bufs[1]))
 		return -ENOMEM;
 	w->buf = w->bufs[0];
+	if (positional)
+		return 0;
+	/* On one CPU (the daemon pinned to it) the thread could overlap
+	 * nothing: each buffer would only cost two switches. */
+	cpu_set_t cpus;
+	if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) < 2)
+		return 0;
 	if (pthread_mutex_init(&w->lock, NULL) == 0) {
 		if (pthread_cond_init(&w->cond, NULL) == 0) {
 			w->threaded = pthread_create(&w->thread, NULL, writer_thread, w) == 0;
@@ -512,7 +645,9 @@ static int writer_open(struct writer *w, int fd, bool pipe)
 static int writer_flush(struct writer *w)
 {
 	if (!w->threaded) {
-		int rc = write_all(w->fd, w->pipe, w->buf, w->used);
+		int rc = w->positional ? pwrite_all(w->fd, w->buf, w->used, w->at) :
+					 write_all(w->fd, w->pipe, w->buf, w->used);
+		w->at += w->used;
 		w->used = 0;
 		return rc;
 	}
@@ -586,7 +721,7 @@ static int writer_from_pool(struct writer *w, struct pool *pool, uint64_t offset
 		int rc = pool_read(pool, offset, w->buf + w->used, take);
 		if (rc < 0)
 			return rc;
-		XXH3_64bits_update(hash, w->buf + w->used, take);
+		hash_update(hash, w->buf + w->used, take);
 		w->used += take;
 		offset += take;
 		n -= take;
@@ -599,8 +734,228 @@ static int writer_from_pool(struct writer *w, struct pool *pool, uint64_t offset
 	return 0;
 }
 
-int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_result *result,
-		    char *why, size_t size)
+/*
+ * Export to a regular file, in parallel: with a second CPU, two threads
+ * (the export's and one of its own) each take the next piece of the file
+ * (a block record or a layer's residual: their offsets are the layout's)
+ * and read it from the pool, hash it and pwrite it at its place, each
+ * through a buffer of its own that stays in its core's cache. Both the
+ * pool's pages and the destination's are the kernel's to copy, so one
+ * thread spends about as long on each copy as a memcpy of the bytes
+ * (BENCHMARKS.md): two share that. The header and table go first, the
+ * trailer last, once the whole-file checksum is folded in file order from
+ * the pieces' own checksums. A pipe, an O_APPEND file, one CPU or a small
+ * snapshot take the sequential path, as does the offload (in order).
+ */
+#define SNAPSHOT_EXPORT_WORKERS 2
+#define SNAPSHOT_PARALLEL_MIN_BYTES (UINT64_C(4) << 20)
+
+struct export_item {
+	uint32_t layer, block;        /* block UINT32_MAX: the layer's residual */
+	uint64_t at;                  /* from the snapshot's first byte */
+	uint64_t record_checksum;     /* the record header's */
+	uint64_t sum;                 /* the payloads', once written */
+};
+
+struct export_work {
+	struct store *store;
+	int fd;
+	uint64_t base, fingerprint;
+	uint32_t heads, head_dim_k, head_dim_v;
+	struct export_item *items;
+	size_t count;
+	size_t next;                  /* atomic: the next item to take */
+	bool stop;                    /* atomic: a worker failed */
+	pthread_mutex_t lock;         /* over the first failure: */
+	int rc;
+	const struct export_item *failed;
+};
+
+/* Whether fd takes pwrite at offsets from its current one (*base). */
+static bool export_positional(int fd, uint64_t *base)
+{
+	struct stat st;
+	cpu_set_t cpus;
+	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+		return false;
+	int flags = fcntl(fd, F_GETFL);
+	if (flags < 0 || (flags & O_APPEND))
+		return false;
+	if (sched_getaffinity(0, sizeof(cpus), &cpus) != 0 || CPU_COUNT(&cpus) < 2)
+		return false;
+	off_t at = lseek(fd, 0, SEEK_CUR);
+	if (at < 0)
+		return false;
+	*base = (uint64_t)at;
+	return true;
+}
+
+static int export_item_write(struct export_work *x, struct writer *w, struct export_item *it)
+{
+	struct store_cut cut;
+	store_layer_cut(x->store, it->layer, &cut);
+	w->at = x->base + it->at;
+	if (it->block == UINT32_MAX) {
+		for (uint32_t k = 0; cut.residual_tokens && k < 2 * x->heads; k++) {
+			struct residual_segment seg = residual_segment(&cut, x->heads, x->head_dim_k,
+								       x->head_dim_v, k);
+			int rc = writer_put(w, seg.bytes, seg.len);
+			if (rc < 0)
+				return rc;
+		}
+		return writer_flush(w);
+	}
+	const store_block *e = &cut.entries[it->block];
+	struct snapshot_block h;
+	XXH3_state_t payload;
+	block_header_encode(x->fingerprint, it->layer, it->block, e, &h);
+	XXH3_64bits_reset(&payload);
+	int rc = writer_put(w, &h, sizeof(h));
+	if (rc == 0)
+		rc = writer_from_pool(w, store_pool(x->store), e->key_offset, e->key_bytes, &payload);
+	if (rc == 0)
+		rc = writer_from_pool(w, store_pool(x->store), e->value_offset, e->value_bytes, &payload);
+	if (rc < 0)
+		return rc;
+	it->sum = XXH3_64bits_digest(&payload);
+	rc = writer_put(w, &it->sum, sizeof(it->sum));
+	return rc < 0 ? rc : writer_flush(w);
+}
+
+static void export_failed(struct export_work *x, int rc, const struct export_item *it)
+{
+	pthread_mutex_lock(&x->lock);
+	if (x->rc == 0) {
+		x->rc = rc;
+		x->failed = it;
+	}
+	pthread_mutex_unlock(&x->lock);
+	__atomic_store_n(&x->stop, true, __ATOMIC_RELEASE);
+}
+
+static void *export_worker(void *arg)
+{
+	struct export_work *x = arg;
+	struct writer w;
+	int rc = writer_open(&w, x->fd, false, true);
+	if (rc < 0)
+		export_failed(x, rc, NULL);
+	while (rc == 0 && !__atomic_load_n(&x->stop, __ATOMIC_ACQUIRE)) {
+		size_t i = __atomic_fetch_add(&x->next, 1, __ATOMIC_RELAXED);
+		if (i >= x->count)
+			break;
+		rc = export_item_write(x, &w, &x->items[i]);
+		if (rc < 0)
+			export_failed(x, rc, &x->items[i]);
+	}
+	writer_close(&w, false);
+	return NULL;
+}
+
+/* The pieces after the header and table, in file order. */
+static struct export_item *export_items(struct store *store, uint64_t fingerprint,
+					const struct snapshot_layer *table, uint32_t layers,
+					uint64_t blocks, size_t *count)
+{
+	struct export_item *items = calloc((size_t)blocks + layers, sizeof(*items));
+	size_t n = 0;
+	if (!items)
+		return NULL;
+	for (uint32_t i = 0; i < layers; i++) {
+		struct store_cut cut;
+		store_layer_cut(store, i, &cut);
+		uint64_t at = table[i].offset;
+		for (uint32_t b = 0; b < cut.blocks; b++) {
+			struct snapshot_block h;
+			block_header_encode(fingerprint, i, b, &cut.entries[b], &h);
+			items[n++] = (struct export_item){ .layer = i, .block = b, .at = at,
+							   .record_checksum = h.checksum };
+			at += snapshot_record_bytes(cut.entries[b].key_bytes, cut.entries[b].value_bytes);
+		}
+		items[n++] = (struct export_item){ .layer = i, .block = UINT32_MAX, .at = at };
+	}
+	*count = n;
+	return items;
+}
+
+static int export_parallel(struct store *store, int fd, uint64_t base, uint64_t fingerprint,
+			   const struct snapshot_header *header, const struct snapshot_layer *table,
+			   uint64_t table_checksum, char *why, size_t size)
+{
+	const struct store_header *sh = store_header(store);
+	uint32_t layers = sh->layers;
+	struct export_work x = {
+		.store = store, .fd = fd, .base = base, .fingerprint = fingerprint,
+		.heads = sh->batch * sh->kv_heads, .head_dim_k = sh->head_dim_k,
+		.head_dim_v = sh->head_dim_v,
+	};
+	pthread_t helpers[SNAPSHOT_EXPORT_WORKERS - 1];
+	int started = 0;
+
+	x.items = export_items(store, fingerprint, table, layers, header->blocks, &x.count);
+	if (!x.items || pthread_mutex_init(&x.lock, NULL) != 0) {
+		free(x.items);
+		return fail(-ENOMEM, why, size, "out of memory");
+	}
+	/* The header and the table with its checksum, at the start. */
+	int rc = pwrite_all(fd, header, sizeof(*header), base);
+	if (rc == 0)
+		rc = pwrite_all(fd, table, (uint64_t)layers * SNAPSHOT_LAYER_BYTES,
+				base + sizeof(*header));
+	if (rc == 0)
+		rc = pwrite_all(fd, &table_checksum, sizeof(table_checksum),
+				base + sizeof(*header) + (uint64_t)layers * SNAPSHOT_LAYER_BYTES);
+	if (rc < 0) {
+		x.rc = rc;
+	} else {
+		for (int i = 0; i < SNAPSHOT_EXPORT_WORKERS - 1; i++)
+			if (pthread_create(&helpers[started], NULL, export_worker, &x) == 0)
+				started++;
+		export_worker(&x);
+		for (int i = 0; i < started; i++)
+			pthread_join(helpers[i], NULL);
+	}
+	pthread_mutex_destroy(&x.lock);
+	rc = x.rc;
+	if (rc == ZC_ECORRUPT && x.failed)
+		rc = fail(rc, why, size, "cannot read layer %u block %u from the pool: %s",
+			  x.failed->layer, x.failed->block, zc_strerror(rc));
+	else if (rc < 0)
+		rc = fail(rc, why, size, "cannot write the snapshot: %s", strerror(-rc));
+	if (rc == 0) {
+		/* The whole-file checksum, in file order, then the trailer. */
+		XXH3_state_t whole;
+		XXH3_64bits_reset(&whole);
+		XXH3_64bits_update(&whole, header, sizeof(*header));
+		XXH3_64bits_update(&whole, table, (size_t)layers * SNAPSHOT_LAYER_BYTES);
+		XXH3_64bits_update(&whole, &table_checksum, sizeof(table_checksum));
+		for (size_t i = 0; i < x.count; i++) {
+			const struct export_item *it = &x.items[i];
+			if (it->block == UINT32_MAX) {
+				XXH3_64bits_update(&whole, &table[it->layer].residual_checksum,
+						   sizeof(uint64_t));
+				continue;
+			}
+			XXH3_64bits_update(&whole, &it->record_checksum, sizeof(it->record_checksum));
+			XXH3_64bits_update(&whole, &it->sum, sizeof(it->sum));
+		}
+		struct snapshot_trailer trailer = { .file_bytes = header->file_bytes };
+		memcpy(trailer.magic, SNAPSHOT_TRAILER_MAGIC, sizeof(trailer.magic));
+		trailer.checksum = XXH3_64bits_digest(&whole);
+		rc = pwrite_all(fd, &trailer, sizeof(trailer),
+				base + header->file_bytes - SNAPSHOT_TRAILER_BYTES);
+		/* Where sequential writes would have left the offset. */
+		if (rc == 0 && lseek(fd, (off_t)(base + header->file_bytes), SEEK_SET) < 0)
+			rc = -errno;
+		if (rc < 0)
+			rc = fail(rc, why, size, "cannot write the snapshot: %s", strerror(-rc));
+	}
+	free(x.items);
+	return rc;
+}
+
+static int export_run(struct store *store, int fd, bool pipe, bool in_order,
+		      struct snapshot_result *result, char *why, size_t size)
 {
 	struct writer w = { .buf = NULL };
 	bool writer_made = false;
@@ -609,8 +964,6 @@ int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_resu
 	struct snapshot_header header;
 	uint32_t layers = sh->layers;
 	uint32_t heads = sh->batch * sh->kv_heads;
-	uint8_t *buf = NULL;
-	uint64_t capacity = 0;
 	int rc;
 
 	snapshot_config_of(sh, &config);
@@ -643,16 +996,7 @@ int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_resu
 	for (uint32_t i = 0; i < layers; i++) {
 		struct store_cut cut;
 		store_layer_cut(store, i, &cut);
-		uint64_t bytes = (uint64_t)cut.residual_tokens * residual_row_bytes(&config);
-		rc = buffer_fit(&buf, &capacity, bytes ? bytes : 1);
-		if (rc < 0)
-			goto out_nomem;
-		uint64_t key_part = (uint64_t)heads * cut.residual_tokens * sh->head_dim_k * 2;
-		residual_pack(buf, cut.key_residual, cut.residual_capacity, cut.residual_tokens, heads,
-			      sh->head_dim_k);
-		residual_pack(buf + key_part, cut.value_residual, cut.residual_capacity,
-			      cut.residual_tokens, heads, sh->head_dim_v);
-		table[i].residual_checksum = XXH3_64bits(buf, bytes);
+		table[i].residual_checksum = residual_hash(&cut, heads, sh->head_dim_k, sh->head_dim_v);
 	}
 
 	XXH3_state_t whole;
@@ -663,8 +1007,18 @@ int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_resu
 	XXH3_64bits_update(&whole, table, (size_t)layers * SNAPSHOT_LAYER_BYTES);
 	XXH3_64bits_update(&whole, &table_checksum, sizeof(table_checksum));
 
+	uint64_t base;
+	if (!pipe && !in_order && blocks >= 2 && file_bytes >= SNAPSHOT_PARALLEL_MIN_BYTES &&
+	    export_positional(fd, &base)) {
+		rc = export_parallel(store, fd, base, fingerprint, &header, table, table_checksum, why,
+				     size);
+		if (rc == 0)
+			*result = (struct snapshot_result){ file_bytes, fingerprint, tokens };
+		goto out;
+	}
+
 	writer_made = true;
-	if (writer_open(&w, fd, pipe) < 0)
+	if (writer_open(&w, fd, pipe, false) < 0)
 		goto out_nomem;
 	rc = writer_put(&w, &header, sizeof(header));
 	if (rc == 0)
@@ -702,14 +1056,10 @@ int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_resu
 			XXH3_64bits_update(&whole, &h.checksum, sizeof(h.checksum));
 			XXH3_64bits_update(&whole, &sum, sizeof(sum));
 		}
-		uint64_t bytes = (uint64_t)cut.residual_tokens * residual_row_bytes(&config);
-		if (bytes) {
-			uint64_t key_part = (uint64_t)heads * cut.residual_tokens * sh->head_dim_k * 2;
-			residual_pack(buf, cut.key_residual, cut.residual_capacity, cut.residual_tokens,
-				      heads, sh->head_dim_k);
-			residual_pack(buf + key_part, cut.value_residual, cut.residual_capacity,
-				      cut.residual_tokens, heads, sh->head_dim_v);
-			rc = writer_put(&w, buf, bytes);
+		for (uint32_t k = 0; cut.residual_tokens && k < 2 * heads; k++) {
+			struct residual_segment seg = residual_segment(&cut, heads, sh->head_dim_k,
+								       sh->head_dim_v, k);
+			rc = writer_put(&w, seg.bytes, seg.len);
 			if (rc < 0)
 				goto out_write;
 		}
@@ -737,9 +1087,20 @@ out_write:
 out:
 	if (writer_made)
 		writer_close(&w, false);
-	free(buf);
 	free(table);
 	return rc;
+}
+
+int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_result *result,
+		    char *why, size_t size)
+{
+	return export_run(store, fd, pipe, false, result, why, size);
+}
+
+int snapshot_export_in_order(struct store *store, int fd, struct snapshot_result *result,
+			     char *why, size_t size)
+{
+	return export_run(store, fd, false, true, result, why, size);
 }
 
 /* ---- verify (import's first pass) ------------------------------------------------- */
@@ -755,7 +1116,7 @@ static int hash_range(int fd, uint64_t offset, uint64_t n, uint8_t *chunk, uint6
 		int rc = read_at(fd, offset, chunk, part, what, why, size);
 		if (rc < 0)
 			return rc;
-		XXH3_64bits_update(&state, chunk, part);
+		hash_update(&state, chunk, part);
 		offset += part;
 		n -= part;
 	}
@@ -1080,7 +1441,7 @@ int snapshot_stream_layer(struct snapshot_stream *s, uint32_t layer,
 			    "its table entry says %llu (%u residual rows, %llu bytes)", layer,
 			    (unsigned long long)bytes, (unsigned long long)residual->len,
 			    (unsigned long long)l->bytes, l->residual_tokens, (unsigned long long)rows);
-	if (XXH3_64bits(residual->bytes, rows) != l->residual_checksum)
+	if (hash64(residual->bytes, rows) != l->residual_checksum)
 		return fail(ZC_ECORRUPT, why, size, "layer %u residual checksum mismatch", layer);
 	XXH3_64bits_update(&s->whole, &l->residual_checksum, sizeof(uint64_t));
 	s->next_layer++;
@@ -1243,7 +1604,7 @@ int snapshot_import(int fd, const struct snapshot_header *verified, const struct
 			goto out;
 		}
 		rc = read_at(fd, at, buf, residual, "a residual", why, size);
-		if (rc == 0 && XXH3_64bits(buf, residual) != l->residual_checksum)
+		if (rc == 0 && hash64(buf, residual) != l->residual_checksum)
 			rc = fail(ZC_ECORRUPT, why, size, "the snapshot changed while it was imported");
 		if (rc < 0)
 			goto out;

@@ -68,11 +68,18 @@ struct snapshot_result {
 /*
  * Writes the store's snapshot to fd (a regular file or, with `pipe`, a
  * pipe: then never blocking past SNAPSHOT_PIPE_STALL_MS without
- * progress). The caller has the session to itself. Negative errno of the
- * write, ZC_ECORRUPT when the pool lost a block, with `why`.
+ * progress), from fd's offset on, leaving the offset after it. The caller
+ * has the session to itself. Negative errno of the write, ZC_ECORRUPT
+ * when the pool lost a block, with `why`. A regular file (not O_APPEND)
+ * may be written out of order, by two threads at once, with a second CPU.
  */
 int snapshot_export(struct store *store, int fd, bool pipe, struct snapshot_result *result,
 		    char *why, size_t why_size);
+
+/* The same, always in file order (a reader may follow the writes, as the
+ * offload follows its memfd's size). */
+int snapshot_export_in_order(struct store *store, int fd, struct snapshot_result *result,
+			     char *why, size_t why_size);
 
 /* What an import expects of the snapshot besides being intact. */
 struct snapshot_expect {

@@ -13,7 +13,14 @@
  *   redis down     Offload fails, the session stays local and usable, the
  *                  failure is counted and logged once, and once Redis is
  *                  back the offload succeeds.
- *   killed mid     Redis killed between two layers' writes: local intact.
+ *   killed mid     Redis SIGKILLed between two layers' writes: local intact,
+ *                  offloaded whole once Redis is back. SIGKILLed while a
+ *                  restore fetches: the attach fails, nothing is left (no
+ *                  file, block or charge), the daemon serves on, and the
+ *                  restore works once Redis is back with its data.
+ *   budget         The memory budget runs out in the middle of a restore's
+ *                  pipeline: RESOURCE_EXHAUSTED, nothing left, the charge
+ *                  back to the byte, the remote copy untouched.
  *   damaged copy   One block deleted or one byte flipped in Redis: attach
  *                  fails naming the block, nothing is made; repaired, it
  *                  restores.
@@ -29,7 +36,9 @@
 #include <arpa/inet.h>
 #include <check.h>
 #include <dirent.h>
+#include <errno.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -283,6 +292,17 @@ static void more_appends(zc_client *client, zc_session *session, struct model *m
 	CHECK(session_matches, session, model);
 }
 
+/* SIGKILL by pid, no goodbye: what a crashed or OOM-killed Redis does
+ * (redis_server_kill begins with SIGTERM, which closes the connections
+ * in order). The server is this test's child. */
+static void redis_kill_hard(struct redis_server *server)
+{
+	ck_assert_int_gt(server->pid, 0);
+	ck_assert_int_eq(kill(server->pid, SIGKILL), 0);
+	ck_assert_int_eq(waitpid(server->pid, NULL, 0), server->pid);
+	server->pid = 0;
+}
+
 /* ---- round trips ---------------------------------------------------------------- */
 
 static void round_trip(const struct tier *t, zc_views views)
@@ -445,7 +465,7 @@ START_TEST(redis_killed_mid_offload_leaves_the_session)
 	/* Layer 0 written, the daemon paused before layer 1. */
 	ck_assert_msg(tier_wait_keys(&t, "zc:*:b:*", 1, WAIT_MS), "the offload never began");
 	ck_assert_int_eq(tier_keys(&t, "zc:*:m:*", NULL, NULL, 0), 0);
-	redis_server_kill(&own);
+	redis_kill_hard(&own);
 	int64_t until = now_ms() + WAIT_MS;
 	while (now_ms() < until &&
 	       metric_value(one.metrics_port,
@@ -453,11 +473,21 @@ START_TEST(redis_killed_mid_offload_leaves_the_session)
 		sleep_ms(100);
 	ck_assert_int_ge(metric_value(one.metrics_port,
 				      "zipcache_remote_offload_failures_total{reason=\"remote\"}"), 1);
+	ck_assert_int_eq(metric_value(one.metrics_port, "zipcache_remote_offloads_total"), 0);
 	ck_assert_uint_eq(node_sessions(&one), 1);
+	ck_assert_int_eq(shm_files(&one), 1);
+	s = session_attach(&one, &config, NULL);
+	CHECK(session_matches, s, &model);
+	more_appends(one.service.client, s, &model, &rng);
+	session_leave(s);
+	/* Back (empty: it kept nothing), the next try writes the whole session,
+	 * appends included, and it restores bit for bit. */
+	redis_server_restart(&own);
+	ck_assert_msg(node_wait_sessions(&one, 0, 70000), "not offloaded after Redis came back");
+	ck_assert_int_eq(shm_files(&one), 0);
 	s = session_attach(&one, &config, NULL);
 	CHECK(session_matches, s, &model);
 	ck_assert_int_eq(zc_session_close(s), 0);
-	redis_server_restart(&own);
 	model_free(&model);
 	node_stop(&one);
 	redis_server_stop(&own);
@@ -487,6 +517,263 @@ static void attach_refused(struct node *node, const zc_session_config *config, i
 	ck_assert_uint_eq(node_sessions(node), 0);
 	ck_assert_int_eq(shm_files(node), 0);
 }
+
+/* A gauge or counter that must be there. */
+static long long metric_present(uint16_t port, const char *sample)
+{
+	long long v = metric_value(port, sample);
+	ck_assert_msg(v >= 0, "no sample %s in /metrics", sample);
+	return v;
+}
+
+/* What a failed restore must give back exactly: the memory charged to
+ * the budget (pages kept for reuse from closed sessions and freed extents
+ * are charged too, and relief gives them back first: they are taken out),
+ * and the pool's blocks. */
+struct charge {
+	long long used, retained, blocks;
+};
+
+static struct charge charge_read(uint16_t port)
+{
+	struct charge c = {
+		.used = metric_present(port, "zipcache_memory_used_bytes"),
+		.retained = metric_present(port, "zipcache_memory_file_bytes{kind=\"retained\"}"),
+		.blocks = metric_present(port, "zipcache_memory_file_bytes{kind=\"blocks\"}"),
+	};
+	return c;
+}
+
+static void charge_same(uint16_t port, const struct charge *before, const char *what)
+{
+	struct charge after = charge_read(port);
+	ck_assert_msg(after.used - after.retained == before->used - before->retained,
+		      "%s: %lld bytes charged (%lld retained) after, %lld (%lld retained) before",
+		      what, after.used, after.retained, before->used, before->retained);
+	ck_assert_msg(after.blocks == before->blocks, "%s: the pool holds %lld bytes of blocks, "
+		      "%lld before", what, after.blocks, before->blocks);
+}
+
+/* The daemon still serves: a new session takes updates and reads back. */
+static void node_still_serves(struct node *node, struct rng *rng)
+{
+	zc_session_config config = config_of("still-serving", ZC_VIEWS_FULL);
+	struct model model;
+	zc_session *s = session_build(node->service.client, &config, &model, rng);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	model_free(&model);
+}
+
+/* An attach on a thread of its own, so that the test can act while the
+ * daemon restores (the client is used by this thread only meanwhile). */
+struct attach_call {
+	struct node *node;
+	zc_session_config config;
+	pthread_t thread;
+	int rc;
+	zc_session *session;
+	char why[512];
+};
+
+static void *attach_body(void *arg)
+{
+	struct attach_call *a = arg;
+	a->rc = zc_session_open(a->node->service.client, &a->config, &a->session);
+	snprintf(a->why, sizeof(a->why), "%s", zc_client_last_error(a->node->service.client));
+	return NULL;
+}
+
+static void attach_begin(struct attach_call *a, struct node *node, const zc_session_config *config)
+{
+	memset(a, 0, sizeof(*a));
+	a->node = node;
+	a->config = *config;
+	a->config.attach = true;
+	ck_assert_int_eq(pthread_create(&a->thread, NULL, attach_body, a), 0);
+}
+
+static void attach_end(struct attach_call *a)
+{
+	ck_assert_int_eq(pthread_join(a->thread, NULL), 0);
+}
+
+/* The length of the one key matching pattern. */
+static long long tier_key_len(const struct tier *t, const char *pattern)
+{
+	char *names[2];
+	int node[2];
+	ck_assert_int_eq(tier_keys(t, pattern, names, node, 2), 1);
+	redisReply *r = redis_command(t->nodes[node[0]], "STRLEN %s", names[0]);
+	ck_assert_int_eq(r->type, REDIS_REPLY_INTEGER);
+	long long len = r->integer;
+	freeReplyObject(r);
+	names_free(names, 1);
+	return len;
+}
+
+/*
+ * Redis SIGKILLed while a restore is under way: layers 0-3 fetched and
+ * verified, the builder holding layer 0 in the new session's temporary
+ * file and pausing after it (restore.layer), the fetcher waiting for room
+ * (3 layers ahead) before layer 4. The attach fails with Redis's error,
+ * nothing is left (no session, no file, temporary or not, no block, the
+ * budget's charge as before), the failure is counted, the daemon goes on
+ * serving; once Redis is back with its data (restarted on its port and
+ * directory, which hold the RDB the test saved) the attach restores the
+ * session bit for bit.
+ */
+START_TEST(redis_killed_mid_restore_leaves_nothing)
+{
+	if (!redis_installed())
+		return;
+	struct redis_server own;
+	redis_server_start(&own, NULL, NULL);
+	struct tier t = { .nodes = { &own }, .n = 1 };
+	snprintf(t.url, sizeof(t.url), "redis://127.0.0.1:%u", own.port);
+	struct node one;
+	struct model model;
+	struct rng rng;
+	rng_seed(&rng, 13);
+	tier_flush(&t);
+	setenv("ZIPCACHED_FAULT_PAUSE", "restore.layer:1000", 1);
+	node_start(&one, &t, "1", (const char *const[]){ "--log-level", "info", NULL });
+	unsetenv("ZIPCACHED_FAULT_PAUSE");
+	zc_session_config config = config_of("cut-off", ZC_VIEWS_FULL);
+	config.layers = 6;
+	offload_one(&one, &t, &config, &model, &rng);
+	ck_assert_int_eq(tier_keys(&t, "zc:*", NULL, NULL, 0), 6 * 2 + 1);
+	/* What Redis has now survives its death: the RDB in its directory. */
+	freeReplyObject(redis_command(&own, "SAVE"));
+	long long first_parts = tier_key_len(&t, "zc:*:m:*");
+	for (int l = 0; l < 4; l++) {
+		char pattern[64];
+		snprintf(pattern, sizeof(pattern), "zc:*:b:*:%d:0", l);
+		first_parts += tier_key_len(&t, pattern);
+		snprintf(pattern, sizeof(pattern), "zc:*:r:*:%d", l);
+		first_parts += tier_key_len(&t, pattern);
+	}
+	struct charge before = charge_read(one.metrics_port);
+	long long received = metric_present(one.metrics_port, "zipcache_remote_received_bytes_total");
+
+	struct attach_call a;
+	attach_begin(&a, &one, &config);
+	/* The manifest and layers 0-3 arrived: layer 4 waits for the builder,
+	 * which sleeps a second after each layer. */
+	int64_t until = now_ms() + WAIT_MS;
+	while (now_ms() < until &&
+	       metric_present(one.metrics_port, "zipcache_remote_received_bytes_total") <
+		       received + first_parts)
+		sleep_ms(10);
+	ck_assert_msg(now_ms() < until, "layers 0-3 of the restore never arrived");
+	redis_kill_hard(&own);
+	attach_end(&a);
+	/* The wire has no status of its own for an unavailable tier
+	 * (docs/PREFIX.md): ZC_EREMOTE travels as INTERNAL, the sentence says
+	 * what failed. */
+	ck_assert_msg(a.rc == ZC_EINTERNAL, "the attach gave %s (%s)", zc_error_name(a.rc), a.why);
+	ck_assert_ptr_null(a.session);
+	ck_assert_msg(strstr(a.why, "cannot read layer 4 of 'cut-off' from the remote tier") &&
+		      strstr(a.why, "nothing was made"), "the message \"%s\"", a.why);
+
+	ck_assert_uint_eq(node_sessions(&one), 0);
+	ck_assert_int_eq(shm_files(&one), 0);
+	charge_same(one.metrics_port, &before, "after the failed restore");
+	ck_assert_int_eq(metric_value(one.metrics_port,
+				      "zipcache_remote_restore_failures_total{reason=\"remote\"}"), 1);
+	ck_assert_int_eq(metric_value(one.metrics_port, "zipcache_remote_restores_total"), 0);
+	ck_assert_int_eq(metric_value(one.metrics_port, "zipcache_remote_up"), 0);
+	ck_assert_int_eq(log_count(&one, "event=\"restore refused\""), 1);
+	/* Redis still down: an attach says so, and creates nothing in place of the copy. */
+	attach_refused(&one, &config, ZC_EINTERNAL, "cannot read the manifest of 'cut-off'");
+	node_still_serves(&one, &rng);
+
+	redis_server_restart(&own);
+	ck_assert_int_eq(tier_keys(&t, "zc:*", NULL, NULL, 0), 6 * 2 + 1);
+	zc_session *s = session_attach(&one, &config, NULL);
+	CHECK(session_matches, s, &model);
+	ck_assert_int_eq(metric_value(one.metrics_port, "zipcache_remote_restores_total"), 1);
+	ck_assert_msg(tier_wait_keys(&t, "zc:*", 0, WAIT_MS), "the restored copy stayed in Redis");
+	more_appends(one.service.client, s, &model, &rng);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	model_free(&model);
+	node_stop(&one);
+	redis_server_stop(&own);
+}
+END_TEST
+
+/*
+ * The memory budget runs out in the middle of the pipeline: the snapshot
+ * (the room checked before anything is fetched) fits, its blocks in the
+ * pool do not (each takes a page there; a record of this shape is about
+ * 400 bytes), so the builder is refused after its first layers, with
+ * relief's retry refused too. The attach fails with RESOURCE_EXHAUSTED,
+ * nothing is left, the charge is as before to the byte; the remote copy
+ * is untouched and restores on a node with room.
+ */
+START_TEST(budget_exhausted_mid_restore_leaves_nothing)
+{
+	if (!standalone.pid)
+		return;
+	struct tier t = tier_standalone();
+	struct node one, two;
+	struct model model;
+	struct rng rng;
+	rng_seed(&rng, 14);
+	tier_flush(&t);
+	node_start(&one, &t, "1", NULL);
+	node_start(&two, &t, "0", (const char *const[]){ "--memory-budget", "2M", "--log-level",
+							   "info", NULL });
+	/* 4 layers of 1024 tokens in blocks of 4: 256 records a layer. */
+	zc_session_config config = shaped_config("too-big", 4, 1, 1, 64, 64, 2048,
+						 ZC_POLICY_STREAMING, 4);
+	config.views = ZC_VIEWS_NONE;
+	config.model_id = "offload-model";
+	zc_session *s = open_session(one.service.client, &config);
+	model_init(&model, &config);
+	/* An update of 4 tokens fills the residual: one block each. */
+	for (int u = 0; u < 256; u++)
+		for (uint32_t layer = 0; layer < config.layers; layer++)
+			CHECK(update_checked, one.service.client, s, &model, &rng, layer, 4);
+	CHECK(session_matches, s, &model);
+	session_leave(s);
+	ck_assert_msg(node_wait_sessions(&one, 0, WAIT_MS), "the idle session was not offloaded");
+	long long keys = tier_keys(&t, "zc:*", NULL, NULL, 0);
+	ck_assert_int_eq(keys, 4 * 257 + 1);
+
+	/* The uid's pool made first (an open makes it), so that the failure's
+	 * accounting is about the restore alone. */
+	zc_session_config small = config_of("small", ZC_VIEWS_NONE);
+	ck_assert_int_eq(zc_session_close(open_session(two.service.client, &small)), 0);
+	struct charge before = charge_read(two.metrics_port);
+	int rc;
+	zc_session *none = session_attach(&two, &config, &rc);
+	const char *why = zc_client_last_error(two.service.client);
+	ck_assert_msg(rc == ZC_EEXHAUSTED, "the attach gave %s (%s)", zc_error_name(rc), why);
+	ck_assert_ptr_null(none);
+	ck_assert_msg(strstr(why, "memory budget") && strstr(why, "nothing was made"),
+		      "the message \"%s\"", why);
+	/* Refused in the pipeline, by a charge (relief ran, then refused),
+	 * not by the snapshot's size before anything was fetched. */
+	ck_assert_msg(!strstr(why, "has room for"), "refused before the pipeline: \"%s\"", why);
+	ck_assert_int_ge(metric_value(two.metrics_port, "zipcache_relief_steps_total{step=\"refuse\"}"),
+			 1);
+	ck_assert_uint_eq(node_sessions(&two), 0);
+	ck_assert_int_eq(shm_files(&two), 0);
+	charge_same(two.metrics_port, &before, "after the refused restore");
+	ck_assert_int_eq(metric_value(two.metrics_port,
+				      "zipcache_remote_restore_failures_total{reason=\"local\"}"), 1);
+	ck_assert_int_eq(metric_value(two.metrics_port, "zipcache_remote_restores_total"), 0);
+	ck_assert_int_eq(tier_keys(&t, "zc:*", NULL, NULL, 0), keys);
+	node_still_serves(&two, &rng);
+
+	s = session_attach(&one, &config, NULL);
+	CHECK(session_matches, s, &model);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	model_free(&model);
+	node_stop(&two);
+	node_stop(&one);
+}
+END_TEST
 
 START_TEST(a_damaged_copy_is_refused_whole)
 {
@@ -806,6 +1093,8 @@ static Suite *offload_suite(void)
 		{ "relief", relief_offloads_an_idle_session },
 		{ "killed_mid", redis_killed_mid_offload_leaves_the_session },
 		{ "redis_down", redis_down_keeps_sessions_local },
+		{ "killed_mid_restore", redis_killed_mid_restore_leaves_nothing },
+		{ "budget_mid_restore", budget_exhausted_mid_restore_leaves_nothing },
 		{ "crashes", crash_at_every_step },
 	};
 	Suite *suite = suite_create("remote_offload");

@@ -11,7 +11,10 @@
  *                  client's reconstruction, and every counter), keeps the
  *                  model id, and then takes the same appends as the
  *                  original with the same results. A pipe gets the same
- *                  bytes as a file.
+ *                  bytes as a file. Every checksum of an export is plain
+ *                  XXH3 (recomputed here), whichever vector kernel the
+ *                  daemon hashed with; a daemon on the scalar path takes
+ *                  the file and exports the same bytes.
  *   corruption     One bit flipped in every region (header, layer table,
  *                  every block record's header, K and V payloads, every
  *                  residual, trailer), and the file cut at every region
@@ -371,6 +374,146 @@ START_TEST(pipe_export_equals_file_export)
 	free(b);
 	model_free(&model);
 	service_stop(&service);
+}
+END_TEST
+
+/*
+ * Every checksum of an export, recomputed here by the header-only XXH3
+ * this test is built with (its default kernel, SSE2): the daemon hashes
+ * with the kernel its CPU has (AVX2, AVX-512), which must give the same
+ * values. Then the file goes through a daemon forced to the scalar codec
+ * path (ZC_CODEC_ISA=scalar: the SSE2 hash too), which must accept it and
+ * export the very same bytes.
+ */
+static void checksums_recompute(const uint8_t *file, size_t len)
+{
+	struct snapshot_header h;
+	struct snapshot_trailer trailer;
+	memcpy(&h, file, sizeof(h));
+	memcpy(&trailer, file + len - sizeof(trailer), sizeof(trailer));
+	ck_assert_uint_eq(h.checksum, XXH3_64bits(&h, offsetof(struct snapshot_header, checksum)));
+	uint32_t layers = h.config.layers;
+	uint64_t heads = (uint64_t)h.config.batch * h.config.kv_heads, table_checksum;
+	const uint8_t *table = file + sizeof(h);
+	memcpy(&table_checksum, table + (size_t)layers * SNAPSHOT_LAYER_BYTES, sizeof(uint64_t));
+	ck_assert_uint_eq(table_checksum, XXH3_64bits(table, (size_t)layers * SNAPSHOT_LAYER_BYTES));
+	XXH3_state_t whole;
+	XXH3_64bits_reset(&whole);
+	XXH3_64bits_update(&whole, file, sizeof(h) + (size_t)layers * SNAPSHOT_LAYER_BYTES + 8);
+	uint64_t long_payloads = 0;
+	for (uint32_t i = 0; i < layers; i++) {
+		struct snapshot_layer l;
+		memcpy(&l, table + (size_t)i * SNAPSHOT_LAYER_BYTES, sizeof(l));
+		uint64_t at = l.offset;
+		for (uint32_t k = 0; k < l.blocks; k++) {
+			struct snapshot_block b;
+			uint64_t sum;
+			memcpy(&b, file + at, sizeof(b));
+			ck_assert_uint_eq(b.checksum,
+					  XXH3_64bits(&b, offsetof(struct snapshot_block, checksum)));
+			uint64_t payload = b.key_bytes + b.value_bytes;
+			memcpy(&sum, file + at + SNAPSHOT_BLOCK_BYTES + payload, sizeof(sum));
+			ck_assert_msg(sum == XXH3_64bits(file + at + SNAPSHOT_BLOCK_BYTES, payload),
+				      "layer %u block %u: the payload checksum is not XXH3's", i, k);
+			long_payloads += payload > (1u << 20);
+			XXH3_64bits_update(&whole, &b.checksum, sizeof(b.checksum));
+			XXH3_64bits_update(&whole, &sum, sizeof(sum));
+			at += snapshot_record_bytes(b.key_bytes, b.value_bytes);
+		}
+		uint64_t residual = heads * l.residual_tokens *
+				    (h.config.head_dim_k + h.config.head_dim_v) * 2;
+		ck_assert_msg(l.residual_checksum == XXH3_64bits(file + at, residual),
+			      "layer %u: the residual checksum is not XXH3's", i);
+		XXH3_64bits_update(&whole, &l.residual_checksum, sizeof(uint64_t));
+	}
+	ck_assert_uint_eq(trailer.checksum, XXH3_64bits_digest(&whole));
+	/* Payloads longer than an export's 256 KiB chunk were among them. */
+	ck_assert_uint_gt(long_payloads, 0);
+}
+
+START_TEST(checksums_are_xxh3_on_every_kernel)
+{
+	struct service one, scalar;
+	struct rng rng;
+	struct model model;
+	char file[PATH_MAX], again[PATH_MAX];
+	service_start(&one, NULL);
+	setenv("ZC_CODEC_ISA", "scalar", 1);
+	service_start(&scalar, NULL);
+	unsetenv("ZC_CODEC_ISA");
+	rng_seed(&rng, 31);
+	/* Blocks of 3000 tokens (K and V payloads of about 1.6 MiB each), a
+	 * residual of 33 rows. */
+	zc_session_config config = shaped_config("h", 2, 1, 8, 128, 128, 4096, ZC_POLICY_STREAMING,
+						 64);
+	config.model_id = "hash-model";
+	zc_session *session = open_session(one.client, &config);
+	model_init(&model, &config);
+	for (uint32_t layer = 0; layer < 2; layer++) {
+		CHECK(update_checked, one.client, session, &model, &rng, layer, 3000);
+		CHECK(update_checked, one.client, session, &model, &rng, layer, 33);
+	}
+	path_in(&one, "h.zcsnap", file, sizeof(file));
+	path_in(&scalar, "again.zcsnap", again, sizeof(again));
+	uint64_t bytes = export_file(session, file);
+	size_t a_len, b_len;
+	uint8_t *a = (uint8_t *)file_read_whole(file, &a_len);
+	ck_assert_uint_eq(a_len, bytes);
+	ck_assert_uint_ge(a_len, 4u << 20);   /* written in parallel where there are two CPUs */
+	checksums_recompute(a, a_len);
+	/* The same bytes through a pipe (in order, one writer)... */
+	int p[2];
+	char piped[PATH_MAX];
+	path_in(&one, "piped.zcsnap", piped, sizeof(piped));
+	ck_assert_int_eq(pipe2(p, O_CLOEXEC), 0);
+	int out = open(piped, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+	int args[2] = { p[0], out };
+	pid_t reader = child_spawn(pipe_reader, args, p[1]);
+	close(p[0]);
+	close(out);
+	uint64_t piped_bytes = 0;
+	ck_assert_int_eq(zc_session_export(session, p[1], &piped_bytes), 0);
+	close(p[1]);
+	child_wait_ok(reader, "pipe reader");
+	uint8_t *b = (uint8_t *)file_read_whole(piped, &b_len);
+	ck_assert_uint_eq(b_len, a_len);
+	ck_assert_int_eq(memcmp(a, b, a_len), 0);
+	free(b);
+	/* ...and from a file's offset on, leaving the offset after the
+	 * snapshot; appended with O_APPEND (in order) too. */
+	static const char prefix[] = "a prefix the export must not touch";
+	for (int append = 0; append < 2; append++) {
+		int fd = open(piped, O_WRONLY | O_TRUNC | O_CLOEXEC | (append ? O_APPEND : 0));
+		ck_assert_int_ge(fd, 0);
+		ck_assert_int_eq(write(fd, prefix, sizeof(prefix)), (ssize_t)sizeof(prefix));
+		ck_assert_int_eq(zc_session_export(session, fd, &piped_bytes), 0);
+		ck_assert_int_eq(lseek(fd, 0, SEEK_CUR), (off_t)(sizeof(prefix) + a_len));
+		close(fd);
+		b = (uint8_t *)file_read_whole(piped, &b_len);
+		ck_assert_uint_eq(b_len, sizeof(prefix) + a_len);
+		ck_assert_int_eq(memcmp(b, prefix, sizeof(prefix)), 0);
+		ck_assert_msg(memcmp(b + sizeof(prefix), a, a_len) == 0, "append %d: other bytes",
+			      append);
+		free(b);
+	}
+
+	zc_import_options options;
+	zc_session *imported;
+	zc_import_options_default(&options);
+	options.name = "h";
+	ck_assert_int_eq(import_file(scalar.client, file, &options, &imported), 0);
+	CHECK(session_matches, imported, &model);
+	export_file(imported, again);
+	b = (uint8_t *)file_read_whole(again, &b_len);
+	ck_assert_uint_eq(a_len, b_len);
+	ck_assert_int_eq(memcmp(a, b, a_len), 0);
+	free(a);
+	free(b);
+	ck_assert_int_eq(zc_session_close(imported), 0);
+	ck_assert_int_eq(zc_session_close(session), 0);
+	model_free(&model);
+	service_stop(&scalar);
+	service_stop(&one);
 }
 END_TEST
 
@@ -925,7 +1068,8 @@ int main(void)
 	Suite *suite = suite_create("snapshot");
 	const struct test_case cases[] = {
 		{ "round_trip", { round_trips_are_bit_exact, pipe_export_equals_file_export,
-				  exports_beside_deferred_flushes, NULL } },
+				  exports_beside_deferred_flushes, checksums_are_xxh3_on_every_kernel,
+				  NULL } },
 		{ "corruption", { every_region_flipped_or_cut_is_refused,
 				  version_config_and_fingerprint_are_checked, NULL } },
 		{ "descriptors", { bad_descriptors_are_refused, another_uids_session_is_not_exported,
