@@ -758,6 +758,9 @@ enum wire_status wire_status_from_error(int zc_error)
 		return WIRE_STATUS_FAILED_PRECONDITION;
 	case ZC_ECORRUPT:
 		return WIRE_STATUS_DATA_LOSS;
+	case ZC_EREMOTE:
+	case -ETIMEDOUT:
+		return WIRE_STATUS_UNAVAILABLE;
 	default:
 		return WIRE_STATUS_INTERNAL;
 	}
@@ -782,6 +785,8 @@ int wire_error_from_status(int status)
 		return ZC_EPRECONDITION;
 	case WIRE_STATUS_DATA_LOSS:
 		return ZC_ECORRUPT;
+	case WIRE_STATUS_UNAVAILABLE:
+		return ZC_EREMOTE;
 	case WIRE_STATUS_INTERNAL:
 	default:
 		return ZC_EINTERNAL;
@@ -818,7 +823,8 @@ WIRE_SAME_SIZE(((zipcache_v1_ImportSessionRequest *)0)->name,
 	       ((struct wire_import_request *)0)->name);
 WIRE_SAME_SIZE(((zipcache_v1_ImportSessionRequest *)0)->model_id,
 	       ((struct wire_import_request *)0)->model_id);
-_Static_assert(WIRE_STATUS_DATA_LOSS == (int)zipcache_v1_Status_DATA_LOSS,
+_Static_assert(WIRE_STATUS_DATA_LOSS == (int)zipcache_v1_Status_DATA_LOSS &&
+	       WIRE_STATUS_UNAVAILABLE == (int)zipcache_v1_Status_UNAVAILABLE,
 	       "enum wire_status follows zipcache.v1.Status");
 _Static_assert(WIRE_STATUS_INTERNAL == (int)zipcache_v1_Status_INTERNAL &&
 	       WIRE_STATUS_RESOURCE_EXHAUSTED == (int)zipcache_v1_Status_RESOURCE_EXHAUSTED,

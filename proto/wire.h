@@ -73,6 +73,7 @@ enum wire_status {
 	WIRE_STATUS_FAILED_PRECONDITION = 6,
 	WIRE_STATUS_INTERNAL = 7,
 	WIRE_STATUS_DATA_LOSS = 8,
+	WIRE_STATUS_UNAVAILABLE = 9,
 	WIRE_STATUS_COUNT
 };
 
@@ -387,7 +388,9 @@ void wire_response_set_status(wire_response *resp, int zc_error, const char *mes
  * request) are INVALID_ARGUMENT; ZC_EEXHAUSTED, ZC_EFRAMESIZE and the
  * errnos of a resource running out (-ENOMEM, -ENOSPC, -EMFILE, -ENFILE,
  * -EAGAIN, -ENOBUFS) are RESOURCE_EXHAUSTED; ZC_ECORRUPT (damaged data a
- * client handed over) is DATA_LOSS; everything unlisted is INTERNAL. Back
+ * client handed over) is DATA_LOSS; ZC_EREMOTE and -ETIMEDOUT (in the
+ * daemon only the remote tier times out) are UNAVAILABLE, back as
+ * ZC_EREMOTE; everything unlisted is INTERNAL. Back
  * from a status each maps to its one ZC_E* code; an unknown status value
  * (a newer daemon) is ZC_EINTERNAL.
  */

@@ -1879,8 +1879,12 @@ static void import_done(struct job *base)
 			session_table_run_detached(&server->sessions, &job->job);
 			return;
 		}
-		job_fail(job, ZC_EEXHAUSTED, "cannot import: the memory budget is exhausted; nothing "
-			 "was made");
+		if (job->kind == JOB_RESTORE)
+			job_fail(job, ZC_EEXHAUSTED, "cannot restore session '%s' from the remote tier: "
+				 "the memory budget is exhausted; nothing was made", job->fork_name);
+		else
+			job_fail(job, ZC_EEXHAUSTED, "cannot import: the memory budget is exhausted; "
+				 "nothing was made");
 	}
 	if (job->rc == 0 && session_find_name(&server->sessions, job->fork_name, job->rq.peer->uid)) {
 		/* Another open took the name while the import ran. */

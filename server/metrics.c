@@ -30,13 +30,14 @@ static const char *const op_names[METRICS_OP_COUNT] = {
 
 static const char *const status_names[METRICS_STATUS_COUNT] = {
 	"ok", "invalid_argument", "not_found", "already_exists", "resource_exhausted",
-	"permission_denied", "failed_precondition", "internal", "data_loss",
+	"permission_denied", "failed_precondition", "internal", "data_loss", "unavailable",
 };
 
 static const char *const reason_names[METRICS_REASON_COUNT] = {
 	"invalid_argument", "malformed_request", "frame_too_large", "nonfinite_input",
 	"not_found", "already_exists", "resource_exhausted", "permission_denied",
 	"failed_precondition", "internal", "connection_refused", "data_loss",
+	"remote_unavailable",
 };
 
 static const char *const relief_step_names[METRICS_RELIEF_STEP_COUNT] = {
@@ -152,6 +153,9 @@ void metrics_error(struct metrics *metrics, int error)
 			break;
 		case WIRE_STATUS_DATA_LOSS:
 			reason = METRICS_REASON_DATA_LOSS;
+			break;
+		case WIRE_STATUS_UNAVAILABLE:
+			reason = METRICS_REASON_REMOTE_UNAVAILABLE;
 			break;
 		default:
 			reason = METRICS_REASON_INTERNAL;

@@ -460,6 +460,7 @@ const char *response_status_name(zipcache_v1_Status status)
 	case zipcache_v1_Status_FAILED_PRECONDITION: return "FAILED_PRECONDITION";
 	case zipcache_v1_Status_INTERNAL: return "INTERNAL";
 	case zipcache_v1_Status_DATA_LOSS: return "DATA_LOSS";
+	case zipcache_v1_Status_UNAVAILABLE: return "UNAVAILABLE";
 	}
 	return "unknown status";
 }

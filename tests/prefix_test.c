@@ -28,7 +28,8 @@
  *               bit, and a second open there shares them locally. A record
  *               damaged in Redis is refused (ZC_ECORRUPT, nothing made);
  *               Redis stopped: lookup answers what is local, an open that
- *               needs the tier is ZC_EINTERNAL naming the tier, nothing made.
+ *               needs the tier is ZC_EREMOTE (UNAVAILABLE) naming the tier,
+ *               nothing made.
  */
 #include <check.h>
 #include <dirent.h>
@@ -866,8 +867,8 @@ START_TEST(a_damaged_record_or_a_stopped_redis_makes_nothing)
 	held = lookup(a.client, &config, p->keys, 2);
 	ck_assert_uint_eq(held.chunks, 2);
 	ck_assert_uint_eq(held.local_chunks, 2);
-	/* The wire has no status of its own for the tier: INTERNAL, naming it. */
-	open_refused(b.client, &open, ZC_EINTERNAL, "the remote tier failed");
+	/* UNAVAILABLE (ZC_EREMOTE: retry later), naming the tier. */
+	open_refused(b.client, &open, ZC_EREMOTE, "the remote tier failed");
 	/* ...and the daemon that holds them opens from what it holds. */
 	zc_session *reader = open_prefixed(a.client, "reader", p->keys, 2);
 	ck_assert_uint_eq(zc_session_get_info(reader)->min_tokens, 2 * ZC_PREFIX_CHUNK_TOKENS);

@@ -667,10 +667,9 @@ START_TEST(redis_killed_mid_restore_leaves_nothing)
 	ck_assert_msg(now_ms() < until, "layers 0-3 of the restore never arrived");
 	redis_kill_hard(&own);
 	attach_end(&a);
-	/* The wire has no status of its own for an unavailable tier
-	 * (docs/PREFIX.md): ZC_EREMOTE travels as INTERNAL, the sentence says
-	 * what failed. */
-	ck_assert_msg(a.rc == ZC_EINTERNAL, "the attach gave %s (%s)", zc_error_name(a.rc), a.why);
+	/* UNAVAILABLE on the wire (ZC_EREMOTE): retry later; the sentence
+	 * says what failed. */
+	ck_assert_msg(a.rc == ZC_EREMOTE, "the attach gave %s (%s)", zc_error_name(a.rc), a.why);
 	ck_assert_ptr_null(a.session);
 	ck_assert_msg(strstr(a.why, "cannot read layer 4 of 'cut-off' from the remote tier") &&
 		      strstr(a.why, "nothing was made"), "the message \"%s\"", a.why);
@@ -684,7 +683,9 @@ START_TEST(redis_killed_mid_restore_leaves_nothing)
 	ck_assert_int_eq(metric_value(one.metrics_port, "zipcache_remote_up"), 0);
 	ck_assert_int_eq(log_count(&one, "event=\"restore refused\""), 1);
 	/* Redis still down: an attach says so, and creates nothing in place of the copy. */
-	attach_refused(&one, &config, ZC_EINTERNAL, "cannot read the manifest of 'cut-off'");
+	attach_refused(&one, &config, ZC_EREMOTE, "cannot read the manifest of 'cut-off'");
+	ck_assert_int_ge(metric_value(one.metrics_port,
+				      "zipcache_errors_total{reason=\"remote_unavailable\"}"), 1);
 	node_still_serves(&one, &rng);
 
 	redis_server_restart(&own);
@@ -750,7 +751,8 @@ START_TEST(budget_exhausted_mid_restore_leaves_nothing)
 	const char *why = zc_client_last_error(two.service.client);
 	ck_assert_msg(rc == ZC_EEXHAUSTED, "the attach gave %s (%s)", zc_error_name(rc), why);
 	ck_assert_ptr_null(none);
-	ck_assert_msg(strstr(why, "memory budget") && strstr(why, "nothing was made"),
+	ck_assert_msg(strstr(why, "cannot restore session") && strstr(why, "memory budget") &&
+		      strstr(why, "nothing was made"),
 		      "the message \"%s\"", why);
 	/* Refused in the pipeline, by a charge (relief ran, then refused),
 	 * not by the snapshot's size before anything was fetched. */

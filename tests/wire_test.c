@@ -1018,6 +1018,8 @@ START_TEST(status_mapping)
 		{ ZC_EPRECONDITION, zipcache_v1_Status_FAILED_PRECONDITION },
 		{ ZC_EINTERNAL, zipcache_v1_Status_INTERNAL },
 		{ ZC_ECORRUPT, zipcache_v1_Status_DATA_LOSS },
+		{ ZC_EREMOTE, zipcache_v1_Status_UNAVAILABLE },
+		{ -ETIMEDOUT, zipcache_v1_Status_UNAVAILABLE },
 		{ ZC_EBUFFER, zipcache_v1_Status_INTERNAL },
 		{ ZC_ERESTARTED, zipcache_v1_Status_INTERNAL },
 		{ -EIO, zipcache_v1_Status_INTERNAL },
@@ -1038,7 +1040,8 @@ START_TEST(status_mapping)
 		{ zipcache_v1_Status_FAILED_PRECONDITION, ZC_EPRECONDITION },
 		{ zipcache_v1_Status_INTERNAL, ZC_EINTERNAL },
 		{ zipcache_v1_Status_DATA_LOSS, ZC_ECORRUPT },
-		{ (zipcache_v1_Status)9, ZC_EINTERNAL },
+		{ zipcache_v1_Status_UNAVAILABLE, ZC_EREMOTE },
+		{ (zipcache_v1_Status)10, ZC_EINTERNAL },
 		{ (zipcache_v1_Status)1000, ZC_EINTERNAL },
 	};
 
