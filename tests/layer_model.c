@@ -16,6 +16,7 @@
 
 #include <check.h>
 
+#include "process_run.h"
 #include "zipcache/error.h"
 
 /* ---- failure messages ------------------------------------------------------ */
@@ -840,6 +841,24 @@ void service_start(struct service *service, const char *const *extra_args)
 {
 	daemon_start(&service->daemon, extra_args);
 	service->client = connect_client(&service->daemon);
+}
+
+uint16_t service_start_metrics(struct service *service, const char *const *extra_args)
+{
+	char listen_at[32];
+	const char *args[DAEMON_MAX_EXTRA_ARGS + 1];
+	int n = 0;
+	uint16_t port = free_tcp_port();
+	snprintf(listen_at, sizeof(listen_at), "127.0.0.1:%u", port);
+	for (; extra_args && extra_args[n]; n++) {
+		ck_assert_int_lt(n, DAEMON_MAX_EXTRA_ARGS - 2);
+		args[n] = extra_args[n];
+	}
+	args[n++] = "--metrics-listen";
+	args[n++] = listen_at;
+	args[n] = NULL;
+	service_start(service, args);
+	return port;
 }
 
 void service_stop(struct service *service)

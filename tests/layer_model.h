@@ -243,6 +243,9 @@ struct service {
 void service_start(struct service *service, const char *const *extra_args);
 void service_stop(struct service *service);
 
+/* service_start() with /metrics on a free loopback port (returned). */
+uint16_t service_start_metrics(struct service *service, const char *const *extra_args);
+
 /* A session config with every shape field given, the default codec and
  * views = full. */
 zc_session_config shaped_config(const char *name, uint32_t layers, uint32_t batch,

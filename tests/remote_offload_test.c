@@ -169,23 +169,18 @@ struct node {
 static void node_start(struct node *node, const struct tier *t, const char *idle_seconds,
 		       const char *const *more)
 {
-	char listen_at[32];
 	const char *args[24];
 	int n = 0;
-	node->metrics_port = free_tcp_port();
-	snprintf(listen_at, sizeof(listen_at), "127.0.0.1:%u", node->metrics_port);
 	args[n++] = "--remote";
 	args[n++] = t->url;
 	args[n++] = "--offload-idle-seconds";
 	args[n++] = idle_seconds;
 	args[n++] = "--remote-timeout-ms";
 	args[n++] = "1000";
-	args[n++] = "--metrics-listen";
-	args[n++] = listen_at;
 	for (int i = 0; more && more[i]; i++)
 		args[n++] = more[i];
 	args[n] = NULL;
-	service_start(&node->service, args);
+	node->metrics_port = service_start_metrics(&node->service, args);
 }
 
 static void node_stop(struct node *node)

@@ -27,17 +27,7 @@ struct node {
 
 static void node_start(struct node *node, const char *const *more)
 {
-	char listen_at[32];
-	const char *args[16];
-	int n = 0;
-	node->port = free_tcp_port();
-	snprintf(listen_at, sizeof(listen_at), "127.0.0.1:%u", node->port);
-	args[n++] = "--metrics-listen";
-	args[n++] = listen_at;
-	for (int i = 0; more && more[i]; i++)
-		args[n++] = more[i];
-	args[n] = NULL;
-	service_start(&node->service, args);
+	node->port = service_start_metrics(&node->service, more);
 }
 
 static long long metric(const struct node *node, const char *sample)
