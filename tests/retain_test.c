@@ -215,6 +215,7 @@ START_TEST(retain_bytes_zero_gives_everything_back)
 	ck_assert_int_eq(metric(&node, "zipcache_memory_file_bytes{kind=\"retained\"}"), 0);
 	ck_assert_int_eq(metric(&node, "zipcache_memory_file_bytes{kind=\"views\"}"), 0);
 	ck_assert_int_le(metric(&node, "zipcache_memory_file_bytes{kind=\"blocks\"}"), 4096);
+	model_free(&model);
 	s = filled(&node, &config, &model, &rng, 256, 1);
 	ck_assert_int_eq(metric(&node, REUSED_MAPS), 0);
 	ck_assert_int_eq(metric(&node, REUSED_EXTENTS), 0);
