@@ -759,7 +759,6 @@ enum wire_status wire_status_from_error(int zc_error)
 	case ZC_ECORRUPT:
 		return WIRE_STATUS_DATA_LOSS;
 	case ZC_EREMOTE:
-	case -ETIMEDOUT:
 		return WIRE_STATUS_UNAVAILABLE;
 	default:
 		return WIRE_STATUS_INTERNAL;

@@ -388,9 +388,9 @@ void wire_response_set_status(wire_response *resp, int zc_error, const char *mes
  * request) are INVALID_ARGUMENT; ZC_EEXHAUSTED, ZC_EFRAMESIZE and the
  * errnos of a resource running out (-ENOMEM, -ENOSPC, -EMFILE, -ENFILE,
  * -EAGAIN, -ENOBUFS) are RESOURCE_EXHAUSTED; ZC_ECORRUPT (damaged data a
- * client handed over) is DATA_LOSS; ZC_EREMOTE and -ETIMEDOUT (in the
- * daemon only the remote tier times out) are UNAVAILABLE, back as
- * ZC_EREMOTE; everything unlisted is INTERNAL. Back
+ * client handed over) is DATA_LOSS; ZC_EREMOTE (the remote tier failed:
+ * the daemon gives its timeouts this code) is UNAVAILABLE; everything
+ * unlisted is INTERNAL. Back
  * from a status each maps to its one ZC_E* code; an unknown status value
  * (a newer daemon) is ZC_EINTERNAL.
  */

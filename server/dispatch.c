@@ -2061,7 +2061,8 @@ static void restore_failed(struct request_job *job)
 				     rc == ZC_ECORRUPT || rc == ZC_EPRECONDITION ? REMOTE_FAILURE_CORRUPT :
 				     rc == -ETIMEDOUT || rc == ZC_EREMOTE || rc == ZC_EDENIED ?
 					     REMOTE_FAILURE_REMOTE : REMOTE_FAILURE_LOCAL);
-	reply_error(&job->rq, rc, "%s", job->message);
+	/* The tier's timeouts are its failures: UNAVAILABLE, retry later. */
+	reply_error(&job->rq, rc == -ETIMEDOUT ? ZC_EREMOTE : rc, "%s", job->message);
 	log_warn("session", "restore refused", "name=%s uid=%u error=%s reason=\"%s\"", job->fork_name,
 		 job->rq.peer->uid, zc_strerror(rc), job->message);
 	job_end(job);

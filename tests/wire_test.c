@@ -1019,7 +1019,7 @@ START_TEST(status_mapping)
 		{ ZC_EINTERNAL, zipcache_v1_Status_INTERNAL },
 		{ ZC_ECORRUPT, zipcache_v1_Status_DATA_LOSS },
 		{ ZC_EREMOTE, zipcache_v1_Status_UNAVAILABLE },
-		{ -ETIMEDOUT, zipcache_v1_Status_UNAVAILABLE },
+		{ -ETIMEDOUT, zipcache_v1_Status_INTERNAL },
 		{ ZC_EBUFFER, zipcache_v1_Status_INTERNAL },
 		{ ZC_ERESTARTED, zipcache_v1_Status_INTERNAL },
 		{ -EIO, zipcache_v1_Status_INTERNAL },
