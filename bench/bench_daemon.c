@@ -461,14 +461,23 @@ int bench_echo_fd(void)
 
 int bench_raw_round_trip(int fd, const uint8_t *frame, size_t len, uint8_t *reply, size_t cap)
 {
+	return bench_raw_round_trip_spin(fd, frame, len, reply, cap, 0);
+}
+
+int bench_raw_round_trip_spin(int fd, const uint8_t *frame, size_t len, uint8_t *reply,
+			      size_t cap, unsigned spin_us)
+{
 	size_t have = 0, want = 4;
 	int rc = write_full(fd, frame, len);
 	if (rc < 0)
 		return rc;
+	double until = bench_now_s() + spin_us * 1e-6;
 	while (have < want) {
-		ssize_t n = recv(fd, reply + have, cap - have, 0);
+		/* Polled as the client library polls (ZC_RECEIVE_SPIN_US), then blocking. */
+		bool spin = spin_us && bench_now_s() < until;
+		ssize_t n = recv(fd, reply + have, cap - have, spin ? MSG_DONTWAIT : 0);
 		if (n <= 0) {
-			if (n < 0 && errno == EINTR)
+			if (n < 0 && (errno == EINTR || (spin && errno == EAGAIN)))
 				continue;
 			return n == 0 ? -ECONNRESET : -errno;
 		}

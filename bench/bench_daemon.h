@@ -60,6 +60,9 @@ int bench_echo_fd(void);
  * decode.
  */
 int bench_raw_round_trip(int fd, const uint8_t *frame, size_t len, uint8_t *reply, size_t cap);
+/* The same, the reply polled for spin_us before a blocking receive. */
+int bench_raw_round_trip_spin(int fd, const uint8_t *frame, size_t len, uint8_t *reply,
+			      size_t cap, unsigned spin_us);
 /* Writes a raw frame of request_bytes that asks for reply_bytes back. */
 void bench_raw_frame(uint8_t *frame, size_t request_bytes, size_t reply_bytes);
 

@@ -101,10 +101,13 @@ size_t redis_set_command(uint8_t *out, size_t cap, size_t value_bytes)
 	return (size_t)head + value_bytes + 2;
 }
 
-int redis_round_trip(int fd, const uint8_t *command, size_t len)
+int redis_round_trip(int fd, const uint8_t *command, size_t len, unsigned spin_us)
 {
 	char reply[16];
 	size_t got = 0;
+	struct timespec now;
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	double until = (double)now.tv_sec + now.tv_nsec * 1e-9 + spin_us * 1e-6;
 	while (len > 0) {
 		ssize_t n = send(fd, command, len, MSG_NOSIGNAL);
 		if (n < 0 && errno == EINTR)
@@ -115,8 +118,13 @@ int redis_round_trip(int fd, const uint8_t *command, size_t len)
 		len -= (size_t)n;
 	}
 	while (got < 5) {
-		ssize_t n = recv(fd, reply + got, sizeof reply - got, 0);
-		if (n < 0 && errno == EINTR)
+		bool spin = false;
+		if (spin_us) {
+			clock_gettime(CLOCK_MONOTONIC, &now);
+			spin = (double)now.tv_sec + now.tv_nsec * 1e-9 < until;
+		}
+		ssize_t n = recv(fd, reply + got, sizeof reply - got, spin ? MSG_DONTWAIT : 0);
+		if (n < 0 && (errno == EINTR || (spin && errno == EAGAIN)))
 			continue;
 		if (n <= 0)
 			return n == 0 ? -ECONNRESET : -errno;

@@ -20,7 +20,8 @@ void redis_peer_stop(void);
 size_t redis_set_command(uint8_t *out, size_t cap, size_t value_bytes);
 
 /* One SET round trip: the command out, "+OK\r\n" back. */
-int redis_round_trip(int fd, const uint8_t *command, size_t len);
+/* spin_us: the reply polled that long before a blocking receive. */
+int redis_round_trip(int fd, const uint8_t *command, size_t len, unsigned spin_us);
 
 /*
  * A redis-server on 127.0.0.1 and a free port, for the benchmarks of the

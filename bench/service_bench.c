@@ -137,6 +137,7 @@ struct options {
 	const char *daemon; /* NULL: ZC_BUILD_DIR/bin/zipcached */
 	unsigned only;      /* RUN_* bits */
 	int compute_us;     /* async: a layer's attention between two updates */
+	int spin_us;        /* the client's receive spin; -1: the library's default */
 };
 
 enum { RUN_DECODE = 1, RUN_CONTEXT = 2, RUN_PREFILL = 4, RUN_RATIO = 8, RUN_REBUILD = 16,
@@ -313,6 +314,9 @@ static int check_decode(zc_session *s, const struct data *d, uint64_t step, uint
 struct decode_result {
 	double p50, p90, p99, max, mean;
 	double raw_p50, raw_p90, raw_p99, raw_max, raw_mean;
+	/* The raw round trip whose reader polls as the client does. */
+	double spin_p50, spin_p99;
+	unsigned spin_us;
 	/* The steps that flush the residual (one in 128) and the others. */
 	double flush_p50, other_p50, other_p99;
 	unsigned flushes;
@@ -338,8 +342,8 @@ static int bench_decode(zc_client *client, const struct data *d, const struct op
 {
 	unsigned batches = opt->steps / BATCH_STEPS;
 	uint32_t max_tokens = DECODE_PROMPT + (batches + 2) * BATCH_STEPS + 1;
-	double *us = calloc(3 * (size_t)opt->steps, sizeof(double));
-	double *raw = us + opt->steps, *split = raw + opt->steps;
+	double *us = calloc(4 * (size_t)opt->steps, sizeof(double));
+	double *raw = us + opt->steps, *split = raw + opt->steps, *spun = split + opt->steps;
 	uint32_t *tokens = calloc(opt->steps, sizeof(uint32_t));
 	uint8_t *frame = NULL, *reply = NULL;
 	zc_session *s = NULL;
@@ -395,12 +399,14 @@ static int bench_decode(zc_client *client, const struct data *d, const struct op
 			goto out;
 		}
 
-	/* Batch b: daemon first on even b, raw first on odd b, so that
-	 * neither side always runs right after the other. */
+	r->spin_us = opt->spin_us >= 0 ? (unsigned)opt->spin_us : ZC_RECEIVE_SPIN_US;
+	/* Batch b: the daemon, the raw round trip and the polled raw round
+	 * trip take turns at going first, so that no side always runs right
+	 * after another. */
 	for (unsigned b = 0; b < batches; b++) {
-		for (int side = 0; side < 2; side++) {
-			bool daemon_side = (side == 0) == (b % 2 == 0);
-			if (daemon_side) {
+		for (int turn = 0; turn < 3; turn++) {
+			int side = (turn + (int)b) % 3;
+			if (side == 0) {
 				rc = decode_batch(s, d, &step, us + (size_t)b * BATCH_STEPS,
 						  tokens + (size_t)b * BATCH_STEPS, BATCH_STEPS,
 						  &view, NULL);
@@ -417,11 +423,14 @@ static int bench_decode(zc_client *client, const struct data *d, const struct op
 					bench_fail("frame sizes", rc);
 					goto out;
 				}
+				if (side == 2)
+					t = spun + (size_t)b * BATCH_STEPS;
 				bench_raw_frame(frame, r->request_bytes, r->reply_bytes);
 				for (unsigned i = 0; i < BATCH_STEPS; i++) {
 					double t0 = bench_now_s();
-					rc = bench_raw_round_trip(bench_echo_fd(), frame, r->request_bytes,
-							    reply, 1u << 16);
+					rc = bench_raw_round_trip_spin(bench_echo_fd(), frame,
+								       r->request_bytes, reply, 1u << 16,
+								       side == 2 ? r->spin_us : 0);
 					double t1 = bench_now_s();
 					if (rc < 0) {
 						bench_fail("raw round trip", rc);
@@ -455,6 +464,8 @@ static int bench_decode(zc_client *client, const struct data *d, const struct op
 	summarize(us, r->samples, &r->p50, &r->p90, &r->p99, &r->max, &r->mean);
 	summarize(raw, r->samples, &r->raw_p50, &r->raw_p90, &r->raw_p99, &r->raw_max,
 		  &r->raw_mean);
+	r->spin_p50 = bench_percentile(spun, r->samples, 0.50);
+	r->spin_p99 = bench_percentile(spun, r->samples, 0.99);
 	rc = 0;
 out:
 	if (s) {
@@ -605,7 +616,8 @@ out:
 
 struct redis_result {
 	double p50, redis_p50, p99, redis_p99;
-	unsigned samples;
+	double polled_p50;   /* Redis with its reply polled as zipcached's client polls */
+	unsigned samples, spin_us;
 	bool skipped;
 };
 
@@ -613,8 +625,8 @@ static int bench_redis(zc_client *client, const struct data *d, const struct opt
 		       struct redis_result *r)
 {
 	unsigned batches = opt->steps / BATCH_STEPS;
-	double *us = calloc(2 * (size_t)opt->steps, sizeof(double));
-	double *redis = us ? us + opt->steps : NULL;
+	double *us = calloc(3 * (size_t)opt->steps, sizeof(double));
+	double *redis = us ? us + opt->steps : NULL, *polled = us ? redis + opt->steps : NULL;
 	uint8_t command[REDIS_VALUE_BYTES + 64];
 	size_t len = redis_set_command(command, sizeof command, REDIS_VALUE_BYTES);
 	char dir[PATH_MAX];
@@ -646,11 +658,13 @@ static int bench_redis(zc_client *client, const struct data *d, const struct opt
 	if ((rc = decode_batch(s, d, &step, us, NULL, BATCH_STEPS, &view, NULL)) < 0)
 		goto out;
 	for (unsigned i = 0; i < BATCH_STEPS; i++)
-		if ((rc = redis_round_trip(fd, command, len)) < 0)
+		if ((rc = redis_round_trip(fd, command, len, 0)) < 0)
 			goto out;
+	r->spin_us = opt->spin_us >= 0 ? (unsigned)opt->spin_us : ZC_RECEIVE_SPIN_US;
 	for (unsigned b = 0; b < batches; b++) {
-		for (int side = 0; side < 2; side++) {
-			if ((side == 0) == (b % 2 == 0)) {
+		for (int turn = 0; turn < 3; turn++) {
+			int side = (turn + (int)b) % 3;
+			if (side == 0) {
 				rc = decode_batch(s, d, &step, us + (size_t)b * BATCH_STEPS, NULL,
 						  BATCH_STEPS, &view, NULL);
 				if (rc < 0)
@@ -659,13 +673,13 @@ static int bench_redis(zc_client *client, const struct data *d, const struct opt
 			}
 			for (unsigned i = 0; i < BATCH_STEPS; i++) {
 				double t0 = bench_now_s();
-				rc = redis_round_trip(fd, command, len);
+				rc = redis_round_trip(fd, command, len, side == 2 ? r->spin_us : 0);
 				double t1 = bench_now_s();
 				if (rc < 0) {
 					bench_fail("redis SET", rc);
 					goto out;
 				}
-				redis[(size_t)b * BATCH_STEPS + i] = (t1 - t0) * 1e6;
+				(side == 2 ? polled : redis)[(size_t)b * BATCH_STEPS + i] = (t1 - t0) * 1e6;
 			}
 		}
 	}
@@ -673,6 +687,7 @@ static int bench_redis(zc_client *client, const struct data *d, const struct opt
 	double p90, max, mean;
 	summarize(us, r->samples, &r->p50, &p90, &r->p99, &max, &mean);
 	summarize(redis, r->samples, &r->redis_p50, &p90, &r->redis_p99, &max, &mean);
+	r->polled_p50 = bench_percentile(polled, r->samples, 0.50);
 	rc = 0;
 out:
 	if (rc < 0 && s)
@@ -1384,6 +1399,9 @@ static void report_decode(const struct decode_result *r)
 	       r->raw_p99, r->raw_max, r->raw_mean);
 	printf("   %-10s %9.2f %9.2f %9.2f %9s %9.2f\n", "ratio", r->p50 / r->raw_p50,
 	       r->p90 / r->raw_p90, r->p99 / r->raw_p99, "", r->mean / r->raw_mean);
+	printf("   client receive spin %u us; the raw round trip polled as long: p50 %.2f us, "
+	       "p99 %.2f us (zipcached / it: %.2f, %.2f)\n",
+	       r->spin_us, r->spin_p50, r->spin_p99, r->p50 / r->spin_p50, r->p99 / r->spin_p99);
 	printf("   the %u steps that compress the residual: p50 %.1f us; the other steps: "
 	       "p50 %.2f us, p99 %.1f us\n\n",
 	       r->flushes, r->flush_p50, r->other_p50, r->other_p99);
@@ -1392,6 +1410,9 @@ static void report_decode(const struct decode_result *r)
 	     "\"reply_bytes\":%zu}",
 	     r->p50, r->raw_p50, r->p50 / r->raw_p50, r->samples, r->request_bytes,
 	     r->reply_bytes);
+	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p50_over_raw_polled\","
+	     "\"us\":%.3f,\"raw_polled_us\":%.3f,\"ratio\":%.4f,\"p99_ratio\":%.4f,\"spin_us\":%u}",
+	     r->p50, r->spin_p50, r->p50 / r->spin_p50, r->p99 / r->spin_p99, r->spin_us);
 	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p99\",\"us\":%.3f,"
 	     "\"raw_us\":%.3f,\"ratio\":%.4f,\"samples\":%u}",
 	     r->p99, r->raw_p99, r->p99 / r->raw_p99, r->samples);
@@ -1425,14 +1446,17 @@ static void report_redis(const struct redis_result *r)
 	}
 	printf("7. decode step against a Redis SET of %u bytes over a Unix socket, %u samples each\n"
 	       "   zipcached p50 %.2f us p99 %.2f us; redis-server p50 %.2f us p99 %.2f us; "
+	       "p50 ratio %.3f\n"
+	       "   redis-server with its reply polled %u us as zipcached's client polls: p50 %.2f us; "
 	       "p50 ratio %.3f\n\n",
 	       REDIS_VALUE_BYTES, r->samples, r->p50, r->p99, r->redis_p50, r->redis_p99,
-	       r->p50 / r->redis_p50);
+	       r->p50 / r->redis_p50, r->spin_us, r->polled_p50, r->p50 / r->polled_p50);
 	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p50_over_redis_set\","
 	     "\"us\":%.3f,\"redis_us\":%.3f,\"ratio\":%.4f,\"redis_p99_us\":%.3f,"
-	     "\"value_bytes\":%u,\"samples\":%u}",
+	     "\"value_bytes\":%u,\"samples\":%u,\"redis_polled_us\":%.3f,\"polled_ratio\":%.4f,"
+	     "\"spin_us\":%u}",
 	     r->p50, r->redis_p50, r->p50 / r->redis_p50, r->redis_p99, REDIS_VALUE_BYTES,
-	     r->samples);
+	     r->samples, r->polled_p50, r->p50 / r->polled_p50, r->spin_us);
 }
 
 static void report_context(const struct context_result *r)
@@ -1544,7 +1568,7 @@ static void usage(FILE *f)
 	fprintf(f, "usage: service [--quick] [--steps N] [--runs N] [--rounds N] [--cpu N]\n"
 		   "               [--daemon-cpu N] [--daemon PATH]\n"
 		   "               [--only decode,context,prefill,ratio,rebuild,async,redis]\n"
-		   "               [--async-compute-us N]\n"
+		   "               [--async-compute-us N] [--receive-spin-us N]\n"
 		   "  --steps N       decode samples per side (default %u, rounded up to %u)\n"
 		   "  --runs N        prefill runs (default %d)\n"
 		   "  --rounds N      rebuild rounds (default %d)\n"
@@ -1553,8 +1577,10 @@ static void usage(FILE *f)
 		   "  --daemon PATH   zipcached to run (default $ZC_BUILD_DIR/bin/zipcached)\n"
 		   "  --only LIST     run only these measurements (comma-separated)\n"
 		   "  --async-compute-us N  async: attention time between two layers (default %d)\n"
+		   "  --receive-spin-us N   the client's receive spin (default %u, ZC_RECEIVE_SPIN_US)\n"
 		   "  --quick         smoke test: a few hundred steps, one prefill run, one rebuild\n",
-		DECODE_STEPS, BATCH_STEPS, PREFILL_RUNS, REBUILD_ROUNDS, ASYNC_COMPUTE_US);
+		DECODE_STEPS, BATCH_STEPS, PREFILL_RUNS, REBUILD_ROUNDS, ASYNC_COMPUTE_US,
+		ZC_RECEIVE_SPIN_US);
 }
 
 static int parse_int(const char *v, long lo, long hi, long *out)
@@ -1592,7 +1618,8 @@ static int parse_args(int argc, char **argv, struct options *opt)
 
 	*opt = (struct options){ .steps = DECODE_STEPS, .runs = PREFILL_RUNS,
 				 .rounds = REBUILD_ROUNDS, .cpu = -1, .daemon_cpu = -1,
-				 .only = RUN_ALL, .compute_us = ASYNC_COMPUTE_US };
+				 .only = RUN_ALL, .compute_us = ASYNC_COMPUTE_US,
+				 .spin_us = -1 };
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i];
 		const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -1624,6 +1651,9 @@ static int parse_args(int argc, char **argv, struct options *opt)
 			i++;
 		} else if (!strcmp(a, "--async-compute-us") && v && parse_int(v, 0, 100000, &n) == 0) {
 			opt->compute_us = (int)n;
+			i++;
+		} else if (!strcmp(a, "--receive-spin-us") && v && parse_int(v, 0, 100000, &n) == 0) {
+			opt->spin_us = (int)n;
 			i++;
 		} else if (!strcmp(a, "--daemon") && v) {
 			opt->daemon = v;
@@ -1683,6 +1713,10 @@ int main(int argc, char **argv)
 	if ((rc = bench_daemon_start(daemon_path, opt.daemon_cpu, NULL, &client)) < 0) {
 		fprintf(stderr, "service: zipcached did not answer on %s: %s\n", bench_socket_path(),
 			zc_strerror(rc));
+		goto out;
+	}
+	if (opt.spin_us >= 0 && (rc = zc_client_set_receive_spin(client, (unsigned)opt.spin_us)) < 0) {
+		bench_fail_client(client, "receive spin", rc);
 		goto out;
 	}
 

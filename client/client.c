@@ -85,6 +85,7 @@ struct zc_client {
 	struct transport transport;
 	char socket_path[108];
 	int timeout_ms;
+	unsigned receive_spin_us;      /* zc_client_set_receive_spin */
 	uint64_t next_request_id;
 	zc_server_info server;
 	char last_error[257];
@@ -288,7 +289,8 @@ int zc_client_connect(const char *socket_path, int timeout_ms, zc_client **out)
 	client->next_request_id = 1;
 	client->window = ZC_ASYNC_WINDOW;
 	client->batch = 1;
-	rc = transport_connect(&client->transport, socket_path, timeout_ms);
+	client->receive_spin_us = ZC_RECEIVE_SPIN_US;
+	rc = transport_connect(&client->transport, socket_path, timeout_ms, ZC_RECEIVE_SPIN_US);
 	if (rc == 0)
 		rc = hello(client);
 	if (rc < 0) {
@@ -334,7 +336,8 @@ int zc_client_reconnect(zc_client *client)
 	async_forget(client);
 	client->n_failures = 0;
 	client->broken = 0;
-	int rc = transport_connect(&client->transport, client->socket_path, client->timeout_ms);
+	int rc = transport_connect(&client->transport, client->socket_path, client->timeout_ms,
+				   (int)client->receive_spin_us);
 	if (rc < 0)
 		return client_break(client, rc, "cannot connect to the daemon");
 	rc = hello(client);
@@ -357,6 +360,16 @@ int zc_client_set_timeout(zc_client *client, int timeout_ms)
 	if (rc < 0)
 		return error_set(client, rc, "cannot set the socket's timeout");
 	client->timeout_ms = timeout_ms;
+	return 0;
+}
+
+int zc_client_set_receive_spin(zc_client *client, unsigned microseconds)
+{
+	if (microseconds > ZC_RECEIVE_SPIN_US_MAX)
+		return error_set(client, ZC_EINVALID,
+				 "a receive spin is 0 .. ZC_RECEIVE_SPIN_US_MAX microseconds");
+	client->receive_spin_us = microseconds;
+	client->transport.spin_us = (int)microseconds;
 	return 0;
 }
 

@@ -59,7 +59,7 @@ static int64_t deadline_of(const struct transport *transport)
 	return transport->timeout_ms > 0 ? now_ms() + transport->timeout_ms : -1;
 }
 
-int transport_connect(struct transport *transport, const char *path, int timeout_ms)
+int transport_connect(struct transport *transport, const char *path, int timeout_ms, int spin_us)
 {
 	struct sockaddr_un address = { .sun_family = AF_UNIX };
 	int rc;
@@ -67,6 +67,7 @@ int transport_connect(struct transport *transport, const char *path, int timeout
 	memset(transport, 0, sizeof(*transport));
 	transport->fd = -1;
 	transport->timeout_ms = timeout_ms;
+	transport->spin_us = spin_us;
 	if (strlen(path) >= sizeof(address.sun_path))
 		return -ENAMETOOLONG;
 	memcpy(address.sun_path, path, strlen(path) + 1);
@@ -222,6 +223,38 @@ static int receive_some(struct transport *transport, int64_t deadline, int flags
 	}
 }
 
+static int64_t now_ns(void)
+{
+	struct timespec now;
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	return (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
+}
+
+/*
+ * A reply a few microseconds away is cheaper to poll for than to sleep
+ * for: a reader asleep in recvmsg must be woken by the daemon's send (an
+ * inter-processor interrupt, a context switch on both sides), and it is
+ * woken once more for nothing when the daemon reads the request (the
+ * kernel wakes a blocked reader of a Unix socket when its own send buffer
+ * drains). The caller of a synchronous call waits anyway; the spin is
+ * bounded by spin_us (and the call's deadline, in ms as deadline_of), then
+ * it sleeps as before. -EAGAIN: nothing came.
+ */
+static int receive_spin(struct transport *transport, int64_t deadline)
+{
+	if (transport->spin_us <= 0)
+		return -EAGAIN;
+	int64_t until = now_ns() + (int64_t)transport->spin_us * 1000;
+	if (deadline >= 0 && until > deadline * 1000000)
+		until = deadline * 1000000;
+	do {
+		int rc = receive_some(transport, -1, MSG_DONTWAIT);
+		if (rc != -EAGAIN)
+			return rc;
+	} while (now_ns() < until);
+	return -EAGAIN;
+}
+
 int transport_receive(struct transport *transport, const uint8_t **frame, size_t *len)
 {
 	int64_t deadline = deadline_of(transport);
@@ -235,7 +268,9 @@ int transport_receive(struct transport *transport, const uint8_t **frame, size_t
 			return rc;
 		if (timed_out(deadline))
 			return -ETIMEDOUT;
-		rc = receive_some(transport, deadline, 0);
+		rc = receive_spin(transport, deadline);
+		if (rc == -EAGAIN)
+			rc = receive_some(transport, deadline, 0);
 		if (rc < 0)
 			return rc;
 	}

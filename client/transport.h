@@ -16,12 +16,14 @@
 struct transport {
 	int fd;
 	int timeout_ms;            /* 0: wait forever */
+	int spin_us;               /* polls this long before sleeping */
 	frame_reader reader;
 	int fds[TRANSPORT_MAX_FDS];/* received, not yet claimed */
 	int n_fds;
 };
 
-int transport_connect(struct transport *transport, const char *path, int timeout_ms);
+/* spin_us: how long a receive polls before it sleeps (zc_client_set_receive_spin). */
+int transport_connect(struct transport *transport, const char *path, int timeout_ms, int spin_us);
 /* The bound on each send and receive (0: none). */
 int transport_set_timeout(struct transport *transport, int timeout_ms);
 void transport_close(struct transport *transport);

@@ -31,6 +31,7 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "daemon_harness.h"
@@ -646,12 +647,55 @@ START_TEST(daemon_killed_mid_write_is_reported_not_waited_for)
 }
 END_TEST
 
+static double seconds_now(void)
+{
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (double)t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+/* The receive spin is a setting within bounds, and never outlasts the
+ * call's timeout: a spin longer than the timeout still times out on time. */
+START_TEST(receive_spin_is_bounded_by_the_timeout)
+{
+	static const enum fake_step script[] = {
+		FAKE_ANSWER,  /* 0: hello */
+		FAKE_ANSWER,  /* 1: staging, answered with the spin off */
+		FAKE_HOLD,    /* 2: staging, never answered in time */
+		FAKE_END
+	};
+	struct fake f;
+	zc_client *client;
+	void *buffer;
+
+	fake_start(&f, script);
+	ck_assert_int_eq(zc_client_connect(f.socket_path, CLIENT_TIMEOUT_MS, &client), 0);
+	ck_assert_int_eq(zc_client_set_receive_spin(client, ZC_RECEIVE_SPIN_US_MAX + 1), ZC_EINVALID);
+	ck_assert_int_eq(zc_client_broken(client), 0);
+	ck_assert_int_eq(zc_client_set_receive_spin(client, 0), 0);
+	int rc = zc_client_staging(client, 4096, &buffer);
+	ck_assert_msg(rc == 0, "staging with no spin: %s '%s'", zc_error_name(rc),
+		      zc_client_last_error(client));
+
+	/* 100 ms of spin against a 20 ms timeout. */
+	ck_assert_int_eq(zc_client_set_receive_spin(client, ZC_RECEIVE_SPIN_US_MAX), 0);
+	ck_assert_int_eq(zc_client_set_timeout(client, 20), 0);
+	double t0 = seconds_now();
+	rc = zc_client_staging(client, 8192, &buffer);
+	double waited = seconds_now() - t0;
+	assert_refused(client, rc, -ETIMEDOUT, "timed out", "staging against a fake that holds it");
+	ck_assert_msg(waited >= 0.019 && waited < 0.09, "waited %.3f s for a 20 ms timeout", waited);
+	zc_client_close(client);
+	fake_stop(&f);
+}
+END_TEST
+
 int main(void)
 {
 	const struct test_case cases[] = {
 		{ "fake_peer", { late_reply_never_answers_the_next_call,
 				 protocol_errors_break_the_connection, failed_reconnect_stays_broken,
-				 NULL } },
+				 receive_spin_is_bounded_by_the_timeout, NULL } },
 		{ "stopped_daemon", { stopped_daemon_times_out_and_the_session_stays_whole, NULL } },
 		{ "seqlock", { odd_sequence_of_a_live_daemon_times_out,
 			       daemon_killed_mid_write_is_reported_not_waited_for, NULL } },

@@ -338,6 +338,21 @@ int zc_client_broken(const zc_client *client);
  * forever. -EINVAL for a negative timeout. */
 int zc_client_set_timeout(zc_client *client, int timeout_ms);
 
+/*
+ * How long a wait for a reply polls the socket before it sleeps, in
+ * microseconds (ZC_RECEIVE_SPIN_US by default; 0: sleep at once). A
+ * decode step's reply comes within tens of microseconds, and a reader
+ * asleep in the kernel must be woken for it (an interrupt and a context
+ * switch on each side, and one more wake-up for nothing when the daemon
+ * reads the request); polling keeps the caller's core, which waits
+ * anyway, busy for at most this long per call. Set it to 0 where the
+ * caller's core is better given to other threads. ZC_EINVALID above
+ * ZC_RECEIVE_SPIN_US_MAX.
+ */
+#define ZC_RECEIVE_SPIN_US 50u
+#define ZC_RECEIVE_SPIN_US_MAX 100000u
+int zc_client_set_receive_spin(zc_client *client, unsigned microseconds);
+
 const zc_server_info *zc_client_server_info(const zc_client *client);
 
 /* The daemon's message for the last failed call ("" if none). */

@@ -472,6 +472,7 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "zc_client_reconnect": (c_int, [zc_client_p]),
     "zc_client_broken": (c_int, [zc_client_p]),
     "zc_client_set_timeout": (c_int, [zc_client_p, c_int]),
+    "zc_client_set_receive_spin": (c_int, [zc_client_p, c_uint]),
     "zc_client_server_info": (POINTER(zc_server_info), [zc_client_p]),
     "zc_client_last_error": (c_char_p, [zc_client_p]),
     "zc_session_config_default": (None, [POINTER(zc_session_config)]),

@@ -427,6 +427,14 @@ class Client:
             if batch is not None:
                 handle.check(lib.zc_client_set_async_batch(handle.ptr, int(batch)), "set_async")
 
+    def set_receive_spin(self, microseconds: int) -> None:
+        """How long a wait for a reply polls before it sleeps (0 .. 100000 us; the
+        default is the library's ZC_RECEIVE_SPIN_US, 50); see zipcache/client.h."""
+        handle = self._native()
+        with handle.lock:
+            handle.check(lib.zc_client_set_receive_spin(handle.ptr, int(microseconds)),
+                         "set_receive_spin")
+
     # -- operations
 
     def open_session(self, **kwargs: Any) -> "Session":

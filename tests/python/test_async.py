@@ -92,3 +92,18 @@ def test_cache_asynchronous_returns_what_the_daemon_will_hold(client, open_sessi
         assert cache.offset == other.offset == 60
         assert_bits_equal(cache.state[0], other.state[0])
         assert_bits_equal(cache.state[1], other.state[1])
+
+
+@pytest.mark.parametrize("spin", [0, 50, 100000])
+def test_receive_spin_keeps_answers_the_same(client, open_session, spin):
+    rng = np.random.default_rng(143 + spin)
+    client.set_receive_spin(spin)
+    s = open_session(name=f"py-spin-{spin}", layers=1, kv_heads=2, head_dim=16,
+                     residual_tokens=8)
+    for step in range(12):
+        k, v = make_keys(rng, 1, 2, 1, 16), make_values(rng, 1, 2, 1, 16)
+        keys, values = s.update_and_fetch(0, k, v)
+        assert keys.shape[2] == step + 1
+    with pytest.raises(zipcache.InvalidArgument):
+        client.set_receive_spin(100001)
+    client.set_receive_spin(50)
