@@ -2,6 +2,7 @@
  * statistics (bench_daemon.h). */
 #include "bench_daemon.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -261,6 +262,46 @@ static bool daemon_has_flag(const char *path, const char *flag)
 }
 
 #define MAX_DAEMON_ARGS 32
+
+/* The daemon's threads (and so the ones they make) on `count` of the
+ * allowed CPUs (the benchmark's before it pinned itself), `avoid` (the
+ * benchmark's) last; how many it got, 0 on failure. */
+int bench_daemon_spread(pid_t pid, const cpu_set_t *allowed, int avoid, int count)
+{
+	cpu_set_t set;
+	int got = 0;
+	CPU_ZERO(&set);
+	for (int c = 0; c < CPU_SETSIZE && got < count; c++)
+		if (CPU_ISSET(c, allowed) && c != avoid) {
+			CPU_SET(c, &set);
+			got++;
+		}
+	/* Too few others: the benchmark's own too (it waits while the daemon
+	 * exports or imports). */
+	if (got < count && avoid >= 0 && CPU_ISSET(avoid, allowed)) {
+		CPU_SET(avoid, &set);
+		got++;
+	}
+	char path[64];
+	snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+	DIR *dir = opendir(path);
+	struct dirent *entry;
+	if (!dir || got == 0) {
+		if (dir)
+			closedir(dir);
+		return 0;
+	}
+	while ((entry = readdir(dir)) != NULL) {
+		pid_t tid = (pid_t)atoi(entry->d_name);
+		if (tid > 0 && sched_setaffinity(tid, sizeof set, &set) != 0 && errno != ESRCH) {
+			fprintf(stderr, "%s: sched_setaffinity of thread %d: %s\n", bench_name(),
+				(int)tid, strerror(errno));
+			got = 0;
+		}
+	}
+	closedir(dir);
+	return got;
+}
 
 int bench_daemon_start(const char *path, int cpu, const char *const *extra, zc_client **out)
 {

@@ -11,6 +11,7 @@
 #ifndef ZIPCACHE_BENCH_DAEMON_H
 #define ZIPCACHE_BENCH_DAEMON_H
 
+#include <sched.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -44,6 +45,10 @@ const char *bench_shm_dir(void);
  * NULL.
  */
 int bench_daemon_start(const char *path, int cpu, const char *const *extra, zc_client **out);
+/* The daemon's threads (and so the ones they make) on `count` of the
+ * allowed CPUs (the benchmark's before it pinned itself), `avoid` (the
+ * benchmark's) last; how many it got, 0 on failure. */
+int bench_daemon_spread(pid_t pid, const cpu_set_t *allowed, int avoid, int count);
 /* SIGTERM, then up to 15 s for a graceful stop. */
 void bench_daemon_stop(void);
 pid_t bench_daemon_pid(void);

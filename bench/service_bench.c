@@ -134,6 +134,7 @@ struct options {
 	int rounds;         /* rebuild rounds */
 	int cpu;            /* benchmark CPU; -1: first allowed */
 	int daemon_cpu;     /* daemon + echo CPU; -1: second allowed, if any */
+	int daemon_cpus;    /* > 1: zipcached on this many CPUs instead (not the echo) */
 	const char *daemon; /* NULL: ZC_BUILD_DIR/bin/zipcached */
 	unsigned only;      /* RUN_* bits */
 	int compute_us;     /* async: a layer's attention between two updates */
@@ -1476,12 +1477,12 @@ static void report_context(const struct context_result *r)
 	     r->p99_large, r->p99_small, r->p99_large / r->p99_small, r->samples);
 }
 
-static void report_prefill(const struct prefill_result *r)
+static void report_prefill(const struct prefill_result *r, int daemon_cpus)
 {
 	double gb = r->bytes / 1e9;
 	printf("3. prefill, %u layers x %u tokens through staging, %.0f MiB fp16 in, "
-	       "median of %d runs\n",
-	       PREFILL_LAYERS, PREFILL_TOKENS, r->bytes / (1024.0 * 1024.0), r->runs);
+	       "median of %d runs, zipcached on %d CPU(s)\n",
+	       PREFILL_LAYERS, PREFILL_TOKENS, r->bytes / (1024.0 * 1024.0), r->runs, daemon_cpus);
 	printf("   %-22s %9s %9s %12s %7s\n", "", "ms", "GB/s", "memcpy GB/s", "ratio");
 	printf("   %-22s %9.1f %9.3f %12.3f %7.3f\n", "new session (cold)", r->cold_s * 1e3,
 	       gb / r->cold_s, gb / r->memcpy_s, r->memcpy_s / r->cold_s);
@@ -1497,19 +1498,19 @@ static void report_prefill(const struct prefill_result *r)
 	printf("   (cold runs %.1f..%.1f ms; slowest single layer %.1f ms)\n\n", r->cold_min_s * 1e3,
 	       r->cold_max_s * 1e3, r->slowest_call_s * 1e3);
 	JSON("{\"bench\":\"service\",\"shape\":\"L32xH8xS4096xD128\",\"op\":\"prefill\","
-	     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,\"runs\":%d}",
-	     gb / r->cold_s, gb / r->memcpy_s, r->memcpy_s / r->cold_s, r->cold_s * 1e3, r->runs);
+	     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,\"runs\":%d,\"daemon_cpus\":%d}",
+	     gb / r->cold_s, gb / r->memcpy_s, r->memcpy_s / r->cold_s, r->cold_s * 1e3, r->runs, daemon_cpus);
 	JSON("{\"bench\":\"service\",\"shape\":\"L32xH8xS4096xD128\",\"op\":\"prefill_warm\","
-	     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,\"runs\":%d}",
-	     gb / r->warm_s, gb / r->memcpy_s, r->memcpy_s / r->warm_s, r->warm_s * 1e3, r->runs);
+	     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,\"runs\":%d,\"daemon_cpus\":%d}",
+	     gb / r->warm_s, gb / r->memcpy_s, r->memcpy_s / r->warm_s, r->warm_s * 1e3, r->runs, daemon_cpus);
 	JSON("{\"bench\":\"service\",\"shape\":\"L32xH8xS4096xD128\",\"op\":\"prefill_many\","
-	     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,\"runs\":%d}",
+	     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,\"runs\":%d,\"daemon_cpus\":%d}",
 	     gb / r->many_cold_s, gb / r->memcpy_s, r->memcpy_s / r->many_cold_s,
-	     r->many_cold_s * 1e3, r->runs);
+	     r->many_cold_s * 1e3, r->runs, daemon_cpus);
 	JSON("{\"bench\":\"service\",\"shape\":\"L32xH8xS4096xD128\",\"op\":\"prefill_many_warm\","
-	     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,\"runs\":%d}",
+	     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,\"runs\":%d,\"daemon_cpus\":%d}",
 	     gb / r->many_warm_s, gb / r->memcpy_s, r->memcpy_s / r->many_warm_s,
-	     r->many_warm_s * 1e3, r->runs);
+	     r->many_warm_s * 1e3, r->runs, daemon_cpus);
 }
 
 static void report_ratio(const struct ratio_result *r)
@@ -1566,7 +1567,7 @@ static void report_rebuild(const struct rebuild_result *r)
 static void usage(FILE *f)
 {
 	fprintf(f, "usage: service [--quick] [--steps N] [--runs N] [--rounds N] [--cpu N]\n"
-		   "               [--daemon-cpu N] [--daemon PATH]\n"
+		   "               [--daemon-cpu N] [--daemon-cpus N] [--daemon PATH]\n"
 		   "               [--only decode,context,prefill,ratio,rebuild,async,redis]\n"
 		   "               [--async-compute-us N] [--receive-spin-us N]\n"
 		   "  --steps N       decode samples per side (default %u, rounded up to %u)\n"
@@ -1574,6 +1575,8 @@ static void usage(FILE *f)
 		   "  --rounds N      rebuild rounds (default %d)\n"
 		   "  --cpu N         CPU of the benchmark (default: the first allowed)\n"
 		   "  --daemon-cpu N  CPU of zipcached and the echo peer (default: the second)\n"
+		   "  --daemon-cpus N zipcached on N CPUs (the benchmark's last) with N codec\n"
+		   "                  threads; the echo peer stays on --daemon-cpu (default 1)\n"
 		   "  --daemon PATH   zipcached to run (default $ZC_BUILD_DIR/bin/zipcached)\n"
 		   "  --only LIST     run only these measurements (comma-separated)\n"
 		   "  --async-compute-us N  async: attention time between two layers (default %d)\n"
@@ -1619,7 +1622,7 @@ static int parse_args(int argc, char **argv, struct options *opt)
 	*opt = (struct options){ .steps = DECODE_STEPS, .runs = PREFILL_RUNS,
 				 .rounds = REBUILD_ROUNDS, .cpu = -1, .daemon_cpu = -1,
 				 .only = RUN_ALL, .compute_us = ASYNC_COMPUTE_US,
-				 .spin_us = -1 };
+				 .daemon_cpus = 1, .spin_us = -1 };
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i];
 		const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -1646,6 +1649,9 @@ static int parse_args(int argc, char **argv, struct options *opt)
 		} else if (!strcmp(a, "--daemon-cpu") && v &&
 			   parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
 			opt->daemon_cpu = (int)n;
+			i++;
+		} else if (!strcmp(a, "--daemon-cpus") && v && parse_int(v, 1, 16, &n) == 0) {
+			opt->daemon_cpus = (int)n;
 			i++;
 		} else if (!strcmp(a, "--only") && v && parse_only(v, &opt->only) == 0) {
 			i++;
@@ -1690,6 +1696,9 @@ int main(int argc, char **argv)
 	if (bench_daemon_path(opt.daemon, daemon_path, sizeof daemon_path) < 0)
 		return 1;
 	bench_choose_cpus(&opt.cpu, &opt.daemon_cpu);
+	cpu_set_t allowed;
+	if (sched_getaffinity(0, sizeof allowed, &allowed) != 0)
+		CPU_ZERO(&allowed);
 	/* Only the benchmark thread is pinned here; the children pin
 	 * themselves to the other CPU before they start. */
 	if (opt.cpu >= 0 && (rc = bench_pin(0, opt.cpu)) < 0) {
@@ -1710,9 +1719,21 @@ int main(int argc, char **argv)
 		bench_fail("echo peer", rc);
 		goto out;
 	}
-	if ((rc = bench_daemon_start(daemon_path, opt.daemon_cpu, NULL, &client)) < 0) {
+	/* On N CPUs: started unpinned with N codec threads (it counts its
+	 * CPUs at start, before the spread), then spread. */
+	char threads[16];
+	snprintf(threads, sizeof threads, "%d", opt.daemon_cpus);
+	const char *spread_args[] = { "--codec-threads", threads, NULL };
+	bool spread = opt.daemon_cpus > 1;
+	if ((rc = bench_daemon_start(daemon_path, spread ? -1 : opt.daemon_cpu,
+				     spread ? spread_args : NULL, &client)) < 0) {
 		fprintf(stderr, "service: zipcached did not answer on %s: %s\n", bench_socket_path(),
 			zc_strerror(rc));
+		goto out;
+	}
+	if (spread && (opt.daemon_cpus = bench_daemon_spread(bench_daemon_pid(), &allowed, opt.cpu,
+							     opt.daemon_cpus)) == 0) {
+		fprintf(stderr, "service: cannot set zipcached's CPUs\n");
 		goto out;
 	}
 	if (opt.spin_us >= 0 && (rc = zc_client_set_receive_spin(client, (unsigned)opt.spin_us)) < 0) {
@@ -1722,9 +1743,10 @@ int main(int argc, char **argv)
 
 	/* The pid is there for `perf record -p`. */
 	printf("service benchmark: zipcached %s (%s, pid %d), benchmark on cpu %d, daemon and echo "
-	       "on cpu %d%s\n",
+	       "on cpu %d%s%s\n",
 	       zc_client_server_info(client)->server_version, daemon_path, (int)bench_daemon_pid(),
-	       opt.cpu, opt.daemon_cpu, opt.quick ? ", QUICK (smoke test, not a measurement)" : "");
+	       opt.cpu, opt.daemon_cpu, spread ? " (the daemon spread over more: see cpus)" : "",
+	       opt.quick ? ", QUICK (smoke test, not a measurement)" : "");
 	printf("shape B=1 H=%u D=%u, fp16; us = microseconds per call as the caller sees it\n\n",
 	       HEADS, HEAD_DIM);
 	fflush(stdout);
@@ -1766,7 +1788,7 @@ int main(int argc, char **argv)
 	if (opt.only & RUN_PREFILL) {
 		if ((rc = bench_prefill(client, &data, &opt, &prefill)) < 0)
 			goto out;
-		report_prefill(&prefill);
+		report_prefill(&prefill, opt.daemon_cpus);
 		fflush(stdout);
 	}
 	if (opt.only & RUN_RATIO) {

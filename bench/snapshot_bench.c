@@ -35,7 +35,6 @@
  * usage: snapshot [--quick] [--runs N] [--cpu N] [--daemon-cpu N] [--daemon-cpus N]
  *                 [--daemon PATH]
  */
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
@@ -137,46 +136,6 @@ static int session_fill(zc_client *client, zc_session *s, const struct options *
 	return rc;
 }
 
-/* The daemon's threads (and so the ones they make) on `count` of the
- * allowed CPUs (the benchmark's before it pinned itself), `avoid` (the
- * benchmark's) last; how many it got, 0 on failure. */
-static int daemon_spread(pid_t pid, const cpu_set_t *allowed, int avoid, int count)
-{
-	cpu_set_t set;
-	int got = 0;
-	CPU_ZERO(&set);
-	for (int c = 0; c < CPU_SETSIZE && got < count; c++)
-		if (CPU_ISSET(c, allowed) && c != avoid) {
-			CPU_SET(c, &set);
-			got++;
-		}
-	/* Too few others: the benchmark's own too (it waits while the daemon
-	 * exports or imports). */
-	if (got < count && avoid >= 0 && CPU_ISSET(avoid, allowed)) {
-		CPU_SET(avoid, &set);
-		got++;
-	}
-	char path[64];
-	snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
-	DIR *dir = opendir(path);
-	struct dirent *entry;
-	if (!dir || got == 0) {
-		if (dir)
-			closedir(dir);
-		return 0;
-	}
-	while ((entry = readdir(dir)) != NULL) {
-		pid_t tid = (pid_t)atoi(entry->d_name);
-		if (tid > 0 && sched_setaffinity(tid, sizeof set, &set) != 0 && errno != ESRCH) {
-			fprintf(stderr, "snapshot: sched_setaffinity of thread %d: %s\n", (int)tid,
-				strerror(errno));
-			got = 0;
-		}
-	}
-	closedir(dir);
-	return got;
-}
-
 int main(int argc, char **argv)
 {
 	struct options opt;
@@ -202,14 +161,19 @@ int main(int argc, char **argv)
 	zc_codec_init();
 	if (bench_dir_make("snapshot") < 0)
 		return 1;
-	if ((rc = bench_daemon_start(daemon_path, opt.daemon_cpus > 1 ? -1 : opt.daemon_cpu, NULL,
-				     &client)) < 0) {
+	/* Spread over N CPUs, its codec threads as many (it counts the CPUs
+	 * it may use at start, before the spread). */
+	char threads[16];
+	snprintf(threads, sizeof threads, "%d", opt.daemon_cpus);
+	const char *spread_args[] = { "--codec-threads", threads, NULL };
+	if ((rc = bench_daemon_start(daemon_path, opt.daemon_cpus > 1 ? -1 : opt.daemon_cpu,
+				     opt.daemon_cpus > 1 ? spread_args : NULL, &client)) < 0) {
 		fprintf(stderr, "snapshot: zipcached did not answer: %s\n", zc_strerror(rc));
 		goto out;
 	}
 	if (opt.daemon_cpus > 1) {
-		opt.daemon_cpus = daemon_spread(bench_daemon_pid(), &allowed, opt.cpu,
-					       opt.daemon_cpus);
+		opt.daemon_cpus = bench_daemon_spread(bench_daemon_pid(), &allowed, opt.cpu,
+						     opt.daemon_cpus);
 		if (opt.daemon_cpus == 0) {
 			fprintf(stderr, "snapshot: cannot set zipcached's CPUs\n");
 			goto out;

@@ -5,6 +5,7 @@
 
 #include <systemd/sd-daemon.h>
 
+#include "codec_fanout.h"
 #include "log.h"
 #include "options.h"
 #include "server.h"
@@ -30,9 +31,10 @@ int main(int argc, char **argv)
 	rc = server_start(&server, loop, &options);
 	if (rc < 0)
 		return 1;
-	log_info("server", "listening", "socket=%s mode=%04o shm_dir=%s version=%s codec=%s sessions=%zu",
+	log_info("server", "listening",
+		 "socket=%s mode=%04o shm_dir=%s version=%s codec=%s codec_threads=%u sessions=%zu",
 		 options.socket_path, options.socket_mode, options.shm_dir, ZIPCACHE_VERSION,
-		 zc_isa_name(zc_codec_isa()), server.sessions.count);
+		 zc_isa_name(zc_codec_isa()), codec_fanout_threads(), server.sessions.count);
 	printf("zipcached %s listening on %s\n", ZIPCACHE_VERSION, options.socket_path);
 	fflush(stdout);
 	/* Under systemd (Type=notify) this is readiness; elsewhere a no-op. */

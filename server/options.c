@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "codec_fanout.h"
 #include "offload.h"
 #include "quota.h"
 #include "resources.h"
@@ -123,6 +124,9 @@ void options_print_help(const char *program, const struct options *configured)
 	       "  --view-idle-seconds S    drop the fp16 views of sessions idle (and unleased) this long,\n"
 	       "                           even without memory pressure; 0 = never (default %llu)\n"
 	       "  --offload-elements N     jobs writing more elements (new tokens plus dropped views rebuilt) run on worker threads (default %u)\n"
+	       "  --codec-threads N        threads one large block's compression and reconstruction is\n"
+	       "                           spread over (a prefill block, a view rebuild), 1..%u; 0 = the\n"
+	       "                           CPUs zipcached may run on, at most 8 (default 0)\n"
 	       "  --no-adopt               delete session files left by an earlier run instead of adopting them\n"
 	       "  --metrics-listen ADDR    HTTP /metrics and /healthz on HOST:PORT, or off (default %s)\n"
 	       "  --remote URL             the shared tier on Redis, standalone or Cluster (found out on\n"
@@ -154,7 +158,7 @@ void options_print_help(const char *program, const struct options *configured)
 	       (unsigned long long)d.max_reply_queue_total, (unsigned long long)d.retain_bytes,
 	       (unsigned long long)d.idle_ttl_seconds,
 	       (unsigned long long)d.lease_seconds, (unsigned long long)d.view_idle_seconds,
-	       d.offload_elements, d.metrics_listen, d.remote.timeout_ms, d.remote_ttl_seconds,
+	       d.offload_elements, CODEC_FANOUT_MAX_THREADS, d.metrics_listen, d.remote.timeout_ms, d.remote_ttl_seconds,
 	       (unsigned long long)resources_descriptors_needed(configured), formula,
 	       configured_text(configured->memory_budget, "derived at start", text[0], sizeof(text[0])),
 	       configured_text(configured->max_sessions_per_uid, rule[0], text[1], sizeof(text[1])),
@@ -194,7 +198,8 @@ enum option_id {
 	OPT_TTL, OPT_LEASE, OPT_VIEW_IDLE, OPT_OFFLOAD, OPT_NO_ADOPT, OPT_LOG_LEVEL, OPT_METRICS, OPT_CONFIG, OPT_HELP,
 	OPT_VERSION, OPT_SESSIONS_PER_UID, OPT_CONNECTIONS_PER_UID, OPT_BUDGET_PER_UID,
 	OPT_STAGING_PER_UID, OPT_REPLY_QUEUE, OPT_REPLY_QUEUE_TOTAL, OPT_MAX_MAPPED, OPT_REMOTE,
-	OPT_REMOTE_CREDENTIALS, OPT_REMOTE_TIMEOUT, OPT_OFFLOAD_IDLE, OPT_REMOTE_TTL, OPT_RETAIN
+	OPT_REMOTE_CREDENTIALS, OPT_REMOTE_TIMEOUT, OPT_OFFLOAD_IDLE, OPT_REMOTE_TTL, OPT_RETAIN,
+	OPT_CODEC_THREADS
 };
 
 static const struct option long_options[] = {
@@ -226,6 +231,7 @@ static const struct option long_options[] = {
 	{ "version", no_argument, NULL, OPT_VERSION },
 	{ "max-mapped-bytes", required_argument, NULL, OPT_MAX_MAPPED },
 	{ "retain-bytes", required_argument, NULL, OPT_RETAIN },
+	{ "codec-threads", required_argument, NULL, OPT_CODEC_THREADS },
 	{ "remote", required_argument, NULL, OPT_REMOTE },
 	{ "remote-credentials", required_argument, NULL, OPT_REMOTE_CREDENTIALS },
 	{ "remote-timeout-ms", required_argument, NULL, OPT_REMOTE_TIMEOUT },
@@ -401,6 +407,11 @@ static int option_apply(struct options *o, int id, const char *arg)
 		if (value > UINT32_MAX)
 			return -ERANGE;
 		o->offload_elements = (uint32_t)value;
+		return 0;
+	case OPT_CODEC_THREADS:
+		if (value > CODEC_FANOUT_MAX_THREADS)
+			return -ERANGE;
+		o->codec_threads = (uint32_t)value;
 		return 0;
 	}
 	return -EINVAL;

@@ -24,6 +24,7 @@
 #include <systemd/sd-daemon.h>
 
 #include "adopt.h"
+#include "codec_fanout.h"
 #include "connection.h"
 #include "dispatch.h"
 #include "http.h"
@@ -711,6 +712,7 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	session_table_init(&server->sessions, loop, options->offload_elements);
 	store_set_map_limit(options->max_mapped_bytes ? options->max_mapped_bytes : map_limit_default());
 	retain_set_limit(options->retain_bytes);
+	(void)codec_fanout_set_threads(options->codec_threads);
 	rc = boot_epoch_make(&server->boot_epoch);
 	if (rc < 0)
 		return rc;

@@ -28,6 +28,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "codec_fanout.h"
 #include "fault.h"
 #include "log.h"
 #include "pool.h"
@@ -2075,16 +2076,12 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 	if (!key_out)
 		return -ENOMEM;
 	uint8_t *value_out = key_out + key_count.compressed;
-	int64_t written = scores ? zc_block_compress_scored_strided(&store->codec, &key_shape, keys,
-								    key_strides, scores, key_out,
-								    key_count.compressed) :
-				   zc_block_compress_strided(&store->codec, ZC_TENSOR_KEYS, &key_shape,
-							     keys, key_strides, key_out,
-							     key_count.compressed);
+	int64_t written = codec_fanout_compress(&store->codec, ZC_TENSOR_KEYS, &key_shape, keys,
+						key_strides, scores, key_out, key_count.compressed);
 	if (written >= 0)
-		written = zc_block_compress_strided(&store->codec, ZC_TENSOR_VALUES, &value_shape,
-						    values, value_strides, value_out,
-						    value_count.compressed);
+		written = codec_fanout_compress(&store->codec, ZC_TENSOR_VALUES, &value_shape,
+						values, value_strides, NULL, value_out,
+						value_count.compressed);
 	uint64_t key_offset = 0;
 	rc = written < 0 ? (int)written :
 			   pool_write(store->pool, key_out, key_count.compressed, value_out,
@@ -2092,16 +2089,16 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 	if (rc == 0 && views_full(store)) {
 		zc_strides key_view_strides = view_strides(h, h->head_dim_k);
 		zc_strides value_view_strides = view_strides(h, h->head_dim_v);
-		rc = zc_block_reconstruct(&store->codec, ZC_TENSOR_KEYS, &key_shape, key_out,
-					  key_count.compressed,
-					  key_view(store, layer) + (size_t)first_token * h->head_dim_k,
-					  &key_view_strides);
+		rc = codec_fanout_reconstruct(&store->codec, ZC_TENSOR_KEYS, &key_shape, key_out,
+					      key_count.compressed,
+					      key_view(store, layer) + (size_t)first_token * h->head_dim_k,
+					      &key_view_strides);
 		if (rc == 0)
-			rc = zc_block_reconstruct(&store->codec, ZC_TENSOR_VALUES, &value_shape,
-						  value_out, value_count.compressed,
-						  value_view(store, layer) +
-							  (size_t)first_token * h->head_dim_v,
-						  &value_view_strides);
+			rc = codec_fanout_reconstruct(&store->codec, ZC_TENSOR_VALUES, &value_shape,
+						      value_out, value_count.compressed,
+						      value_view(store, layer) +
+							      (size_t)first_token * h->head_dim_v,
+						      &value_view_strides);
 		if (rc < 0) {
 			/* Rows of the view may hold the half-written reconstruction. */
 			view_valid_set(store, layer, false);
@@ -2249,17 +2246,14 @@ void store_flush_compress(const struct store *store, struct store_flush *flush)
 	}
 	uint8_t *value_out = flush->payload + flush->key_count.compressed;
 	const uint16_t *keys = key_residual(store, flush->layer) + (size_t)flush->start * h->head_dim_k;
-	int64_t written = flush->scores ?
-		zc_block_compress_scored_strided(&store->codec, &key_shape, keys, &key_strides,
-						 flush->scores, flush->payload,
-						 flush->key_count.compressed) :
-		zc_block_compress_strided(&store->codec, ZC_TENSOR_KEYS, &key_shape, keys,
-					  &key_strides, flush->payload, flush->key_count.compressed);
+	int64_t written = codec_fanout_compress(&store->codec, ZC_TENSOR_KEYS, &key_shape, keys,
+						&key_strides, flush->scores, flush->payload,
+						flush->key_count.compressed);
 	if (written >= 0)
-		written = zc_block_compress_strided(
+		written = codec_fanout_compress(
 			&store->codec, ZC_TENSOR_VALUES, &value_shape,
 			value_residual(store, flush->layer) + (size_t)flush->start * h->head_dim_v,
-			&value_strides, value_out, flush->value_count.compressed);
+			&value_strides, NULL, value_out, flush->value_count.compressed);
 	flush->rc = written < 0 ? (int)written :
 				  pool_write(store->pool, flush->payload, flush->key_count.compressed,
 					     value_out, flush->value_count.compressed, &flush->key_offset);
@@ -2848,8 +2842,8 @@ static int block_restore(struct store *store, uint32_t layer, uint32_t i)
 		if (rc < 0)
 			break;
 		if (valid == block->tokens) {
-			rc = zc_block_reconstruct(&store->codec, kind, &shape, data, size,
-						  view + (size_t)block->first_token * dim, &strides);
+			rc = codec_fanout_reconstruct(&store->codec, kind, &shape, data, size,
+						      view + (size_t)block->first_token * dim, &strides);
 			continue;
 		}
 		zc_block_shape one = { 1, 1, block->tokens, dim };

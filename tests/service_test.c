@@ -663,6 +663,38 @@ START_TEST(large_blocks_through_staging)
 }
 END_TEST
 
+/* Blocks large enough to be spread over codec threads (server/codec_fanout.c)
+ * come back bit for bit as one thread makes them: a staged prefill, a
+ * residual flush of 512 rows, a second large block, batch 2 so that the
+ * threads' parts cross batch entries, then the views dropped under
+ * memory pressure and rebuilt on the threads. */
+START_TEST(large_blocks_spread_over_codec_threads)
+{
+	static const char *const args[] = { "--codec-threads", "3", NULL };
+	struct service service;
+	/* 2 x 4 heads x 1100 tokens x 128 dims = 1.1 M elements per tensor,
+	 * above CODEC_FANOUT_MIN_ELEMENTS; a residual of 512 rows too. */
+	zc_session_config config = shaped_config("spread", 2, 2, 4, 128, 128, 4096,
+						  ZC_POLICY_STREAMING, 512);
+	struct model model;
+	struct rng rng;
+
+	service_start(&service, args);
+	zc_session *session = open_session(service.client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 31);
+	for (uint32_t layer = 0; layer < 2; layer++)
+		CHECK(update_checked, service.client, session, &model, &rng, layer, 1100);
+	for (uint32_t step = 0; step < 520; step++)
+		CHECK(update_checked, service.client, session, &model, &rng, 0, 1);
+	CHECK(update_checked, service.client, session, &model, &rng, 1, 1500);
+	CHECK(session_matches, session, &model);
+	ck_assert_int_eq(zc_session_close(session), 0);
+	model_free(&model);
+	service_stop(&service);
+}
+END_TEST
+
 START_TEST(decode_accounting_per_call_inflates_streaming_compresses)
 {
 	struct service service;
@@ -2295,6 +2327,8 @@ START_TEST(bad_flags_exit_2)
 		{ "--log-level", "loud", "log-level" },
 		{ "--max-tokens", "0", "max-tokens" },
 		{ "--socket-mode", "999", "socket-mode" },
+		{ "--codec-threads", "17", "codec-threads" },
+		{ "--codec-threads", "some", "codec-threads" },
 		{ "stray-argument", NULL, "stray-argument" },
 	};
 	char dir[] = "/tmp/zc_service_flags.XXXXXX", socket_path[64], shm_dir[64];
@@ -2357,7 +2391,7 @@ static Suite *service_suite(void)
 		{ "correctness", { per_call_prefill_then_decode, streaming_prefill_then_300_decode_steps,
 				   streaming_mixed_block_sizes, batch_two_and_distinct_head_dims,
 				   values_exact_when_not_quantized, custom_codec_configs,
-				   large_blocks_through_staging,
+				   large_blocks_through_staging, large_blocks_spread_over_codec_threads,
 				   decode_accounting_per_call_inflates_streaming_compresses,
 				   dropped_views_rebuild_bit_identical, NULL } },
 		{ "trim", { trim_then_update_streaming, trim_accounting_per_call,

@@ -1,0 +1,43 @@
+/*
+ * One block's codec work spread over threads. A block's heads are
+ * compressed and reconstructed independently (each head's payload is
+ * head_bytes long at h * head_bytes, zipcache/codec.h), so splitting the
+ * heads between threads gives the very bytes one thread would: a prefill
+ * block uses the CPUs the daemon was given instead of one.
+ */
+#ifndef ZIPCACHED_CODEC_FANOUT_H
+#define ZIPCACHED_CODEC_FANOUT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "zipcache/codec.h"
+
+/* At most this many threads work on one block (--codec-threads). */
+#define CODEC_FANOUT_MAX_THREADS 16u
+
+/* Blocks of fewer elements stay on the calling thread: below this the
+ * threads' start (tens of microseconds) costs about what they save. */
+#define CODEC_FANOUT_MIN_ELEMENTS (1u << 19)
+
+/* Threads per block from now on: 1..CODEC_FANOUT_MAX_THREADS; 0 picks the
+ * CPUs the daemon may run on, at most 8. Call before serving (the value
+ * is read by worker threads without a lock). Returns what was chosen. */
+unsigned codec_fanout_set_threads(unsigned threads);
+unsigned codec_fanout_threads(void);
+
+/* zc_block_compress_strided (scores NULL) or
+ * zc_block_compress_scored_strided (keys, scores given), heads split
+ * between threads. Same result and same codes as one thread; on an
+ * error the output buffer is scratch. */
+int64_t codec_fanout_compress(const zc_codec_config *config, zc_tensor tensor,
+			      const zc_block_shape *shape, const uint16_t *input,
+			      const zc_strides *strides, const float *scores, void *out,
+			      size_t capacity);
+
+/* zc_block_reconstruct, heads split between threads. */
+int codec_fanout_reconstruct(const zc_codec_config *config, zc_tensor tensor,
+			     const zc_block_shape *shape, const void *compressed, size_t size,
+			     uint16_t *out, const zc_strides *strides);
+
+#endif
