@@ -610,8 +610,8 @@ static int write_all(int fd, const void *data, uint64_t bytes, uint64_t offset)
 	return 0;
 }
 
-int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const void *value,
-	       uint64_t value_bytes, uint64_t *key_offset)
+int pool_reserve(struct pool *pool, uint64_t key_bytes, uint64_t value_bytes,
+		 uint64_t *key_offset)
 {
 	uint64_t bytes = pool_extent_bytes(key_bytes, value_bytes), start;
 	int rc;
@@ -669,8 +669,27 @@ int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const voi
 		extent_release(pool, start, bytes);
 		goto out;
 	}
-	/* The bytes are written without the lock: the extent is the caller's. */
 	pthread_mutex_unlock(&pool->lock);
+	*key_offset = start;
+	return 0;
+out:
+	pthread_mutex_unlock(&pool->lock);
+	return rc;
+}
+
+int pool_write_at(struct pool *pool, uint64_t offset, const void *bytes, uint64_t n)
+{
+	return write_all(pool->fd, bytes, n, offset);
+}
+
+int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const void *value,
+	       uint64_t value_bytes, uint64_t *key_offset)
+{
+	uint64_t start;
+	int rc = pool_reserve(pool, key_bytes, value_bytes, &start);
+	if (rc < 0)
+		return rc;
+	/* The bytes are written without the lock: the extent is the caller's. */
 	rc = write_all(pool->fd, key, key_bytes, start);
 	if (rc == 0)
 		rc = write_all(pool->fd, value, value_bytes, pool_value_offset(start, key_bytes));
@@ -681,9 +700,6 @@ int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const voi
 	fault_point("pool.write");
 	*key_offset = start;
 	return 0;
-out:
-	pthread_mutex_unlock(&pool->lock);
-	return rc;
 }
 
 int pool_read(struct pool *pool, uint64_t offset, void *out, uint64_t bytes)
