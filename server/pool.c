@@ -87,6 +87,7 @@ struct pool {
 	uint64_t reused_bytes;    /* new blocks written into kept pages */
 	bool swept;
 	bool existed;             /* its file was there when this daemon opened it */
+	bool provisional;         /* made for an import no one else has asked for yet */
 };
 
 static uint64_t round_up(uint64_t value, uint64_t unit)
@@ -940,13 +941,16 @@ void pool_set_init(struct pool_set *set, int dir_fd, const char *dir_path)
 	*set = (struct pool_set){ .dir_fd = dir_fd, .dir_path = dir_path };
 }
 
-int pool_set_get(struct pool_set *set, uint32_t uid, struct store_budget *budget,
-		 struct pool **out, bool *existed, char *reason, size_t reason_size)
+static int set_get(struct pool_set *set, uint32_t uid, struct store_budget *budget,
+		   struct pool **out, bool *existed, bool provisional, char *reason,
+		   size_t reason_size)
 {
 	bool found;
 	for (size_t i = 0; i < set->n; i++) {
 		if (set->items[i]->uid == uid) {
 			*out = set->items[i];
+			/* Someone else may use it from now on. */
+			set->items[i]->provisional = false;
 			if (existed)
 				*existed = set->items[i]->existed;
 			return 0;
@@ -966,11 +970,47 @@ int pool_set_get(struct pool_set *set, uint32_t uid, struct store_budget *budget
 	if (rc < 0)
 		return rc;
 	pool->existed = found;
+	pool->provisional = provisional && !found;
 	set->items[set->n++] = pool;
 	*out = pool;
 	if (existed)
 		*existed = found;
 	return 0;
+}
+
+int pool_set_get(struct pool_set *set, uint32_t uid, struct store_budget *budget,
+		 struct pool **out, bool *existed, char *reason, size_t reason_size)
+{
+	return set_get(set, uid, budget, out, existed, false, reason, reason_size);
+}
+
+int pool_set_get_provisional(struct pool_set *set, uint32_t uid, struct store_budget *budget,
+			     struct pool **out, char *reason, size_t reason_size)
+{
+	return set_get(set, uid, budget, out, NULL, true, reason, reason_size);
+}
+
+void pool_set_drop_provisional(struct pool_set *set, struct pool *pool)
+{
+	pthread_mutex_lock(&pool->lock);
+	bool empty = pool->count == 0;
+	pthread_mutex_unlock(&pool->lock);
+	if (!pool->provisional || !empty)
+		return;
+	for (size_t i = 0; i < set->n; i++) {
+		if (set->items[i] != pool)
+			continue;
+		set->items[i] = set->items[--set->n];
+		char name[64];
+		file_name(name, sizeof(name), pool->uid, false);
+		/* Its kept pages are the failed import's own. */
+		pool_release_kept(pool, UINT64_MAX);
+		if (unlinkat(set->dir_fd, name, 0) < 0)
+			log_warn("pool", "pool file not removed", "path=%s error=%s", pool->path,
+				 strerror(errno));
+		pool_close(pool);
+		return;
+	}
 }
 
 void pool_set_scan(struct pool_set *set, struct store_budget *budget)

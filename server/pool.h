@@ -126,6 +126,17 @@ void pool_set_init(struct pool_set *set, int dir_fd, const char *dir_path);
  * this daemon opened it. */
 int pool_set_get(struct pool_set *set, uint32_t uid, struct store_budget *budget,
 		 struct pool **out, bool *existed, char *reason, size_t reason_size);
+/*
+ * pool_set_get for an import (docs/SNAPSHOT.md): a pool whose file it
+ * had to make is provisional until any other pool_set_get asks for the
+ * uid's pool. pool_set_drop_provisional, after the import failed, removes
+ * such a pool (its file, its kept pages) if it still is provisional and
+ * holds no block, so a refused import leaves no pool file behind; any
+ * other pool it leaves alone. Both on the loop, as pool_set_get.
+ */
+int pool_set_get_provisional(struct pool_set *set, uint32_t uid, struct store_budget *budget,
+			     struct pool **out, char *reason, size_t reason_size);
+void pool_set_drop_provisional(struct pool_set *set, struct pool *pool);
 /* Opens every pool file in the directory (so that the sweep frees the
  * blocks of pools no session refers to). */
 void pool_set_scan(struct pool_set *set, struct store_budget *budget);

@@ -1604,13 +1604,13 @@ static void *import_worker(void *arg)
 }
 
 /* How many threads build an import: one per CPU the daemon may use, at
- * most SNAPSHOT_IMPORT_WORKERS and one per layer; one for a small file
- * (a thread's start would cost more than it gains). */
+ * most SNAPSHOT_IMPORT_WORKERS and one per layer. Small snapshots too (a
+ * thread's start is tens of microseconds, a session file's creation
+ * more), so the crash and corruption tests take the same path. */
 static int import_workers(const struct snapshot_header *h)
 {
 	cpu_set_t cpus;
-	if (h->file_bytes < SNAPSHOT_PARALLEL_MIN_BYTES ||
-	    sched_getaffinity(0, sizeof(cpus), &cpus) != 0)
+	if (sched_getaffinity(0, sizeof(cpus), &cpus) != 0)
 		return 1;
 	int n = CPU_COUNT(&cpus);
 	if (n > SNAPSHOT_IMPORT_WORKERS)
