@@ -353,7 +353,8 @@ static uint64_t kept_release_locked(struct pool *pool, uint64_t wanted)
 		__atomic_store_n(&pool->kept_bytes, pool->kept_bytes - pages, __ATOMIC_RELAXED);
 		free_insert(pool, k->start, k->bytes);
 	}
-	memmove(pool->kept, pool->kept + i, (pool->n_kept - i) * sizeof(*pool->kept));
+	if (i > 0)   /* kept is NULL while nothing was ever kept */
+		memmove(pool->kept, pool->kept + i, (pool->n_kept - i) * sizeof(*pool->kept));
 	pool->n_kept -= i;
 	return freed;
 }
