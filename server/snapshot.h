@@ -107,7 +107,7 @@ int snapshot_verify(int fd, const struct snapshot_expect *expect, struct snapsho
  * Makes the session the snapshot describes (params gives its id, epoch,
  * owner, name and views; the rest comes from the header snapshot_verify
  * checked): one pass that verifies every record, residual and the
- * whole-file checksum, in snapshot_verify's order and with its errors,
+ * whole-file checksum, in the order and with the errors of docs/SNAPSHOT.md,
  * while it builds the new session's temporary file and blocks (layers on
  * up to four threads, all joined before it returns);
  * then renames the file into place (store_import_commit). On any failure
