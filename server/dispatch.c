@@ -1764,7 +1764,8 @@ static bool handle_export(const struct request *rq, const wire_request *request)
 	return true;
 }
 
-/* The first job: everything verified, nothing made (not even the uid's pool). */
+/* The first job: the header and the layer table verified, nothing made
+ * (not even the uid's pool); the records are verified as they are built. */
 static void import_verify_run(struct job *base)
 {
 	struct request_job *job = (struct request_job *)base;
@@ -1820,7 +1821,13 @@ static void import_verified_done(struct job *base)
 		job_end(job);
 		return;
 	}
-	int rc = pool_set_get(&server->pools, job->rq.peer->uid, &job->rq.peer->quota->memory,
+	/* An import that had to make the uid's pool takes it back if it fails
+	 * (import_done): a refused import leaves nothing, not even that. */
+	int rc = job->kind == JOB_IMPORT ?
+		 pool_set_get_provisional(&server->pools, job->rq.peer->uid,
+					  &job->rq.peer->quota->memory, &job->pool, pool_reason,
+					  sizeof(pool_reason)) :
+		 pool_set_get(&server->pools, job->rq.peer->uid, &job->rq.peer->quota->memory,
 			      &job->pool, NULL, pool_reason, sizeof(pool_reason));
 	if (rc < 0) {
 		reply_error(&job->rq, rc == ZC_ECORRUPT ? ZC_EINTERNAL : rc,
@@ -1903,6 +1910,7 @@ static void import_done(struct job *base)
 		return;
 	}
 	if (job->rc < 0) {
+		pool_set_drop_provisional(&server->pools, job->pool);
 		reply_error(&job->rq, job->rc, "%s", job->message);
 		log_info("session", "import refused", "name=%s uid=%u reason=\"%s\"", job->fork_name,
 			 job->rq.peer->uid, job->message);

@@ -42,7 +42,7 @@ const char *const fault_steps[] = {
 	"pool.retain",       /* a freed extent's first page punched, its other pages kept: free from here */
 	"pool.reuse",        /* a kept extent taken for a new block, before its pages are reserved */
 	"retain.map",        /* a closed session's map kept for the next session (not durable) */
-	"import.verified",   /* a snapshot verified whole, nothing made yet */
+	"import.verified",   /* a snapshot's header and table verified, nothing made yet */
 	"import.block",      /* one imported block in the pool and the new file's index */
 	"import.layers",     /* every layer of an import written, before the rename */
 	"offload.encoded",   /* the snapshot encoded in memory, nothing written to Redis */

@@ -87,6 +87,7 @@ struct pool {
 	uint64_t reused_bytes;    /* new blocks written into kept pages */
 	bool swept;
 	bool existed;             /* its file was there when this daemon opened it */
+	bool provisional;         /* made for an import no one else has asked for yet */
 };
 
 static uint64_t round_up(uint64_t value, uint64_t unit)
@@ -352,7 +353,8 @@ static uint64_t kept_release_locked(struct pool *pool, uint64_t wanted)
 		__atomic_store_n(&pool->kept_bytes, pool->kept_bytes - pages, __ATOMIC_RELAXED);
 		free_insert(pool, k->start, k->bytes);
 	}
-	memmove(pool->kept, pool->kept + i, (pool->n_kept - i) * sizeof(*pool->kept));
+	if (i > 0)   /* kept is NULL while nothing was ever kept */
+		memmove(pool->kept, pool->kept + i, (pool->n_kept - i) * sizeof(*pool->kept));
 	pool->n_kept -= i;
 	return freed;
 }
@@ -610,8 +612,8 @@ static int write_all(int fd, const void *data, uint64_t bytes, uint64_t offset)
 	return 0;
 }
 
-int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const void *value,
-	       uint64_t value_bytes, uint64_t *key_offset)
+int pool_reserve(struct pool *pool, uint64_t key_bytes, uint64_t value_bytes,
+		 uint64_t *key_offset)
 {
 	uint64_t bytes = pool_extent_bytes(key_bytes, value_bytes), start;
 	int rc;
@@ -669,8 +671,27 @@ int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const voi
 		extent_release(pool, start, bytes);
 		goto out;
 	}
-	/* The bytes are written without the lock: the extent is the caller's. */
 	pthread_mutex_unlock(&pool->lock);
+	*key_offset = start;
+	return 0;
+out:
+	pthread_mutex_unlock(&pool->lock);
+	return rc;
+}
+
+int pool_write_at(struct pool *pool, uint64_t offset, const void *bytes, uint64_t n)
+{
+	return write_all(pool->fd, bytes, n, offset);
+}
+
+int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const void *value,
+	       uint64_t value_bytes, uint64_t *key_offset)
+{
+	uint64_t start;
+	int rc = pool_reserve(pool, key_bytes, value_bytes, &start);
+	if (rc < 0)
+		return rc;
+	/* The bytes are written without the lock: the extent is the caller's. */
 	rc = write_all(pool->fd, key, key_bytes, start);
 	if (rc == 0)
 		rc = write_all(pool->fd, value, value_bytes, pool_value_offset(start, key_bytes));
@@ -681,9 +702,6 @@ int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const voi
 	fault_point("pool.write");
 	*key_offset = start;
 	return 0;
-out:
-	pthread_mutex_unlock(&pool->lock);
-	return rc;
 }
 
 int pool_read(struct pool *pool, uint64_t offset, void *out, uint64_t bytes)
@@ -924,13 +942,16 @@ void pool_set_init(struct pool_set *set, int dir_fd, const char *dir_path)
 	*set = (struct pool_set){ .dir_fd = dir_fd, .dir_path = dir_path };
 }
 
-int pool_set_get(struct pool_set *set, uint32_t uid, struct store_budget *budget,
-		 struct pool **out, bool *existed, char *reason, size_t reason_size)
+static int set_get(struct pool_set *set, uint32_t uid, struct store_budget *budget,
+		   struct pool **out, bool *existed, bool provisional, char *reason,
+		   size_t reason_size)
 {
 	bool found;
 	for (size_t i = 0; i < set->n; i++) {
 		if (set->items[i]->uid == uid) {
 			*out = set->items[i];
+			/* Someone else may use it from now on. */
+			set->items[i]->provisional = false;
 			if (existed)
 				*existed = set->items[i]->existed;
 			return 0;
@@ -950,11 +971,47 @@ int pool_set_get(struct pool_set *set, uint32_t uid, struct store_budget *budget
 	if (rc < 0)
 		return rc;
 	pool->existed = found;
+	pool->provisional = provisional && !found;
 	set->items[set->n++] = pool;
 	*out = pool;
 	if (existed)
 		*existed = found;
 	return 0;
+}
+
+int pool_set_get(struct pool_set *set, uint32_t uid, struct store_budget *budget,
+		 struct pool **out, bool *existed, char *reason, size_t reason_size)
+{
+	return set_get(set, uid, budget, out, existed, false, reason, reason_size);
+}
+
+int pool_set_get_provisional(struct pool_set *set, uint32_t uid, struct store_budget *budget,
+			     struct pool **out, char *reason, size_t reason_size)
+{
+	return set_get(set, uid, budget, out, NULL, true, reason, reason_size);
+}
+
+void pool_set_drop_provisional(struct pool_set *set, struct pool *pool)
+{
+	pthread_mutex_lock(&pool->lock);
+	bool empty = pool->count == 0;
+	pthread_mutex_unlock(&pool->lock);
+	if (!pool->provisional || !empty)
+		return;
+	for (size_t i = 0; i < set->n; i++) {
+		if (set->items[i] != pool)
+			continue;
+		set->items[i] = set->items[--set->n];
+		char name[64];
+		file_name(name, sizeof(name), pool->uid, false);
+		/* Its kept pages are the failed import's own. */
+		pool_release_kept(pool, UINT64_MAX);
+		if (unlinkat(set->dir_fd, name, 0) < 0)
+			log_warn("pool", "pool file not removed", "path=%s error=%s", pool->path,
+				 strerror(errno));
+		pool_close(pool);
+		return;
+	}
 }
 
 void pool_set_scan(struct pool_set *set, struct store_budget *budget)

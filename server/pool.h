@@ -59,6 +59,19 @@ uint64_t pool_extent_bytes(uint64_t key_bytes, uint64_t value_bytes);
 int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const void *value,
 	       uint64_t value_bytes, uint64_t *key_offset);
 
+/*
+ * pool_write in two steps, for a caller that streams a block in pieces
+ * (an import, chunk by chunk as it is verified): pool_reserve takes the
+ * budget and the pages of a fresh extent holding one reference, as
+ * pool_write does, without writing it; pool_write_at writes bytes into
+ * an extent the caller owns (K at *key_offset, V at pool_value_offset).
+ * The caller reaches the "pool.write" fault step once the block is whole,
+ * and drops the reference with pool_unref unless a commit named it.
+ */
+int pool_reserve(struct pool *pool, uint64_t key_bytes, uint64_t value_bytes,
+		 uint64_t *key_offset);
+int pool_write_at(struct pool *pool, uint64_t offset, const void *bytes, uint64_t n);
+
 /* Reads bytes at offset (a block's payload); ZC_ECORRUPT when the file
  * no longer holds them. */
 int pool_read(struct pool *pool, uint64_t offset, void *out, uint64_t bytes);
@@ -113,6 +126,17 @@ void pool_set_init(struct pool_set *set, int dir_fd, const char *dir_path);
  * this daemon opened it. */
 int pool_set_get(struct pool_set *set, uint32_t uid, struct store_budget *budget,
 		 struct pool **out, bool *existed, char *reason, size_t reason_size);
+/*
+ * pool_set_get for an import (docs/SNAPSHOT.md): a pool whose file it
+ * had to make is provisional until any other pool_set_get asks for the
+ * uid's pool. pool_set_drop_provisional, after the import failed, removes
+ * such a pool (its file, its kept pages) if it still is provisional and
+ * holds no block, so a refused import leaves no pool file behind; any
+ * other pool it leaves alone. Both on the loop, as pool_set_get.
+ */
+int pool_set_get_provisional(struct pool_set *set, uint32_t uid, struct store_budget *budget,
+			     struct pool **out, char *reason, size_t reason_size);
+void pool_set_drop_provisional(struct pool_set *set, struct pool *pool);
 /* Opens every pool file in the directory (so that the sweep frees the
  * blocks of pools no session refers to). */
 void pool_set_scan(struct pool_set *set, struct store_budget *budget);

@@ -4,12 +4,15 @@
  * checked without I/O; the file functions read and write only the
  * descriptor they are given.
  *
- * Import reads the file twice. The first pass verifies every byte
- * (chunk by chunk, so memory stays bounded by the largest block, not the
- * snapshot) and makes nothing; only a snapshot that passed it is built,
- * in a second pass that checks each record again as it goes (the file is
- * the client's and may change between the passes) and throws away what
- * it made if one fails.
+ * Import reads the file once. A first step checks the header and the
+ * layer table (every count against the others and the layout, the
+ * importer's expectations) and makes nothing; then one pass verifies and
+ * builds at once: each block record is checked, its payload read chunk
+ * by chunk (memory stays bounded by a chunk and a residual, not the
+ * snapshot), hashed and written from the same buffer into a fresh pool
+ * extent of the not yet committed session, several layers at once on
+ * several threads; the trailer's whole-file checksum last, before the
+ * commit point. Any failure throws away everything the pass made.
  */
 #include "snapshot.h"
 
@@ -1105,25 +1108,6 @@ int snapshot_export_in_order(struct store *store, int fd, struct snapshot_result
 
 /* ---- verify (import's first pass) ------------------------------------------------- */
 
-/* Hashes n bytes of the file at offset, chunk by chunk. */
-static int hash_range(int fd, uint64_t offset, uint64_t n, uint8_t *chunk, uint64_t *out,
-		      const char *what, char *why, size_t size)
-{
-	XXH3_state_t state;
-	XXH3_64bits_reset(&state);
-	while (n > 0) {
-		uint64_t part = n < SNAPSHOT_CHUNK_BYTES ? n : SNAPSHOT_CHUNK_BYTES;
-		int rc = read_at(fd, offset, chunk, part, what, why, size);
-		if (rc < 0)
-			return rc;
-		hash_update(&state, chunk, part);
-		offset += part;
-		n -= part;
-	}
-	*out = XXH3_64bits_digest(&state);
-	return 0;
-}
-
 /* Every count of the layer table against the others and the layout of
  * a file_bytes snapshot (both passes, and a restore's parts). */
 static int table_check(const struct snapshot_header *h, const struct snapshot_layer *table,
@@ -1235,7 +1219,6 @@ int snapshot_verify(int fd, const struct snapshot_expect *expect, struct snapsho
 {
 	struct snapshot_layer *table = NULL;
 	uint64_t file_bytes, table_checksum;
-	uint8_t *chunk = NULL;
 	int rc = file_size_of(fd, &file_bytes, why, size);
 	if (rc < 0)
 		return rc;
@@ -1246,109 +1229,16 @@ int snapshot_verify(int fd, const struct snapshot_expect *expect, struct snapsho
 	rc = head_read(fd, file_bytes, h, &table, &table_checksum, why, size);
 	if (rc < 0)
 		return rc;
-	if (expect->model_id && strcmp(expect->model_id, h->config.model_id) != 0) {
-		rc = fail(ZC_EPRECONDITION, why, size,
-			  "wrong fingerprint: the snapshot is of model '%s', not '%s'",
-			  h->config.model_id, expect->model_id);
-		goto out;
-	}
-	if (expect->has_fingerprint && expect->fingerprint != h->fingerprint) {
-		rc = fail(ZC_EPRECONDITION, why, size,
-			  "wrong fingerprint: the snapshot's is %016llx, not %016llx",
-			  (unsigned long long)h->fingerprint, (unsigned long long)expect->fingerprint);
-		goto out;
-	}
-	chunk = malloc(SNAPSHOT_CHUNK_BYTES);
-	if (!chunk) {
-		rc = fail(-ENOMEM, why, size, "out of memory");
-		goto out;
-	}
-
-	XXH3_state_t whole;
-	XXH3_64bits_reset(&whole);
-	XXH3_64bits_update(&whole, h, sizeof(*h));
-	XXH3_64bits_update(&whole, table, (size_t)table_bytes(h->config.layers));
-	for (uint32_t i = 0; i < h->config.layers; i++) {
-		const struct snapshot_layer *l = &table[i];
-		uint64_t at = l->offset, end = l->offset + l->bytes;
-		struct snapshot_block prev = { 0 }, b;
-		char what[64];
-		for (uint32_t k = 0; k < l->blocks; k++) {
-			snprintf(what, sizeof(what), "layer %u block %u", i, k);
-			if (end - at < SNAPSHOT_BLOCK_BYTES) {
-				rc = fail(ZC_ECORRUPT, why, size, "%s: past the end of its layer", what);
-				goto out;
-			}
-			rc = read_at(fd, at, &b, sizeof(b), what, why, size);
-			if (rc == 0)
-				rc = block_header_check(h, i, k, &b, why, size);
-			if (rc == 0)
-				rc = tiling_check(i, k, &prev, &b, why, size);
-			if (rc < 0)
-				goto out;
-			if (snapshot_record_bytes(b.key_bytes, b.value_bytes) > end - at) {
-				rc = fail(ZC_ECORRUPT, why, size, "%s: payload past the end of its layer",
-					  what);
-				goto out;
-			}
-			at += SNAPSHOT_BLOCK_BYTES;
-			uint64_t sum, stored;
-			rc = hash_range(fd, at, b.key_bytes + b.value_bytes, chunk, &sum, what, why, size);
-			if (rc == 0)
-				rc = read_at(fd, at + b.key_bytes + b.value_bytes, &stored, sizeof(stored),
-					     what, why, size);
-			if (rc < 0)
-				goto out;
-			if (sum != stored) {
-				rc = fail(ZC_ECORRUPT, why, size, "%s: payload checksum mismatch", what);
-				goto out;
-			}
-			XXH3_64bits_update(&whole, &b.checksum, sizeof(b.checksum));
-			XXH3_64bits_update(&whole, &stored, sizeof(stored));
-			at += b.key_bytes + b.value_bytes + SNAPSHOT_BLOCK_END_BYTES;
-			prev = b;
-		}
-		rc = last_block_check(i, l, &prev, why, size);
-		if (rc < 0)
-			goto out;
-		uint64_t residual = (uint64_t)l->residual_tokens * residual_row_bytes(&h->config);
-		if (end - at != residual) {
-			rc = fail(ZC_ECORRUPT, why, size,
-				  "inconsistent counts: layer %u has %llu bytes after its blocks; its "
-				  "%u residual rows take %llu", i, (unsigned long long)(end - at),
-				  l->residual_tokens, (unsigned long long)residual);
-			goto out;
-		}
-		snprintf(what, sizeof(what), "layer %u residual", i);
-		uint64_t sum;
-		rc = hash_range(fd, at, residual, chunk, &sum, what, why, size);
-		if (rc < 0)
-			goto out;
-		if (sum != l->residual_checksum) {
-			rc = fail(ZC_ECORRUPT, why, size, "layer %u residual checksum mismatch", i);
-			goto out;
-		}
-		XXH3_64bits_update(&whole, &l->residual_checksum, sizeof(uint64_t));
-	}
-	struct snapshot_trailer trailer;
-	rc = read_at(fd, file_bytes - SNAPSHOT_TRAILER_BYTES, &trailer, sizeof(trailer), "the trailer",
-		     why, size);
-	if (rc < 0)
-		goto out;
-	if (memcmp(trailer.magic, SNAPSHOT_TRAILER_MAGIC, sizeof(trailer.magic)) != 0 ||
-	    trailer.file_bytes != file_bytes) {
-		rc = fail(ZC_ECORRUPT, why, size, "trailer: bad magic or size (truncated?)");
-		goto out;
-	}
-	if (trailer.checksum != XXH3_64bits_digest(&whole)) {
-		rc = fail(ZC_ECORRUPT, why, size, "trailer: whole-snapshot checksum mismatch");
-		goto out;
-	}
-	rc = 0;
-out:
-	free(chunk);
 	free(table);
-	return rc;
+	if (expect->model_id && strcmp(expect->model_id, h->config.model_id) != 0)
+		return fail(ZC_EPRECONDITION, why, size,
+			    "wrong fingerprint: the snapshot is of model '%s', not '%s'",
+			    h->config.model_id, expect->model_id);
+	if (expect->has_fingerprint && expect->fingerprint != h->fingerprint)
+		return fail(ZC_EPRECONDITION, why, size,
+			    "wrong fingerprint: the snapshot's is %016llx, not %016llx",
+			    (unsigned long long)h->fingerprint, (unsigned long long)expect->fingerprint);
+	return 0;
 }
 
 /* ---- verify part by part (a restore from the remote tier) ------------------------- */
@@ -1524,7 +1414,238 @@ int snapshot_build_layer(struct store *store, const struct snapshot_header *h, u
 	return build_residual(store, &h->config, layer, l, residual, why, size);
 }
 
-/* ---- import (the second pass) ----------------------------------------------------- */
+/* ---- import: verified and built in one pass ------------------------------------------ */
+
+/* Threads that build layers at once, the import's own included: each
+ * takes the next layer; bounded by the CPUs the daemon may use. */
+#define SNAPSHOT_IMPORT_WORKERS 4
+
+struct import_work {
+	int fd;
+	const struct snapshot_header *h;
+	const struct snapshot_layer *table;
+	const uint64_t *first_block;  /* per layer: its first block's number in the file */
+	uint64_t *sums;               /* per block: its header's and its payload's checksum */
+	struct store *store;
+	pthread_mutex_t store_lock;   /* store_import_* of every layer (one file's charge) */
+	uint32_t next;                /* atomic: the next layer to take */
+	uint32_t failed;              /* atomic: the lowest layer that failed (layers: none) */
+	pthread_mutex_t lock;         /* over the failure: */
+	int rc;
+	char why[180];
+};
+
+/* A layer's failure; the lowest layer's is the answer, as if the layers
+ * had been read one after another. */
+static void import_failed(struct import_work *x, uint32_t layer, int rc, const char *why)
+{
+	pthread_mutex_lock(&x->lock);
+	if (layer < x->failed) {
+		x->rc = rc;
+		snprintf(x->why, sizeof(x->why), "%s", why);
+		__atomic_store_n(&x->failed, layer, __ATOMIC_RELEASE);
+	}
+	pthread_mutex_unlock(&x->lock);
+}
+
+/* Whether a layer below this one failed: the import is lost, stop. */
+static bool import_stopped(struct import_work *x, uint32_t layer)
+{
+	return __atomic_load_n(&x->failed, __ATOMIC_ACQUIRE) < layer;
+}
+
+/* n bytes of the file at `from` into the pool at `to`, chunk by chunk:
+ * each chunk hashed while in cache and written from the same buffer, so
+ * the bytes checked are the bytes stored. */
+static int import_copy(struct import_work *x, uint64_t from, uint64_t n, uint64_t to,
+		       uint8_t *chunk, XXH3_state_t *state, const char *what, char *why,
+		       size_t size)
+{
+	while (n > 0) {
+		uint64_t part = n < SNAPSHOT_CHUNK_BYTES ? n : SNAPSHOT_CHUNK_BYTES;
+		int rc = read_at(x->fd, from, chunk, part, what, why, size);
+		if (rc < 0)
+			return rc;
+		hash_update(state, chunk, part);
+		rc = pool_write_at(store_pool(x->store), to, chunk, part);
+		if (rc < 0)
+			return fail(rc, why, size, "cannot store %s: %s", what, zc_strerror(rc));
+		from += part;
+		to += part;
+		n -= part;
+	}
+	return 0;
+}
+
+/* One block record at *at: checked, streamed into a fresh extent, named
+ * in the layer's index. The checks and their order are the verification's
+ * (docs/SNAPSHOT.md); a failure after the extent was taken gives it back. */
+static int import_block(struct import_work *x, uint32_t layer, uint32_t k, uint64_t *at,
+			uint64_t end, struct snapshot_block *prev, uint8_t *chunk, char *why,
+			size_t size)
+{
+	const struct snapshot_header *h = x->h;
+	struct pool *pool = store_pool(x->store);
+	struct snapshot_block b;
+	store_block entry;
+	char what[64];
+	snprintf(what, sizeof(what), "layer %u block %u", layer, k);
+	if (end - *at < SNAPSHOT_BLOCK_BYTES)
+		return fail(ZC_ECORRUPT, why, size, "%s: past the end of its layer", what);
+	int rc = read_at(x->fd, *at, &b, sizeof(b), what, why, size);
+	if (rc == 0)
+		rc = block_header_check(h, layer, k, &b, why, size);
+	if (rc == 0)
+		rc = tiling_check(layer, k, prev, &b, why, size);
+	if (rc < 0)
+		return rc;
+	if (snapshot_record_bytes(b.key_bytes, b.value_bytes) > end - *at)
+		return fail(ZC_ECORRUPT, why, size, "%s: payload past the end of its layer", what);
+	uint64_t payload = *at + SNAPSHOT_BLOCK_BYTES, key_offset;
+	pthread_mutex_lock(&x->store_lock);
+	rc = store_import_block_room(x->store, layer);
+	pthread_mutex_unlock(&x->store_lock);
+	if (rc == 0)
+		rc = pool_reserve(pool, b.key_bytes, b.value_bytes, &key_offset);
+	if (rc < 0)
+		return rc == STORE_EBUDGET ? rc :
+		       fail(rc, why, size, "cannot store %s: %s", what, zc_strerror(rc));
+	XXH3_state_t state;
+	uint64_t stored;
+	XXH3_64bits_reset(&state);
+	rc = import_copy(x, payload, b.key_bytes, key_offset, chunk, &state, what, why, size);
+	if (rc == 0)
+		rc = import_copy(x, payload + b.key_bytes, b.value_bytes,
+				 pool_value_offset(key_offset, b.key_bytes), chunk, &state, what, why,
+				 size);
+	if (rc == 0)
+		rc = read_at(x->fd, payload + b.key_bytes + b.value_bytes, &stored, sizeof(stored),
+			     what, why, size);
+	if (rc == 0 && stored != XXH3_64bits_digest(&state))
+		rc = fail(ZC_ECORRUPT, why, size, "%s: payload checksum mismatch", what);
+	if (rc < 0) {
+		pool_unref(pool, key_offset);
+		return rc;
+	}
+	fault_point("pool.write");
+	entry_of(&b, &entry);
+	pthread_mutex_lock(&x->store_lock);
+	store_import_block_add(x->store, layer, &entry, key_offset);
+	pthread_mutex_unlock(&x->store_lock);
+	uint64_t *sums = x->sums + 2 * (x->first_block[layer] + k);
+	sums[0] = b.checksum;
+	sums[1] = stored;
+	*at = payload + b.key_bytes + b.value_bytes + SNAPSHOT_BLOCK_END_BYTES;
+	*prev = b;
+	return 0;
+}
+
+/* One layer: its blocks in order, then its residual rows. */
+static int import_layer(struct import_work *x, uint32_t layer, uint8_t *chunk, uint8_t **rows,
+			uint64_t *capacity, char *why, size_t size)
+{
+	const struct snapshot_config *c = &x->h->config;
+	const struct snapshot_layer *l = &x->table[layer];
+	uint64_t at = l->offset, end = l->offset + l->bytes;
+	struct snapshot_block prev = { 0 };
+	for (uint32_t k = 0; k < l->blocks; k++) {
+		if (import_stopped(x, layer))
+			return 0;
+		int rc = import_block(x, layer, k, &at, end, &prev, chunk, why, size);
+		if (rc < 0)
+			return rc;
+	}
+	int rc = last_block_check(layer, l, &prev, why, size);
+	if (rc < 0)
+		return rc;
+	uint64_t residual = (uint64_t)l->residual_tokens * residual_row_bytes(c);
+	if (end - at != residual)
+		return fail(ZC_ECORRUPT, why, size,
+			    "inconsistent counts: layer %u has %llu bytes after its blocks; its "
+			    "%u residual rows take %llu", layer, (unsigned long long)(end - at),
+			    l->residual_tokens, (unsigned long long)residual);
+	rc = buffer_fit(rows, capacity, residual ? residual : 1);
+	if (rc < 0)
+		return fail(rc, why, size, "out of memory");
+	char what[64];
+	snprintf(what, sizeof(what), "layer %u residual", layer);
+	rc = read_at(x->fd, at, *rows, residual, what, why, size);
+	if (rc == 0 && hash64(*rows, residual) != l->residual_checksum)
+		rc = fail(ZC_ECORRUPT, why, size, "layer %u residual checksum mismatch", layer);
+	if (rc < 0)
+		return rc;
+	pthread_mutex_lock(&x->store_lock);
+	rc = build_residual(x->store, c, layer, l, *rows, why, size);
+	pthread_mutex_unlock(&x->store_lock);
+	return rc;
+}
+
+static void *import_worker(void *arg)
+{
+	struct import_work *x = arg;
+	uint32_t layers = x->h->config.layers;
+	uint8_t *chunk = malloc(SNAPSHOT_CHUNK_BYTES), *rows = NULL;
+	uint64_t capacity = 0;
+	char why[180];
+	for (;;) {
+		uint32_t i = __atomic_fetch_add(&x->next, 1, __ATOMIC_RELAXED);
+		/* Layers are taken in order: past a failed one, all are. */
+		if (i >= layers || import_stopped(x, i))
+			break;
+		why[0] = '\0';
+		int rc = chunk ? import_layer(x, i, chunk, &rows, &capacity, why, sizeof(why)) :
+				 fail(-ENOMEM, why, sizeof(why), "out of memory");
+		if (rc < 0)
+			import_failed(x, i, rc, why);
+	}
+	free(rows);
+	free(chunk);
+	return NULL;
+}
+
+/* How many threads build an import: one per CPU the daemon may use, at
+ * most SNAPSHOT_IMPORT_WORKERS and one per layer. Small snapshots too (a
+ * thread's start is tens of microseconds, a session file's creation
+ * more), so the crash and corruption tests take the same path. */
+static int import_workers(const struct snapshot_header *h)
+{
+	cpu_set_t cpus;
+	if (sched_getaffinity(0, sizeof(cpus), &cpus) != 0)
+		return 1;
+	int n = CPU_COUNT(&cpus);
+	if (n > SNAPSHOT_IMPORT_WORKERS)
+		n = SNAPSHOT_IMPORT_WORKERS;
+	if ((uint32_t)n > h->config.layers)
+		n = (int)h->config.layers;
+	return n < 1 ? 1 : n;
+}
+
+/* The trailer and the whole-file checksum: the header, the table, then
+ * every region's own checksum in file order. */
+static int import_trailer(struct import_work *x, uint64_t file_bytes, char *why, size_t size)
+{
+	const struct snapshot_header *h = x->h;
+	struct snapshot_trailer trailer;
+	int rc = read_at(x->fd, file_bytes - SNAPSHOT_TRAILER_BYTES, &trailer, sizeof(trailer),
+			 "the trailer", why, size);
+	if (rc < 0)
+		return rc;
+	if (memcmp(trailer.magic, SNAPSHOT_TRAILER_MAGIC, sizeof(trailer.magic)) != 0 ||
+	    trailer.file_bytes != file_bytes)
+		return fail(ZC_ECORRUPT, why, size, "trailer: bad magic or size (truncated?)");
+	XXH3_state_t whole;
+	XXH3_64bits_reset(&whole);
+	XXH3_64bits_update(&whole, h, sizeof(*h));
+	XXH3_64bits_update(&whole, x->table, (size_t)table_bytes(h->config.layers));
+	for (uint32_t i = 0; i < h->config.layers; i++) {
+		XXH3_64bits_update(&whole, x->sums + 2 * x->first_block[i],
+				   (size_t)x->table[i].blocks * 2 * sizeof(uint64_t));
+		XXH3_64bits_update(&whole, &x->table[i].residual_checksum, sizeof(uint64_t));
+	}
+	if (trailer.checksum != XXH3_64bits_digest(&whole))
+		return fail(ZC_ECORRUPT, why, size, "trailer: whole-snapshot checksum mismatch");
+	return 0;
+}
 
 int snapshot_import(int fd, const struct snapshot_header *verified, const struct store_params *params,
 		    int dir_fd, const char *dir_path, struct store_budget *budget, struct pool *pool,
@@ -1533,85 +1654,60 @@ int snapshot_import(int fd, const struct snapshot_header *verified, const struct
 	const struct snapshot_config *c = &verified->config;
 	struct snapshot_header h;
 	struct snapshot_layer *table = NULL;
-	uint64_t file_bytes, table_checksum, capacity = 0;
-	uint8_t *buf = NULL;
+	uint64_t file_bytes, table_checksum, *first_block = NULL, *sums = NULL;
 	struct store *store = NULL;
 	int rc = file_size_of(fd, &file_bytes, why, size);
 	if (rc == 0)
 		rc = head_read(fd, file_bytes, &h, &table, &table_checksum, why, size);
+	/* The file is the client's: it may have changed since the header was
+	 * checked against the expectations. */
 	if (rc == 0 && memcmp(&h, verified, sizeof(h)) != 0)
 		rc = fail(ZC_ECORRUPT, why, size, "the snapshot changed while it was imported");
 	if (rc < 0)
 		goto out;
+	first_block = malloc((size_t)c->layers * sizeof(*first_block));
+	sums = malloc((size_t)h.blocks * 2 * sizeof(*sums) + 1);
+	if (!first_block || !sums) {
+		rc = fail(-ENOMEM, why, size, "out of memory");
+		goto out;
+	}
+	for (uint32_t i = 0, n = 0; i < c->layers; n += table[i].blocks, i++)
+		first_block[i] = n;
 
-	rc = snapshot_build_begin(verified, params, dir_fd, dir_path, budget, pool, &store, why, size);
+	rc = snapshot_build_begin(&h, params, dir_fd, dir_path, budget, pool, &store, why, size);
 	if (rc < 0)
 		goto out;
-	for (uint32_t i = 0; i < c->layers; i++) {
-		const struct snapshot_layer *l = &table[i];
-		uint64_t at = l->offset;
-		struct snapshot_block prev = { 0 };
-		for (uint32_t k = 0; k < l->blocks; k++) {
-			struct snapshot_block b;
-			store_block entry;
-			rc = read_at(fd, at, &b, sizeof(b), "a block record", why, size);
-			if (rc < 0)
-				goto out;
-			uint64_t record = snapshot_record_bytes(b.key_bytes, b.value_bytes);
-			if (b.key_bytes > file_bytes || b.value_bytes > file_bytes ||
-			    record > l->offset + l->bytes - at) {
-				rc = fail(ZC_ECORRUPT, why, size, "the snapshot changed while it was imported");
-				goto out;
-			}
-			rc = buffer_fit(&buf, &capacity, record);
-			if (rc < 0) {
-				fail(rc, why, size, "out of memory");
-				goto out;
-			}
-			rc = read_at(fd, at, buf, record, "a block record", why, size);
-			if (rc == 0)
-				rc = snapshot_block_verify(&h, i, k, buf, record, &entry, why, size);
-			/* The table came from the file again: its tiling too. */
-			if (rc == 0)
-				memcpy(&b, buf, sizeof(b));
-			if (rc == 0)
-				rc = tiling_check(i, k, &prev, &b, why, size);
-			if (rc < 0) {
-				if (rc == ZC_ECORRUPT)
-					fail(rc, why, size, "the snapshot changed while it was imported");
-				goto out;
-			}
-			rc = store_import_block(store, i, &entry, buf + SNAPSHOT_BLOCK_BYTES,
-						buf + SNAPSHOT_BLOCK_BYTES + entry.key_bytes);
-			if (rc < 0) {
-				if (rc != STORE_EBUDGET)
-					fail(rc, why, size, "cannot store layer %u block %u: %s", i, k,
-					     zc_strerror(rc));
-				goto out;
-			}
-			at += record;
-			prev = b;
-		}
-		uint64_t residual = (uint64_t)l->residual_tokens * residual_row_bytes(c);
-		rc = last_block_check(i, l, &prev, why, size);
-		if (rc == 0 && at + residual != l->offset + l->bytes)
-			rc = fail(ZC_ECORRUPT, why, size, "the snapshot changed while it was imported");
-		if (rc < 0)
-			goto out;
-		rc = buffer_fit(&buf, &capacity, residual ? residual : 1);
-		if (rc < 0) {
-			fail(rc, why, size, "out of memory");
-			goto out;
-		}
-		rc = read_at(fd, at, buf, residual, "a residual", why, size);
-		if (rc == 0 && hash64(buf, residual) != l->residual_checksum)
-			rc = fail(ZC_ECORRUPT, why, size, "the snapshot changed while it was imported");
-		if (rc < 0)
-			goto out;
-		rc = build_residual(store, c, i, l, buf, why, size);
-		if (rc < 0)
-			goto out;
+	struct import_work x = {
+		.fd = fd, .h = &h, .table = table, .first_block = first_block, .sums = sums,
+		.store = store, .failed = c->layers,
+	};
+	if (pthread_mutex_init(&x.lock, NULL) != 0) {
+		rc = fail(-ENOMEM, why, size, "out of memory");
+		goto out;
 	}
+	if (pthread_mutex_init(&x.store_lock, NULL) != 0) {
+		pthread_mutex_destroy(&x.lock);
+		rc = fail(-ENOMEM, why, size, "out of memory");
+		goto out;
+	}
+	pthread_t helpers[SNAPSHOT_IMPORT_WORKERS - 1];
+	int wanted = import_workers(&h), started = 0;
+	for (int i = 0; i < wanted - 1; i++)
+		if (pthread_create(&helpers[started], NULL, import_worker, &x) == 0)
+			started++;
+	import_worker(&x);
+	for (int i = 0; i < started; i++)
+		pthread_join(helpers[i], NULL);
+	pthread_mutex_destroy(&x.store_lock);
+	pthread_mutex_destroy(&x.lock);
+	rc = x.rc;
+	if (rc < 0) {
+		snprintf(why, size, "%s", x.why);
+		goto out;
+	}
+	rc = import_trailer(&x, file_bytes, why, size);
+	if (rc < 0)
+		goto out;
 	rc = store_import_commit(store);
 	if (rc < 0) {
 		/* The commit threw the store away. */
@@ -1624,7 +1720,8 @@ int snapshot_import(int fd, const struct snapshot_header *verified, const struct
 out:
 	if (store)
 		store_import_abandon(store);
-	free(buf);
+	free(sums);
+	free(first_block);
 	free(table);
 	return rc;
 }

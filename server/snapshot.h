@@ -90,24 +90,29 @@ struct snapshot_expect {
 };
 
 /*
- * Verifies the whole snapshot in fd (a regular file, read from offset 0)
- * without making anything: every region's checksum, the whole-file
- * checksum, every count against the others and the layout, the
- * expectations. *header is its header. ZC_ECORRUPT (damaged, truncated,
- * wrong version), ZC_EPRECONDITION (another model or fingerprint),
- * ZC_EINVALID (a config no session may have), ZC_EEXHAUSTED (larger than
- * max_bytes), or a read's errno; `why` names what and where.
+ * The import's first step, without making anything: the snapshot in fd
+ * (a regular file, read from offset 0) against max_bytes, its header and
+ * layer table (their checksums, every count against the others and the
+ * layout), the expectations. The records, residuals and the whole-file
+ * checksum are verified by snapshot_import as it builds. *header is its
+ * header. ZC_ECORRUPT (damaged, truncated, wrong version),
+ * ZC_EPRECONDITION (another model or fingerprint), ZC_EINVALID (a config
+ * no session may have), ZC_EEXHAUSTED (larger than max_bytes), or a
+ * read's errno; `why` names what and where.
  */
 int snapshot_verify(int fd, const struct snapshot_expect *expect, struct snapshot_header *header,
 		    char *why, size_t why_size);
 
 /*
- * Makes the session a verified snapshot describes (params gives its id,
- * epoch, owner, name and views; the rest comes from the header): reads
- * the file again, checking each record as it goes (a file changed since
- * the verification is ZC_ECORRUPT), and renames the new file into place
- * (store_import_commit). On any failure nothing is left: no file, no
- * block. STORE_EBUDGET when the memory budget refused a page.
+ * Makes the session the snapshot describes (params gives its id, epoch,
+ * owner, name and views; the rest comes from the header snapshot_verify
+ * checked): one pass that verifies every record, residual and the
+ * whole-file checksum, in the order and with the errors of docs/SNAPSHOT.md,
+ * while it builds the new session's temporary file and blocks (layers on
+ * up to four threads, all joined before it returns);
+ * then renames the file into place (store_import_commit). On any failure
+ * nothing is left: no file, no block. STORE_EBUDGET when the memory
+ * budget refused a page.
  */
 int snapshot_import(int fd, const struct snapshot_header *header, const struct store_params *params,
 		    int dir_fd, const char *dir_path, struct store_budget *budget, struct pool *pool,
@@ -121,7 +126,7 @@ struct snapshot_part {
 
 /*
  * A snapshot verified part by part as its parts arrive (a restore from
- * the remote tier, docs/REMOTE.md), with the same checks snapshot_verify
+ * the remote tier, docs/REMOTE.md), with the same checks the import
  * makes of a file: open checks the header, the layer table (checksum and
  * every count) and the expectations; each layer, in order, its block
  * records (checksums, tiling, sizes; *entries filled) and its residual;

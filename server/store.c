@@ -1277,6 +1277,38 @@ static void rows_move(uint16_t *target, const zc_strides *to, size_t at, const u
 }
 
 /*
+ * rows_move's copy into the file at byte `target` (what `target` maps)
+ * through the descriptor: the kernel copies into the file's pages, which
+ * every mapping of it sees. An import writes its residual rows this way:
+ * pages it reserved are written by the kernel, not touched one by one
+ * through the daemon's mapping (each first touch is a fault, about the
+ * cost of copying the page on some hypervisors: BENCHMARKS.md).
+ */
+static int rows_write(int fd, uint64_t target, const zc_strides *to, const uint16_t *source,
+		      const zc_strides *from, const struct store_header *h, uint32_t tokens,
+		      uint32_t dim)
+{
+	for (uint32_t b = 0; b < h->batch; b++) {
+		for (uint32_t head = 0; head < h->kv_heads; head++) {
+			const uint8_t *p = (const uint8_t *)(source + b * from->batch + head * from->head);
+			uint64_t n = (uint64_t)tokens * dim * 2;
+			uint64_t at = target + ((uint64_t)b * to->batch + (uint64_t)head * to->head) * 2;
+			while (n > 0) {
+				ssize_t done = pwrite(fd, p, n, (off_t)at);
+				if (done < 0 && errno == EINTR)
+					continue;
+				if (done <= 0)
+					return done < 0 ? -errno : -EIO;
+				p += done;
+				n -= (uint64_t)done;
+				at += (uint64_t)done;
+			}
+		}
+	}
+	return 0;
+}
+
+/*
  * Fills one layer of a fork with the first `tokens` tokens of the
  * source's: whole blocks by reference (the last one cut where the fork
  * ends, as a trim would), the residual's rows copied.
@@ -3009,22 +3041,32 @@ static void import_entry_add(struct store *store, uint32_t layer, uint32_t at,
 int store_import_block(struct store *store, uint32_t layer, const store_block *entry,
 		       const void *key, const void *value)
 {
-	uint32_t at = store->layer[layer].blocks;
-	int rc = index_grow(store, layer, at);
-	if (rc == 0)
-		rc = reserve_index_entry(store, layer, at);
+	int rc = store_import_block_room(store, layer);
 	uint64_t key_offset = 0;
 	if (rc == 0)
 		rc = pool_write(store->pool, key, entry->key_bytes, value, entry->value_bytes,
 				&key_offset);
 	if (rc < 0)
 		return rc;
+	store_import_block_add(store, layer, entry, key_offset);
+	return 0;
+}
+
+int store_import_block_room(struct store *store, uint32_t layer)
+{
+	uint32_t at = store->layer[layer].blocks;
+	int rc = index_grow(store, layer, at);
+	return rc < 0 ? rc : reserve_index_entry(store, layer, at);
+}
+
+void store_import_block_add(struct store *store, uint32_t layer, const store_block *entry,
+			    uint64_t key_offset)
+{
 	store_block b = *entry;
 	b.key_offset = key_offset;
 	b.value_offset = pool_value_offset(key_offset, entry->key_bytes);
 	b.flags = 0;
-	import_entry_add(store, layer, at, &b);
-	return 0;
+	import_entry_add(store, layer, store->layer[layer].blocks, &b);
 }
 
 /*
@@ -3070,11 +3112,14 @@ int store_import_layer(struct store *store, uint32_t layer, uint32_t tokens,
 			zc_strides compact = { .batch = (size_t)h->kv_heads * residual_tokens * dim,
 					       .head = (size_t)residual_tokens * dim };
 			const uint16_t *rows = tensor == 0 ? key_rows : value_rows;
-			rows_move(tensor == 0 ? key_residual(store, layer) : value_residual(store, layer),
-				  &strides, 0, rows, &compact, 0, h, residual_tokens, dim);
-			if (store->layout.residual_offset)
-				rows_move(map_residual(store, layer, tensor == 0), &strides, 0, rows,
-					  &compact, 0, h, residual_tokens, dim);
+			rc = rows_write(store->fd, layer_region_offset(store, layer) +
+					(tensor == 0 ? h->key_residual_offset : h->value_residual_offset),
+					&strides, rows, &compact, h, residual_tokens, dim);
+			if (rc == 0 && store->layout.residual_offset)
+				rc = rows_write(store->map_fd, map_residual_offset(store, layer, tensor == 0),
+						&strides, rows, &compact, h, residual_tokens, dim);
+			if (rc < 0)
+				return rc;
 		}
 	}
 	next.tokens = tokens;

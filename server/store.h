@@ -312,6 +312,15 @@ int store_import_begin(int dir_fd, const char *dir_path, const struct store_para
 		       struct store_budget *budget, struct pool *pool, struct store **out);
 int store_import_block(struct store *store, uint32_t layer, const store_block *entry,
 		       const void *key, const void *value);
+/* store_import_block in two steps, for a block the caller streams into
+ * the pool itself (pool_reserve, pool_write_at): room for the layer's
+ * next index entry first, then the entry naming the caller's extent (its
+ * reference passes to the store; abandon drops it). Not thread-safe
+ * within one store, even for different layers (the file's charge): the
+ * caller serializes them. */
+int store_import_block_room(struct store *store, uint32_t layer);
+void store_import_block_add(struct store *store, uint32_t layer, const store_block *entry,
+			    uint64_t key_offset);
 /* A block shared into the import by reference (a prefix open): the
  * entry names a live extent of the same pool; one more reference. */
 int store_import_shared_block(struct store *store, uint32_t layer, const store_block *entry);

@@ -677,6 +677,74 @@ START_TEST(every_region_flipped_or_cut_is_refused)
 }
 END_TEST
 
+/* Pool files in the shm-dir. */
+static int pool_files(const struct service *service)
+{
+	DIR *dir = opendir(service->daemon.shm_dir);
+	struct dirent *entry;
+	int count = 0;
+	ck_assert_ptr_nonnull(dir);
+	while ((entry = readdir(dir)) != NULL)
+		count += strncmp(entry->d_name, "pool-", 5) == 0 ||
+			 strncmp(entry->d_name, ".pool-", 6) == 0;
+	closedir(dir);
+	return count;
+}
+
+/*
+ * The import verifies records as it builds them: one refused after it
+ * stored blocks (a payload of the last layer, the whole-file checksum)
+ * throws them away, and on a daemon where the uid had no session it
+ * removes the pool file it made too. Then the good file imports there.
+ */
+START_TEST(a_refused_import_leaves_no_pool)
+{
+	struct service service, fresh;
+	struct model model;
+	char good[PATH_MAX], bad[PATH_MAX];
+	struct region regions[64];
+	size_t len;
+
+	service_start(&service, NULL);
+	zc_session *session = corruption_session(&service, &model);
+	path_in(&service, "good.zcsnap", good, sizeof(good));
+	path_in(&service, "bad.zcsnap", bad, sizeof(bad));
+	export_file(session, good);
+	uint8_t *file = (uint8_t *)file_read_whole(good, &len);
+	size_t n = regions_of(file, len, regions, 64);
+	const struct region *last_payload = NULL;
+	for (size_t i = 0; i < n; i++)
+		if (strcmp(regions[i].what, "layer 1 block 1 V payload") == 0)
+			last_payload = &regions[i];
+	ck_assert_ptr_nonnull(last_payload);
+	uint64_t flips[2] = { last_payload->start + last_payload->bytes / 2, len - 1 };
+	const char *needles[2] = { "layer 1 block 1: payload checksum mismatch",
+				   "trailer: whole-snapshot checksum mismatch" };
+	service_start(&fresh, NULL);
+	for (int f = 0; f < 2; f++) {
+		uint8_t *copy = allocate(len);
+		memcpy(copy, file, len);
+		copy[flips[f]] ^= 0x10;
+		bytes_write(bad, copy, len);
+		free(copy);
+		ck_assert_int_eq(pool_files(&fresh), 0);
+		import_refused(&fresh, bad, NULL, ZC_ECORRUPT, needles[f], needles[f]);
+		ck_assert_msg(pool_files(&fresh) == 0, "%s: a pool file was left", needles[f]);
+		/* Where the uid has a pool already, it stays. */
+		import_refused(&service, bad, NULL, ZC_ECORRUPT, needles[f], needles[f]);
+		ck_assert_int_eq(pool_files(&service), 1);
+	}
+	zc_session *imported;
+	ck_assert_int_eq(import_file(fresh.client, good, NULL, &imported), 0);
+	CHECK(session_matches, imported, &model);
+	ck_assert_int_eq(pool_files(&fresh), 1);
+	free(file);
+	model_free(&model);
+	service_stop(&fresh);
+	service_stop(&service);
+}
+END_TEST
+
 /* Rewrites the header's checksum after a change, as a forger would. */
 static void header_reseal(uint8_t *file)
 {
@@ -1071,7 +1139,8 @@ int main(void)
 				  exports_beside_deferred_flushes, checksums_are_xxh3_on_every_kernel,
 				  NULL } },
 		{ "corruption", { every_region_flipped_or_cut_is_refused,
-				  version_config_and_fingerprint_are_checked, NULL } },
+				  version_config_and_fingerprint_are_checked, a_refused_import_leaves_no_pool,
+				  NULL } },
 		{ "descriptors", { bad_descriptors_are_refused, another_uids_session_is_not_exported,
 				   an_import_past_the_budget_makes_nothing, model_id_is_kept_and_bounded,
 				   NULL } },

@@ -392,7 +392,9 @@ int zc_session_fork(zc_session *source, uint32_t tokens, const char *name, int v
  *
  * zc_session_import makes a new session from the snapshot in fd, a
  * regular file open for reading (read from offset 0). The daemon verifies
- * everything before it makes anything: a damaged snapshot is ZC_ECORRUPT,
+ * everything before the session exists (it commits only a snapshot that
+ * passed every check, and throws away what it built from one that did
+ * not): a damaged snapshot is ZC_ECORRUPT,
  * one of another model than options->model_id (or fingerprint) asks is
  * ZC_EPRECONDITION, each with zc_client_last_error() naming what is
  * wrong; nothing is made then. options may be NULL.

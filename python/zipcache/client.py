@@ -535,7 +535,8 @@ class Client:
 
         ``source`` is a path or a file object open for reading (its
         descriptor is passed to the daemon, which never opens a path). The
-        daemon verifies everything before it makes anything: a damaged
+        daemon verifies everything before the session exists, and leaves
+        nothing of a refused one: a damaged
         snapshot raises DataLoss naming the region, one of another model
         than ``model_id`` (or ``fingerprint``) FailedPrecondition.
         ``views``: "source" (the exported session's), "full" or "none".
