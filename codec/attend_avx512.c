@@ -199,6 +199,320 @@ static struct rows_src codes_src(const uint8_t *stream, const uint8_t *read_end,
 				  .safe = codes_safe(stream, read_end, bit_offset, n_rows, dim, bits) };
 }
 
+/* ---- codes whose rows start on whole bytes: per-call tables ------------- */
+
+/*
+ * The codes path for dim % 8 == 0 (every row, and every 16 channels of
+ * it, starts on a whole byte: chunk k of a row is the 2*bits bytes at
+ * row + 2*bits*k) and dim <= FAST_MAX_DIM, when every load below stays
+ * before read_end. Everything that depends only on the group is done
+ * once per call, not once per tile:
+ *
+ * - 1 and 2 bits: the 2 or 4 values a code can take in each channel,
+ *   fp16(clamp(code * scale + min)) widened, as zc_block_reconstruct()
+ *   stores them (kernels_avx512.c's lut_rows does the same); a row is
+ *   then selected from them with blends whose masks are the code bits
+ *   themselves. No arithmetic per element: the same fp32 values, so the
+ *   same products and sums as every other table.
+ * - 3..8 bits: scale and min widened, whether the clamp can change
+ *   anything, and the controls of a shuffle that unpacks 16 codes from a
+ *   16-byte window (byte and shift of code j, then the code mask)
+ *   instead of two PDEPs.
+ */
+#define FAST_MAX_DIM 256u
+#define FAST_CHUNKS (FAST_MAX_DIM / 16)
+
+struct codes_plan {
+	const uint8_t *rows;   /* row 0's first byte */
+	size_t row_bytes;      /* dim * bits / 8 */
+	size_t chunks;         /* 16-channel chunks: ceil(dim / 16) */
+	int bits;
+	bool clamp;            /* bits > 2: the clamp can change something */
+	__m512i shuffle, shifts, code_mask;
+	__m512 scale[FAST_CHUNKS], min[FAST_CHUNKS];
+	__m512 lut[4][FAST_CHUNKS];
+};
+
+/* Whether the fast path takes this call: whole-byte rows, and a 16-byte
+ * window at every chunk of every row lies before read_end. */
+static bool fast_codes(const uint8_t *stream, const uint8_t *read_end, size_t bit_offset,
+		       size_t n_rows, size_t dim, int bits)
+{
+	if (dim % 8 != 0 || dim > FAST_MAX_DIM || bits < 1 || bits > 8 || bit_offset % 8 != 0)
+		return false;
+	size_t end = bit_offset / 8 + n_rows * dim * (size_t)bits / 8;
+	return (size_t)(read_end - stream) >= end + 16;
+}
+
+static void codes_plan_init(struct codes_plan *cp, const uint8_t *stream, size_t bit_offset,
+			    size_t dim, int bits, const uint8_t *scales, const uint8_t *mins)
+{
+	const __m512 largest = _mm512_set1_ps(65504.0f);
+	const __m512 lowest = _mm512_set1_ps(-65504.0f);
+	const __m512 zero = _mm512_setzero_ps();
+
+	cp->rows = stream + bit_offset / 8;
+	cp->row_bytes = dim * (size_t)bits / 8;
+	cp->chunks = (dim + 15) / 16;
+	cp->bits = bits;
+	cp->clamp = false;
+	/* The params two groups on (about one chunk for groups of 32). */
+	for (size_t at = 0; at < 2 * dim; at += 64) {
+		_mm_prefetch((const char *)scales + 8 * dim + at, _MM_HINT_T0);
+		_mm_prefetch((const char *)mins + 8 * dim + at, _MM_HINT_T0);
+	}
+	for (size_t k = 0; k < cp->chunks; k++) {
+		__mmask16 mask = tail_mask16(dim - 16 * k);
+		/* Lanes past dim: scale = min = 0, so every value there is 0. */
+		__m512 scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, scales + 32 * k));
+		__m512 min = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mins + 32 * k));
+		if (bits <= 2) {
+			for (int v = 0; v < (1 << bits); v++) {
+				/* The product is exact: one rounding, as the reference's
+				 * mul + add; MAXPS/MINPS with the bound second, as there. */
+				__m512 y = _mm512_fmadd_ps(_mm512_set1_ps((float)v), scale, min);
+				y = _mm512_min_ps(_mm512_max_ps(y, lowest), largest);
+				cp->lut[v][k] = _mm512_cvtph_ps(_mm512_cvtps_ph(y, ROUND_NEAREST));
+			}
+			continue;
+		}
+		cp->scale[k] = scale;
+		cp->min[k] = min;
+		__m512 top = _mm512_fmadd_ps(_mm512_set1_ps((float)((1 << bits) - 1)), scale, min);
+		__mmask16 good = _mm512_cmp_ps_mask(scale, zero, _CMP_GE_OQ) &
+				 _mm512_cmp_ps_mask(scale, _mm512_set1_ps(__builtin_inff()),
+						    _CMP_LT_OQ) &
+				 _mm512_cmp_ps_mask(min, lowest, _CMP_GE_OQ) &
+				 _mm512_cmp_ps_mask(top, largest, _CMP_LE_OQ);
+		cp->clamp |= good != 0xffff;
+	}
+	if (bits > 2) {
+		/* Code j: bits j*bits.. of the window, in bytes b and b+1
+		 * (b + 1 <= 14 for bits <= 7; for 8 bits byte b alone). */
+		uint8_t shuffle[64];
+		uint32_t shifts[16];
+		for (int j = 0; j < 16; j++) {
+			int at = j * bits, b = at >> 3;
+			shuffle[4 * j] = (uint8_t)b;
+			shuffle[4 * j + 1] = b + 1 < 16 ? (uint8_t)(b + 1) : 0x80;
+			shuffle[4 * j + 2] = shuffle[4 * j + 3] = 0x80;
+			shifts[j] = (uint32_t)(at & 7);
+		}
+		cp->shuffle = _mm512_loadu_si512(shuffle);
+		cp->shifts = _mm512_loadu_si512(shifts);
+		cp->code_mask = _mm512_set1_epi32((1 << bits) - 1);
+	}
+}
+
+/* The decoded values of one chunk held in registers across rows. */
+struct chunk_regs {
+	__m512 a, b, c, d; /* 1, 2 bits: lut[0..3]; else a = scale, b = min */
+};
+
+static ALWAYS_INLINE struct chunk_regs chunk_regs_load(const struct codes_plan *cp, size_t k,
+						       const int B)
+{
+	struct chunk_regs r;
+	if (B == 1) {
+		r.a = cp->lut[0][k];
+		r.b = cp->lut[1][k];
+		r.c = r.d = r.a;
+	} else if (B == 2) {
+		r.a = cp->lut[0][k];
+		r.b = cp->lut[1][k];
+		r.c = cp->lut[2][k];
+		r.d = cp->lut[3][k];
+	} else {
+		r.a = cp->scale[k];
+		r.b = cp->min[k];
+		r.c = r.d = r.a;
+	}
+	return r;
+}
+
+/*
+ * Chunk k of the row at `row`: 16 fp32 values, exactly row_load16's.
+ * B is 1, 2 (the tables) or 0 (any other width: unpack, then the
+ * arithmetic of row_load16).
+ */
+static ALWAYS_INLINE __m512 codes_decode(const struct codes_plan *cp, const uint8_t *row,
+					 size_t k, const struct chunk_regs *r, const int B,
+					 const bool clamp)
+{
+	if (B == 1) {
+		uint16_t m;
+		memcpy(&m, row + 2 * k, sizeof m);
+		return _mm512_mask_blend_ps((__mmask16)m, r->a, r->b);
+	}
+	if (B == 2) {
+		const __m512i bit0 = _mm512_set_epi32(1 << 30, 1 << 28, 1 << 26, 1 << 24, 1 << 22,
+						      1 << 20, 1 << 18, 1 << 16, 1 << 14, 1 << 12,
+						      1 << 10, 1 << 8, 1 << 6, 1 << 4, 1 << 2, 1);
+		uint32_t word;
+		memcpy(&word, row + 4 * k, sizeof word);
+		__m512i codes = _mm512_set1_epi32((int)word);
+		__mmask16 low = _mm512_test_epi32_mask(codes, bit0);
+		__mmask16 high = _mm512_test_epi32_mask(codes, _mm512_add_epi32(bit0, bit0));
+		__m512 even = _mm512_mask_blend_ps(low, r->a, r->b);
+		__m512 odd = _mm512_mask_blend_ps(low, r->c, r->d);
+		return _mm512_mask_blend_ps(high, even, odd);
+	}
+	__m512i window = _mm512_broadcast_i32x4(
+		_mm_loadu_si128((const __m128i *)(row + 2 * (size_t)cp->bits * k)));
+	__m512i codes = _mm512_and_si512(
+		_mm512_srlv_epi32(_mm512_shuffle_epi8(window, cp->shuffle), cp->shifts),
+		cp->code_mask);
+	__m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), r->a, r->b);
+	if (clamp) {
+		y = _mm512_max_ps(y, _mm512_set1_ps(-65504.0f));
+		y = _mm512_min_ps(y, _mm512_set1_ps(65504.0f));
+	}
+	return _mm512_cvtph_ps(_mm512_cvtps_ph(y, ROUND_NEAREST));
+}
+
+/* score_tile over the plan: the same tiles, accumulators and fold. */
+static ALWAYS_INLINE void fast_score_tile(const struct codes_plan *cp, size_t i0, size_t n_rows,
+					  const float *q, size_t q_stride, float *s,
+					  const uint8_t *pos, const int TR, const int QB,
+					  const int B, const bool clamp)
+{
+	__m512 acc[16];
+	const uint8_t *rows = cp->rows + i0 * cp->row_bytes;
+	_Pragma("GCC unroll 16")
+	for (int k = 0; k < 16; k++)
+		acc[k] = _mm512_setzero_ps();
+	_Pragma("GCC unroll 16")
+	for (int i = 0; i < TR; i++) {
+		if ((size_t)i >= n_rows)
+			break;
+		_mm_prefetch((const char *)rows + ((size_t)i + PREFETCH_ROWS) * cp->row_bytes,
+			     _MM_HINT_T0);
+	}
+	for (size_t k = 0; k < cp->chunks; k++) {
+		struct chunk_regs regs = chunk_regs_load(cp, k, B);
+		_Pragma("GCC unroll 16")
+		for (int i = 0; i < TR; i++) {
+			if ((size_t)i >= n_rows)
+				break;
+			__m512 y = codes_decode(cp, rows + (size_t)i * cp->row_bytes, k, &regs, B,
+						clamp);
+			_Pragma("GCC unroll 16")
+			for (int r = 0; r < QB; r++)
+				acc[i * QB + r] = _mm512_fmadd_ps(
+					_mm512_load_ps(q + (size_t)r * q_stride + 16 * k), y,
+					acc[i * QB + r]);
+		}
+	}
+	float sums[16];
+	_mm512_storeu_ps(sums, codec_fold16x16(acc));
+	for (int i = 0; i < TR && (size_t)i < n_rows; i++)
+		for (int r = 0; r < QB; r++)
+			s[(size_t)r * ATTEND_CHUNK + pos[i0 + (size_t)i]] = sums[i * QB + r];
+}
+
+static ALWAYS_INLINE void fast_score_rows(const struct codes_plan *cp, size_t n_rows,
+					  const float *q, size_t n_q, size_t q_stride, float *s,
+					  const uint8_t *pos, const int QB, const int B,
+					  const bool clamp)
+{
+	const int TR = 16 / QB;
+	for (size_t r0 = 0; r0 < n_q; r0 += (size_t)QB)
+		for (size_t i0 = 0; i0 < n_rows; i0 += (size_t)TR)
+			fast_score_tile(cp, i0, n_rows - i0, q + r0 * q_stride, q_stride,
+					s + r0 * ATTEND_CHUNK, pos, TR, QB, B, clamp);
+}
+
+static ALWAYS_INLINE void fast_score_any(const struct codes_plan *cp, size_t n_rows,
+					 const float *q, size_t n_q, size_t q_stride, float *s,
+					 const uint8_t *pos, const int B, const bool clamp)
+{
+	if (n_q % 16 == 0)
+		fast_score_rows(cp, n_rows, q, n_q, q_stride, s, pos, 16, B, clamp);
+	else if (n_q % 8 == 0)
+		fast_score_rows(cp, n_rows, q, n_q, q_stride, s, pos, 8, B, clamp);
+	else if (n_q % 4 == 0)
+		fast_score_rows(cp, n_rows, q, n_q, q_stride, s, pos, 4, B, clamp);
+	else if (n_q == 2)
+		fast_score_rows(cp, n_rows, q, n_q, q_stride, s, pos, 2, B, clamp);
+	else
+		fast_score_rows(cp, n_rows, q, n_q, q_stride, s, pos, 1, B, clamp);
+}
+
+static void fast_score(const struct codes_plan *cp, size_t n_rows, const float *q, size_t n_q,
+		       size_t q_stride, float *s, const uint8_t *pos)
+{
+	if (cp->bits == 1)
+		fast_score_any(cp, n_rows, q, n_q, q_stride, s, pos, 1, false);
+	else if (cp->bits == 2)
+		fast_score_any(cp, n_rows, q, n_q, q_stride, s, pos, 2, false);
+	else if (cp->clamp)
+		fast_score_any(cp, n_rows, q, n_q, q_stride, s, pos, 0, true);
+	else
+		fast_score_any(cp, n_rows, q, n_q, q_stride, s, pos, 0, false);
+}
+
+/* accumulate_block over the plan: chunk k, NR query rows, tokens in order. */
+static ALWAYS_INLINE void fast_accumulate_block(const struct codes_plan *cp, size_t n_rows,
+						size_t k, const struct chunk_regs *regs,
+						const float *w, float *part, size_t part_stride,
+						const int NR, const int B, const bool clamp)
+{
+	__m512 a[8];
+	_Pragma("GCC unroll 8")
+	for (int r = 0; r < NR; r++)
+		a[r] = _mm512_load_ps(part + (size_t)r * part_stride + 16 * k);
+	for (size_t i = 0; i < n_rows; i++) {
+		__m512 y = codes_decode(cp, cp->rows + i * cp->row_bytes, k, regs, B, clamp);
+		_Pragma("GCC unroll 8")
+		for (int r = 0; r < NR; r++)
+			a[r] = _mm512_fmadd_ps(_mm512_set1_ps(w[(size_t)r * ATTEND_CHUNK + i]), y, a[r]);
+	}
+	_Pragma("GCC unroll 8")
+	for (int r = 0; r < NR; r++)
+		_mm512_store_ps(part + (size_t)r * part_stride + 16 * k, a[r]);
+}
+
+static ALWAYS_INLINE void fast_accumulate_any(const struct codes_plan *cp, size_t n_rows,
+					      const float *w, size_t n_p, float *part,
+					      size_t part_stride, const int B, const bool clamp)
+{
+	for (size_t i = 0; i < n_rows; i++)
+		_mm_prefetch((const char *)cp->rows + (i + PREFETCH_ROWS) * cp->row_bytes,
+			     _MM_HINT_T0);
+	for (size_t k = 0; k < cp->chunks; k++) {
+		struct chunk_regs regs = chunk_regs_load(cp, k, B);
+		for (size_t r0 = 0; r0 < n_p; r0 += 8) {
+			const float *wr = w + r0 * ATTEND_CHUNK;
+			float *pr = part + r0 * part_stride;
+#define FAST_ACC(NR) fast_accumulate_block(cp, n_rows, k, &regs, wr, pr, part_stride, NR, B, clamp)
+			switch (n_p - r0 < 8 ? n_p - r0 : 8) {
+			case 1: FAST_ACC(1); break;
+			case 2: FAST_ACC(2); break;
+			case 3: FAST_ACC(3); break;
+			case 4: FAST_ACC(4); break;
+			case 5: FAST_ACC(5); break;
+			case 6: FAST_ACC(6); break;
+			case 7: FAST_ACC(7); break;
+			default: FAST_ACC(8); break;
+			}
+#undef FAST_ACC
+		}
+	}
+}
+
+static void fast_accumulate(const struct codes_plan *cp, size_t n_rows, const float *w,
+			    size_t n_p, float *part, size_t part_stride)
+{
+	if (cp->bits == 1)
+		fast_accumulate_any(cp, n_rows, w, n_p, part, part_stride, 1, false);
+	else if (cp->bits == 2)
+		fast_accumulate_any(cp, n_rows, w, n_p, part, part_stride, 2, false);
+	else if (cp->clamp)
+		fast_accumulate_any(cp, n_rows, w, n_p, part, part_stride, 0, true);
+	else
+		fast_accumulate_any(cp, n_rows, w, n_p, part, part_stride, 0, false);
+}
+
 static void avx512_score_fp16(const uint16_t *rows, size_t row_stride, size_t n_rows,
 			      size_t dim, const float *q, size_t n_q, size_t q_stride, float *s,
 			      const uint8_t *pos)
@@ -212,6 +526,12 @@ static void avx512_score_codes(const uint8_t *stream, const uint8_t *read_end,
 			       const uint8_t *scales, const uint8_t *mins, const float *q,
 			       size_t n_q, size_t q_stride, float *s, const uint8_t *pos)
 {
+	if (fast_codes(stream, read_end, bit_offset, n_rows, dim, bits)) {
+		struct codes_plan cp;
+		codes_plan_init(&cp, stream, bit_offset, dim, bits, scales, mins);
+		fast_score(&cp, n_rows, q, n_q, q_stride, s, pos);
+		return;
+	}
 	struct rows_src src = codes_src(stream, read_end, bit_offset, n_rows, dim, bits, scales,
 					mins);
 	if (src.safe)
@@ -283,6 +603,12 @@ static void avx512_accumulate_codes(const uint8_t *stream, const uint8_t *read_e
 				    const uint8_t *scales, const uint8_t *mins, const float *p,
 				    size_t n_p, float *part, size_t part_stride)
 {
+	if (fast_codes(stream, read_end, bit_offset, n_rows, dim, bits)) {
+		struct codes_plan cp;
+		codes_plan_init(&cp, stream, bit_offset, dim, bits, scales, mins);
+		fast_accumulate(&cp, n_rows, p, n_p, part, part_stride);
+		return;
+	}
 	struct rows_src src = codes_src(stream, read_end, bit_offset, n_rows, dim, bits, scales,
 					mins);
 	accumulate_any(&src, true, n_rows, dim, p, n_p, part, part_stride);
