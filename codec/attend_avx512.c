@@ -451,53 +451,83 @@ static void fast_score(const struct codes_plan *cp, size_t n_rows, const float *
 		fast_score_any(cp, n_rows, q, n_q, q_stride, s, pos, 0, false);
 }
 
-/* accumulate_block over the plan: chunk k, NR query rows, tokens in order. */
+/*
+ * accumulate_block over the plan: NR query rows, KC consecutive chunks
+ * from k, tokens in order. The chunks only multiply the independent FMA
+ * chains (NR of them per chunk are too few to hide the FMA latency);
+ * each (row, channel) still adds its tokens in increasing order.
+ */
 static ALWAYS_INLINE void fast_accumulate_block(const struct codes_plan *cp, size_t n_rows,
 						size_t k, const struct chunk_regs *regs,
 						const float *w, float *part, size_t part_stride,
-						const int NR, const int B, const bool clamp)
+						const int NR, const int KC, const int B,
+						const bool clamp)
 {
-	__m512 a[8];
-	_Pragma("GCC unroll 8")
-	for (int r = 0; r < NR; r++)
-		a[r] = _mm512_load_ps(part + (size_t)r * part_stride + 16 * k);
-	for (size_t i = 0; i < n_rows; i++) {
-		__m512 y = codes_decode(cp, cp->rows + i * cp->row_bytes, k, regs, B, clamp);
+	__m512 a[4][8];
+	_Pragma("GCC unroll 4")
+	for (int j = 0; j < KC; j++)
 		_Pragma("GCC unroll 8")
 		for (int r = 0; r < NR; r++)
-			a[r] = _mm512_fmadd_ps(_mm512_set1_ps(w[(size_t)r * ATTEND_CHUNK + i]), y, a[r]);
+			a[j][r] = _mm512_load_ps(part + (size_t)r * part_stride + 16 * (k + (size_t)j));
+	for (size_t i = 0; i < n_rows; i++) {
+		_Pragma("GCC unroll 4")
+		for (int j = 0; j < KC; j++) {
+			__m512 y = codes_decode(cp, cp->rows + i * cp->row_bytes, k + (size_t)j,
+						&regs[j], B, clamp);
+			_Pragma("GCC unroll 8")
+			for (int r = 0; r < NR; r++)
+				a[j][r] = _mm512_fmadd_ps(_mm512_set1_ps(w[(size_t)r * ATTEND_CHUNK + i]),
+							  y, a[j][r]);
+		}
 	}
-	_Pragma("GCC unroll 8")
-	for (int r = 0; r < NR; r++)
-		_mm512_store_ps(part + (size_t)r * part_stride + 16 * k, a[r]);
+	_Pragma("GCC unroll 4")
+	for (int j = 0; j < KC; j++)
+		_Pragma("GCC unroll 8")
+		for (int r = 0; r < NR; r++)
+			_mm512_store_ps(part + (size_t)r * part_stride + 16 * (k + (size_t)j), a[j][r]);
+}
+
+/* KC chunks from k, all the query rows, NR at a time. */
+static ALWAYS_INLINE void fast_accumulate_chunks(const struct codes_plan *cp, size_t n_rows,
+						 size_t k, const float *w, size_t n_p, float *part,
+						 size_t part_stride, const int KC, const int B,
+						 const bool clamp)
+{
+	struct chunk_regs regs[4];
+	_Pragma("GCC unroll 4")
+	for (int j = 0; j < KC; j++)
+		regs[j] = chunk_regs_load(cp, k + (size_t)j, B);
+	for (size_t r0 = 0; r0 < n_p; r0 += 8) {
+		const float *wr = w + r0 * ATTEND_CHUNK;
+		float *pr = part + r0 * part_stride;
+#define FAST_ACC(NR) \
+	fast_accumulate_block(cp, n_rows, k, regs, wr, pr, part_stride, NR, KC, B, clamp)
+		switch (n_p - r0 < 8 ? n_p - r0 : 8) {
+		case 1: FAST_ACC(1); break;
+		case 2: FAST_ACC(2); break;
+		case 3: FAST_ACC(3); break;
+		case 4: FAST_ACC(4); break;
+		case 5: FAST_ACC(5); break;
+		case 6: FAST_ACC(6); break;
+		case 7: FAST_ACC(7); break;
+		default: FAST_ACC(8); break;
+		}
+#undef FAST_ACC
+	}
 }
 
 static ALWAYS_INLINE void fast_accumulate_any(const struct codes_plan *cp, size_t n_rows,
 					      const float *w, size_t n_p, float *part,
 					      size_t part_stride, const int B, const bool clamp)
 {
+	size_t k = 0;
 	for (size_t i = 0; i < n_rows; i++)
 		_mm_prefetch((const char *)cp->rows + (i + PREFETCH_ROWS) * cp->row_bytes,
 			     _MM_HINT_T0);
-	for (size_t k = 0; k < cp->chunks; k++) {
-		struct chunk_regs regs = chunk_regs_load(cp, k, B);
-		for (size_t r0 = 0; r0 < n_p; r0 += 8) {
-			const float *wr = w + r0 * ATTEND_CHUNK;
-			float *pr = part + r0 * part_stride;
-#define FAST_ACC(NR) fast_accumulate_block(cp, n_rows, k, &regs, wr, pr, part_stride, NR, B, clamp)
-			switch (n_p - r0 < 8 ? n_p - r0 : 8) {
-			case 1: FAST_ACC(1); break;
-			case 2: FAST_ACC(2); break;
-			case 3: FAST_ACC(3); break;
-			case 4: FAST_ACC(4); break;
-			case 5: FAST_ACC(5); break;
-			case 6: FAST_ACC(6); break;
-			case 7: FAST_ACC(7); break;
-			default: FAST_ACC(8); break;
-			}
-#undef FAST_ACC
-		}
-	}
+	for (; k + 2 <= cp->chunks; k += 2)
+		fast_accumulate_chunks(cp, n_rows, k, w, n_p, part, part_stride, 2, B, clamp);
+	if (k < cp->chunks)
+		fast_accumulate_chunks(cp, n_rows, k, w, n_p, part, part_stride, 1, B, clamp);
 }
 
 static void fast_accumulate(const struct codes_plan *cp, size_t n_rows, const float *w,
@@ -614,15 +644,85 @@ static void avx512_accumulate_codes(const uint8_t *stream, const uint8_t *read_e
 	accumulate_any(&src, true, n_rows, dim, p, n_p, part, part_stride);
 }
 
-static void avx512_softmax(float *s, size_t n_rows, float *m, float *l, float *alpha)
+/* attend_exp2 on 16 lanes: the same operations (no FMA), so the same bits. */
+static ALWAYS_INLINE __m512 exp2_16(__m512 x)
 {
-	attend_softmax_step(s, n_rows, m, l, alpha);
+	const __m512 shifter = _mm512_set1_ps(12582912.0f);
+	/* x >= -126 ? x : -127, NaN included (the compare is false). */
+	x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ),
+				 _mm512_set1_ps(-127.0f), x);
+	__m512 f = _mm512_sub_ps(_mm512_add_ps(x, shifter), shifter);
+	__m512 r = _mm512_sub_ps(x, f);
+	__m512 poly = _mm512_set1_ps(1.525273380405984e-05f);
+	poly = _mm512_add_ps(_mm512_mul_ps(poly, r), _mm512_set1_ps(1.540353039338161e-04f));
+	poly = _mm512_add_ps(_mm512_mul_ps(poly, r), _mm512_set1_ps(1.333355814642844e-03f));
+	poly = _mm512_add_ps(_mm512_mul_ps(poly, r), _mm512_set1_ps(9.618129107628477e-03f));
+	poly = _mm512_add_ps(_mm512_mul_ps(poly, r), _mm512_set1_ps(5.550410866482158e-02f));
+	poly = _mm512_add_ps(_mm512_mul_ps(poly, r), _mm512_set1_ps(2.402265069591007e-01f));
+	poly = _mm512_add_ps(_mm512_mul_ps(poly, r), _mm512_set1_ps(6.931471805599453e-01f));
+	poly = _mm512_add_ps(_mm512_mul_ps(poly, r), _mm512_set1_ps(1.0f));
+	/* f is a whole number: truncation is the C cast's conversion. */
+	__m512i bits = _mm512_slli_epi32(
+		_mm512_add_epi32(_mm512_cvttps_epi32(f), _mm512_set1_epi32(127)), 23);
+	return _mm512_mul_ps(poly, _mm512_castsi512_ps(bits));
 }
 
+/*
+ * attend_softmax_step with the chunk's four vectors of positions (lane
+ * j: t = j mod 16, t increasing down the vectors): MAXPS(row, lanes) is
+ * `row > lanes ? row : lanes`, the sums add the vectors in order from
+ * +0, and the steps across lanes are attend_softmax.h's own code.
+ */
+static void avx512_softmax(float *s, size_t n_rows, float *m, float *l, float *alpha)
+{
+	_Static_assert(ATTEND_CHUNK == 64, "four vectors per chunk");
+	for (size_t r = 0; r < n_rows; r++) {
+		float *row = s + r * ATTEND_CHUNK;
+		__m512 v[4];
+		float lanes[16];
+		_Pragma("GCC unroll 4")
+		for (int k = 0; k < 4; k++)
+			v[k] = _mm512_loadu_ps(row + 16 * k);
+		__m512 top16 = _mm512_set1_ps(-__builtin_inff());
+		_Pragma("GCC unroll 4")
+		for (int k = 0; k < 4; k++)
+			top16 = _mm512_max_ps(v[k], top16);
+		_mm512_storeu_ps(lanes, top16);
+		float top = m[r];
+		for (int j = 0; j < 16; j++)
+			top = lanes[j] > top ? lanes[j] : top;
+		if (top == -__builtin_inff()) {
+			alpha[r] = 1.0f;
+			memset(row, 0, ATTEND_CHUNK * sizeof *row);
+			continue;
+		}
+		alpha[r] = attend_exp2(m[r] - top);
+		__m512 sum = _mm512_setzero_ps();
+		_Pragma("GCC unroll 4")
+		for (int k = 0; k < 4; k++) {
+			__m512 p = exp2_16(_mm512_sub_ps(v[k], _mm512_set1_ps(top)));
+			_mm512_storeu_ps(row + 16 * k, p);
+			sum = _mm512_add_ps(sum, p);
+		}
+		_mm512_storeu_ps(lanes, sum);
+		l[r] = l[r] * alpha[r] + codec_fold_lanes(lanes);
+		m[r] = top;
+	}
+}
+
+/* attend_combine_rows: mul, then add (stride is a multiple of 16). */
 static void avx512_combine(float *acc, float *part, size_t n_rows, size_t stride,
 			   const float *alpha)
 {
-	attend_combine_rows(acc, part, n_rows, stride, alpha);
+	for (size_t r = 0; r < n_rows; r++) {
+		__m512 a = _mm512_set1_ps(alpha[r]);
+		float *out = acc + r * stride, *in = part + r * stride;
+		for (size_t c = 0; c < stride; c += 16) {
+			_mm512_store_ps(out + c, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(out + c), a),
+							       _mm512_load_ps(in + c)));
+			_mm512_store_ps(in + c, _mm512_setzero_ps());
+		}
+	}
 }
 
 const struct attend_kernels attend_kernels_avx512 = {
