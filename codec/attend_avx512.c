@@ -470,14 +470,18 @@ static ALWAYS_INLINE void fast_accumulate_block(const struct codes_plan *cp, siz
 		for (int r = 0; r < NR; r++)
 			a[j][r] = _mm512_load_ps(part + (size_t)r * part_stride + 16 * (k + (size_t)j));
 	for (size_t i = 0; i < n_rows; i++) {
+		__m512 y[4];
 		_Pragma("GCC unroll 4")
-		for (int j = 0; j < KC; j++) {
-			__m512 y = codes_decode(cp, cp->rows + i * cp->row_bytes, k + (size_t)j,
-						&regs[j], B, clamp);
-			_Pragma("GCC unroll 8")
-			for (int r = 0; r < NR; r++)
-				a[j][r] = _mm512_fmadd_ps(_mm512_set1_ps(w[(size_t)r * ATTEND_CHUNK + i]),
-							  y, a[j][r]);
+		for (int j = 0; j < KC; j++)
+			y[j] = codes_decode(cp, cp->rows + i * cp->row_bytes, k + (size_t)j, &regs[j],
+					    B, clamp);
+		/* One broadcast weight for the KC chunks. */
+		_Pragma("GCC unroll 8")
+		for (int r = 0; r < NR; r++) {
+			__m512 weight = _mm512_set1_ps(w[(size_t)r * ATTEND_CHUNK + i]);
+			_Pragma("GCC unroll 4")
+			for (int j = 0; j < KC; j++)
+				a[j][r] = _mm512_fmadd_ps(weight, y[j], a[j][r]);
 		}
 	}
 	_Pragma("GCC unroll 4")
