@@ -304,6 +304,14 @@ static void codes_plan_init(struct codes_plan *cp, const uint8_t *stream, size_t
 	}
 }
 
+/* The rows one chunk on: one hint per cache line of `bytes` from `at`
+ * (prefetches never fault, so past the payload they cost only the hint). */
+static ALWAYS_INLINE void prefetch_lines(const uint8_t *at, size_t bytes)
+{
+	for (size_t off = 0; off < bytes; off += 64)
+		_mm_prefetch((const char *)at + off, _MM_HINT_T0);
+}
+
 /* The decoded values of one chunk held in registers across rows. */
 struct chunk_regs {
 	__m512 a, b, c, d; /* 1, 2 bits: lut[0..3]; else a = scale, b = min */
@@ -381,13 +389,8 @@ static ALWAYS_INLINE void fast_score_tile(const struct codes_plan *cp, size_t i0
 	_Pragma("GCC unroll 16")
 	for (int k = 0; k < 16; k++)
 		acc[k] = _mm512_setzero_ps();
-	_Pragma("GCC unroll 16")
-	for (int i = 0; i < TR; i++) {
-		if ((size_t)i >= n_rows)
-			break;
-		_mm_prefetch((const char *)rows + ((size_t)i + PREFETCH_ROWS) * cp->row_bytes,
-			     _MM_HINT_T0);
-	}
+	prefetch_lines(rows + PREFETCH_ROWS * cp->row_bytes,
+		       (n_rows < (size_t)TR ? n_rows : (size_t)TR) * cp->row_bytes);
 	for (size_t k = 0; k < cp->chunks; k++) {
 		struct chunk_regs regs = chunk_regs_load(cp, k, B);
 		_Pragma("GCC unroll 16")
@@ -525,9 +528,7 @@ static ALWAYS_INLINE void fast_accumulate_any(const struct codes_plan *cp, size_
 					      size_t part_stride, const int B, const bool clamp)
 {
 	size_t k = 0;
-	for (size_t i = 0; i < n_rows; i++)
-		_mm_prefetch((const char *)cp->rows + (i + PREFETCH_ROWS) * cp->row_bytes,
-			     _MM_HINT_T0);
+	prefetch_lines(cp->rows + PREFETCH_ROWS * cp->row_bytes, n_rows * cp->row_bytes);
 	for (; k + 2 <= cp->chunks; k += 2)
 		fast_accumulate_chunks(cp, n_rows, k, w, n_p, part, part_stride, 2, B, clamp);
 	if (k < cp->chunks)
