@@ -406,10 +406,16 @@ static ALWAYS_INLINE void fast_score_rows(const struct codes_plan *cp, size_t n_
 					  const bool clamp)
 {
 	const int TR = 4 / QB;
-	for (size_t r0 = 0; r0 < n_q; r0 += (size_t)QB)
-		for (size_t i0 = 0; i0 < n_rows; i0 += (size_t)TR)
-			fast_score_tile(cp, i0, n_rows - i0, q + r0 * q_stride, q_stride,
+	/* Whole tiles with TR a constant (no row checks), then the rest. */
+	size_t whole = n_rows / (size_t)TR * (size_t)TR;
+	for (size_t r0 = 0; r0 < n_q; r0 += (size_t)QB) {
+		for (size_t i0 = 0; i0 < whole; i0 += (size_t)TR)
+			fast_score_tile(cp, i0, (size_t)TR, q + r0 * q_stride, q_stride,
 					s + r0 * ATTEND_CHUNK, pos, TR, QB, B, clamp);
+		if (whole < n_rows)
+			fast_score_tile(cp, whole, n_rows - whole, q + r0 * q_stride, q_stride,
+					s + r0 * ATTEND_CHUNK, pos, TR, QB, B, clamp);
+	}
 }
 
 static ALWAYS_INLINE void fast_score_any(const struct codes_plan *cp, size_t n_rows,

@@ -419,10 +419,16 @@ static ALWAYS_INLINE void fast_score_rows(const struct codes_plan *cp, size_t n_
 					  const bool clamp)
 {
 	const int TR = 16 / QB;
-	for (size_t r0 = 0; r0 < n_q; r0 += (size_t)QB)
-		for (size_t i0 = 0; i0 < n_rows; i0 += (size_t)TR)
-			fast_score_tile(cp, i0, n_rows - i0, q + r0 * q_stride, q_stride,
+	/* Whole tiles with TR a constant (no row checks), then the rest. */
+	size_t whole = n_rows / (size_t)TR * (size_t)TR;
+	for (size_t r0 = 0; r0 < n_q; r0 += (size_t)QB) {
+		for (size_t i0 = 0; i0 < whole; i0 += (size_t)TR)
+			fast_score_tile(cp, i0, (size_t)TR, q + r0 * q_stride, q_stride,
 					s + r0 * ATTEND_CHUNK, pos, TR, QB, B, clamp);
+		if (whole < n_rows)
+			fast_score_tile(cp, whole, n_rows - whole, q + r0 * q_stride, q_stride,
+					s + r0 * ATTEND_CHUNK, pos, TR, QB, B, clamp);
+	}
 }
 
 static ALWAYS_INLINE void fast_score_any(const struct codes_plan *cp, size_t n_rows,
@@ -535,10 +541,112 @@ static ALWAYS_INLINE void fast_accumulate_any(const struct codes_plan *cp, size_
 		fast_accumulate_chunks(cp, n_rows, k, w, n_p, part, part_stride, 1, B, clamp);
 }
 
+/*
+ * 4-bit values with dim % 32 == 0, 32 channels (chunks 2v and 2v + 1)
+ * per pass: 16 code bytes widen to 16 dwords whose low nibbles are the
+ * even channels and high nibbles the odd ones (kernels_avx512.c's
+ * nibble_rows), so one widening unpacks two chunks. The accumulators
+ * hold the even and the odd channels (the partials are regrouped on
+ * load and put back on store); every (row, channel) still adds its
+ * tokens in order, one FMA each, from the same fp32 values.
+ */
+static ALWAYS_INLINE void nibble_accumulate_block(const struct codes_plan *cp, size_t n_rows,
+						  size_t v, const __m512 *params, const float *w,
+						  float *part, size_t part_stride, const int NR,
+						  const bool clamp)
+{
+	const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6,
+					      4, 2, 0);
+	const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+	/* Lane c of chunk 2v (first) and 2v + 1 (second) from the even (c
+	 * even) or the odd (c odd, index + 16) accumulator. */
+	const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+					       16, 0);
+	const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+	const __m512i low4 = _mm512_set1_epi32(15);
+	__m512 a_even[8], a_odd[8];
+	_Pragma("GCC unroll 8")
+	for (int r = 0; r < NR; r++) {
+		const float *at = part + (size_t)r * part_stride + 32 * v;
+		__m512 lo = _mm512_load_ps(at), hi = _mm512_load_ps(at + 16);
+		a_even[r] = _mm512_permutex2var_ps(lo, even, hi);
+		a_odd[r] = _mm512_permutex2var_ps(lo, odd, hi);
+	}
+	for (size_t i = 0; i < n_rows; i++) {
+		__m512i pairs = _mm512_cvtepu8_epi32(
+			_mm_loadu_si128((const __m128i *)(cp->rows + i * cp->row_bytes + 16 * v)));
+		__m512 y_even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(pairs, low4)),
+						params[0], params[2]);
+		__m512 y_odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(pairs, 4)),
+					       params[1], params[3]);
+		if (clamp) {
+			const __m512 lowest = _mm512_set1_ps(-65504.0f);
+			const __m512 highest = _mm512_set1_ps(65504.0f);
+			y_even = _mm512_min_ps(_mm512_max_ps(y_even, lowest), highest);
+			y_odd = _mm512_min_ps(_mm512_max_ps(y_odd, lowest), highest);
+		}
+		y_even = _mm512_cvtph_ps(_mm512_cvtps_ph(y_even, ROUND_NEAREST));
+		y_odd = _mm512_cvtph_ps(_mm512_cvtps_ph(y_odd, ROUND_NEAREST));
+		_Pragma("GCC unroll 8")
+		for (int r = 0; r < NR; r++) {
+			__m512 weight = _mm512_set1_ps(w[(size_t)r * ATTEND_CHUNK + i]);
+			a_even[r] = _mm512_fmadd_ps(weight, y_even, a_even[r]);
+			a_odd[r] = _mm512_fmadd_ps(weight, y_odd, a_odd[r]);
+		}
+	}
+	_Pragma("GCC unroll 8")
+	for (int r = 0; r < NR; r++) {
+		float *at = part + (size_t)r * part_stride + 32 * v;
+		_mm512_store_ps(at, _mm512_permutex2var_ps(a_even[r], first, a_odd[r]));
+		_mm512_store_ps(at + 16, _mm512_permutex2var_ps(a_even[r], second, a_odd[r]));
+	}
+}
+
+static ALWAYS_INLINE void nibble_accumulate_any(const struct codes_plan *cp, size_t n_rows,
+						const float *w, size_t n_p, float *part,
+						size_t part_stride, const bool clamp)
+{
+	const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6,
+					      4, 2, 0);
+	const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+	prefetch_lines(cp->rows + PREFETCH_ROWS * cp->row_bytes, n_rows * cp->row_bytes);
+	for (size_t v = 0; v < cp->chunks / 2; v++) {
+		/* scale even, scale odd, min even, min odd */
+		__m512 params[4] = {
+			_mm512_permutex2var_ps(cp->scale[2 * v], even, cp->scale[2 * v + 1]),
+			_mm512_permutex2var_ps(cp->scale[2 * v], odd, cp->scale[2 * v + 1]),
+			_mm512_permutex2var_ps(cp->min[2 * v], even, cp->min[2 * v + 1]),
+			_mm512_permutex2var_ps(cp->min[2 * v], odd, cp->min[2 * v + 1]),
+		};
+		for (size_t r0 = 0; r0 < n_p; r0 += 8) {
+			const float *wr = w + r0 * ATTEND_CHUNK;
+			float *pr = part + r0 * part_stride;
+#define NIBBLE_ACC(NR) \
+	nibble_accumulate_block(cp, n_rows, v, params, wr, pr, part_stride, NR, clamp)
+			switch (n_p - r0 < 8 ? n_p - r0 : 8) {
+			case 1: NIBBLE_ACC(1); break;
+			case 2: NIBBLE_ACC(2); break;
+			case 3: NIBBLE_ACC(3); break;
+			case 4: NIBBLE_ACC(4); break;
+			case 5: NIBBLE_ACC(5); break;
+			case 6: NIBBLE_ACC(6); break;
+			case 7: NIBBLE_ACC(7); break;
+			default: NIBBLE_ACC(8); break;
+			}
+#undef NIBBLE_ACC
+		}
+	}
+}
+
 static void fast_accumulate(const struct codes_plan *cp, size_t n_rows, const float *w,
 			    size_t n_p, float *part, size_t part_stride)
 {
-	if (cp->bits == 1)
+	if (cp->bits == 4 && cp->row_bytes % 16 == 0) {
+		if (cp->clamp)
+			nibble_accumulate_any(cp, n_rows, w, n_p, part, part_stride, true);
+		else
+			nibble_accumulate_any(cp, n_rows, w, n_p, part, part_stride, false);
+	} else if (cp->bits == 1)
 		fast_accumulate_any(cp, n_rows, w, n_p, part, part_stride, 1, false);
 	else if (cp->bits == 2)
 		fast_accumulate_any(cp, n_rows, w, n_p, part, part_stride, 2, false);
