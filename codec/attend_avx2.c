@@ -10,6 +10,7 @@
 #include "attend_kernels.h"
 
 #include <immintrin.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "attend_softmax.h"
@@ -206,7 +207,11 @@ static struct rows_src codes_src(const uint8_t *stream, const uint8_t *read_end,
 #define FAST_CHUNKS (FAST_MAX_DIM / 8)
 
 struct codes_plan {
-	const uint8_t *rows;   /* row 0's first byte */
+	/* The group the tables are for (attend_kernels.h's group cache):
+	 * zeroed, it matches none. */
+	const uint8_t *scales, *mins;
+	size_t dim;
+	const uint8_t *rows;   /* row 0's first byte (set every call) */
 	size_t row_bytes;      /* dim * bits / 8 */
 	size_t chunks;         /* 8-channel chunks: dim / 8 */
 	int bits;
@@ -278,6 +283,30 @@ static void codes_plan_init(struct codes_plan *cp, const uint8_t *stream, size_t
 		cp->shifts = _mm256_loadu_si256((const __m256i *)shifts);
 		cp->code_mask = _mm256_set1_epi32((1 << bits) - 1);
 	}
+}
+
+_Static_assert(sizeof(struct codes_plan) <= ATTEND_CACHE_BYTES, "the group cache holds a plan");
+_Static_assert(offsetof(struct codes_plan, dim) + sizeof(size_t) <= ATTEND_CACHE_KEY_BYTES,
+	       "zeroing the cache's key bytes forgets the plan");
+
+/* The plan of this call: the cached tables if they are this group's
+ * (same params bytes: a payload does not change during a call), else
+ * built now and kept. */
+static const struct codes_plan *codes_plan_get(void *at, const uint8_t *stream,
+					       size_t bit_offset, size_t dim, int bits,
+					       const uint8_t *scales, const uint8_t *mins,
+					       bool cached)
+{
+	struct codes_plan *cp = at;
+	if (!cached || cp->scales != scales || cp->mins != mins || cp->dim != dim ||
+	    cp->bits != bits) {
+		codes_plan_init(cp, stream, bit_offset, dim, bits, scales, mins);
+		cp->scales = scales;
+		cp->mins = mins;
+		cp->dim = dim;
+	}
+	cp->rows = stream + bit_offset / 8;
+	return cp;
 }
 
 /* The rows one chunk on: one hint per cache line of `bytes` from `at`. */
@@ -621,12 +650,14 @@ static void avx2_score_fp16(const uint16_t *rows, size_t row_stride, size_t n_ro
 static void avx2_score_codes(const uint8_t *stream, const uint8_t *read_end, size_t bit_offset,
 			     size_t n_rows, size_t dim, int bits, const uint8_t *scales,
 			     const uint8_t *mins, const float *q, size_t n_q, size_t q_stride,
-			     float *s, const uint8_t *pos)
+			     float *s, const uint8_t *pos, void *cache)
 {
 	if (fast_codes(stream, read_end, bit_offset, n_rows, dim, bits)) {
-		struct codes_plan cp;
-		codes_plan_init(&cp, stream, bit_offset, dim, bits, scales, mins);
-		fast_score(&cp, n_rows, q, n_q, q_stride, s, pos);
+		struct codes_plan local;
+		const struct codes_plan *cp = codes_plan_get(cache ? cache : &local, stream,
+							     bit_offset, dim, bits, scales, mins,
+							     cache != NULL);
+		fast_score(cp, n_rows, q, n_q, q_stride, s, pos);
 		return;
 	}
 	struct rows_src src = codes_src(stream, read_end, bit_offset, dim, bits, scales, mins);
@@ -686,12 +717,14 @@ static void avx2_accumulate_fp16(const uint16_t *rows, size_t row_stride, size_t
 static void avx2_accumulate_codes(const uint8_t *stream, const uint8_t *read_end,
 				  size_t bit_offset, size_t n_rows, size_t dim, int bits,
 				  const uint8_t *scales, const uint8_t *mins, const float *p,
-				  size_t n_p, float *part, size_t part_stride)
+				  size_t n_p, float *part, size_t part_stride, void *cache)
 {
 	if (fast_codes(stream, read_end, bit_offset, n_rows, dim, bits)) {
-		struct codes_plan cp;
-		codes_plan_init(&cp, stream, bit_offset, dim, bits, scales, mins);
-		fast_accumulate(&cp, n_rows, p, n_p, part, part_stride);
+		struct codes_plan local;
+		const struct codes_plan *cp = codes_plan_get(cache ? cache : &local, stream,
+							     bit_offset, dim, bits, scales, mins,
+							     cache != NULL);
+		fast_accumulate(cp, n_rows, p, n_p, part, part_stride);
 		return;
 	}
 	struct rows_src src = codes_src(stream, read_end, bit_offset, dim, bits, scales, mins);

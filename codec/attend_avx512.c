@@ -9,6 +9,7 @@
 #include "attend_kernels.h"
 
 #include <immintrin.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "attend_softmax.h"
@@ -223,7 +224,11 @@ static struct rows_src codes_src(const uint8_t *stream, const uint8_t *read_end,
 #define FAST_CHUNKS (FAST_MAX_DIM / 16)
 
 struct codes_plan {
-	const uint8_t *rows;   /* row 0's first byte */
+	/* The group the tables are for (attend_kernels.h's group cache):
+	 * zeroed, it matches none. */
+	const uint8_t *scales, *mins;
+	size_t dim;
+	const uint8_t *rows;   /* row 0's first byte (set every call) */
 	size_t row_bytes;      /* dim * bits / 8 */
 	size_t chunks;         /* 16-channel chunks: ceil(dim / 16) */
 	int bits;
@@ -302,6 +307,30 @@ static void codes_plan_init(struct codes_plan *cp, const uint8_t *stream, size_t
 		cp->shifts = _mm512_loadu_si512(shifts);
 		cp->code_mask = _mm512_set1_epi32((1 << bits) - 1);
 	}
+}
+
+_Static_assert(sizeof(struct codes_plan) <= ATTEND_CACHE_BYTES, "the group cache holds a plan");
+_Static_assert(offsetof(struct codes_plan, dim) + sizeof(size_t) <= ATTEND_CACHE_KEY_BYTES,
+	       "zeroing the cache's key bytes forgets the plan");
+
+/* The plan of this call: the cached tables if they are this group's
+ * (same params bytes: a payload does not change during a call), else
+ * built now and kept. */
+static const struct codes_plan *codes_plan_get(void *at, const uint8_t *stream,
+					       size_t bit_offset, size_t dim, int bits,
+					       const uint8_t *scales, const uint8_t *mins,
+					       bool cached)
+{
+	struct codes_plan *cp = at;
+	if (!cached || cp->scales != scales || cp->mins != mins || cp->dim != dim ||
+	    cp->bits != bits) {
+		codes_plan_init(cp, stream, bit_offset, dim, bits, scales, mins);
+		cp->scales = scales;
+		cp->mins = mins;
+		cp->dim = dim;
+	}
+	cp->rows = stream + bit_offset / 8;
+	return cp;
 }
 
 /* The rows one chunk on: one hint per cache line of `bytes` from `at`
@@ -667,12 +696,14 @@ static void avx512_score_fp16(const uint16_t *rows, size_t row_stride, size_t n_
 static void avx512_score_codes(const uint8_t *stream, const uint8_t *read_end,
 			       size_t bit_offset, size_t n_rows, size_t dim, int bits,
 			       const uint8_t *scales, const uint8_t *mins, const float *q,
-			       size_t n_q, size_t q_stride, float *s, const uint8_t *pos)
+			       size_t n_q, size_t q_stride, float *s, const uint8_t *pos, void *cache)
 {
 	if (fast_codes(stream, read_end, bit_offset, n_rows, dim, bits)) {
-		struct codes_plan cp;
-		codes_plan_init(&cp, stream, bit_offset, dim, bits, scales, mins);
-		fast_score(&cp, n_rows, q, n_q, q_stride, s, pos);
+		struct codes_plan local;
+		const struct codes_plan *cp = codes_plan_get(cache ? cache : &local, stream,
+							     bit_offset, dim, bits, scales, mins,
+							     cache != NULL);
+		fast_score(cp, n_rows, q, n_q, q_stride, s, pos);
 		return;
 	}
 	struct rows_src src = codes_src(stream, read_end, bit_offset, n_rows, dim, bits, scales,
@@ -744,12 +775,14 @@ static void avx512_accumulate_fp16(const uint16_t *rows, size_t row_stride, size
 static void avx512_accumulate_codes(const uint8_t *stream, const uint8_t *read_end,
 				    size_t bit_offset, size_t n_rows, size_t dim, int bits,
 				    const uint8_t *scales, const uint8_t *mins, const float *p,
-				    size_t n_p, float *part, size_t part_stride)
+				    size_t n_p, float *part, size_t part_stride, void *cache)
 {
 	if (fast_codes(stream, read_end, bit_offset, n_rows, dim, bits)) {
-		struct codes_plan cp;
-		codes_plan_init(&cp, stream, bit_offset, dim, bits, scales, mins);
-		fast_accumulate(&cp, n_rows, p, n_p, part, part_stride);
+		struct codes_plan local;
+		const struct codes_plan *cp = codes_plan_get(cache ? cache : &local, stream,
+							     bit_offset, dim, bits, scales, mins,
+							     cache != NULL);
+		fast_accumulate(cp, n_rows, p, n_p, part, part_stride);
 		return;
 	}
 	struct rows_src src = codes_src(stream, read_end, bit_offset, n_rows, dim, bits, scales,
