@@ -269,18 +269,15 @@ static void codes_plan_init(struct codes_plan *cp, const uint8_t *stream, size_t
 		cp->clamp |= _mm256_movemask_ps(good) != 0xff;
 	}
 	if (bits > 2) {
-		/* Code j: bits j*bits.. of the window, in bytes b and b+1 <= 7. */
-		uint8_t shuffle[32];
-		uint32_t shifts[8];
-		for (int j = 0; j < 8; j++) {
-			int at = j * bits, b = at >> 3;
-			shuffle[4 * j] = (uint8_t)b;
-			shuffle[4 * j + 1] = (uint8_t)(b + 1);
-			shuffle[4 * j + 2] = shuffle[4 * j + 3] = 0x80;
-			shifts[j] = (uint32_t)(at & 7);
-		}
-		cp->shuffle = _mm256_loadu_si256((const __m256i *)shuffle);
-		cp->shifts = _mm256_loadu_si256((const __m256i *)shifts);
+		/* Code j: bits j*bits.. of the window, in bytes b and b+1 <= 7,
+		 * the dword's other bytes zero. */
+		const __m256i iota = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+		__m256i at = _mm256_mullo_epi32(iota, _mm256_set1_epi32(bits));
+		__m256i byte = _mm256_srli_epi32(at, 3);
+		__m256i next = _mm256_add_epi32(byte, _mm256_set1_epi32(1));
+		cp->shuffle = _mm256_or_si256(_mm256_or_si256(byte, _mm256_slli_epi32(next, 8)),
+					      _mm256_set1_epi32((int)0x80800000u));
+		cp->shifts = _mm256_and_si256(at, _mm256_set1_epi32(7));
 		cp->code_mask = _mm256_set1_epi32((1 << bits) - 1);
 	}
 }

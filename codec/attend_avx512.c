@@ -293,18 +293,19 @@ static void codes_plan_init(struct codes_plan *cp, const uint8_t *stream, size_t
 	}
 	if (bits > 2) {
 		/* Code j: bits j*bits.. of the window, in bytes b and b+1
-		 * (b + 1 <= 14 for bits <= 7; for 8 bits byte b alone). */
-		uint8_t shuffle[64];
-		uint32_t shifts[16];
-		for (int j = 0; j < 16; j++) {
-			int at = j * bits, b = at >> 3;
-			shuffle[4 * j] = (uint8_t)b;
-			shuffle[4 * j + 1] = b + 1 < 16 ? (uint8_t)(b + 1) : 0x80;
-			shuffle[4 * j + 2] = shuffle[4 * j + 3] = 0x80;
-			shifts[j] = (uint32_t)(at & 7);
-		}
-		cp->shuffle = _mm512_loadu_si512(shuffle);
-		cp->shifts = _mm512_loadu_si512(shifts);
+		 * (b + 1 <= 14 for bits <= 7; for 8 bits byte b alone), the
+		 * dword's other bytes zero. */
+		const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
+						      2, 1, 0);
+		__m512i at = _mm512_mullo_epi32(iota, _mm512_set1_epi32(bits));
+		__m512i b = _mm512_srli_epi32(at, 3);
+		__m512i next = _mm512_add_epi32(b, _mm512_set1_epi32(1));
+		next = _mm512_mask_blend_epi32(
+			_mm512_cmpge_epi32_mask(next, _mm512_set1_epi32(16)), next,
+			_mm512_set1_epi32(0x80));
+		cp->shuffle = _mm512_or_si512(_mm512_or_si512(b, _mm512_slli_epi32(next, 8)),
+					      _mm512_set1_epi32((int)0x80800000u));
+		cp->shifts = _mm512_and_si512(at, _mm512_set1_epi32(7));
 		cp->code_mask = _mm512_set1_epi32((1 << bits) - 1);
 	}
 }
