@@ -541,10 +541,112 @@ static ALWAYS_INLINE void fast_accumulate_any(const struct codes_plan *cp, size_
 		fast_accumulate_chunks(cp, n_rows, k, w, n_p, part, part_stride, 1, B, clamp);
 }
 
+/* Channels 0, 2, .., 14 (even) or 1, 3, .., 15 (odd) of the 16 in lo
+ * (channels 0-7) and hi (8-15). */
+static ALWAYS_INLINE __m256 even_channels(__m256 lo, __m256 hi)
+{
+	__m256 mixed = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)); /* 0 2 8 10 | 4 6 12 14 */
+	return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(mixed),
+						       _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+static ALWAYS_INLINE __m256 odd_channels(__m256 lo, __m256 hi)
+{
+	__m256 mixed = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
+	return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(mixed),
+						       _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+/*
+ * attend_avx512.c's nibble_accumulate_block on 8 lanes: 4-bit values
+ * with dim % 16 == 0, 16 channels (chunks 2v and 2v + 1) from 8 code
+ * bytes widened once, low nibbles the even channels, high the odd.
+ */
+static ALWAYS_INLINE void nibble_accumulate_block(const struct codes_plan *cp, size_t n_rows,
+						  size_t v, const __m256 *params, const float *w,
+						  float *part, size_t part_stride, const int NR,
+						  const bool clamp)
+{
+	const __m256i low4 = _mm256_set1_epi32(15);
+	__m256 a_even[4], a_odd[4];
+	_Pragma("GCC unroll 4")
+	for (int r = 0; r < NR; r++) {
+		const float *at = part + (size_t)r * part_stride + 16 * v;
+		__m256 lo = _mm256_load_ps(at), hi = _mm256_load_ps(at + 8);
+		a_even[r] = even_channels(lo, hi);
+		a_odd[r] = odd_channels(lo, hi);
+	}
+	for (size_t i = 0; i < n_rows; i++) {
+		__m256i pairs = _mm256_cvtepu8_epi32(
+			_mm_loadl_epi64((const __m128i *)(cp->rows + i * cp->row_bytes + 8 * v)));
+		__m256 y_even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(pairs, low4)),
+						params[0], params[2]);
+		__m256 y_odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(pairs, 4)),
+					       params[1], params[3]);
+		if (clamp) {
+			const __m256 lowest = _mm256_set1_ps(-65504.0f);
+			const __m256 highest = _mm256_set1_ps(65504.0f);
+			y_even = _mm256_min_ps(_mm256_max_ps(y_even, lowest), highest);
+			y_odd = _mm256_min_ps(_mm256_max_ps(y_odd, lowest), highest);
+		}
+		y_even = _mm256_cvtph_ps(_mm256_cvtps_ph(y_even, ROUND_NEAREST));
+		y_odd = _mm256_cvtph_ps(_mm256_cvtps_ph(y_odd, ROUND_NEAREST));
+		_Pragma("GCC unroll 4")
+		for (int r = 0; r < NR; r++) {
+			__m256 weight = _mm256_set1_ps(w[(size_t)r * ATTEND_CHUNK + i]);
+			a_even[r] = _mm256_fmadd_ps(weight, y_even, a_even[r]);
+			a_odd[r] = _mm256_fmadd_ps(weight, y_odd, a_odd[r]);
+		}
+	}
+	_Pragma("GCC unroll 4")
+	for (int r = 0; r < NR; r++) {
+		float *at = part + (size_t)r * part_stride + 16 * v;
+		/* Per 128-bit half: channels 0-3 | 8-11 and 4-7 | 12-15. */
+		__m256 lo = _mm256_unpacklo_ps(a_even[r], a_odd[r]);
+		__m256 hi = _mm256_unpackhi_ps(a_even[r], a_odd[r]);
+		_mm256_store_ps(at, _mm256_permute2f128_ps(lo, hi, 0x20));
+		_mm256_store_ps(at + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+	}
+}
+
+static ALWAYS_INLINE void nibble_accumulate_any(const struct codes_plan *cp, size_t n_rows,
+						const float *w, size_t n_p, float *part,
+						size_t part_stride, const bool clamp)
+{
+	prefetch_lines(cp->rows + PREFETCH_ROWS * cp->row_bytes, n_rows * cp->row_bytes);
+	for (size_t v = 0; v < cp->chunks / 2; v++) {
+		/* scale even, scale odd, min even, min odd */
+		__m256 params[4] = {
+			even_channels(cp->scale[2 * v], cp->scale[2 * v + 1]),
+			odd_channels(cp->scale[2 * v], cp->scale[2 * v + 1]),
+			even_channels(cp->min[2 * v], cp->min[2 * v + 1]),
+			odd_channels(cp->min[2 * v], cp->min[2 * v + 1]),
+		};
+		for (size_t r0 = 0; r0 < n_p; r0 += 4) {
+			const float *wr = w + r0 * ATTEND_CHUNK;
+			float *pr = part + r0 * part_stride;
+#define NIBBLE_ACC(NR) \
+	nibble_accumulate_block(cp, n_rows, v, params, wr, pr, part_stride, NR, clamp)
+			switch (n_p - r0 < 4 ? n_p - r0 : 4) {
+			case 1: NIBBLE_ACC(1); break;
+			case 2: NIBBLE_ACC(2); break;
+			case 3: NIBBLE_ACC(3); break;
+			default: NIBBLE_ACC(4); break;
+			}
+#undef NIBBLE_ACC
+		}
+	}
+}
+
 static void fast_accumulate(const struct codes_plan *cp, size_t n_rows, const float *w,
 			    size_t n_p, float *part, size_t part_stride)
 {
-	if (cp->bits == 1)
+	if (cp->bits == 4 && cp->row_bytes % 8 == 0) {
+		if (cp->clamp)
+			nibble_accumulate_any(cp, n_rows, w, n_p, part, part_stride, true);
+		else
+			nibble_accumulate_any(cp, n_rows, w, n_p, part, part_stride, false);
+	} else if (cp->bits == 1)
 		fast_accumulate_any(cp, n_rows, w, n_p, part, part_stride, 1, false);
 	else if (cp->bits == 2)
 		fast_accumulate_any(cp, n_rows, w, n_p, part, part_stride, 2, false);
