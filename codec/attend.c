@@ -55,7 +55,11 @@ struct attend_scratch {
 	float *acc;     /* rows x v_stride */
 	float *part;    /* rows x v_stride */
 	float *m, *l, *alpha;
+	/* Group caches (attend_kernels.h): keys hi, keys lo, values. */
+	uint8_t *cache;
 };
+
+enum { CACHE_KEYS_HI, CACHE_KEYS_LO, CACHE_VALUES, CACHES };
 
 static const struct attend_kernels *kernels_for_isa(zc_isa isa)
 {
@@ -261,6 +265,7 @@ static void scratch_free(struct attend_scratch *scratch)
 	free(scratch->acc);
 	free(scratch->part);
 	free(scratch->m);
+	free(scratch->cache);
 }
 
 static int scratch_alloc(struct attend_scratch *scratch, const struct attend_job *job)
@@ -273,13 +278,24 @@ static int scratch_alloc(struct attend_scratch *scratch, const struct attend_job
 	scratch->acc = aligned_alloc(64, rows * job->v_stride * sizeof(float));
 	scratch->part = aligned_alloc(64, rows * job->v_stride * sizeof(float));
 	scratch->m = malloc(3 * rows * sizeof(float));
-	if (!scratch->q || !scratch->s || !scratch->acc || !scratch->part || !scratch->m) {
+	scratch->cache = aligned_alloc(64, CACHES * ATTEND_CACHE_BYTES);
+	if (!scratch->q || !scratch->s || !scratch->acc || !scratch->part || !scratch->m ||
+	    !scratch->cache) {
 		scratch_free(scratch);
 		return -ENOMEM;
 	}
 	scratch->l = scratch->m + rows;
 	scratch->alpha = scratch->l + rows;
 	return 0;
+}
+
+/* Forgets every group cache: what a kernel kept for one pair's payloads
+ * must not be taken for another's (a payload is only known not to change
+ * during one pass, and its address may be reused after the call). */
+static void attend_cache_reset(uint8_t *cache)
+{
+	for (int i = 0; i < CACHES; i++)
+		memset(cache + i * ATTEND_CACHE_BYTES, 0, ATTEND_CACHE_KEY_BYTES);
 }
 
 /* The query rows of (b, h), times scale * log2(e), zero padded. */
@@ -313,7 +329,8 @@ static uint64_t mask_word(const uint8_t *mask, size_t mask_bytes, size_t at)
 /* Scores of one subset's rows in this chunk, split where groups end. */
 static void score_subset(const struct attend_job *job, const struct segment_plan *plan,
 			 const uint8_t *payload, uint64_t members, uint32_t first_row, int bits,
-			 size_t params_offset, size_t codes_offset, const float *q, float *s)
+			 size_t params_offset, size_t codes_offset, const float *q, float *s,
+			 void *cache)
 {
 	uint8_t pos[ATTEND_CHUNK];
 	size_t n = 0, dim = job->head_dim_k, group = plan->group_size;
@@ -330,14 +347,14 @@ static void score_subset(const struct attend_job *job, const struct segment_plan
 		job->kernels->score_codes(payload + codes_offset, plan->keys_end,
 					  row * dim * (size_t)bits, run, dim, bits, scales,
 					  scales + 2 * dim, q, job->padded_rows, job->q_stride, s,
-					  pos + done);
+					  pos + done, cache);
 		done += run;
 	}
 }
 
 static void chunk_scores(const struct attend_job *job, const struct segment_plan *plan,
 			 size_t item, uint32_t t0, uint32_t n, uint32_t *hi_row, uint32_t *lo_row,
-			 const float *q, float *s)
+			 const float *q, float *s, uint8_t *cache)
 {
 	static const uint8_t identity[ATTEND_CHUNK] = {
 		0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
@@ -363,9 +380,9 @@ static void chunk_scores(const struct attend_job *job, const struct segment_plan
 	uint64_t hi = word & valid, lo = ~word & valid;
 
 	score_subset(job, plan, payload, hi, *hi_row, layout->hi_bits, layout->hi_params_offset,
-		     layout->hi_codes_offset, q, s);
+		     layout->hi_codes_offset, q, s, cache + CACHE_KEYS_HI * ATTEND_CACHE_BYTES);
 	score_subset(job, plan, payload, lo, *lo_row, layout->lo_bits, layout->lo_params_offset,
-		     layout->lo_codes_offset, q, s);
+		     layout->lo_codes_offset, q, s, cache + CACHE_KEYS_LO * ATTEND_CACHE_BYTES);
 	*hi_row += (uint32_t)__builtin_popcountll(hi);
 	*lo_row += (uint32_t)__builtin_popcountll(lo);
 }
@@ -386,7 +403,8 @@ static void chunk_skip(const struct segment_plan *plan, size_t item, uint32_t t0
 }
 
 static void chunk_values(const struct attend_job *job, const struct segment_plan *plan,
-			 size_t item, uint32_t t0, uint32_t n, const float *p, float *part)
+			 size_t item, uint32_t t0, uint32_t n, const float *p, float *part,
+			 uint8_t *cache)
 {
 	const struct attend_kernels *kernels = job->kernels;
 	size_t dim = job->head_dim_v;
@@ -417,7 +435,8 @@ static void chunk_values(const struct attend_job *job, const struct segment_plan
 		kernels->accumulate_codes(payload + layout->hi_codes_offset, plan->values_end,
 					  row * dim * (size_t)layout->hi_bits, end - row, dim,
 					  layout->hi_bits, scales, scales + 2 * dim, p + (row - t0),
-					  job->rows, part, job->v_stride);
+					  job->rows, part, job->v_stride,
+					  cache + CACHE_VALUES * ATTEND_CACHE_BYTES);
 		row = end;
 	}
 }
@@ -470,6 +489,8 @@ static void item_mass(const struct attend_job *job, size_t item, struct attend_s
 	float *out = job->mass->data + item * (size_t)job->mass_tokens;
 	uint32_t first = 0, from = job->mass_first;
 
+	attend_cache_reset(sc->cache);
+
 	for (size_t i = 0; i < job->n_plans; i++) {
 		const struct segment_plan *plan = &job->plans[i];
 		uint32_t hi_row = 0, lo_row = 0;
@@ -481,7 +502,8 @@ static void item_mass(const struct attend_job *job, size_t item, struct attend_s
 				chunk_skip(plan, item, t0, n, &hi_row, &lo_row);
 				continue;
 			}
-			chunk_scores(job, plan, item, t0, n, &hi_row, &lo_row, sc->q, sc->s);
+			chunk_scores(job, plan, item, t0, n, &hi_row, &lo_row, sc->q, sc->s,
+				     sc->cache);
 			chunk_mask(job, at, n, sc->s);
 			unsigned lo = at < from ? from - at : 0;
 			attend_mass_chunk(sc->s, job->rows, sc->m, sc->l, lo, n, out + (at + lo - from));
@@ -495,6 +517,7 @@ static void item_run(const struct attend_job *job, size_t item, struct attend_sc
 {
 	uint32_t first = 0;
 
+	attend_cache_reset(sc->cache);
 	load_queries(job, item / job->kv_heads, item % job->kv_heads, sc->q);
 	memset(sc->acc, 0, job->rows * job->v_stride * sizeof(float));
 	memset(sc->part, 0, job->rows * job->v_stride * sizeof(float));
@@ -508,10 +531,11 @@ static void item_run(const struct attend_job *job, size_t item, struct attend_sc
 		for (uint32_t t0 = 0; t0 < plan->tokens; t0 += ATTEND_CHUNK) {
 			uint32_t n = plan->tokens - t0 < ATTEND_CHUNK ? plan->tokens - t0 :
 									 ATTEND_CHUNK;
-			chunk_scores(job, plan, item, t0, n, &hi_row, &lo_row, sc->q, sc->s);
+			chunk_scores(job, plan, item, t0, n, &hi_row, &lo_row, sc->q, sc->s,
+				     sc->cache);
 			chunk_mask(job, first + t0, n, sc->s);
 			job->kernels->softmax(sc->s, job->rows, sc->m, sc->l, sc->alpha);
-			chunk_values(job, plan, item, t0, n, sc->s, sc->part);
+			chunk_values(job, plan, item, t0, n, sc->s, sc->part, sc->cache);
 			job->kernels->combine(sc->acc, sc->part, job->rows, job->v_stride,
 					      sc->alpha);
 		}

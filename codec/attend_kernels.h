@@ -17,6 +17,15 @@
  * further), decoded to exactly the fp16 value zc_block_reconstruct()
  * stores, then widened to fp32. Bytes may be read (never used) up to
  * read_end, never past it.
+ *
+ * Group cache: `cache` (ATTEND_CACHE_BYTES, 64-byte aligned, or NULL) is
+ * scratch in which a codes kernel may keep what depends only on the
+ * group (scales, mins, bits, dim) from one call to the next; attend.c
+ * gives each code stream of a (batch, KV head) pair its own and zeroes
+ * its first ATTEND_CACHE_KEY_BYTES, where a kernel keeps which group the
+ * rest is for, before the pair, so a group that spans chunks is
+ * prepared once. What is kept changes no result: a kernel computes
+ * the same bits with or without it.
  */
 #ifndef ZIPCACHE_ATTEND_KERNELS_H
 #define ZIPCACHE_ATTEND_KERNELS_H
@@ -28,6 +37,9 @@
 #define ATTEND_CHUNK 64u
 /* Query rows are padded to a multiple of this, with zeros. */
 #define ATTEND_QUERY_PAD 4u
+/* The bytes of one group cache (see above). */
+#define ATTEND_CACHE_BYTES 8192u
+#define ATTEND_CACHE_KEY_BYTES 64u
 
 struct attend_kernels {
 	const char *name;
@@ -39,7 +51,7 @@ struct attend_kernels {
 	void (*score_codes)(const uint8_t *stream, const uint8_t *read_end, size_t bit_offset,
 			    size_t n_rows, size_t dim, int bits, const uint8_t *scales,
 			    const uint8_t *mins, const float *q, size_t n_q, size_t q_stride,
-			    float *s, const uint8_t *pos);
+			    float *s, const uint8_t *pos, void *cache);
 	/* part[r*part_stride + c] += sum over i of p[r*ATTEND_CHUNK + i] *
 	 * value row i [c], i in increasing order, one fma each, for r < n_p. */
 	void (*accumulate_fp16)(const uint16_t *rows, size_t row_stride, size_t n_rows,
@@ -48,7 +60,7 @@ struct attend_kernels {
 	void (*accumulate_codes)(const uint8_t *stream, const uint8_t *read_end,
 				 size_t bit_offset, size_t n_rows, size_t dim, int bits,
 				 const uint8_t *scales, const uint8_t *mins, const float *p,
-				 size_t n_p, float *part, size_t part_stride);
+				 size_t n_p, float *part, size_t part_stride, void *cache);
 	/* The online-softmax step of one chunk (attend_softmax.h). */
 	void (*softmax)(float *s, size_t n_rows, float *m, float *l, float *alpha);
 	/* acc = acc * alpha[r] + part, row by row; part is zeroed. */

@@ -90,9 +90,11 @@ static void scalar_score_fp16(const uint16_t *rows, size_t row_stride, size_t n_
 static void scalar_score_codes(const uint8_t *stream, const uint8_t *read_end,
 			       size_t bit_offset, size_t n_rows, size_t dim, int bits,
 			       const uint8_t *scales, const uint8_t *mins, const float *q,
-			       size_t n_q, size_t q_stride, float *s, const uint8_t *pos)
+			       size_t n_q, size_t q_stride, float *s, const uint8_t *pos,
+			       void *cache)
 {
 	float y[ZC_MAX_HEAD_DIM];
+	(void)cache;
 	for (size_t i = 0; i < n_rows; i++) {
 		decode_row(stream, read_end, bit_offset + i * dim * (size_t)bits, dim, bits, scales,
 			   mins, y);
@@ -114,9 +116,10 @@ static void scalar_accumulate_fp16(const uint16_t *rows, size_t row_stride, size
 static void scalar_accumulate_codes(const uint8_t *stream, const uint8_t *read_end,
 				    size_t bit_offset, size_t n_rows, size_t dim, int bits,
 				    const uint8_t *scales, const uint8_t *mins, const float *p,
-				    size_t n_p, float *part, size_t part_stride)
+				    size_t n_p, float *part, size_t part_stride, void *cache)
 {
 	float y[ZC_MAX_HEAD_DIM];
+	(void)cache;
 	for (size_t i = 0; i < n_rows; i++) {
 		decode_row(stream, read_end, bit_offset + i * dim * (size_t)bits, dim, bits, scales,
 			   mins, y);

@@ -614,6 +614,12 @@ START_TEST(test_widths)
 		ls.seed = 10 + (uint64_t)w;
 		snprintf(label, sizeof label, "hi %d lo %d", w, 9 - w);
 		check_case(&ls, &qs, label);
+		/* Whole-byte rows that end in half a 16-channel vector. */
+		ls.dim_k = 40;
+		ls.dim_v = 24;
+		qs = base_query();
+		snprintf(label, sizeof label, "hi %d lo %d, D_k 40 D_v 24", w, 9 - w);
+		check_case(&ls, &qs, label);
 	}
 }
 END_TEST
