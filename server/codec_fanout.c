@@ -9,17 +9,17 @@
 
 #include <errno.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdbool.h>
+
+#include "resources.h"
 
 static unsigned fanout_threads = 1;
 
 unsigned codec_fanout_set_threads(unsigned threads)
 {
 	if (threads == 0) {
-		cpu_set_t set;
-		int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-		threads = cpus < 1 ? 1u : cpus > 8 ? 8u : (unsigned)cpus;
+		int cpus = resources_cpus();
+		threads = cpus > 8 ? 8u : (unsigned)cpus;
 	}
 	if (threads > CODEC_FANOUT_MAX_THREADS)
 		threads = CODEC_FANOUT_MAX_THREADS;

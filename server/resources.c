@@ -2,6 +2,7 @@
 #include "resources.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -192,4 +193,13 @@ void resources_memory_budget_default(const char *shm_dir, struct resources_memor
 		out->fs_bytes = (uint64_t)fs.f_blocks * (uint64_t)fs.f_bsize;
 	out->cgroup_bytes = resources_cgroup_memory_limit("/proc/self/cgroup", "/sys/fs/cgroup");
 	out->budget = resources_budget_from(out->fs_bytes, out->cgroup_bytes);
+}
+
+int resources_cpus(void)
+{
+	cpu_set_t set;
+	if (sched_getaffinity(0, sizeof(set), &set) != 0)
+		return 1;
+	int n = CPU_COUNT(&set);
+	return n < 1 ? 1 : n;
 }

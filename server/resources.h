@@ -29,6 +29,11 @@ uint64_t resources_descriptors_needed(const struct options *options);
  * "16 + 6 per connection + 1 per session + 68 for metrics". */
 void resources_descriptors_formula(const struct options *options, char *text, size_t size);
 
+/* The CPUs the calling thread may run on now (its affinity; the daemon's
+ * threads share it unless a benchmark spread them), at least 1: what
+ * sizes the codec's and the snapshots' threads. */
+int resources_cpus(void);
+
 /* Raises the soft RLIMIT_NOFILE to the hard limit. *before is the soft
  * limit found, *soft and *hard the limits after. */
 int resources_raise_descriptor_limit(uint64_t *before, uint64_t *soft, uint64_t *hard);

@@ -21,7 +21,6 @@
 #include <limits.h>
 #include <poll.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,6 +54,7 @@
 
 #include "fault.h"
 #include "pool.h"
+#include "resources.h"
 #include "zipcache/client.h"
 #include "zipcache/error.h"
 
@@ -629,8 +629,7 @@ static int writer_open(struct writer *w, int fd, bool pipe, bool positional)
 		return 0;
 	/* On one CPU (the daemon pinned to it) the thread could overlap
 	 * nothing: each buffer would only cost two switches. */
-	cpu_set_t cpus;
-	if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) < 2)
+	if (resources_cpus() < 2)
 		return 0;
 	if (pthread_mutex_init(&w->lock, NULL) == 0) {
 		if (pthread_cond_init(&w->cond, NULL) == 0) {
@@ -778,13 +777,12 @@ struct export_work {
 static bool export_positional(int fd, uint64_t *base)
 {
 	struct stat st;
-	cpu_set_t cpus;
 	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
 		return false;
 	int flags = fcntl(fd, F_GETFL);
 	if (flags < 0 || (flags & O_APPEND))
 		return false;
-	if (sched_getaffinity(0, sizeof(cpus), &cpus) != 0 || CPU_COUNT(&cpus) < 2)
+	if (resources_cpus() < 2)
 		return false;
 	off_t at = lseek(fd, 0, SEEK_CUR);
 	if (at < 0)
@@ -1609,10 +1607,7 @@ static void *import_worker(void *arg)
  * more), so the crash and corruption tests take the same path. */
 static int import_workers(const struct snapshot_header *h)
 {
-	cpu_set_t cpus;
-	if (sched_getaffinity(0, sizeof(cpus), &cpus) != 0)
-		return 1;
-	int n = CPU_COUNT(&cpus);
+	int n = resources_cpus();
 	if (n > SNAPSHOT_IMPORT_WORKERS)
 		n = SNAPSHOT_IMPORT_WORKERS;
 	if ((uint32_t)n > h->config.layers)
