@@ -1212,6 +1212,21 @@ static int file_size_of(int fd, uint64_t *bytes, char *why, size_t size)
 	return 0;
 }
 
+/* What the importer asked of the snapshot (docs/SNAPSHOT.md, step 5). */
+static int expectations_check(const struct snapshot_header *h, const struct snapshot_expect *expect,
+			      char *why, size_t size)
+{
+	if (expect->model_id && strcmp(expect->model_id, h->config.model_id) != 0)
+		return fail(ZC_EPRECONDITION, why, size,
+			    "wrong fingerprint: the snapshot is of model '%s', not '%s'",
+			    h->config.model_id, expect->model_id);
+	if (expect->has_fingerprint && expect->fingerprint != h->fingerprint)
+		return fail(ZC_EPRECONDITION, why, size,
+			    "wrong fingerprint: the snapshot's is %016llx, not %016llx",
+			    (unsigned long long)h->fingerprint, (unsigned long long)expect->fingerprint);
+	return 0;
+}
+
 int snapshot_verify(int fd, const struct snapshot_expect *expect, struct snapshot_header *h,
 		    char *why, size_t size)
 {
@@ -1228,15 +1243,7 @@ int snapshot_verify(int fd, const struct snapshot_expect *expect, struct snapsho
 	if (rc < 0)
 		return rc;
 	free(table);
-	if (expect->model_id && strcmp(expect->model_id, h->config.model_id) != 0)
-		return fail(ZC_EPRECONDITION, why, size,
-			    "wrong fingerprint: the snapshot is of model '%s', not '%s'",
-			    h->config.model_id, expect->model_id);
-	if (expect->has_fingerprint && expect->fingerprint != h->fingerprint)
-		return fail(ZC_EPRECONDITION, why, size,
-			    "wrong fingerprint: the snapshot's is %016llx, not %016llx",
-			    (unsigned long long)h->fingerprint, (unsigned long long)expect->fingerprint);
-	return 0;
+	return expectations_check(h, expect, why, size);
 }
 
 /* ---- verify part by part (a restore from the remote tier) ------------------------- */
@@ -1271,14 +1278,9 @@ int snapshot_stream_open(const struct snapshot_header *h, const struct snapshot_
 	rc = table_check(h, table, h->file_bytes, why, size);
 	if (rc < 0)
 		return rc;
-	if (expect->model_id && strcmp(expect->model_id, h->config.model_id) != 0)
-		return fail(ZC_EPRECONDITION, why, size,
-			    "wrong fingerprint: the snapshot is of model '%s', not '%s'",
-			    h->config.model_id, expect->model_id);
-	if (expect->has_fingerprint && expect->fingerprint != h->fingerprint)
-		return fail(ZC_EPRECONDITION, why, size,
-			    "wrong fingerprint: the snapshot's is %016llx, not %016llx",
-			    (unsigned long long)h->fingerprint, (unsigned long long)expect->fingerprint);
+	rc = expectations_check(h, expect, why, size);
+	if (rc < 0)
+		return rc;
 	struct snapshot_stream *s;
 	if (posix_memalign((void **)&s, 64, sizeof(*s)) != 0)
 		return fail(-ENOMEM, why, size, "out of memory");
