@@ -363,6 +363,23 @@ static short exchange_events(struct router *r, struct exchange *x)
 	return POLLIN | (x->sent < sdslen(c->obuf) ? POLLOUT : 0);
 }
 
+/* Room for n more bytes in the reader's buffer. sds grows a buffer past
+ * 1 MiB by 1 MiB at a time, so a reply of tens of megabytes would be
+ * copied whole once per megabyte read (quadratic where realloc copies);
+ * doubling it instead keeps a large value's reads linear. Only with a
+ * reply in progress: hiredis frees a large buffer that is empty. */
+static int reader_room(redisReader *reader, size_t n)
+{
+	size_t len = sdslen(reader->buf);
+	if (len == 0 || sdsavail(reader->buf) >= n)
+		return 0;
+	sds grown = sdsMakeRoomFor(reader->buf, len > n ? len : n);
+	if (!grown)
+		return -ENOMEM;
+	reader->buf = grown;
+	return 0;
+}
+
 /* What poll() said of x's socket: write, read, take whole replies. */
 static void exchange_step(struct router *r, struct exchange *x, short revents)
 {
@@ -393,6 +410,11 @@ static void exchange_step(struct router *r, struct exchange *x, short revents)
 	}
 	__atomic_fetch_add(&r->bytes_received, (uint64_t)n, __ATOMIC_RELAXED);
 	redisReader *reader = c->reader;
+	if (reader_room(reader, (size_t)n) < 0) {
+		why_set(r, "out of memory for a reply from %s", node->name);
+		exchange_end(x, -ENOMEM);
+		return;
+	}
 	if (redisReaderFeed(reader, r->read_buffer, (size_t)n) != REDIS_OK)
 		goto out_protocol;
 	while (x->next < x->count) {
