@@ -288,9 +288,10 @@ PYTHON_SUITES = $(if $(SANITIZE),,python/run_tests.sh)
 # Each suite runs on its own; the summary line at the end is what CI reads.
 check-run: all $(TESTS)
 	@pass=0; fail=0; for t in $(TESTS) $(PYTHON_SUITES); do \
-		echo "== $$t"; \
+		echo "== $$t"; start=$$(date +%s); \
 		if ZC_BUILD_DIR=$(abspath $(BUILD)) ZC_SOURCE_DIR=$(CURDIR) $$t; then pass=$$((pass+1)); \
 		else fail=$$((fail+1)); echo "FAILED: $$t"; fi; \
+		echo "-- $$t: $$(( $$(date +%s) - start )) s"; \
 	done; \
 	$(if $(NVCC),ZC_BUILD_DIR=$(abspath $(BUILD)) $(GPU_TESTS) --probe,echo "gpu: skipped: no nvcc here, so libzipcache_cuda.so and its tests were not built"); \
 	echo "suites: $$pass passed, $$fail failed"; [ $$fail -eq 0 ]

@@ -358,6 +358,36 @@ static void scrape_quickly_from(const char *from, uint16_t port, const char *whi
 	http_reply_free(&reply);
 }
 
+/* A scrape answered within QUICK_MS of now. The client sees a dropped
+ * connection's close before the endpoint has counted it out of the
+ * address's share, so a scrape in between is closed unanswered: such
+ * closes are retried, within the same bound. */
+static void scrape_soon(uint16_t port, const char *while_what)
+{
+	static const char request[] = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+				      "Connection: close\r\n\r\n";
+	int64_t deadline = now_ms() + QUICK_MS;
+	for (;;) {
+		struct http_reply reply;
+		int64_t left = deadline - now_ms();
+		int rc = http_exchange(port, request, left > 1 ? (int)left : 1, &reply);
+		bool answered = rc == 0 && reply.status == 200;
+		if (answered || (rc == 0 && reply.status == 0 && now_ms() + 20 < deadline)) {
+			if (answered)
+				ck_assert_msg(reply.body && strstr(reply.body, "zipcache_build_info{"),
+					      "a scrape %s has no zipcache_build_info", while_what);
+			http_reply_free(&reply);
+			if (answered)
+				return;
+			sleep_ms(20);
+			continue;
+		}
+		ck_assert_msg(0, "a scrape %s: %s, status %d, not answered within %d ms (%.120s)",
+			      while_what, rc ? strerror(-rc) : "replied", reply.status, QUICK_MS,
+			      reply.raw ? reply.raw : "");
+	}
+}
+
 /* ---- reading the exposition ------------------------------------------------ */
 
 /*
@@ -1316,7 +1346,7 @@ START_TEST(test_slowloris)
 		      "%d partial HTTP connections still open %d ms after they went silent",
 		      still_open, HTTP_IDLE_TIMEOUT_MS + 5000);
 
-	scrape_quickly_from(NULL, m.port, "after the slow connections were dropped");
+	scrape_soon(m.port, "after the slow connections were dropped");
 	cache_works_quickly(&m.daemon, "slowloris-after", "after the slowloris");
 	metrics_daemon_stop(&m);
 }
