@@ -38,6 +38,7 @@
 #include <unistd.h>
 
 #include "fault.h"
+#include "fd_write.h"
 #include "retain.h"
 #include "log.h"
 #include "zipcache/map.h"
@@ -596,22 +597,6 @@ void pool_charge_to(struct pool *pool, struct store_budget *budget)
 
 /* ---- blocks ---------------------------------------------------------------- */
 
-static int write_all(int fd, const void *data, uint64_t bytes, uint64_t offset)
-{
-	const uint8_t *p = data;
-	while (bytes > 0) {
-		ssize_t n = pwrite(fd, p, bytes, (off_t)offset);
-		if (n < 0 && errno == EINTR)
-			continue;
-		if (n <= 0)
-			return n < 0 ? -errno : -EIO;
-		p += n;
-		bytes -= (uint64_t)n;
-		offset += (uint64_t)n;
-	}
-	return 0;
-}
-
 int pool_reserve(struct pool *pool, uint64_t key_bytes, uint64_t value_bytes,
 		 uint64_t *key_offset)
 {
@@ -681,7 +666,7 @@ out:
 
 int pool_write_at(struct pool *pool, uint64_t offset, const void *bytes, uint64_t n)
 {
-	return write_all(pool->fd, bytes, n, offset);
+	return fd_pwrite_all(pool->fd, bytes, n, offset);
 }
 
 int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const void *value,
@@ -692,9 +677,9 @@ int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const voi
 	if (rc < 0)
 		return rc;
 	/* The bytes are written without the lock: the extent is the caller's. */
-	rc = write_all(pool->fd, key, key_bytes, start);
+	rc = fd_pwrite_all(pool->fd, key, key_bytes, start);
 	if (rc == 0)
-		rc = write_all(pool->fd, value, value_bytes, pool_value_offset(start, key_bytes));
+		rc = fd_pwrite_all(pool->fd, value, value_bytes, pool_value_offset(start, key_bytes));
 	if (rc < 0) {
 		pool_unref(pool, start);
 		return rc;

@@ -53,6 +53,7 @@
 #include <xxhash.h>
 
 #include "fault.h"
+#include "fd_write.h"
 #include "pool.h"
 #include "resources.h"
 #include "zipcache/client.h"
@@ -498,26 +499,6 @@ static int write_all(int fd, bool pipe, const void *buf, uint64_t n)
 	return 0;
 }
 
-/* Writes all n bytes at offset `at` of a regular file. */
-static int pwrite_all(int fd, const void *buf, uint64_t n, uint64_t at)
-{
-	const uint8_t *p = buf;
-	while (n > 0) {
-		size_t chunk = n > (1u << 30) ? (1u << 30) : (size_t)n;
-		ssize_t put = pwrite(fd, p, chunk, (off_t)at);
-		if (put < 0 && errno == EINTR)
-			continue;
-		if (put < 0)
-			return -errno;
-		if (put == 0)
-			return -EIO;
-		p += put;
-		n -= (uint64_t)put;
-		at += (uint64_t)put;
-	}
-	return 0;
-}
-
 /* ---- export ------------------------------------------------------------------------ */
 
 /*
@@ -647,7 +628,7 @@ static int writer_open(struct writer *w, int fd, bool pipe, bool positional)
 static int writer_flush(struct writer *w)
 {
 	if (!w->threaded) {
-		int rc = w->positional ? pwrite_all(w->fd, w->buf, w->used, w->at) :
+		int rc = w->positional ? fd_pwrite_all(w->fd, w->buf, w->used, w->at) :
 					 write_all(w->fd, w->pipe, w->buf, w->used);
 		w->at += w->used;
 		w->used = 0;
@@ -899,12 +880,12 @@ static int export_parallel(struct store *store, int fd, uint64_t base, uint64_t 
 		return fail(-ENOMEM, why, size, "out of memory");
 	}
 	/* The header and the table with its checksum, at the start. */
-	int rc = pwrite_all(fd, header, sizeof(*header), base);
+	int rc = fd_pwrite_all(fd, header, sizeof(*header), base);
 	if (rc == 0)
-		rc = pwrite_all(fd, table, (uint64_t)layers * SNAPSHOT_LAYER_BYTES,
+		rc = fd_pwrite_all(fd, table, (uint64_t)layers * SNAPSHOT_LAYER_BYTES,
 				base + sizeof(*header));
 	if (rc == 0)
-		rc = pwrite_all(fd, &table_checksum, sizeof(table_checksum),
+		rc = fd_pwrite_all(fd, &table_checksum, sizeof(table_checksum),
 				base + sizeof(*header) + (uint64_t)layers * SNAPSHOT_LAYER_BYTES);
 	if (rc < 0) {
 		x.rc = rc;
@@ -943,7 +924,7 @@ static int export_parallel(struct store *store, int fd, uint64_t base, uint64_t 
 		struct snapshot_trailer trailer = { .file_bytes = header->file_bytes };
 		memcpy(trailer.magic, SNAPSHOT_TRAILER_MAGIC, sizeof(trailer.magic));
 		trailer.checksum = XXH3_64bits_digest(&whole);
-		rc = pwrite_all(fd, &trailer, sizeof(trailer),
+		rc = fd_pwrite_all(fd, &trailer, sizeof(trailer),
 				base + header->file_bytes - SNAPSHOT_TRAILER_BYTES);
 		/* Where sequential writes would have left the offset. */
 		if (rc == 0 && lseek(fd, (off_t)(base + header->file_bytes), SEEK_SET) < 0)

@@ -30,6 +30,7 @@
 
 #include "codec_fanout.h"
 #include "fault.h"
+#include "fd_write.h"
 #include "log.h"
 #include "pool.h"
 #include "retain.h"
@@ -1291,18 +1292,10 @@ static int rows_write(int fd, uint64_t target, const zc_strides *to, const uint1
 	for (uint32_t b = 0; b < h->batch; b++) {
 		for (uint32_t head = 0; head < h->kv_heads; head++) {
 			const uint8_t *p = (const uint8_t *)(source + b * from->batch + head * from->head);
-			uint64_t n = (uint64_t)tokens * dim * 2;
 			uint64_t at = target + ((uint64_t)b * to->batch + (uint64_t)head * to->head) * 2;
-			while (n > 0) {
-				ssize_t done = pwrite(fd, p, n, (off_t)at);
-				if (done < 0 && errno == EINTR)
-					continue;
-				if (done <= 0)
-					return done < 0 ? -errno : -EIO;
-				p += done;
-				n -= (uint64_t)done;
-				at += (uint64_t)done;
-			}
+			int rc = fd_pwrite_all(fd, p, (uint64_t)tokens * dim * 2, at);
+			if (rc < 0)
+				return rc;
 		}
 	}
 	return 0;
