@@ -187,15 +187,24 @@ int relief_run(struct server *server, uint64_t wanted, const struct session *kee
 	       bool tried, char *text, size_t size)
 {
 	/* Retained pages go before anything a session holds; when they were
-	 * not enough, step 1 runs in the same call (its one chance). Each
-	 * call that frees some ends with fewer kept, so the retries end. */
+	 * not enough, step 1 runs in the same call (its one chance). On the
+	 * retry that follows, step 0 still releases what is kept, but that is
+	 * no reason to try again: the refused attempt may have kept those
+	 * very pages itself (a direct block whose residual block was written,
+	 * then freed when the block after it was refused), and trying again
+	 * would write and free them forever (the hardening kill loop's
+	 * ETIMEDOUT under a 10M budget, the daemon spinning). So a charge is
+	 * tried at most twice before step 2, which takes a whole session each
+	 * time it succeeds, and then step 3. */
 	uint64_t retained = release_retained(server, wanted, uid);
-	if (retained >= wanted)
-		return 0;
-	if (!tried && (drop_views(server, wanted, keep, uid) > 0 || drop_chunks(server, uid) > 0))
-		return 0;
-	if (retained > 0)
-		return 0;
+	if (!tried) {
+		if (retained >= wanted)
+			return 0;
+		if (drop_views(server, wanted, keep, uid) > 0 || drop_chunks(server, uid) > 0)
+			return 0;
+		if (retained > 0)
+			return 0;
+	}
 	/* Also after step 1 freed too little: each offload takes a session
 	 * away, so the caller's retries end. */
 	if (offload_sessions(server, wanted, keep, uid) > 0)

@@ -27,8 +27,10 @@
  *                  sentence naming the budget or the quota, its size and
  *                  use (and nothing it would have changed is changed).
  *
- * A charge goes through step 1 at most once: the caller tries it again
- * when step 1 freed anything, and a second refusal goes on to step 2
+ * A charge goes through steps 0 and 1 as a reason to try again at most
+ * once: the caller tries it again when they freed anything, and a second
+ * refusal (step 0 still releasing what is kept, which may be the refused
+ * attempt's own freed blocks and so is no progress) goes on to step 2
  * (which, taking a whole session each time it succeeds, may let the
  * caller try again as often as there are idle sessions) and then step 3. Each step that runs is counted in zipcache_relief_steps_total{step};
  * every session whose views were dropped in zipcache_view_drops_total.
