@@ -741,12 +741,8 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 			return rc;
 		}
 	}
-	rc = listener_open(server);
-	if (rc < 0) {
-		log_error("server", "cannot listen", "socket=%s error=%s", options->socket_path,
-			  rc == -EADDRINUSE ? "a live zipcached already listens there" : strerror(-rc));
-		return rc;
-	}
+	/* The endpoint before the socket: a client (or a readiness probe)
+	 * that can connect finds the metrics already served. */
 	if (strcmp(options->metrics_listen, "off") != 0) {
 		rc = http_start(server, options->metrics_listen, &server->http);
 		if (rc < 0)
@@ -756,6 +752,14 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 		else
 			log_info("server", "metrics endpoint", "listen=%s port=%u", options->metrics_listen,
 				 http_port(server->http));
+	}
+	rc = listener_open(server);
+	if (rc < 0) {
+		log_error("server", "cannot listen", "socket=%s error=%s", options->socket_path,
+			  rc == -EADDRINUSE ? "a live zipcached already listens there" : strerror(-rc));
+		http_stop(server->http);
+		server->http = NULL;
+		return rc;
 	}
 	uv_signal_init(loop, &server->sigterm);
 	uv_signal_init(loop, &server->sigint);
