@@ -278,8 +278,13 @@ bench-gpu: all
 	$(CUDA_BENCH) $(BENCH_GPU_ARGS)
 	ZC_BUILD_DIR=$(abspath $(BUILD)) $(CUDA_SESSION_BENCH) $(BENCH_GPU_ARGS)
 
+# Builds use every CPU (BUILD_JOBS); the suites then run one at a time
+# (-j1: several at once would time each other out on a small machine).
+BUILD_JOBS ?= $(shell nproc 2>/dev/null || echo 1)
+
 check: deps
-	@$(MAKE) --no-print-directory check-run check-no-rebuild
+	@$(MAKE) --no-print-directory -j$(BUILD_JOBS) all $(TESTS)
+	@$(MAKE) --no-print-directory -j1 check-run check-no-rebuild
 
 # The Python client's pytest suite; not under sanitizers, whose runtime
 # cannot load into an uninstrumented python3.
@@ -293,7 +298,7 @@ check-run: all $(TESTS)
 		else fail=$$((fail+1)); echo "FAILED: $$t"; fi; \
 		echo "-- $$t: $$(( $$(date +%s) - start )) s"; \
 	done; \
-	$(if $(NVCC),ZC_BUILD_DIR=$(abspath $(BUILD)) $(GPU_TESTS) --probe,echo "gpu: skipped: no nvcc here, so libzipcache_cuda.so and its tests were not built"); \
+	$(if $(NVCC),ZC_BUILD_DIR=$(abspath $(BUILD)) $(GPU_TESTS) --probe,echo "gpu: skipped: libzipcache_cuda.so and its tests were not built (no nvcc here, or a sanitized build)"); \
 	echo "suites: $$pass passed, $$fail failed"; [ $$fail -eq 0 ]
 
 # After a full build a second `make` must find nothing to do; -q asks
@@ -309,10 +314,14 @@ bench: deps
 bench-run: all $(BENCHES)
 	@for b in $(BENCHES); do echo "== $$b"; ZC_BUILD_DIR=$(abspath $(BUILD)) $$b || exit 1; done
 
+# The CUDA library is left out (NVCC=): no sanitizer instruments nvcc's
+# code, and its suites need a GPU, which `make check-gpu` runs on.
+ASAN_MAKE = $(MAKE) --no-print-directory BUILD=build/asan OPT='-O1 -g -fno-omit-frame-pointer' \
+	SANITIZE='-fsanitize=address,undefined -fno-sanitize-recover=undefined' NVCC=
+
 asan: deps
-	@$(MAKE) --no-print-directory BUILD=build/asan OPT='-O1 -g -fno-omit-frame-pointer' \
-		SANITIZE='-fsanitize=address,undefined -fno-sanitize-recover=undefined' \
-		check-run check-no-rebuild
+	@$(ASAN_MAKE) -j$(BUILD_JOBS) all $(TESTS)
+	@$(ASAN_MAKE) -j1 check-run check-no-rebuild
 
 run: deps
 	@$(MAKE) --no-print-directory all
