@@ -368,6 +368,7 @@ struct flush_task {
 	struct job publish;           /* first: queued as a job once compressed */
 	uv_work_t work;
 	struct store_flush flush;
+	int published;                /* the publish's result */
 };
 
 static bool flush_publish_overlaps(struct job *job)
@@ -382,9 +383,11 @@ static void flush_publish_run(struct job *job)
 	struct session *session = job->session;
 	if (session->closed) {
 		store_flush_abandon(session->store, &task->flush);
+		task->published = -ECANCELED;
 		return;
 	}
 	int rc = store_flush_publish(session->store, &task->flush);
+	task->published = rc;
 	if (rc < 0)
 		log_warn("session", "residual flush deferred", "session=%llu layer=%u error=%s",
 			 (unsigned long long)session->id, task->flush.layer,
@@ -402,8 +405,12 @@ static void flush_publish_done(struct job *job)
 		store_layer_stats(session->store, task->flush.layer, &stats);
 		session_account_layer(task->publish.table, session, &stats);
 		/* Rows appended beside it may fill the residual again (only when
-		 * they reached R: they waited for this publish). */
-		if (task->flush.rc == 0)
+		 * they reached R: they waited for this publish). Not after a
+		 * refused publish (the budget, index space): the residual is
+		 * still full, and flushing it again at once would compress and
+		 * refuse it forever, with the jobs that wait for the flush
+		 * never run; the next update of the layer tries again. */
+		if (task->flush.rc == 0 && task->published == 0)
 			session_flush_start(task->publish.table, session, task->flush.layer);
 	}
 	free(task);
