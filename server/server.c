@@ -741,6 +741,15 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 			return rc;
 		}
 	}
+	/* SIGTERM handled before anything can see the daemon up: a
+	 * supervisor (or a test) that stops it as soon as the socket accepts
+	 * must get the graceful stop, not the default action. The callback
+	 * runs from the loop, so only once everything below is set up. */
+	uv_signal_init(loop, &server->sigterm);
+	uv_signal_init(loop, &server->sigint);
+	server->sigterm.data = server->sigint.data = server;
+	uv_signal_start(&server->sigterm, on_signal, SIGTERM);
+	uv_signal_start(&server->sigint, on_signal, SIGINT);
 	/* The endpoint before the socket: a client (or a readiness probe)
 	 * that can connect finds the metrics already served. */
 	if (strcmp(options->metrics_listen, "off") != 0) {
@@ -761,11 +770,6 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 		server->http = NULL;
 		return rc;
 	}
-	uv_signal_init(loop, &server->sigterm);
-	uv_signal_init(loop, &server->sigint);
-	server->sigterm.data = server->sigint.data = server;
-	uv_signal_start(&server->sigterm, on_signal, SIGTERM);
-	uv_signal_start(&server->sigint, on_signal, SIGINT);
 	uv_timer_init(loop, &server->ttl_timer);
 	uv_timer_init(loop, &server->stop_timer);
 	uv_timer_init(loop, &server->accept_timer);
