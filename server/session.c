@@ -368,7 +368,6 @@ struct flush_task {
 	struct job publish;           /* first: queued as a job once compressed */
 	uv_work_t work;
 	struct store_flush flush;
-	int published;                /* the publish's result */
 };
 
 static bool flush_publish_overlaps(struct job *job)
@@ -383,11 +382,9 @@ static void flush_publish_run(struct job *job)
 	struct session *session = job->session;
 	if (session->closed) {
 		store_flush_abandon(session->store, &task->flush);
-		task->published = -ECANCELED;
 		return;
 	}
 	int rc = store_flush_publish(session->store, &task->flush);
-	task->published = rc;
 	if (rc < 0)
 		log_warn("session", "residual flush deferred", "session=%llu layer=%u error=%s",
 			 (unsigned long long)session->id, task->flush.layer,
@@ -409,8 +406,9 @@ static void flush_publish_done(struct job *job)
 		 * refused publish (the budget, index space): the residual is
 		 * still full, and flushing it again at once would compress and
 		 * refuse it forever, with the jobs that wait for the flush
-		 * never run; the next update of the layer tries again. */
-		if (task->flush.rc == 0 && task->published == 0)
+		 * never run; the next update of the layer tries again. The
+		 * flush's rc holds the publish's refusal too. */
+		if (task->flush.rc == 0)
 			session_flush_start(task->publish.table, session, task->flush.layer);
 	}
 	free(task);

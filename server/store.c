@@ -2344,6 +2344,7 @@ int store_flush_publish(struct store *store, struct store_flush *flush)
 		rc = reserve_index_entry(store, layer, next.blocks);
 	if (rc < 0) {
 		store_flush_abandon(store, flush);
+		flush->rc = rc;
 		return rc;
 	}
 

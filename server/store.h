@@ -203,7 +203,7 @@ int store_append(struct store *store, uint32_t layer, uint32_t tokens, const uin
 struct store_flush {
 	uint32_t layer;
 	uint32_t first_token, rows, start;
-	int rc;                   /* of the compress */
+	int rc;                   /* of the compress, then of the publish */
 	bool written;             /* the pool holds the block, not yet named */
 	uint8_t *payload;         /* K then V, compressed (owned) */
 	float *scores;            /* saliency by attention: what the keys rank by (owned), or NULL */
