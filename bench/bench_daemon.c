@@ -418,15 +418,23 @@ static int write_full(int fd, const uint8_t *buf, size_t len)
  * total size the request's first 4 body bytes name, so that the
  * benchmark picks the reply size after it has seen a real daemon reply.
  */
-static void echo_serve(int fd)
+static void echo_serve(int fd, unsigned spin_us)
 {
 	size_t cap = 1u << 20, have = 0;
 	uint8_t *in = malloc(cap), *out = calloc(1, cap);
+	double spin_until = 0.0;
 
 	if (!in || !out)
 		_exit(1);
 	for (;;) {
-		ssize_t n = recv(fd, in + have, cap - have, 0);
+		ssize_t n = -1;
+		errno = EAGAIN;
+		while (spin_us > 0 && n < 0 && errno == EAGAIN && bench_now_s() < spin_until)
+			n = recv(fd, in + have, cap - have, MSG_DONTWAIT);
+		if (n < 0 && errno == EAGAIN)
+			n = recv(fd, in + have, cap - have, 0);
+		if (spin_us > 0)
+			spin_until = bench_now_s() + spin_us * 1e-6;
 		if (n == 0)
 			_exit(0);
 		if (n < 0) {
@@ -455,7 +463,7 @@ static void echo_serve(int fd)
 	}
 }
 
-int bench_echo_start(int cpu)
+int bench_echo_start(int cpu, unsigned spin_us)
 {
 	int sv[2];
 	if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0)
@@ -476,7 +484,7 @@ int bench_echo_start(int cpu)
 		prctl(PR_SET_PDEATHSIG, SIGKILL);
 		bench_pin(0, cpu);
 		close(sv[0]);
-		echo_serve(sv[1]);
+		echo_serve(sv[1], spin_us);
 		_exit(0);
 	}
 	close(sv[1]);

@@ -53,8 +53,10 @@ int bench_daemon_spread(pid_t pid, const cpu_set_t *allowed, int avoid, int coun
 void bench_daemon_stop(void);
 pid_t bench_daemon_pid(void);
 
-/* The raw baseline's peer, forked, on a socketpair, pinned to cpu. */
-int bench_echo_start(int cpu);
+/* The raw baseline's peer, forked, on a socketpair, pinned to cpu; after
+ * each read it polls (recv without waiting) for spin_us before it sleeps
+ * in a blocking recv: zipcached's --busy-poll-us, done alike. */
+int bench_echo_start(int cpu, unsigned spin_us);
 void bench_echo_stop(void);
 int bench_echo_fd(void);
 

@@ -1132,7 +1132,7 @@ int main(int argc, char **argv)
 	}
 	if (bench_dir_make("memory") < 0)
 		goto out;
-	if ((rc = bench_echo_start(opt.daemon_cpu)) < 0) {
+	if ((rc = bench_echo_start(opt.daemon_cpu, 0)) < 0) {
 		bench_fail("echo peer", rc);
 		goto out;
 	}

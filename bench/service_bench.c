@@ -135,6 +135,8 @@ struct options {
 	int cpu;            /* benchmark CPU; -1: first allowed */
 	int daemon_cpu;     /* daemon + echo CPU; -1: second allowed, if any */
 	int daemon_cpus;    /* > 1: zipcached on this many CPUs instead (not the echo) */
+	int busy_poll_us;   /* zipcached's --busy-poll-us, the echo peer's spin alike */
+	bool prefill_views_none; /* prefill sessions without fp16 views */
 	const char *daemon; /* NULL: ZC_BUILD_DIR/bin/zipcached */
 	unsigned only;      /* RUN_* bits */
 	int compute_us;     /* async: a layer's attention between two updates */
@@ -221,6 +223,10 @@ static const uint16_t *pool_row(const uint16_t *pool, uint64_t step)
 
 /* ---- sessions ------------------------------------------------------------ */
 
+/* Printed into the JSON lines the options change. */
+static int json_busy_poll_us;
+static const char *json_prefill_views = "full";
+
 static zc_session_config session_config(const char *name, uint32_t layers, uint32_t max_tokens,
 					zc_block_policy policy)
 {
@@ -240,6 +246,19 @@ static int open_session(zc_client *client, const char *name, uint32_t layers,
 			uint32_t max_tokens, zc_block_policy policy, zc_session **out)
 {
 	zc_session_config config = session_config(name, layers, max_tokens, policy);
+	int rc = zc_session_open(client, &config, out);
+	if (rc < 0)
+		bench_fail_client(client, "open session", rc);
+	return rc;
+}
+
+/* A prefill's session: its views as --prefill-views says. */
+static int open_prefill_session(zc_client *client, const char *name, zc_session **out)
+{
+	zc_session_config config = session_config(name, PREFILL_LAYERS, PREFILL_TOKENS,
+						  ZC_POLICY_STREAMING);
+	if (strcmp(json_prefill_views, "none") == 0)
+		config.views = ZC_VIEWS_NONE;
 	int rc = zc_session_open(client, &config, out);
 	if (rc < 0)
 		bench_fail_client(client, "open session", rc);
@@ -864,8 +883,7 @@ static int prefill_many_run(zc_client *client, const struct data *d, int run, do
 	int rc;
 
 	snprintf(name, sizeof name, "bench-prefill-many-%d", run);
-	if ((rc = open_session(client, name, PREFILL_LAYERS, PREFILL_TOKENS, ZC_POLICY_STREAMING,
-			       &s)) < 0)
+	if ((rc = open_prefill_session(client, name, &s)) < 0)
 		return rc;
 	rc = prefill_many(s, d, cold);
 	if (rc == 0)
@@ -887,8 +905,7 @@ static int prefill_run(zc_client *client, const struct data *d, uint8_t *staging
 	int rc;
 
 	snprintf(name, sizeof name, "bench-prefill-%d", run);
-	if ((rc = open_session(client, name, PREFILL_LAYERS, PREFILL_TOKENS, ZC_POLICY_STREAMING,
-			       &s)) < 0)
+	if ((rc = open_prefill_session(client, name, &s)) < 0)
 		return rc;
 	rc = prefill_layers(s, d, staging, cold, slowest);
 	if (rc == 0)
@@ -1408,9 +1425,9 @@ static void report_decode(const struct decode_result *r)
 	       r->flushes, r->flush_p50, r->other_p50, r->other_p99);
 	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p50\",\"us\":%.3f,"
 	     "\"raw_us\":%.3f,\"ratio\":%.4f,\"samples\":%u,\"request_bytes\":%zu,"
-	     "\"reply_bytes\":%zu}",
+	     "\"reply_bytes\":%zu,\"busy_poll_us\":%d}",
 	     r->p50, r->raw_p50, r->p50 / r->raw_p50, r->samples, r->request_bytes,
-	     r->reply_bytes);
+	     r->reply_bytes, json_busy_poll_us);
 	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p50_over_raw_polled\","
 	     "\"us\":%.3f,\"raw_polled_us\":%.3f,\"ratio\":%.4f,\"p99_ratio\":%.4f,\"spin_us\":%u}",
 	     r->p50, r->spin_p50, r->p50 / r->spin_p50, r->p99 / r->spin_p99, r->spin_us);
@@ -1434,9 +1451,10 @@ static void report_async(const struct async_result *r)
 	       r->blocked_p50 / r->raw_p50);
 	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"async_blocked_per_layer\","
 	     "\"us\":%.3f,\"p99_us\":%.3f,\"mean_us\":%.3f,\"raw_us\":%.3f,\"ratio\":%.4f,"
-	     "\"layers\":%u,\"compute_us\":%d,\"batch\":%u,\"samples\":%u}",
+	     "\"layers\":%u,\"compute_us\":%d,\"batch\":%u,\"samples\":%u,\"busy_poll_us\":%d}",
 	     r->blocked_p50, r->blocked_p99, r->blocked_mean, r->raw_p50,
-	     r->blocked_p50 / r->raw_p50, r->layers, r->compute_us, r->batch, r->samples);
+	     r->blocked_p50 / r->raw_p50, r->layers, r->compute_us, r->batch, r->samples,
+	     json_busy_poll_us);
 }
 
 static void report_redis(const struct redis_result *r)
@@ -1455,9 +1473,9 @@ static void report_redis(const struct redis_result *r)
 	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p50_over_redis_set\","
 	     "\"us\":%.3f,\"redis_us\":%.3f,\"ratio\":%.4f,\"redis_p99_us\":%.3f,"
 	     "\"value_bytes\":%u,\"samples\":%u,\"redis_polled_us\":%.3f,\"polled_ratio\":%.4f,"
-	     "\"spin_us\":%u}",
+	     "\"spin_us\":%u,\"busy_poll_us\":%d}",
 	     r->p50, r->redis_p50, r->p50 / r->redis_p50, r->redis_p99, REDIS_VALUE_BYTES,
-	     r->samples, r->polled_p50, r->p50 / r->polled_p50, r->spin_us);
+	     r->samples, r->polled_p50, r->p50 / r->polled_p50, r->spin_us, json_busy_poll_us);
 }
 
 static void report_context(const struct context_result *r)
@@ -1481,8 +1499,9 @@ static void report_prefill(const struct prefill_result *r, int daemon_cpus)
 {
 	double gb = r->bytes / 1e9;
 	printf("3. prefill, %u layers x %u tokens through staging, %.0f MiB fp16 in, "
-	       "median of %d runs, zipcached on %d CPU(s)\n",
-	       PREFILL_LAYERS, PREFILL_TOKENS, r->bytes / (1024.0 * 1024.0), r->runs, daemon_cpus);
+	       "median of %d runs, zipcached on %d CPU(s), views %s\n",
+	       PREFILL_LAYERS, PREFILL_TOKENS, r->bytes / (1024.0 * 1024.0), r->runs, daemon_cpus,
+	       json_prefill_views);
 	printf("   %-22s %9s %9s %12s %7s\n", "", "ms", "GB/s", "memcpy GB/s", "ratio");
 	printf("   %-22s %9.1f %9.3f %12.3f %7.3f\n", "new session (cold)", r->cold_s * 1e3,
 	       gb / r->cold_s, gb / r->memcpy_s, r->memcpy_s / r->cold_s);
@@ -1497,20 +1516,17 @@ static void report_prefill(const struct prefill_result *r, int daemon_cpus)
 	       "copy into staging timed too)\n");
 	printf("   (cold runs %.1f..%.1f ms; slowest single layer %.1f ms)\n\n", r->cold_min_s * 1e3,
 	       r->cold_max_s * 1e3, r->slowest_call_s * 1e3);
-	JSON("{\"bench\":\"service\",\"shape\":\"L32xH8xS4096xD128\",\"op\":\"prefill\","
-	     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,\"runs\":%d,\"daemon_cpus\":%d}",
-	     gb / r->cold_s, gb / r->memcpy_s, r->memcpy_s / r->cold_s, r->cold_s * 1e3, r->runs, daemon_cpus);
-	JSON("{\"bench\":\"service\",\"shape\":\"L32xH8xS4096xD128\",\"op\":\"prefill_warm\","
-	     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,\"runs\":%d,\"daemon_cpus\":%d}",
-	     gb / r->warm_s, gb / r->memcpy_s, r->memcpy_s / r->warm_s, r->warm_s * 1e3, r->runs, daemon_cpus);
-	JSON("{\"bench\":\"service\",\"shape\":\"L32xH8xS4096xD128\",\"op\":\"prefill_many\","
-	     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,\"runs\":%d,\"daemon_cpus\":%d}",
-	     gb / r->many_cold_s, gb / r->memcpy_s, r->memcpy_s / r->many_cold_s,
-	     r->many_cold_s * 1e3, r->runs, daemon_cpus);
-	JSON("{\"bench\":\"service\",\"shape\":\"L32xH8xS4096xD128\",\"op\":\"prefill_many_warm\","
-	     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,\"runs\":%d,\"daemon_cpus\":%d}",
-	     gb / r->many_warm_s, gb / r->memcpy_s, r->memcpy_s / r->many_warm_s,
-	     r->many_warm_s * 1e3, r->runs, daemon_cpus);
+	const struct {
+		const char *op;
+		double s;
+	} rows[] = { { "prefill", r->cold_s }, { "prefill_warm", r->warm_s },
+		     { "prefill_many", r->many_cold_s }, { "prefill_many_warm", r->many_warm_s } };
+	for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
+		JSON("{\"bench\":\"service\",\"shape\":\"L32xH8xS4096xD128\",\"op\":\"%s\","
+		     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,"
+		     "\"runs\":%d,\"daemon_cpus\":%d,\"views\":\"%s\"}",
+		     rows[i].op, gb / rows[i].s, gb / r->memcpy_s, r->memcpy_s / rows[i].s,
+		     rows[i].s * 1e3, r->runs, daemon_cpus, json_prefill_views);
 }
 
 static void report_ratio(const struct ratio_result *r)
@@ -1570,6 +1586,7 @@ static void usage(FILE *f)
 		   "               [--daemon-cpu N] [--daemon-cpus N] [--daemon PATH]\n"
 		   "               [--only decode,context,prefill,ratio,rebuild,async,redis]\n"
 		   "               [--async-compute-us N] [--receive-spin-us N]\n"
+		   "               [--daemon-busy-poll-us N] [--prefill-views full|none]\n"
 		   "  --steps N       decode samples per side (default %u, rounded up to %u)\n"
 		   "  --runs N        prefill runs (default %d)\n"
 		   "  --rounds N      rebuild rounds (default %d)\n"
@@ -1581,6 +1598,9 @@ static void usage(FILE *f)
 		   "  --only LIST     run only these measurements (comma-separated)\n"
 		   "  --async-compute-us N  async: attention time between two layers (default %d)\n"
 		   "  --receive-spin-us N   the client's receive spin (default %u, ZC_RECEIVE_SPIN_US)\n"
+		   "  --daemon-busy-poll-us N  zipcached's --busy-poll-us, and the echo peer polls\n"
+		   "                  as long before it sleeps (default 0: both sleep at once)\n"
+		   "  --prefill-views V     the prefill sessions' views: full (default) or none\n"
 		   "  --quick         smoke test: a few hundred steps, one prefill run, one rebuild\n",
 		DECODE_STEPS, BATCH_STEPS, PREFILL_RUNS, REBUILD_ROUNDS, ASYNC_COMPUTE_US,
 		ZC_RECEIVE_SPIN_US);
@@ -1661,6 +1681,14 @@ static int parse_args(int argc, char **argv, struct options *opt)
 		} else if (!strcmp(a, "--receive-spin-us") && v && parse_int(v, 0, 100000, &n) == 0) {
 			opt->spin_us = (int)n;
 			i++;
+		} else if (!strcmp(a, "--daemon-busy-poll-us") && v &&
+			   parse_int(v, 0, 100000, &n) == 0) {
+			opt->busy_poll_us = (int)n;
+			i++;
+		} else if (!strcmp(a, "--prefill-views") && v &&
+			   (!strcmp(v, "full") || !strcmp(v, "none"))) {
+			opt->prefill_views_none = !strcmp(v, "none");
+			i++;
 		} else if (!strcmp(a, "--daemon") && v) {
 			opt->daemon = v;
 			i++;
@@ -1715,18 +1743,25 @@ int main(int argc, char **argv)
 	if (bench_dir_make("service") < 0)
 		goto out;
 
-	if ((rc = bench_echo_start(opt.daemon_cpu)) < 0) {
+	json_busy_poll_us = opt.busy_poll_us;
+	json_prefill_views = opt.prefill_views_none ? "none" : "full";
+	if ((rc = bench_echo_start(opt.daemon_cpu, (unsigned)opt.busy_poll_us)) < 0) {
 		bench_fail("echo peer", rc);
 		goto out;
 	}
 	/* On N CPUs: started unpinned with N codec threads (it counts its
 	 * CPUs at start, before the spread), then spread. */
-	char threads[16];
+	char threads[16], busy[16];
 	snprintf(threads, sizeof threads, "%d", opt.daemon_cpus);
-	const char *spread_args[] = { "--codec-threads", threads, NULL };
+	snprintf(busy, sizeof busy, "%d", opt.busy_poll_us);
+	const char *daemon_args[5] = { "--busy-poll-us", busy, NULL };
 	bool spread = opt.daemon_cpus > 1;
-	if ((rc = bench_daemon_start(daemon_path, spread ? -1 : opt.daemon_cpu,
-				     spread ? spread_args : NULL, &client)) < 0) {
+	if (spread) {
+		daemon_args[2] = "--codec-threads";
+		daemon_args[3] = threads;
+	}
+	if ((rc = bench_daemon_start(daemon_path, spread ? -1 : opt.daemon_cpu, daemon_args,
+				     &client)) < 0) {
 		fprintf(stderr, "service: zipcached did not answer on %s: %s\n", bench_socket_path(),
 			zc_strerror(rc));
 		goto out;

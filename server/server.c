@@ -56,6 +56,7 @@
 #define TOTAL_RESUME_DEN 4
 
 static void stop_progress(struct server *server);
+static void on_handle_closed(uv_handle_t *handle);
 
 /* ---- the connections: what each reports, and the responder ---- */
 
@@ -67,6 +68,7 @@ static struct client *client_of_responder(struct responder *responder)
 static void client_frame(struct connection *connection, const uint8_t *frame, size_t len)
 {
 	struct client *client = connection->data;
+	busy_poll_kick(&client->server->busy_poll);
 	dispatch_request(client->server, &client->peer, &client->responder, frame, len);
 }
 
@@ -572,6 +574,7 @@ void server_stop(struct server *server)
 	server->stopping = true;
 	sd_notify(0, "STOPPING=1");
 	server->stop_deadline_ms = uv_now(server->loop) + STOP_GRACE_MS;
+	busy_poll_close(&server->busy_poll, on_handle_closed);
 	if (server->listening) {
 		server->listening = false;
 		uv_close((uv_handle_t *)&server->listener, on_listener_closed);
@@ -782,6 +785,7 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	if (period < 10)
 		period = 10;
 	uv_timer_start(&server->ttl_timer, on_ttl, period, period);
+	busy_poll_init(&server->busy_poll, loop, options->busy_poll_us);
 	return 0;
 }
 
@@ -797,6 +801,7 @@ void server_free(struct server *server)
 	uv_close((uv_handle_t *)&server->ttl_timer, on_handle_closed);
 	uv_close((uv_handle_t *)&server->stop_timer, on_handle_closed);
 	uv_close((uv_handle_t *)&server->accept_timer, on_handle_closed);
+	busy_poll_close(&server->busy_poll, on_handle_closed);
 	if (server->listening) {
 		server->listening = false;
 		uv_close((uv_handle_t *)&server->listener, on_listener_closed);

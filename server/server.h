@@ -16,6 +16,7 @@
 #include <uv.h>
 
 #include "adopt.h"
+#include "busy_poll.h"
 #include "connection.h"
 #include "dispatch.h"
 #include "metrics.h"
@@ -82,6 +83,7 @@ struct server {
 	struct http_endpoint *http;
 	struct remote *remote;         /* --remote; NULL without */
 	struct offload_state offload;  /* --offload-idle-seconds, relief's offload step */
+	struct busy_poll busy_poll;    /* --busy-poll-us */
 };
 
 /* Takes over an accepted socket: serves it, or tells it why not (a limit,

@@ -2297,6 +2297,87 @@ START_TEST(idle_sessions_expire)
 }
 END_TEST
 
+/* The loop thread's time on a CPU so far, ns (the first field of its
+ * schedstat; zipcached runs its loop on the main thread). */
+static uint64_t loop_cpu_ns(pid_t pid)
+{
+	char path[64];
+	unsigned long long ns = 0;
+	snprintf(path, sizeof(path), "/proc/%d/task/%d/schedstat", (int)pid, (int)pid);
+	FILE *f = fopen(path, "r");
+	ck_assert_msg(f != NULL, "cannot open %s", path);
+	ck_assert_int_eq(fscanf(f, "%llu", &ns), 1);
+	fclose(f);
+	return ns;
+}
+
+/* How long the loop thread was on a CPU in the next `ms` milliseconds. */
+static uint64_t loop_cpu_ms_over(pid_t pid, unsigned ms)
+{
+	uint64_t before = loop_cpu_ns(pid);
+	usleep(ms * 1000u);
+	return (loop_cpu_ns(pid) - before) / 1000000u;
+}
+
+START_TEST(busy_poll_spins_after_requests_then_sleeps)
+{
+	/* The largest bound, so that the spin is visible in CPU time. */
+	static const char *const args[] = { "--busy-poll-us", "100000", NULL };
+	struct service service;
+	zc_session_config config = streaming_config("busy", 2, 2, 64, 1024, 16);
+	struct model model;
+	struct rng rng;
+	zc_server_stats stats;
+
+	service_start(&service, args);
+	pid_t pid = service.daemon.pid;
+	zc_session *session = open_session(service.client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 41);
+	/* A decode loop is served as without the flag, flushes included. */
+	for (uint32_t step = 0; step < 60; step++)
+		for (uint32_t layer = 0; layer < 2; layer++)
+			CHECK(update_checked, service.client, session, &model, &rng, layer, 1);
+	CHECK(session_matches, session, &model);
+
+	/* Past the bound after the last request, the loop sleeps. */
+	usleep(200000);
+	uint64_t idle = loop_cpu_ms_over(pid, 500);
+	ck_assert_msg(idle < 50, "an idle daemon's loop used %" PRIu64 " ms of CPU in 500 ms",
+		      idle);
+	/* One request: the loop polls without sleeping for about 100 ms. */
+	ck_assert_int_eq(zc_client_stats(service.client, &stats), 0);
+	uint64_t spun = loop_cpu_ms_over(pid, 400);
+	ck_assert_msg(spun >= 30 && spun < 250,
+		      "after one request the loop used %" PRIu64 " ms of CPU in 400 ms "
+		      "(--busy-poll-us 100000: about 100)", spun);
+	/* And then sleeps again. */
+	idle = loop_cpu_ms_over(pid, 500);
+	ck_assert_msg(idle < 50, "after its spin the loop used %" PRIu64 " ms of CPU in 500 ms",
+		      idle);
+
+	ck_assert_int_eq(zc_session_close(session), 0);
+	model_free(&model);
+	service_stop(&service);
+}
+END_TEST
+
+START_TEST(no_busy_poll_by_default)
+{
+	struct service service;
+	zc_server_stats stats;
+
+	service_start(&service, NULL);
+	usleep(100000);
+	for (int i = 0; i < 20; i++)
+		ck_assert_int_eq(zc_client_stats(service.client, &stats), 0);
+	uint64_t after = loop_cpu_ms_over(service.daemon.pid, 400);
+	ck_assert_msg(after < 50, "without --busy-poll-us the loop used %" PRIu64
+		      " ms of CPU in the 400 ms after its requests", after);
+	service_stop(&service);
+}
+END_TEST
+
 START_TEST(help_lists_the_flags)
 {
 	static const char *const flags[] = {
@@ -2329,6 +2410,9 @@ START_TEST(bad_flags_exit_2)
 		{ "--socket-mode", "999", "socket-mode" },
 		{ "--codec-threads", "17", "codec-threads" },
 		{ "--codec-threads", "some", "codec-threads" },
+		{ "--busy-poll-us", "100001", "busy-poll-us" },
+		{ "--busy-poll-us", "-1", "busy-poll-us" },
+		{ "--busy-poll-us", "soon", "busy-poll-us" },
 		{ "stray-argument", NULL, "stray-argument" },
 	};
 	char dir[] = "/tmp/zc_service_flags.XXXXXX", socket_path[64], shm_dir[64];
@@ -2412,6 +2496,8 @@ static Suite *service_suite(void)
 				 restart_replaces_stale_socket_and_adopts_sessions, idle_sessions_expire,
 				 help_lists_the_flags, bad_flags_exit_2,
 				 second_daemon_on_a_live_socket_is_refused, NULL } },
+		{ "busy_poll", { busy_poll_spins_after_requests_then_sleeps, no_busy_poll_by_default,
+				 NULL } },
 	};
 
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);

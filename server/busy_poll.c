@@ -1,0 +1,39 @@
+/* Busy polling after a request: see busy_poll.h. */
+#include "busy_poll.h"
+
+#include <stddef.h>
+
+static void on_spin(uv_idle_t *idle)
+{
+	struct busy_poll *poll = idle->data;
+	/* An idle handle only makes the loop poll without a timeout; the
+	 * requests themselves arrive through the connections' polls. */
+	if (uv_hrtime() - poll->last_ns >= poll->spin_ns)
+		uv_idle_stop(idle);
+}
+
+void busy_poll_init(struct busy_poll *poll, uv_loop_t *loop, uint32_t spin_us)
+{
+	poll->spin_ns = (uint64_t)(spin_us > BUSY_POLL_MAX_US ? BUSY_POLL_MAX_US : spin_us) * 1000u;
+	poll->last_ns = 0;
+	uv_idle_init(loop, &poll->idle);
+	poll->idle.data = poll;
+	poll->open = true;
+}
+
+void busy_poll_kick(struct busy_poll *poll)
+{
+	if (!poll->open || poll->spin_ns == 0)
+		return;
+	poll->last_ns = uv_hrtime();
+	if (!uv_is_active((uv_handle_t *)&poll->idle))
+		uv_idle_start(&poll->idle, on_spin);
+}
+
+void busy_poll_close(struct busy_poll *poll, uv_close_cb cb)
+{
+	if (!poll->open)
+		return;
+	poll->open = false;
+	uv_close((uv_handle_t *)&poll->idle, cb);
+}
