@@ -7,8 +7,14 @@ static void on_spin(uv_idle_t *idle)
 {
 	struct busy_poll *poll = idle->data;
 	/* An idle handle only makes the loop poll without a timeout; the
-	 * requests themselves arrive through the connections' polls. */
-	if (uv_hrtime() - poll->last_ns >= poll->spin_ns)
+	 * requests themselves arrive through the connections' polls. While
+	 * the thread pool has work of the loop's (a residual flush, a large
+	 * block, a rebuild: uv_loop_t's public count of active requests,
+	 * which for this daemon is its queued work), the loop sleeps: those
+	 * workers may share its CPU, and the request that waits for them
+	 * would wait longer behind a spinning loop (measured: the step after
+	 * a flush, 94 -> 210 us on one CPU). */
+	if (uv_hrtime() - poll->last_ns >= poll->spin_ns || idle->loop->active_reqs.count > 0)
 		uv_idle_stop(idle);
 }
 

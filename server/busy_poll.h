@@ -8,7 +8,9 @@
  *
  * The price is a CPU kept busy while requests keep coming, at most the
  * bound after the last one; with 0 (the default) the loop sleeps in
- * epoll_wait as soon as it has nothing to do. An idle daemon never spins.
+ * epoll_wait as soon as it has nothing to do. An idle daemon never spins,
+ * nor one whose thread pool has work of its own in flight (the loop then
+ * sleeps until that work is done, leaving the CPU to the workers).
  * Loop thread only.
  */
 #ifndef ZIPCACHE_BUSY_POLL_H
