@@ -147,13 +147,39 @@ static int64_t now_ms(void)
 static int async_drain(zc_client *client);
 static void async_forget(zc_client *client);
 
+/*
+ * Encodes request at send_buffer + used (*len: its frame's bytes). The
+ * buffer is tried as it is first, since it almost always has room: a
+ * separate sizing pass costs about half as much again as the encode.
+ * Only when it is short is the frame sized and the buffer grown.
+ */
+static int request_encode(zc_client *client, const wire_request *request, size_t used,
+			  size_t *len)
+{
+	int rc = ZC_EBUFFER;
+	if (used < client->send_capacity)
+		rc = wire_request_encode(request, client->send_buffer + used,
+					 client->send_capacity - used, len);
+	if (rc != ZC_EBUFFER)
+		return rc;
+	size_t size;
+	if ((rc = wire_request_frame_size(request, &size)) < 0)
+		return rc;
+	uint8_t *buffer = realloc(client->send_buffer, used + size);
+	if (!buffer)
+		return -ENOMEM;
+	client->send_buffer = buffer;
+	client->send_capacity = used + size;
+	return wire_request_encode(request, client->send_buffer + used, size, len);
+}
+
 /* Sends one request and waits for its reply; on success *response holds
  * it (free with wire_response_free) and any descriptors it carried are in
  * fds[0..n_fds). */
 static int call_fd(zc_client *client, wire_request *request, wire_response *response,
 		   int *fds, int max_fds, int send_fd)
 {
-	size_t size, len;
+	size_t len;
 	const uint8_t *frame;
 	char message[160];
 	int rc;
@@ -166,19 +192,10 @@ static int call_fd(zc_client *client, wire_request *request, wire_response *resp
 		return rc;
 	client->last_error[0] = '\0';
 	request->request_id = client->next_request_id++;
-	rc = wire_request_frame_size(request, &size);
+	rc = request_encode(client, request, 0, &len);
 	if (rc < 0)
-		return error_set(client, rc, "request cannot be encoded");
-	if (size > client->send_capacity) {
-		uint8_t *buffer = realloc(client->send_buffer, size);
-		if (!buffer)
-			return error_set(client, -ENOMEM, "out of memory");
-		client->send_buffer = buffer;
-		client->send_capacity = size;
-	}
-	rc = wire_request_encode(request, client->send_buffer, client->send_capacity, &len);
-	if (rc < 0)
-		return error_set(client, rc, "request cannot be encoded");
+		return error_set(client, rc, rc == -ENOMEM ? "out of memory" :
+					 "request cannot be encoded");
 	/* From here on a failure leaves the request's fate unknown and the
 	 * stream out of step: each one breaks the connection. */
 	int sent = send_fd >= 0 ?
@@ -1132,7 +1149,7 @@ static int update_encode(zc_session *session, uint32_t layer, uint32_t tokens,
 	wire_request request = { 0 };
 	struct wire_update_request *update = &request.update_and_fetch;
 	uint64_t key_bytes, value_bytes;
-	size_t size, len;
+	size_t len;
 
 	block_bytes(session, tokens, &key_bytes, &value_bytes);
 	request.op = WIRE_OP_UPDATE_AND_FETCH;
@@ -1150,20 +1167,10 @@ static int update_encode(zc_session *session, uint32_t layer, uint32_t tokens,
 		update->values = (wire_span){ (const uint8_t *)values, value_bytes };
 	}
 	mass_attach(session, layer, update);
-	int rc = wire_request_frame_size(&request, &size);
+	int rc = request_encode(client, &request, *used, &len);
 	if (rc < 0)
-		return error_set(client, rc, "request cannot be encoded");
-	if (*used + size > client->send_capacity) {
-		uint8_t *buffer = realloc(client->send_buffer, *used + size);
-		if (!buffer)
-			return error_set(client, -ENOMEM, "out of memory");
-		client->send_buffer = buffer;
-		client->send_capacity = *used + size;
-	}
-	rc = wire_request_encode(&request, client->send_buffer + *used,
-				 client->send_capacity - *used, &len);
-	if (rc < 0)
-		return error_set(client, rc, "request cannot be encoded");
+		return error_set(client, rc, rc == -ENOMEM ? "out of memory" :
+					 "request cannot be encoded");
 	*used += len;
 	*id = client->next_request_id++;
 	mass_sent(session, layer, update);

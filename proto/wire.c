@@ -1256,9 +1256,144 @@ int wire_request_decode(const uint8_t *frame, size_t len, wire_request *out)
 	return rc;
 }
 
+/*
+ * The update request, encoded by hand: it is sent once per layer per
+ * decode step, and nanopb's table walk (a sizing pass for the submessage,
+ * field descriptors unpacked one by one, the ~4 KiB generated struct
+ * cleared and copied) costs ten times the copy of its 4 KiB of K/V.
+ * The bytes are those nanopb writes for the same request, field by field
+ * in number order, proto3 defaults left out (wire_test checks them
+ * against nanopb's), with the field numbers from the generated header.
+ * One walk over the fields: with `out` NULL it only counts.
+ */
+#define PB_WIRE_VARINT 0u
+#define PB_WIRE_LEN 2u
+
+static size_t varint_bytes(uint64_t v)
+{
+	size_t n = 1;
+	while (v >= 0x80) {
+		v >>= 7;
+		n++;
+	}
+	return n;
+}
+
+static uint8_t *varint_put(uint8_t *out, uint64_t v)
+{
+	while (v >= 0x80) {
+		*out++ = (uint8_t)(v | 0x80);
+		v >>= 7;
+	}
+	*out++ = (uint8_t)v;
+	return out;
+}
+
+/* A field: its tag, then a varint or a length and the bytes. Returns the
+ * bytes it takes; writes them at *out (advanced) unless out is NULL. */
+static size_t field_varint(uint8_t **out, uint32_t number, uint64_t v)
+{
+	if (out) {
+		*out = varint_put(*out, (uint64_t)number << 3 | PB_WIRE_VARINT);
+		*out = varint_put(*out, v);
+	}
+	return varint_bytes((uint64_t)number << 3) + varint_bytes(v);
+}
+
+static size_t field_bytes(uint8_t **out, uint32_t number, const void *data, size_t len)
+{
+	if (out) {
+		*out = varint_put(*out, (uint64_t)number << 3 | PB_WIRE_LEN);
+		*out = varint_put(*out, len);
+		memcpy(*out, data, len);
+		*out += len;
+	}
+	return varint_bytes((uint64_t)number << 3) + varint_bytes(len) + len;
+}
+
+static size_t update_fields(const struct wire_update_request *u, uint8_t **out)
+{
+	size_t n = 0;
+	uint32_t chunk = u->chunk_key_len <= sizeof(u->chunk_key) ? u->chunk_key_len :
+								     (uint32_t)sizeof(u->chunk_key);
+	if (u->session_id)
+		n += field_varint(out, zipcache_v1_UpdateAndFetchRequest_session_id_tag, u->session_id);
+	if (u->layer)
+		n += field_varint(out, zipcache_v1_UpdateAndFetchRequest_layer_tag, u->layer);
+	if (u->tokens)
+		n += field_varint(out, zipcache_v1_UpdateAndFetchRequest_tokens_tag, u->tokens);
+	if (u->keys.len)
+		n += field_bytes(out, zipcache_v1_UpdateAndFetchRequest_keys_tag, u->keys.data,
+				 u->keys.len);
+	if (u->values.len)
+		n += field_bytes(out, zipcache_v1_UpdateAndFetchRequest_values_tag, u->values.data,
+				 u->values.len);
+	if (u->staged)
+		n += field_varint(out, zipcache_v1_UpdateAndFetchRequest_staged_tag, 1);
+	if (u->keys_offset)
+		n += field_varint(out, zipcache_v1_UpdateAndFetchRequest_keys_offset_tag,
+				  u->keys_offset);
+	if (u->values_offset)
+		n += field_varint(out, zipcache_v1_UpdateAndFetchRequest_values_offset_tag,
+				  u->values_offset);
+	/* Optional with presence: sent when set, and it is set only as true. */
+	if (u->omit_stats)
+		n += field_varint(out, zipcache_v1_UpdateAndFetchRequest_omit_stats_tag, 1);
+	if (chunk)
+		n += field_bytes(out, zipcache_v1_UpdateAndFetchRequest_chunk_key_tag, u->chunk_key,
+				 chunk);
+	if (u->attention_mass.len)
+		n += field_bytes(out, zipcache_v1_UpdateAndFetchRequest_attention_mass_tag,
+				 u->attention_mass.data, u->attention_mass.len);
+	if (u->mass_first_token)
+		n += field_varint(out, zipcache_v1_UpdateAndFetchRequest_mass_first_token_tag,
+				  u->mass_first_token);
+	return n;
+}
+
+/* The whole frame's bytes (header, request id, the update submessage). */
+static uint64_t update_frame_bytes(const wire_request *req, size_t *fields)
+{
+	*fields = update_fields(&req->update_and_fetch, NULL);
+	uint64_t n = FRAME_HEADER_BYTES + varint_bytes(zipcache_v1_Request_update_and_fetch_tag << 3) +
+		     varint_bytes(*fields) + *fields;
+	if (req->request_id)
+		n += field_varint(NULL, zipcache_v1_Request_request_id_tag, req->request_id);
+	return n;
+}
+
+static int update_request_encode(const wire_request *req, uint8_t *buf, size_t cap,
+				 size_t *frame_len)
+{
+	size_t fields;
+	uint64_t total = update_frame_bytes(req, &fields);
+	if (total - FRAME_HEADER_BYTES > UINT32_MAX)
+		return ZC_EFRAMESIZE;
+	if (total > cap)
+		return ZC_EBUFFER;
+	uint8_t *out = buf + FRAME_HEADER_BYTES;
+	if (req->request_id)
+		field_varint(&out, zipcache_v1_Request_request_id_tag, req->request_id);
+	out = varint_put(out, (uint64_t)zipcache_v1_Request_update_and_fetch_tag << 3 | PB_WIRE_LEN);
+	out = varint_put(out, fields);
+	update_fields(&req->update_and_fetch, &out);
+	frame_header_write(buf, (uint32_t)(total - FRAME_HEADER_BYTES));
+	*frame_len = (size_t)total;
+	return 0;
+}
+
 int wire_request_frame_size(const wire_request *req, size_t *size)
 {
 	wire_pb_request pb;
+
+	if (req->op == WIRE_OP_UPDATE_AND_FETCH) {
+		size_t fields;
+		uint64_t total = update_frame_bytes(req, &fields);
+		if (total - FRAME_HEADER_BYTES > UINT32_MAX)
+			return ZC_EFRAMESIZE;
+		*size = (size_t)total;
+		return 0;
+	}
 
 	request_to_pb(req, &pb);
 	return wire_pb_request_frame_size(&pb, size);
@@ -1267,6 +1402,9 @@ int wire_request_frame_size(const wire_request *req, size_t *size)
 int wire_request_encode(const wire_request *req, uint8_t *buf, size_t cap, size_t *frame_len)
 {
 	wire_pb_request pb;
+
+	if (req->op == WIRE_OP_UPDATE_AND_FETCH)
+		return update_request_encode(req, buf, cap, frame_len);
 
 	request_to_pb(req, &pb);
 	return wire_pb_request_encode(&pb, buf, cap, frame_len);

@@ -1357,6 +1357,102 @@ START_TEST(request_omit_stats)
 }
 END_TEST
 
+/* The update request is encoded by hand (its hot path): over a sweep of
+ * field values, zero ones included, its bytes are nanopb's, its size is
+ * what frame_size says, it decodes to what went in, and one byte less of
+ * room is ZC_EBUFFER. */
+START_TEST(update_request_same_bytes_as_nanopb)
+{
+	static uint8_t keys[20000], values[20000], a[70000], b[70000];
+	static const uint64_t big[] = { 0, 1, 127, 128, 16383, 16384, 1ull << 35, UINT64_MAX };
+	static const size_t lens[] = { 0, 1, 127, 128, 4096, 16384, 20000 };
+	uint64_t state = 0x9e3779b97f4a7c15ull;
+
+	for (size_t i = 0; i < sizeof(keys); i++) {
+		keys[i] = (uint8_t)(i * 7 + 1);
+		values[i] = (uint8_t)(i * 13 + 5);
+	}
+	for (int round = 0; round < 2000; round++) {
+		uint64_t r[12];
+		for (int j = 0; j < 12; j++) {
+			state ^= state << 13;
+			state ^= state >> 7;
+			state ^= state << 17;
+			r[j] = state;
+		}
+		wire_request plain = { .request_id = big[r[0] % 8], .op = WIRE_OP_UPDATE_AND_FETCH };
+		struct wire_update_request *u = &plain.update_and_fetch;
+		u->session_id = big[r[1] % 8];
+		u->layer = (uint32_t)big[r[2] % 8];
+		u->tokens = (uint32_t)big[r[3] % 8];
+		u->keys = (wire_span){ keys, lens[r[4] % 7] };
+		u->values = (wire_span){ values, lens[r[5] % 7] };
+		u->staged = r[6] & 1;
+		u->keys_offset = big[(r[6] >> 1) % 8];
+		u->values_offset = big[(r[6] >> 8) % 8];
+		u->omit_stats = r[7] & 1;
+		u->chunk_key_len = (uint32_t)((r[7] >> 1) % 3 == 0 ? 0 : (r[7] >> 1) % 3 == 1 ?
+					     ZC_CHUNK_KEY_BYTES : 5);
+		for (uint32_t k = 0; k < ZC_CHUNK_KEY_BYTES; k++)
+			u->chunk_key[k] = (uint8_t)(r[8] >> (k % 8));
+		u->attention_mass = (wire_span){ values + 3, lens[r[9] % 7] / 4 * 4 };
+		u->mass_first_token = (uint32_t)big[r[10] % 8];
+
+		wire_pb_request pb = { 0 };
+		pb.msg.request_id = plain.request_id;
+		pb.msg.which_op = zipcache_v1_Request_update_and_fetch_tag;
+		zipcache_v1_UpdateAndFetchRequest *p = &pb.msg.op.update_and_fetch;
+		p->session_id = u->session_id;
+		p->layer = u->layer;
+		p->tokens = u->tokens;
+		p->staged = u->staged;
+		p->keys_offset = u->keys_offset;
+		p->values_offset = u->values_offset;
+		p->has_omit_stats = u->omit_stats;
+		p->omit_stats = u->omit_stats;
+		p->chunk_key.size = (pb_size_t)u->chunk_key_len;
+		memcpy(p->chunk_key.bytes, u->chunk_key, u->chunk_key_len);
+		p->mass_first_token = u->mass_first_token;
+		pb.keys = u->keys;
+		pb.values = u->values;
+		pb.attention_mass = u->attention_mass;
+
+		size_t la, lb, size;
+		ck_assert_int_eq(wire_request_encode(&plain, a, sizeof(a), &la), 0);
+		ck_assert_int_eq(wire_pb_request_encode(&pb, b, sizeof(b), &lb), 0);
+		ck_assert_msg(la == lb && memcmp(a, b, la) == 0,
+			      "round %d: the hand encoding differs from nanopb's (%zu vs %zu bytes)",
+			      round, la, lb);
+		ck_assert_int_eq(wire_request_frame_size(&plain, &size), 0);
+		ck_assert_uint_eq(size, la);
+		ck_assert_int_eq(wire_request_encode(&plain, a, la - 1, &lb), ZC_EBUFFER);
+		ck_assert_int_eq(wire_request_encode(&plain, a, la, &lb), 0);
+
+		wire_request back;
+		ck_assert_int_eq(wire_request_decode(a + FRAME_HEADER_BYTES, la - FRAME_HEADER_BYTES,
+						     &back), 0);
+		ck_assert_int_eq(back.op, WIRE_OP_UPDATE_AND_FETCH);
+		ck_assert_uint_eq(back.request_id, plain.request_id);
+		ck_assert_uint_eq(back.update_and_fetch.session_id, u->session_id);
+		ck_assert_uint_eq(back.update_and_fetch.layer, u->layer);
+		ck_assert_uint_eq(back.update_and_fetch.tokens, u->tokens);
+		ck_assert_uint_eq(back.update_and_fetch.keys.len, u->keys.len);
+		ck_assert(u->keys.len == 0 ||
+			  memcmp(back.update_and_fetch.keys.data, keys, u->keys.len) == 0);
+		ck_assert_uint_eq(back.update_and_fetch.values.len, u->values.len);
+		ck_assert(u->values.len == 0 ||
+			  memcmp(back.update_and_fetch.values.data, values, u->values.len) == 0);
+		ck_assert_int_eq(back.update_and_fetch.staged, u->staged);
+		ck_assert_uint_eq(back.update_and_fetch.keys_offset, u->keys_offset);
+		ck_assert_uint_eq(back.update_and_fetch.values_offset, u->values_offset);
+		ck_assert_int_eq(back.update_and_fetch.omit_stats, u->omit_stats);
+		ck_assert_uint_eq(back.update_and_fetch.chunk_key_len, u->chunk_key_len);
+		ck_assert_uint_eq(back.update_and_fetch.attention_mass.len, u->attention_mass.len);
+		ck_assert_uint_eq(back.update_and_fetch.mass_first_token, u->mass_first_token);
+	}
+}
+END_TEST
+
 /* A stats reply with its layer list: the plain encode is the generated
  * one's bytes, and decoding it gives the plain structs back. */
 START_TEST(plain_response_same_bytes)
@@ -1445,6 +1541,7 @@ static Suite *wire_suite(void)
 	tcase_add_test(rt, plain_request_same_bytes);
 	tcase_add_test(rt, plain_response_same_bytes);
 	tcase_add_test(rt, request_omit_stats);
+	tcase_add_test(rt, update_request_same_bytes_as_nanopb);
 	suite_add_tcase(s, rt);
 
 	/* ASan slows the fuzz loops several-fold. */
