@@ -42,6 +42,10 @@
 #include "frame.h"
 #include "zipcache/error.h"
 
+/* Protocol Buffers wire types of the fields encoded and decoded by hand. */
+#define PB_WIRE_VARINT 0u
+#define PB_WIRE_LEN 2u
+
 /* What the decode callbacks need; their arg points at one of these. */
 struct decode_ctx {
 	const uint8_t *frame; /* the buffer being decoded, to bound spans */
@@ -1238,8 +1242,128 @@ static void request_from_pb(const wire_pb_request *in, wire_request *out)
 	}
 }
 
+/* A varint at frame[*pos], minimally encoded (an overlong one is not the
+ * canonical form and goes to nanopb), at most 64 bits. */
+static bool varint_get(const uint8_t *frame, size_t len, size_t *pos, uint64_t *v)
+{
+	uint64_t x = 0;
+	for (unsigned shift = 0; shift < 64 && *pos < len; shift += 7) {
+		uint8_t b = frame[(*pos)++];
+		if (shift == 63 && b > 1)
+			return false;
+		x |= (uint64_t)(b & 0x7f) << shift;
+		if (!(b & 0x80)) {
+			if (b == 0 && shift > 0)
+				return false;
+			*v = x;
+			return true;
+		}
+	}
+	return false;
+}
+
+/*
+ * The update request decoded by hand, in the form the encoder above
+ * writes: request_id (optional) then the update, last, its fields once
+ * each, of their own wire types, values in range. Anything else (another
+ * op, an unknown or repeated field, a bool other than 0 or 1, a number too
+ * large for its field, a cut frame) is not decided here but left to
+ * nanopb, so what a request means and how a bad one is refused do not
+ * depend on this path (wire_test compares the two over mutated frames).
+ * Returns whether it decoded the frame.
+ */
+static bool update_request_decode(const uint8_t *frame, size_t len, wire_request *out)
+{
+	size_t pos = 0;
+	uint64_t tag, v, request_id = 0;
+	bool have_id = false;
+
+	for (;;) {
+		if (!varint_get(frame, len, &pos, &tag))
+			return false;
+		if (tag == (zipcache_v1_Request_request_id_tag << 3 | PB_WIRE_VARINT) && !have_id) {
+			if (!varint_get(frame, len, &pos, &request_id))
+				return false;
+			have_id = true;
+			continue;
+		}
+		if (tag != (zipcache_v1_Request_update_and_fetch_tag << 3 | PB_WIRE_LEN) ||
+		    !varint_get(frame, len, &pos, &v) || v != len - pos)
+			return false;
+		break;
+	}
+	memset(out, 0, sizeof(*out));
+	out->request_id = request_id;
+	out->op = WIRE_OP_UPDATE_AND_FETCH;
+	struct wire_update_request *u = &out->update_and_fetch;
+	uint32_t seen = 0;
+	while (pos < len) {
+		if (!varint_get(frame, len, &pos, &tag) || (tag >> 3) == 0 || (tag >> 3) > 12)
+			return false;
+		uint32_t number = (uint32_t)(tag >> 3);
+		bool bytes = number == zipcache_v1_UpdateAndFetchRequest_keys_tag ||
+			     number == zipcache_v1_UpdateAndFetchRequest_values_tag ||
+			     number == zipcache_v1_UpdateAndFetchRequest_chunk_key_tag ||
+			     number == zipcache_v1_UpdateAndFetchRequest_attention_mass_tag;
+		if ((seen & 1u << number) || (tag & 7) != (bytes ? PB_WIRE_LEN : PB_WIRE_VARINT) ||
+		    !varint_get(frame, len, &pos, &v) || (bytes && v > len - pos))
+			return false;
+		seen |= 1u << number;
+		wire_span span = { bytes ? frame + pos : NULL, bytes ? (size_t)v : 0 };
+		if (bytes)
+			pos += (size_t)v;
+		switch (number) {
+		case zipcache_v1_UpdateAndFetchRequest_session_id_tag:
+			u->session_id = v;
+			break;
+		case zipcache_v1_UpdateAndFetchRequest_keys_offset_tag:
+			u->keys_offset = v;
+			break;
+		case zipcache_v1_UpdateAndFetchRequest_values_offset_tag:
+			u->values_offset = v;
+			break;
+		case zipcache_v1_UpdateAndFetchRequest_layer_tag:
+		case zipcache_v1_UpdateAndFetchRequest_tokens_tag:
+		case zipcache_v1_UpdateAndFetchRequest_mass_first_token_tag:
+			if (v > UINT32_MAX)
+				return false;
+			*(number == zipcache_v1_UpdateAndFetchRequest_layer_tag ? &u->layer :
+			  number == zipcache_v1_UpdateAndFetchRequest_tokens_tag ? &u->tokens :
+										 &u->mass_first_token) =
+				(uint32_t)v;
+			break;
+		case zipcache_v1_UpdateAndFetchRequest_staged_tag:
+		case zipcache_v1_UpdateAndFetchRequest_omit_stats_tag:
+			if (v > 1)
+				return false;
+			*(number == zipcache_v1_UpdateAndFetchRequest_staged_tag ? &u->staged :
+									       &u->omit_stats) = v == 1;
+			break;
+		case zipcache_v1_UpdateAndFetchRequest_keys_tag:
+			u->keys = span;
+			break;
+		case zipcache_v1_UpdateAndFetchRequest_values_tag:
+			u->values = span;
+			break;
+		case zipcache_v1_UpdateAndFetchRequest_attention_mass_tag:
+			u->attention_mass = span;
+			break;
+		case zipcache_v1_UpdateAndFetchRequest_chunk_key_tag:
+			if (span.len > sizeof(u->chunk_key))
+				return false;
+			u->chunk_key_len = (uint32_t)span.len;
+			memcpy(u->chunk_key, span.data, span.len);
+			break;
+		}
+	}
+	return true;
+}
+
 int wire_request_decode(const uint8_t *frame, size_t len, wire_request *out)
 {
+	if (update_request_decode(frame, len, out))
+		return 0;
+
 	wire_pb_request pb;
 	int rc = wire_pb_request_decode(frame, len, &pb);
 
@@ -1266,9 +1390,6 @@ int wire_request_decode(const uint8_t *frame, size_t len, wire_request *out)
  * against nanopb's), with the field numbers from the generated header.
  * One walk over the fields: with `out` NULL it only counts.
  */
-#define PB_WIRE_VARINT 0u
-#define PB_WIRE_LEN 2u
-
 static size_t varint_bytes(uint64_t v)
 {
 	size_t n = 1;
