@@ -1756,8 +1756,54 @@ static const zipcache_v1_Response *plain_response_prepare(const wire_response *r
 	return msg;
 }
 
+/*
+ * The update reply without stats (what a decode step gets back), encoded
+ * by hand as the request is, to nanopb's bytes: request_id, status, fds,
+ * then the op (sent even when empty, being a oneof member) with tokens
+ * and sequence. Any other reply goes through nanopb.
+ */
+static bool update_response_plain(const wire_response *resp)
+{
+	return resp->op == WIRE_OP_UPDATE_AND_FETCH && !resp->update_and_fetch.has_stats &&
+	       resp->message[0] == '\0' && resp->status >= 0;
+}
+
+static size_t update_response_fields(const wire_response *resp, uint8_t **out, size_t *op_len)
+{
+	const struct wire_update_response *u = &resp->update_and_fetch;
+	size_t n = 0, op = 0;
+	if (resp->request_id)
+		n += field_varint(out, zipcache_v1_Response_request_id_tag, resp->request_id);
+	if (resp->status)
+		n += field_varint(out, zipcache_v1_Response_status_tag, (uint64_t)resp->status);
+	if (resp->fds)
+		n += field_varint(out, zipcache_v1_Response_fds_tag, resp->fds);
+	if (u->tokens)
+		op += field_varint(NULL, zipcache_v1_UpdateAndFetchResponse_tokens_tag, u->tokens);
+	if (u->sequence)
+		op += field_varint(NULL, zipcache_v1_UpdateAndFetchResponse_sequence_tag, u->sequence);
+	*op_len = op;
+	if (out) {
+		*out = varint_put(*out, (uint64_t)zipcache_v1_Response_update_and_fetch_tag << 3 |
+						PB_WIRE_LEN);
+		*out = varint_put(*out, op);
+		if (u->tokens)
+			field_varint(out, zipcache_v1_UpdateAndFetchResponse_tokens_tag, u->tokens);
+		if (u->sequence)
+			field_varint(out, zipcache_v1_UpdateAndFetchResponse_sequence_tag, u->sequence);
+	}
+	return n + varint_bytes(zipcache_v1_Response_update_and_fetch_tag << 3) + varint_bytes(op) +
+	       op;
+}
+
 int wire_response_frame_size(const wire_response *resp, size_t *size)
 {
+	if (update_response_plain(resp)) {
+		size_t op;
+		*size = FRAME_HEADER_BYTES + update_response_fields(resp, NULL, &op);
+		return 0;
+	}
+
 	zipcache_v1_Response msg;
 	struct encode_list list;
 	const zipcache_v1_Response *prepared = plain_response_prepare(resp, &msg, &list);
@@ -1769,6 +1815,17 @@ int wire_response_frame_size(const wire_response *resp, size_t *size)
 
 int wire_response_encode(const wire_response *resp, uint8_t *buf, size_t cap, size_t *frame_len)
 {
+	if (update_response_plain(resp)) {
+		size_t op, body = update_response_fields(resp, NULL, &op);
+		if (FRAME_HEADER_BYTES + body > cap)
+			return ZC_EBUFFER;
+		uint8_t *out = buf + FRAME_HEADER_BYTES;
+		update_response_fields(resp, &out, &op);
+		frame_header_write(buf, (uint32_t)body);
+		*frame_len = FRAME_HEADER_BYTES + body;
+		return 0;
+	}
+
 	zipcache_v1_Response msg;
 	struct encode_list list;
 	const zipcache_v1_Response *prepared = plain_response_prepare(resp, &msg, &list);
@@ -1800,12 +1857,72 @@ static int lists_from_pb(wire_pb_response *pb, wire_response *out)
 	return 0;
 }
 
+/*
+ * The update reply without stats decoded by hand when it has the form
+ * above (fields once each, in order, values in range, the op last);
+ * anything else is left to nanopb, as for the request. Returns whether it
+ * decoded the frame.
+ */
+static bool update_response_decode(const uint8_t *frame, size_t len, wire_response *out)
+{
+	static const uint32_t order[] = { zipcache_v1_Response_request_id_tag,
+					  zipcache_v1_Response_status_tag,
+					  zipcache_v1_Response_fds_tag };
+	uint64_t head[3] = { 0, 0, 0 }, tag, v;
+	size_t pos = 0, next = 0;
+
+	for (;;) {
+		if (!varint_get(frame, len, &pos, &tag))
+			return false;
+		while (next < 3 && tag != (order[next] << 3 | PB_WIRE_VARINT))
+			next++;
+		if (next == 3)
+			break;
+		if (!varint_get(frame, len, &pos, &head[next]))
+			return false;
+		next++;
+	}
+	if (tag != (zipcache_v1_Response_update_and_fetch_tag << 3 | PB_WIRE_LEN) ||
+	    !varint_get(frame, len, &pos, &v) || v != len - pos || head[1] > INT32_MAX ||
+	    head[2] > UINT32_MAX)
+		return false;
+	uint64_t tokens = 0, sequence = 0;
+	bool have_tokens = false, have_sequence = false;
+	while (pos < len) {
+		if (!varint_get(frame, len, &pos, &tag))
+			return false;
+		if (tag == (zipcache_v1_UpdateAndFetchResponse_tokens_tag << 3 | PB_WIRE_VARINT) &&
+		    !have_tokens && !have_sequence) {
+			if (!varint_get(frame, len, &pos, &tokens) || tokens > UINT32_MAX)
+				return false;
+			have_tokens = true;
+		} else if (tag == (zipcache_v1_UpdateAndFetchResponse_sequence_tag << 3 |
+				   PB_WIRE_VARINT) && !have_sequence) {
+			if (!varint_get(frame, len, &pos, &sequence))
+				return false;
+			have_sequence = true;
+		} else {
+			return false;
+		}
+	}
+	memset(out, 0, sizeof(*out));
+	out->request_id = head[0];
+	out->status = (int)head[1];
+	out->fds = (uint32_t)head[2];
+	out->op = WIRE_OP_UPDATE_AND_FETCH;
+	out->update_and_fetch.tokens = (uint32_t)tokens;
+	out->update_and_fetch.sequence = sequence;
+	return true;
+}
+
 int wire_response_decode(const uint8_t *frame, size_t len, wire_response *out)
 {
 	wire_pb_response decoded, *pb = &decoded;
 	const zipcache_v1_Response *msg;
 	int rc;
 
+	if (update_response_decode(frame, len, out))
+		return 0;
 	memset(out, 0, sizeof(*out));
 	rc = wire_pb_response_decode(frame, len, pb);
 	if (rc < 0) {
