@@ -1357,6 +1357,17 @@ START_TEST(request_omit_stats)
 }
 END_TEST
 
+/* Fills r[0..n) from an xorshift64 generator: fixed sweeps, same every run. */
+static void random_words(uint64_t *state, uint64_t *r, int n)
+{
+	for (int j = 0; j < n; j++) {
+		*state ^= *state << 13;
+		*state ^= *state >> 7;
+		*state ^= *state << 17;
+		r[j] = *state;
+	}
+}
+
 /* The update request is encoded by hand (its hot path): over a sweep of
  * field values, zero ones included, its bytes are nanopb's, its size is
  * what frame_size says, it decodes to what went in, and one byte less of
@@ -1374,12 +1385,7 @@ START_TEST(update_request_same_bytes_as_nanopb)
 	}
 	for (int round = 0; round < 2000; round++) {
 		uint64_t r[12];
-		for (int j = 0; j < 12; j++) {
-			state ^= state << 13;
-			state ^= state >> 7;
-			state ^= state << 17;
-			r[j] = state;
-		}
+		random_words(&state, r, 12);
 		wire_request plain = { .request_id = big[r[0] % 8], .op = WIRE_OP_UPDATE_AND_FETCH };
 		struct wire_update_request *u = &plain.update_and_fetch;
 		u->session_id = big[r[1] % 8];
@@ -1507,12 +1513,7 @@ START_TEST(update_request_decode_matches_nanopb)
 		data[i] = (uint8_t)(i * 31 + 3);
 	for (int round = 0; round < 3000; round++) {
 		uint64_t r[8];
-		for (int j = 0; j < 8; j++) {
-			state ^= state << 13;
-			state ^= state >> 7;
-			state ^= state << 17;
-			r[j] = state;
-		}
+		random_words(&state, r, 8);
 		wire_request req = { .request_id = big[r[0] % 8], .op = WIRE_OP_UPDATE_AND_FETCH };
 		struct wire_update_request *u = &req.update_and_fetch;
 		u->session_id = big[r[1] % 8];
@@ -1563,12 +1564,7 @@ START_TEST(update_response_matches_nanopb)
 
 	for (int round = 0; round < 4000; round++) {
 		uint64_t r[4];
-		for (int j = 0; j < 4; j++) {
-			state ^= state << 13;
-			state ^= state >> 7;
-			state ^= state << 17;
-			r[j] = state;
-		}
+		random_words(&state, r, 4);
 		wire_response plain;
 		wire_response_init(&plain, big[r[0] % 8], WIRE_OP_UPDATE_AND_FETCH);
 		plain.status = (int)((r[0] >> 8) % 4 == 0 ? (r[0] >> 12) % 20 : 0);
