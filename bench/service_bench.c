@@ -135,6 +135,7 @@ struct options {
 	int cpu;            /* benchmark CPU; -1: first allowed */
 	int daemon_cpu;     /* daemon + echo CPU; -1: second allowed, if any */
 	int daemon_cpus;    /* > 1: zipcached on this many CPUs instead (not the echo) */
+	int echo_cpu;       /* the echo peer's CPU; -1: --daemon-cpu's */
 	int busy_poll_us;   /* zipcached's --busy-poll-us, the echo peer's spin alike */
 	bool prefill_views_none; /* prefill sessions without fp16 views */
 	const char *daemon; /* NULL: ZC_BUILD_DIR/bin/zipcached */
@@ -1586,7 +1587,7 @@ static void usage(FILE *f)
 		   "               [--daemon-cpu N] [--daemon-cpus N] [--daemon PATH]\n"
 		   "               [--only decode,context,prefill,ratio,rebuild,async,redis]\n"
 		   "               [--async-compute-us N] [--receive-spin-us N]\n"
-		   "               [--daemon-busy-poll-us N] [--prefill-views full|none]\n"
+		   "               [--daemon-busy-poll-us N] [--echo-cpu N] [--prefill-views full|none]\n"
 		   "  --steps N       decode samples per side (default %u, rounded up to %u)\n"
 		   "  --runs N        prefill runs (default %d)\n"
 		   "  --rounds N      rebuild rounds (default %d)\n"
@@ -1600,6 +1601,9 @@ static void usage(FILE *f)
 		   "  --receive-spin-us N   the client's receive spin (default %u, ZC_RECEIVE_SPIN_US)\n"
 		   "  --daemon-busy-poll-us N  zipcached's --busy-poll-us, and the echo peer polls\n"
 		   "                  as long before it sleeps (default 0: both sleep at once)\n"
+		   "  --echo-cpu N    the echo peer's CPU (default --daemon-cpu's): with busy\n"
+		   "                  polling, a CPU of its own, or its spin and zipcached's\n"
+		   "                  delay each other where one side takes over from the other\n"
 		   "  --prefill-views V     the prefill sessions' views: full (default) or none\n"
 		   "  --quick         smoke test: a few hundred steps, one prefill run, one rebuild\n",
 		DECODE_STEPS, BATCH_STEPS, PREFILL_RUNS, REBUILD_ROUNDS, ASYNC_COMPUTE_US,
@@ -1642,7 +1646,7 @@ static int parse_args(int argc, char **argv, struct options *opt)
 	*opt = (struct options){ .steps = DECODE_STEPS, .runs = PREFILL_RUNS,
 				 .rounds = REBUILD_ROUNDS, .cpu = -1, .daemon_cpu = -1,
 				 .only = RUN_ALL, .compute_us = ASYNC_COMPUTE_US,
-				 .daemon_cpus = 1, .spin_us = -1 };
+				 .daemon_cpus = 1, .spin_us = -1, .echo_cpu = -1 };
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i];
 		const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -1680,6 +1684,9 @@ static int parse_args(int argc, char **argv, struct options *opt)
 			i++;
 		} else if (!strcmp(a, "--receive-spin-us") && v && parse_int(v, 0, 100000, &n) == 0) {
 			opt->spin_us = (int)n;
+			i++;
+		} else if (!strcmp(a, "--echo-cpu") && v && parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
+			opt->echo_cpu = (int)n;
 			i++;
 		} else if (!strcmp(a, "--daemon-busy-poll-us") && v &&
 			   parse_int(v, 0, 100000, &n) == 0) {
@@ -1745,7 +1752,9 @@ int main(int argc, char **argv)
 
 	json_busy_poll_us = opt.busy_poll_us;
 	json_prefill_views = opt.prefill_views_none ? "none" : "full";
-	if ((rc = bench_echo_start(opt.daemon_cpu, (unsigned)opt.busy_poll_us)) < 0) {
+	if (opt.echo_cpu < 0)
+		opt.echo_cpu = opt.daemon_cpu;
+	if ((rc = bench_echo_start(opt.echo_cpu, (unsigned)opt.busy_poll_us)) < 0) {
 		bench_fail("echo peer", rc);
 		goto out;
 	}
@@ -1777,10 +1786,11 @@ int main(int argc, char **argv)
 	}
 
 	/* The pid is there for `perf record -p`. */
-	printf("service benchmark: zipcached %s (%s, pid %d), benchmark on cpu %d, daemon and echo "
-	       "on cpu %d%s%s\n",
+	printf("service benchmark: zipcached %s (%s, pid %d), benchmark on cpu %d, daemon on cpu %d, "
+	       "echo on cpu %d, busy poll %d us%s%s\n",
 	       zc_client_server_info(client)->server_version, daemon_path, (int)bench_daemon_pid(),
-	       opt.cpu, opt.daemon_cpu, spread ? " (the daemon spread over more: see cpus)" : "",
+	       opt.cpu, opt.daemon_cpu, opt.echo_cpu, opt.busy_poll_us,
+	       spread ? " (the daemon spread over more: see cpus)" : "",
 	       opt.quick ? ", QUICK (smoke test, not a measurement)" : "");
 	printf("shape B=1 H=%u D=%u, fp16; us = microseconds per call as the caller sees it\n\n",
 	       HEADS, HEAD_DIM);
