@@ -1401,7 +1401,7 @@ START_TEST(update_request_same_bytes_as_nanopb)
 					     ZC_CHUNK_KEY_BYTES : 5);
 		for (uint32_t k = 0; k < ZC_CHUNK_KEY_BYTES; k++)
 			u->chunk_key[k] = (uint8_t)(r[8] >> (k % 8));
-		u->attention_mass = (wire_span){ values + 3, lens[r[9] % 7] / 4 * 4 };
+		u->attention_mass = (wire_span){ keys, lens[r[9] % 7] / 4 * 4 };
 		u->mass_first_token = (uint32_t)big[r[10] % 8];
 
 		wire_pb_request pb = { 0 };
