@@ -1298,7 +1298,9 @@ static bool update_request_decode(const uint8_t *frame, size_t len, wire_request
 	struct wire_update_request *u = &out->update_and_fetch;
 	uint32_t seen = 0;
 	while (pos < len) {
-		if (!varint_get(frame, len, &pos, &tag) || (tag >> 3) == 0 || (tag >> 3) > 12)
+		/* mass_first_token is the last of its fields. */
+		if (!varint_get(frame, len, &pos, &tag) || (tag >> 3) == 0 ||
+		    (tag >> 3) > zipcache_v1_UpdateAndFetchRequest_mass_first_token_tag)
 			return false;
 		uint32_t number = (uint32_t)(tag >> 3);
 		bool bytes = number == zipcache_v1_UpdateAndFetchRequest_keys_tag ||
@@ -1421,15 +1423,25 @@ static size_t field_varint(uint8_t **out, uint32_t number, uint64_t v)
 	return varint_bytes((uint64_t)number << 3) + varint_bytes(v);
 }
 
-static size_t field_bytes(uint8_t **out, uint32_t number, const void *data, size_t len)
+/* The tag and length that open a length-delimited field of `len` bytes
+ * (bytes, or a submessage whose fields follow). */
+static size_t field_len(uint8_t **out, uint32_t number, size_t len)
 {
 	if (out) {
 		*out = varint_put(*out, (uint64_t)number << 3 | PB_WIRE_LEN);
 		*out = varint_put(*out, len);
+	}
+	return varint_bytes((uint64_t)number << 3) + varint_bytes(len);
+}
+
+static size_t field_bytes(uint8_t **out, uint32_t number, const void *data, size_t len)
+{
+	size_t n = field_len(out, number, len);
+	if (out) {
 		memcpy(*out, data, len);
 		*out += len;
 	}
-	return varint_bytes((uint64_t)number << 3) + varint_bytes(len) + len;
+	return n + len;
 }
 
 static size_t update_fields(const struct wire_update_request *u, uint8_t **out)
@@ -1472,34 +1484,44 @@ static size_t update_fields(const struct wire_update_request *u, uint8_t **out)
 	return n;
 }
 
-/* The whole frame's bytes (header, request id, the update submessage). */
-static uint64_t update_frame_bytes(const wire_request *req, size_t *fields)
+/* The request's body: its id, then the update as a submessage of
+ * `fields` bytes (update_fields' count); with `out` NULL it only counts. */
+static size_t update_request_body(const wire_request *req, size_t fields, uint8_t **out)
+{
+	size_t n = 0;
+	if (req->request_id)
+		n += field_varint(out, zipcache_v1_Request_request_id_tag, req->request_id);
+	n += field_len(out, zipcache_v1_Request_update_and_fetch_tag, fields);
+	if (out)
+		update_fields(&req->update_and_fetch, out);
+	return n + fields;
+}
+
+/* The whole frame's bytes and its update's, or ZC_EFRAMESIZE past what
+ * the frame header holds. */
+static int update_frame_bytes(const wire_request *req, size_t *size, size_t *fields)
 {
 	*fields = update_fields(&req->update_and_fetch, NULL);
-	uint64_t n = FRAME_HEADER_BYTES + varint_bytes(zipcache_v1_Request_update_and_fetch_tag << 3) +
-		     varint_bytes(*fields) + *fields;
-	if (req->request_id)
-		n += field_varint(NULL, zipcache_v1_Request_request_id_tag, req->request_id);
-	return n;
+	size_t body = update_request_body(req, *fields, NULL);
+	if (body > UINT32_MAX)
+		return ZC_EFRAMESIZE;
+	*size = FRAME_HEADER_BYTES + body;
+	return 0;
 }
 
 static int update_request_encode(const wire_request *req, uint8_t *buf, size_t cap,
 				 size_t *frame_len)
 {
-	size_t fields;
-	uint64_t total = update_frame_bytes(req, &fields);
-	if (total - FRAME_HEADER_BYTES > UINT32_MAX)
-		return ZC_EFRAMESIZE;
+	size_t total, fields;
+	int rc = update_frame_bytes(req, &total, &fields);
+	if (rc < 0)
+		return rc;
 	if (total > cap)
 		return ZC_EBUFFER;
 	uint8_t *out = buf + FRAME_HEADER_BYTES;
-	if (req->request_id)
-		field_varint(&out, zipcache_v1_Request_request_id_tag, req->request_id);
-	out = varint_put(out, (uint64_t)zipcache_v1_Request_update_and_fetch_tag << 3 | PB_WIRE_LEN);
-	out = varint_put(out, fields);
-	update_fields(&req->update_and_fetch, &out);
+	update_request_body(req, fields, &out);
 	frame_header_write(buf, (uint32_t)(total - FRAME_HEADER_BYTES));
-	*frame_len = (size_t)total;
+	*frame_len = total;
 	return 0;
 }
 
@@ -1509,11 +1531,7 @@ int wire_request_frame_size(const wire_request *req, size_t *size)
 
 	if (req->op == WIRE_OP_UPDATE_AND_FETCH) {
 		size_t fields;
-		uint64_t total = update_frame_bytes(req, &fields);
-		if (total - FRAME_HEADER_BYTES > UINT32_MAX)
-			return ZC_EFRAMESIZE;
-		*size = (size_t)total;
-		return 0;
+		return update_frame_bytes(req, size, &fields);
 	}
 
 	request_to_pb(req, &pb);
@@ -1768,39 +1786,38 @@ static bool update_response_plain(const wire_response *resp)
 	       resp->message[0] == '\0' && resp->status >= 0;
 }
 
-static size_t update_response_fields(const wire_response *resp, uint8_t **out, size_t *op_len)
+static size_t update_reply_fields(const struct wire_update_response *u, uint8_t **out)
 {
-	const struct wire_update_response *u = &resp->update_and_fetch;
-	size_t n = 0, op = 0;
+	size_t n = 0;
+	if (u->tokens)
+		n += field_varint(out, zipcache_v1_UpdateAndFetchResponse_tokens_tag, u->tokens);
+	if (u->sequence)
+		n += field_varint(out, zipcache_v1_UpdateAndFetchResponse_sequence_tag, u->sequence);
+	return n;
+}
+
+/* The reply's body, its op a submessage of `op` bytes
+ * (update_reply_fields' count); with `out` NULL it only counts. */
+static size_t update_response_body(const wire_response *resp, size_t op, uint8_t **out)
+{
+	size_t n = 0;
 	if (resp->request_id)
 		n += field_varint(out, zipcache_v1_Response_request_id_tag, resp->request_id);
 	if (resp->status)
 		n += field_varint(out, zipcache_v1_Response_status_tag, (uint64_t)resp->status);
 	if (resp->fds)
 		n += field_varint(out, zipcache_v1_Response_fds_tag, resp->fds);
-	if (u->tokens)
-		op += field_varint(NULL, zipcache_v1_UpdateAndFetchResponse_tokens_tag, u->tokens);
-	if (u->sequence)
-		op += field_varint(NULL, zipcache_v1_UpdateAndFetchResponse_sequence_tag, u->sequence);
-	*op_len = op;
-	if (out) {
-		*out = varint_put(*out, (uint64_t)zipcache_v1_Response_update_and_fetch_tag << 3 |
-						PB_WIRE_LEN);
-		*out = varint_put(*out, op);
-		if (u->tokens)
-			field_varint(out, zipcache_v1_UpdateAndFetchResponse_tokens_tag, u->tokens);
-		if (u->sequence)
-			field_varint(out, zipcache_v1_UpdateAndFetchResponse_sequence_tag, u->sequence);
-	}
-	return n + varint_bytes(zipcache_v1_Response_update_and_fetch_tag << 3) + varint_bytes(op) +
-	       op;
+	n += field_len(out, zipcache_v1_Response_update_and_fetch_tag, op);
+	if (out)
+		update_reply_fields(&resp->update_and_fetch, out);
+	return n + op;
 }
 
 int wire_response_frame_size(const wire_response *resp, size_t *size)
 {
 	if (update_response_plain(resp)) {
-		size_t op;
-		*size = FRAME_HEADER_BYTES + update_response_fields(resp, NULL, &op);
+		size_t op = update_reply_fields(&resp->update_and_fetch, NULL);
+		*size = FRAME_HEADER_BYTES + update_response_body(resp, op, NULL);
 		return 0;
 	}
 
@@ -1816,11 +1833,12 @@ int wire_response_frame_size(const wire_response *resp, size_t *size)
 int wire_response_encode(const wire_response *resp, uint8_t *buf, size_t cap, size_t *frame_len)
 {
 	if (update_response_plain(resp)) {
-		size_t op, body = update_response_fields(resp, NULL, &op);
+		size_t op = update_reply_fields(&resp->update_and_fetch, NULL);
+		size_t body = update_response_body(resp, op, NULL);
 		if (FRAME_HEADER_BYTES + body > cap)
 			return ZC_EBUFFER;
 		uint8_t *out = buf + FRAME_HEADER_BYTES;
-		update_response_fields(resp, &out, &op);
+		update_response_body(resp, op, &out);
 		frame_header_write(buf, (uint32_t)body);
 		*frame_len = FRAME_HEADER_BYTES + body;
 		return 0;

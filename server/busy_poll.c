@@ -20,7 +20,7 @@ static void on_spin(uv_idle_t *idle)
 
 void busy_poll_init(struct busy_poll *poll, uv_loop_t *loop, uint32_t spin_us)
 {
-	poll->spin_ns = (uint64_t)(spin_us > BUSY_POLL_MAX_US ? BUSY_POLL_MAX_US : spin_us) * 1000u;
+	poll->spin_ns = (uint64_t)spin_us * 1000u;
 	poll->last_ns = 0;
 	uv_idle_init(loop, &poll->idle);
 	poll->idle.data = poll;

@@ -30,6 +30,7 @@ struct busy_poll {
 	bool open;           /* initialized and not yet closed */
 };
 
+/* spin_us: 0 (off) .. BUSY_POLL_MAX_US, as options.c admits it. */
 void busy_poll_init(struct busy_poll *poll, uv_loop_t *loop, uint32_t spin_us);
 
 /* A request arrived: spin for the bound from now. */
