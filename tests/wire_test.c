@@ -1368,41 +1368,55 @@ static void random_words(uint64_t *state, uint64_t *r, int n)
 	}
 }
 
+/* Field values at every edge of a varint's length, zero included. */
+static const uint64_t sweep_values[8] = { 0, 1, 127, 128, 16383, 16384, 1ull << 35, UINT64_MAX };
+
+/*
+ * A random update request for the hand-coded paths' sweeps: every field
+ * from sweep_values (or both booleans), keys, values and attention masses
+ * spans of data + 0, + 1 and + 2 with lengths from lens (data holds the
+ * longest plus 2), a chunk key absent, whole or short.
+ */
+static void random_update(wire_request *req, uint64_t *state, const uint8_t *data,
+			  const size_t *lens, size_t n_lens)
+{
+	uint64_t r[11];
+	random_words(state, r, 11);
+	*req = (wire_request){ .request_id = sweep_values[r[0] % 8], .op = WIRE_OP_UPDATE_AND_FETCH };
+	struct wire_update_request *u = &req->update_and_fetch;
+	u->session_id = sweep_values[r[1] % 8];
+	u->layer = (uint32_t)sweep_values[r[2] % 8];
+	u->tokens = (uint32_t)sweep_values[r[3] % 8];
+	u->keys = (wire_span){ data, lens[r[4] % n_lens] };
+	u->values = (wire_span){ data + 1, lens[r[5] % n_lens] };
+	u->staged = r[6] & 1;
+	u->keys_offset = sweep_values[(r[6] >> 1) % 8];
+	u->values_offset = sweep_values[(r[6] >> 8) % 8];
+	u->omit_stats = r[7] & 1;
+	u->chunk_key_len = (uint32_t)((r[7] >> 1) % 3 == 0 ? 0 : (r[7] >> 1) % 3 == 1 ?
+				     ZC_CHUNK_KEY_BYTES : 5);
+	for (uint32_t k = 0; k < ZC_CHUNK_KEY_BYTES; k++)
+		u->chunk_key[k] = (uint8_t)(r[8] >> (k % 8));
+	u->attention_mass = (wire_span){ data + 2, lens[r[9] % n_lens] / 4 * 4 };
+	u->mass_first_token = (uint32_t)sweep_values[r[10] % 8];
+}
+
 /* The update request is encoded by hand (its hot path): over a sweep of
  * field values, zero ones included, its bytes are nanopb's, its size is
  * what frame_size says, it decodes to what went in, and one byte less of
  * room is ZC_EBUFFER. */
 START_TEST(update_request_same_bytes_as_nanopb)
 {
-	static uint8_t keys[20000], values[20000], a[70000], b[70000];
-	static const uint64_t big[] = { 0, 1, 127, 128, 16383, 16384, 1ull << 35, UINT64_MAX };
+	static uint8_t data[20000 + 2], a[70000], b[70000];
 	static const size_t lens[] = { 0, 1, 127, 128, 4096, 16384, 20000 };
 	uint64_t state = 0x9e3779b97f4a7c15ull;
 
-	for (size_t i = 0; i < sizeof(keys); i++) {
-		keys[i] = (uint8_t)(i * 7 + 1);
-		values[i] = (uint8_t)(i * 13 + 5);
-	}
+	for (size_t i = 0; i < sizeof(data); i++)
+		data[i] = (uint8_t)(i * 7 + 1);
 	for (int round = 0; round < 2000; round++) {
-		uint64_t r[12];
-		random_words(&state, r, 12);
-		wire_request plain = { .request_id = big[r[0] % 8], .op = WIRE_OP_UPDATE_AND_FETCH };
-		struct wire_update_request *u = &plain.update_and_fetch;
-		u->session_id = big[r[1] % 8];
-		u->layer = (uint32_t)big[r[2] % 8];
-		u->tokens = (uint32_t)big[r[3] % 8];
-		u->keys = (wire_span){ keys, lens[r[4] % 7] };
-		u->values = (wire_span){ values, lens[r[5] % 7] };
-		u->staged = r[6] & 1;
-		u->keys_offset = big[(r[6] >> 1) % 8];
-		u->values_offset = big[(r[6] >> 8) % 8];
-		u->omit_stats = r[7] & 1;
-		u->chunk_key_len = (uint32_t)((r[7] >> 1) % 3 == 0 ? 0 : (r[7] >> 1) % 3 == 1 ?
-					     ZC_CHUNK_KEY_BYTES : 5);
-		for (uint32_t k = 0; k < ZC_CHUNK_KEY_BYTES; k++)
-			u->chunk_key[k] = (uint8_t)(r[8] >> (k % 8));
-		u->attention_mass = (wire_span){ keys, lens[r[9] % 7] / 4 * 4 };
-		u->mass_first_token = (uint32_t)big[r[10] % 8];
+		wire_request plain;
+		random_update(&plain, &state, data, lens, sizeof(lens) / sizeof(lens[0]));
+		const struct wire_update_request *u = &plain.update_and_fetch;
 
 		wire_pb_request pb = { 0 };
 		pb.msg.request_id = plain.request_id;
@@ -1444,10 +1458,10 @@ START_TEST(update_request_same_bytes_as_nanopb)
 		ck_assert_uint_eq(back.update_and_fetch.tokens, u->tokens);
 		ck_assert_uint_eq(back.update_and_fetch.keys.len, u->keys.len);
 		ck_assert(u->keys.len == 0 ||
-			  memcmp(back.update_and_fetch.keys.data, keys, u->keys.len) == 0);
+			  memcmp(back.update_and_fetch.keys.data, u->keys.data, u->keys.len) == 0);
 		ck_assert_uint_eq(back.update_and_fetch.values.len, u->values.len);
 		ck_assert(u->values.len == 0 ||
-			  memcmp(back.update_and_fetch.values.data, values, u->values.len) == 0);
+			  memcmp(back.update_and_fetch.values.data, u->values.data, u->values.len) == 0);
 		ck_assert_int_eq(back.update_and_fetch.staged, u->staged);
 		ck_assert_uint_eq(back.update_and_fetch.keys_offset, u->keys_offset);
 		ck_assert_uint_eq(back.update_and_fetch.values_offset, u->values_offset);
@@ -1504,31 +1518,17 @@ static void decode_matches_nanopb(const uint8_t *body, size_t len, const char *w
  * to nanopb). */
 START_TEST(update_request_decode_matches_nanopb)
 {
-	static uint8_t data[512], frame[2048];
-	static const uint64_t big[] = { 0, 1, 127, 128, 16383, 16384, 1ull << 35, UINT64_MAX };
+	static uint8_t data[300 + 2], frame[2048];
 	static const size_t lens[] = { 0, 1, 16, 127, 128, 300 };
 	uint64_t state = 0x2545f4914f6cdd1dull;
 
 	for (size_t i = 0; i < sizeof(data); i++)
 		data[i] = (uint8_t)(i * 31 + 3);
 	for (int round = 0; round < 3000; round++) {
-		uint64_t r[8];
-		random_words(&state, r, 8);
-		wire_request req = { .request_id = big[r[0] % 8], .op = WIRE_OP_UPDATE_AND_FETCH };
-		struct wire_update_request *u = &req.update_and_fetch;
-		u->session_id = big[r[1] % 8];
-		u->layer = (uint32_t)big[(r[1] >> 8) % 8];
-		u->tokens = (uint32_t)big[(r[1] >> 16) % 8];
-		u->keys = (wire_span){ data, lens[r[2] % 6] };
-		u->values = (wire_span){ data + 7, lens[(r[2] >> 8) % 6] };
-		u->staged = (r[3] & 1) != 0;
-		u->keys_offset = big[(r[3] >> 1) % 8];
-		u->values_offset = big[(r[3] >> 8) % 8];
-		u->omit_stats = (r[3] >> 16) & 1;
-		u->chunk_key_len = (r[3] >> 17) & 1 ? ZC_CHUNK_KEY_BYTES : 0;
-		memset(u->chunk_key, (int)(r[4] & 0xff), sizeof(u->chunk_key));
-		u->attention_mass = (wire_span){ data + 64, lens[(r[4] >> 8) % 6] / 4 * 4 };
-		u->mass_first_token = (uint32_t)big[(r[4] >> 16) % 8];
+		wire_request req;
+		uint64_t m[3]; /* where to cut, where and how to change */
+		random_update(&req, &state, data, lens, sizeof(lens) / sizeof(lens[0]));
+		random_words(&state, m, 3);
 		size_t len;
 		ck_assert_int_eq(wire_request_encode(&req, frame, sizeof(frame), &len), 0);
 		uint8_t *body = frame + FRAME_HEADER_BYTES;
@@ -1536,15 +1536,15 @@ START_TEST(update_request_decode_matches_nanopb)
 
 		decode_matches_nanopb(body, body_len, "canonical", round);
 		/* Cut anywhere. */
-		decode_matches_nanopb(body, (size_t)(r[5] % body_len), "cut", round);
+		decode_matches_nanopb(body, (size_t)(m[0] % body_len), "cut", round);
 		/* One to three bytes changed. */
 		uint8_t saved[3];
 		size_t at[3];
-		unsigned changes = 1 + (unsigned)(r[6] % 3);
+		unsigned changes = 1 + (unsigned)(m[1] % 3);
 		for (unsigned c = 0; c < changes; c++) {
-			at[c] = (size_t)((r[6] >> (8 + 16 * c)) % body_len);
+			at[c] = (size_t)((m[1] >> (8 + 16 * c)) % body_len);
 			saved[c] = body[at[c]];
-			body[at[c]] = (uint8_t)(r[7] >> (8 * c));
+			body[at[c]] = (uint8_t)(m[2] >> (8 * c));
 		}
 		decode_matches_nanopb(body, body_len, "changed", round);
 		for (unsigned c = changes; c-- > 0;)
@@ -1558,7 +1558,6 @@ END_TEST
  * cut or with bytes changed. */
 START_TEST(update_response_matches_nanopb)
 {
-	static const uint64_t big[] = { 0, 1, 127, 128, 16383, 16384, 1ull << 35, UINT64_MAX };
 	uint64_t state = 0x853c49e6748fea9bull;
 	uint8_t a[256], b[256];
 
@@ -1566,11 +1565,11 @@ START_TEST(update_response_matches_nanopb)
 		uint64_t r[4];
 		random_words(&state, r, 4);
 		wire_response plain;
-		wire_response_init(&plain, big[r[0] % 8], WIRE_OP_UPDATE_AND_FETCH);
+		wire_response_init(&plain, sweep_values[r[0] % 8], WIRE_OP_UPDATE_AND_FETCH);
 		plain.status = (int)((r[0] >> 8) % 4 == 0 ? (r[0] >> 12) % 20 : 0);
-		plain.fds = (uint32_t)big[(r[0] >> 16) % 8];
-		plain.update_and_fetch.tokens = (uint32_t)big[(r[0] >> 24) % 8];
-		plain.update_and_fetch.sequence = big[(r[0] >> 32) % 8];
+		plain.fds = (uint32_t)sweep_values[(r[0] >> 16) % 8];
+		plain.update_and_fetch.tokens = (uint32_t)sweep_values[(r[0] >> 24) % 8];
+		plain.update_and_fetch.sequence = sweep_values[(r[0] >> 32) % 8];
 
 		wire_pb_response pb;
 		memset(&pb, 0, sizeof(pb));
