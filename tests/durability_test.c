@@ -531,17 +531,17 @@ static bool list_has(const char *list, const char *step)
 	return false;
 }
 
-START_TEST(every_step_of_every_mutation)
+/* One worker's share of the fault points: every step whose index is
+ * `worker` modulo `workers`, at every hit the script reaches. */
+static int fault_worker(unsigned worker, unsigned workers, const struct op *ops, size_t n_ops)
 {
 	static const int hits[] = { 1, 2, 3, 4, 5, 6, 8, 12, 20, 35 };
-	struct op ops[128];
-	size_t n_ops = script_make(ops, 128);
 	int runs = 0;
 
 	/* ZC_FAULT_STEPS=a,b: only those steps (a developer's rerun). */
 	const char *only = getenv("ZC_FAULT_STEPS");
 	for (size_t s = 0; fault_steps[s]; s++) {
-		if (only && !list_has(only, fault_steps[s]))
+		if (s % workers != worker || (only && !list_has(only, fault_steps[s])))
 			continue;
 		/* Offload and restore need a Redis: tests/remote_offload_test.c
 		 * kills the daemon at each of their steps. */
@@ -558,6 +558,54 @@ START_TEST(every_step_of_every_mutation)
 			runs++;
 		}
 	}
+	return runs;
+}
+
+/* The fault points are independent (each run its own daemon, socket and
+ * directories), so they are shared between two worker processes: CI's
+ * machines have two CPUs, and one run mostly waits for a daemon. */
+#define FAULT_WORKERS 2u
+
+START_TEST(every_step_of_every_mutation)
+{
+	struct op ops[128];
+	size_t n_ops = script_make(ops, 128);
+	pid_t pids[FAULT_WORKERS];
+	int pipes[FAULT_WORKERS][2];
+	int runs = 0;
+
+	for (unsigned w = 0; w < FAULT_WORKERS; w++) {
+		ck_assert_int_eq(pipe(pipes[w]), 0);
+		pids[w] = fork();
+		ck_assert_int_ge(pids[w], 0);
+		if (pids[w] == 0) {
+			/* A failed assertion here reports through Check's own
+			 * channel and exits 1, as it would in the test. */
+			close(pipes[w][0]);
+			int n = fault_worker(w, FAULT_WORKERS, ops, n_ops);
+			ssize_t put = write(pipes[w][1], &n, sizeof(n));
+			_exit(put == (ssize_t)sizeof(n) ? 0 : 3);
+		}
+		close(pipes[w][1]);
+	}
+	bool failed = false;
+	for (unsigned w = 0; w < FAULT_WORKERS; w++) {
+		int status = 0, n = 0;
+		ssize_t got = read(pipes[w][0], &n, sizeof(n));
+		close(pipes[w][0]);
+		while (waitpid(pids[w], &status, 0) < 0 && errno == EINTR)
+			;
+		ck_assert_msg(!WIFSIGNALED(status), "fault worker %u was killed by signal %d", w,
+			      WTERMSIG(status));
+		if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && got == (ssize_t)sizeof(n))
+			runs += n;
+		else
+			failed = true;
+	}
+	/* A worker that failed sent its assertion's message already; the
+	 * test ends with it rather than writing over it. */
+	if (failed)
+		exit(1);
 	fprintf(stderr, "fault points: %d crashes, every one adopted as acknowledged\n", runs);
 }
 END_TEST
