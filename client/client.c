@@ -22,6 +22,7 @@
 
 #include "kv_layout.h"
 #include "zipcache/map.h"
+#include "request_ring.h"
 #include "transport.h"
 #include "version.h"
 #include "wire.h"
@@ -69,6 +70,7 @@ struct pending {
 	zc_session *session;
 	uint32_t layer;
 	int64_t sent_ms;
+	bool ring;        /* went through the request ring, not the socket */
 };
 
 /* The daemon's refusal of one, kept until its ticket is waited for. */
@@ -107,6 +109,15 @@ struct zc_client {
 	 * once `batch` of them wait, or before anything reads a reply. */
 	size_t unsent;
 	unsigned unsent_frames, batch;
+	/* The request ring (docs/RING.md): asked for at the first
+	 * zc_update_async, of ring_bytes (0: never); ring_refused once the
+	 * daemon could not make one on this connection. Socket-sent updates
+	 * in flight keep later ones off the ring (and the ring must be taken
+	 * before the socket carries one): the daemon sees one order. */
+	struct request_ring ring;
+	size_t ring_bytes;
+	bool ring_refused;
+	unsigned socket_pending;
 };
 
 static int error_set(zc_client *client, int rc, const char *message)
@@ -307,6 +318,8 @@ int zc_client_connect(const char *socket_path, int timeout_ms, zc_client **out)
 	client->window = ZC_ASYNC_WINDOW;
 	client->batch = 1;
 	client->receive_spin_us = ZC_RECEIVE_SPIN_US;
+	client->ring_bytes = ZC_ASYNC_RING_BYTES;
+	client->ring.eventfd = -1;
 	rc = transport_connect(&client->transport, socket_path, timeout_ms, ZC_RECEIVE_SPIN_US);
 	if (rc == 0)
 		rc = hello(client);
@@ -335,6 +348,7 @@ void zc_client_close(zc_client *client)
 	while (client->sessions)
 		zc_session_release(client->sessions);
 	staging_unmap(client);
+	request_ring_unmap(&client->ring);
 	transport_close(&client->transport);
 	free(client->send_buffer);
 	free(client);
@@ -346,8 +360,10 @@ int zc_client_reconnect(zc_client *client)
 	/* Whatever the old socket still holds (a late reply, its descriptors)
 	 * goes with it. */
 	transport_close(&client->transport);
-	/* The daemon's staging buffer belonged to the old connection. */
+	/* The daemon's staging buffer and ring belonged to the old connection. */
 	staging_unmap(client);
+	request_ring_unmap(&client->ring);
+	client->ring_refused = false;
 	/* What was in flight on it is lost with it (each update wholly or not
 	 * at all; see the top of client.h). */
 	async_forget(client);
@@ -1029,17 +1045,38 @@ static int failure_report(zc_client *client, struct failure *f)
 	return f->rc;
 }
 
-/*
- * Reads one reply to an asynchronous update (waiting for it unless
- * `ready_only`: then -EAGAIN when none is there). A reply that makes no
- * sense, or none within the timeout, breaks the connection as in call().
- */
+/* How async_receive reads: a reply already there or -EAGAIN; or waiting
+ * for one, after writing what is queued (a reply can only come for what
+ * was written), or without writing (async_flush's own wait). */
+enum receive_mode { RECEIVE_READY, RECEIVE_WAIT, RECEIVE_WAIT_UNFLUSHED };
+
+static int async_receive(zc_client *client, enum receive_mode mode);
+
+/* Every entry of the request ring taken by the daemon. Socket bytes are
+ * read by the daemon's loop when it pleases, so they go only behind a
+ * ring it has emptied: what is taken from it has begun, in order. */
+static int ring_settle(zc_client *client)
+{
+	while (!request_ring_taken(&client->ring)) {
+		if (client->n_pending == 0)
+			return client_break(client, ZC_EPROTOCOL, "the daemon's request ring says "
+					    "it did not take requests it answered");
+		int rc = async_receive(client, RECEIVE_WAIT_UNFLUSHED);
+		if (rc < 0)
+			return rc;
+	}
+	return 0;
+}
+
 /* Writes the asynchronous requests still in the send buffer. */
 static int async_flush(zc_client *client)
 {
 	if (client->unsent == 0)
 		return 0;
-	int rc = transport_send(&client->transport, client->send_buffer, client->unsent);
+	int rc = ring_settle(client);
+	if (rc < 0)
+		return rc;
+	rc = transport_send(&client->transport, client->send_buffer, client->unsent);
 	client->unsent = 0;
 	client->unsent_frames = 0;
 	if (rc < 0)
@@ -1048,7 +1085,12 @@ static int async_flush(zc_client *client)
 	return 0;
 }
 
-static int async_receive(zc_client *client, bool ready_only)
+/*
+ * Reads one reply to an asynchronous update (see enum receive_mode). A
+ * reply that makes no sense, or none within the timeout, breaks the
+ * connection as in call().
+ */
+static int async_receive(zc_client *client, enum receive_mode mode)
 {
 	const uint8_t *frame;
 	size_t len;
@@ -1062,10 +1104,10 @@ static int async_receive(zc_client *client, bool ready_only)
 	}
 	/* A reply can only come for what was written: before waiting for
 	 * one, write what is queued (a look that does not wait need not). */
-	int rc = ready_only ? 0 : async_flush(client);
+	int rc = mode == RECEIVE_WAIT ? async_flush(client) : 0;
 	if (rc < 0)
 		return rc;
-	rc = ready_only ? transport_receive_ready(&client->transport, &frame, &len) :
+	rc = mode == RECEIVE_READY ? transport_receive_ready(&client->transport, &frame, &len) :
 			      transport_receive(&client->transport, &frame, &len);
 	if (rc == -EAGAIN)
 		return rc;
@@ -1100,6 +1142,8 @@ static int async_receive(zc_client *client, bool ready_only)
 	else
 		lease_renewed(p->session, p->sent_ms);
 	wire_response_free(&response);
+	if (!p->ring)
+		client->socket_pending--;
 	memmove(client->pending + index, client->pending + index + 1,
 		sizeof(client->pending[0]) * (client->n_pending - index - 1));
 	client->n_pending--;
@@ -1111,6 +1155,7 @@ static int async_receive(zc_client *client, bool ready_only)
 static void async_forget(zc_client *client)
 {
 	client->n_pending = 0;
+	client->socket_pending = 0;
 	client->unsent = 0;
 	client->unsent_frames = 0;
 }
@@ -1123,7 +1168,7 @@ static int async_drain(zc_client *client)
 		return client_refuse_broken(client);
 	}
 	while (client->n_pending > 0) {
-		int rc = async_receive(client, false);
+		int rc = async_receive(client, RECEIVE_WAIT);
 		if (rc < 0)
 			return rc;
 	}
@@ -1198,11 +1243,79 @@ static int async_queue(zc_session *session, uint32_t layer_of_first, const zc_up
 	int64_t sent = now_ms();
 	for (unsigned i = 0; i < n; i++)
 		client->pending[client->n_pending++] = (struct pending){
-			first_id + i, session, updates ? updates[i].layer : layer_of_first, sent
+			first_id + i, session, updates ? updates[i].layer : layer_of_first, sent, false
 		};
+	client->socket_pending += n;
 	client->unsent = used;
 	client->unsent_frames += n;
 	return now || client->unsent_frames >= client->batch ? async_flush(client) : 0;
+}
+
+/* Asks the daemon for this connection's request ring, once. A refusal
+ * (its quota, its memory, an older daemon) leaves the socket in use. */
+static void ring_open(zc_client *client)
+{
+	wire_request request = { 0 };
+	wire_response response;
+	int fds[2] = { -1, -1 };
+	request.op = WIRE_OP_STAGING;
+	request.staging.bytes = client->ring_bytes;
+	request.staging.ring = true;
+	client->ring_refused = true;
+	char error[sizeof(client->last_error)];
+	memcpy(error, client->last_error, sizeof(error));
+	int rc = call(client, &request, &response, fds, 2);
+	if (rc < 0) {
+		/* The update goes by the socket instead; its caller hears of the
+		 * refusal only through zc_client_async_ring. */
+		if (!client->broken)
+			memcpy(client->last_error, error, sizeof(error));
+		return;
+	}
+	uint64_t granted = response.staging.bytes;
+	bool ring = response.staging.ring;
+	wire_response_free(&response);
+	if (rc != 2 || !ring) {
+		for (int i = 0; i < rc; i++)
+			close(fds[i]);
+		client_break(client, ZC_EPROTOCOL, "request ring reply without its two descriptors");
+		return;
+	}
+	if (request_ring_map(&client->ring, fds[0], fds[1], granted) < 0)
+		client_break(client, ZC_EPROTOCOL, "the daemon's request ring cannot be mapped");
+	else
+		client->ring_refused = false;
+}
+
+/* Whether the next asynchronous frame (`len` bytes, alone in the send
+ * buffer) goes through the ring: one per write (batch 1), nothing of the
+ * socket's in flight, and it fits. */
+static bool ring_usable(zc_client *client, size_t len)
+{
+	return client->unsent == 0 && client->socket_pending == 0 && client->batch == 1 &&
+	       client->ring_bytes > 0 && request_ring_fits(&client->ring, len);
+}
+
+/* The frame at the start of the send buffer into the ring, as soon as
+ * the daemon has taken enough to make room for it. */
+static int ring_queue(zc_session *session, uint32_t layer, size_t len, uint64_t id)
+{
+	zc_client *client = session->client;
+	int rc;
+	while ((rc = request_ring_put(&client->ring, client->send_buffer, len)) == 0) {
+		if (client->n_pending == 0)
+			return client_break(client, ZC_EPROTOCOL, "the request ring is full, and "
+					    "nothing is in flight");
+		if ((rc = async_receive(client, RECEIVE_WAIT)) < 0)
+			return rc;
+	}
+	if (rc < 0)
+		return client_break(client, rc, rc == ZC_EPROTOCOL ?
+				    "the daemon's request ring head makes no sense" :
+				    "cannot ring the daemon's doorbell");
+	client->pending[client->n_pending++] = (struct pending){ id, session, layer, now_ms(),
+								 true };
+	return 0;
 }
 
 int zc_update_async(zc_session *session, uint32_t layer, uint32_t tokens,
@@ -1225,17 +1338,26 @@ int zc_update_async(zc_session *session, uint32_t layer, uint32_t tokens,
 	/* Back-pressure: replies already there make room; only when none is
 	 * does the caller wait (after writing what is queued). */
 	while (client->n_pending >= client->window) {
-		rc = async_receive(client, true);
+		rc = async_receive(client, RECEIVE_READY);
 		if (rc == -EAGAIN)
-			rc = async_receive(client, false);
+			rc = async_receive(client, RECEIVE_WAIT);
 		if (rc < 0)
 			return rc;
+	}
+	if (client->ring_bytes > 0 && !client->ring.base && !client->ring_refused &&
+	    client->batch == 1) {
+		ring_open(client);
+		if (client->broken)
+			return client_refuse_broken(client);
 	}
 	used = client->unsent;
 	rc = update_encode(session, layer, tokens, keys, values, false, 0, 0, &used, &id);
 	if (rc < 0)
 		return rc;
-	rc = async_queue(session, layer, NULL, used, id, 1, false);
+	if (ring_usable(client, used))
+		rc = ring_queue(session, layer, used, id);
+	else
+		rc = async_queue(session, layer, NULL, used, id, 1, false);
 	if (rc < 0)
 		return rc;
 	*ticket = id;
@@ -1275,7 +1397,7 @@ int zc_wait(zc_session *session, uint32_t layer, zc_ticket ticket)
 	if (rc < 0)
 		return rc;
 	while (pending_find(client, ticket, &index)) {
-		rc = async_receive(client, false);
+		rc = async_receive(client, RECEIVE_WAIT);
 		if (rc < 0)
 			return rc;
 	}
@@ -1292,7 +1414,7 @@ int zc_poll(zc_session *session, uint32_t layer, zc_ticket ticket)
 	if (pending_find(client, ticket, &index) && (rc = async_flush(client)) < 0)
 		return rc;
 	while (pending_find(client, ticket, &index)) {
-		rc = async_receive(client, true);
+		rc = async_receive(client, RECEIVE_READY);
 		if (rc == -EAGAIN)
 			return 0;
 		if (rc < 0)
@@ -1318,6 +1440,28 @@ int zc_client_set_async_batch(zc_client *client, unsigned frames)
 	if (rc < 0)
 		return rc;
 	client->batch = frames;
+	return 0;
+}
+
+int zc_client_set_async_ring(zc_client *client, size_t bytes)
+{
+	if (bytes != 0 && (bytes < ZC_ASYNC_RING_MIN_BYTES || bytes > ZC_ASYNC_RING_MAX_BYTES))
+		return error_set(client, ZC_EINVALID, "a request ring is 0 (none) or "
+					  "ZC_ASYNC_RING_MIN_BYTES .. ZC_ASYNC_RING_MAX_BYTES");
+	if (client->ring.base && bytes != 0 && bytes != client->ring_bytes)
+		return error_set(client, ZC_EINVALID, "this connection has its request ring "
+					  "already: a new size takes a zc_client_reconnect");
+	int rc = async_drain(client);
+	if (rc < 0)
+		return rc;
+	client->ring_bytes = bytes;
+	return 0;
+}
+
+int zc_client_async_ring(const zc_client *client, size_t *bytes, uint64_t *doorbells)
+{
+	*bytes = client->ring.base ? (size_t)client->ring.capacity : 0;
+	*doorbells = client->ring.doorbells;
 	return 0;
 }
 

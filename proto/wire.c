@@ -1119,6 +1119,7 @@ static void request_to_pb(const wire_request *req, wire_pb_request *out)
 	case WIRE_OP_STAGING:
 		msg->which_op = zipcache_v1_Request_staging_tag;
 		msg->op.staging.bytes = req->staging.bytes;
+		msg->op.staging.ring = req->staging.ring;
 		break;
 	case WIRE_OP_NONE:
 		break;
@@ -1235,6 +1236,7 @@ static void request_from_pb(const wire_pb_request *in, wire_request *out)
 	case zipcache_v1_Request_staging_tag:
 		out->op = WIRE_OP_STAGING;
 		out->staging.bytes = msg->op.staging.bytes;
+		out->staging.ring = msg->op.staging.ring;
 		break;
 	default:
 		out->op = WIRE_OP_NONE;
@@ -1742,6 +1744,7 @@ static const zipcache_v1_Response *plain_response_prepare(const wire_response *r
 	case WIRE_OP_STAGING:
 		msg->which_op = zipcache_v1_Response_staging_tag;
 		msg->op.staging.bytes = resp->staging.bytes;
+		msg->op.staging.ring = resp->staging.ring;
 		break;
 	case WIRE_OP_RELEASE:
 		msg->which_op = zipcache_v1_Response_release_tag;
@@ -2013,6 +2016,7 @@ int wire_response_decode(const uint8_t *frame, size_t len, wire_response *out)
 	case zipcache_v1_Response_staging_tag:
 		out->op = WIRE_OP_STAGING;
 		out->staging.bytes = msg->op.staging.bytes;
+		out->staging.ring = msg->op.staging.ring;
 		break;
 	case zipcache_v1_Response_release_tag:
 		out->op = WIRE_OP_RELEASE;

@@ -187,6 +187,7 @@ struct wire_stats_request {
 
 struct wire_staging {
 	uint64_t bytes;               /* asked for (request), granted (reply) */
+	bool ring;                    /* a request ring, not a staging buffer */
 };
 
 typedef struct wire_request {

@@ -368,6 +368,24 @@ static void frames_dispatch(struct connection *connection)
 	}
 }
 
+bool connection_accepting(const struct connection *connection)
+{
+	return connection->state == CONNECTION_OPEN && !connection->dispatching;
+}
+
+void connection_deliver(struct connection *connection, const uint8_t *frame, size_t len)
+{
+	if (NEVER(!connection_accepting(connection)))
+		return;
+	connection->dispatching = true;
+	request_begin(connection);
+	connection->callbacks->frame(connection, frame, len);
+	if (connection->state == CONNECTION_CLOSING)
+		return;
+	connection->dispatching = false;
+	flow_update(connection);
+}
+
 static void on_resume(uv_idle_t *handle)
 {
 	struct connection *connection = handle->data;

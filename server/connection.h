@@ -44,8 +44,9 @@ struct out_frame;
 #define CONNECTION_MAX_RECEIVED_FDS 1
 
 /* Descriptors one connection may hold: its socket, its staging buffer,
- * those of its queued replies and one received. */
-#define CONNECTION_DESCRIPTORS (2 + CONNECTION_MAX_QUEUED_FDS + CONNECTION_MAX_RECEIVED_FDS)
+ * its request ring and doorbell, those of its queued replies and one
+ * received. */
+#define CONNECTION_DESCRIPTORS (4 + CONNECTION_MAX_QUEUED_FDS + CONNECTION_MAX_RECEIVED_FDS)
 
 enum connection_state {
 	CONNECTION_OPEN,
@@ -151,6 +152,18 @@ void connection_request_end(struct connection *connection);
 /* The owner's total of unsent replies passed its bound, or fell back
  * under it: a connection with replies waiting pauses, or reads again. */
 void connection_set_total_over(struct connection *connection, bool over);
+
+/* Whether a frame may be handed over now: open (not paused, draining or
+ * closing) and not inside another hand-over. */
+bool connection_accepting(const struct connection *connection);
+
+/*
+ * Hands over a frame that came another way than the socket (the request
+ * ring), exactly as one read from it: it begins a request, and the flow
+ * is looked at after. Only while connection_accepting(), and only from
+ * the loop's own callbacks, never from inside a request.
+ */
+void connection_deliver(struct connection *connection, const uint8_t *frame, size_t len);
 
 /* Starts closing now (protocol error, server stop). */
 void connection_close(struct connection *connection);

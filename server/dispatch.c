@@ -32,6 +32,8 @@
 #include "server.h"
 #include "session.h"
 #include "snapshot.h"
+#include "ring.h"
+#include "ring_format.h"
 #include "staging.h"
 #include "store.h"
 #include "pool.h"
@@ -2176,6 +2178,79 @@ static void restore_submit(const struct request *rq, const struct wire_open_requ
 
 /* ---- staging ---- */
 
+/* A staging buffer or a request ring: memory the client writes into, charged
+ * to its uid's memory quota (and so the daemon's budget) and its staging
+ * quota, made with memory relief's help when the budget is short. */
+static int staging_memory_make(const struct request *rq, uint64_t bytes, bool ring,
+			       struct staging **staging, struct ring **ring_out, char *why,
+			       size_t why_len)
+{
+	struct server *server = rq->server;
+	struct peer *peer = rq->peer;
+	struct quota_usage *quota = peer->quota;
+	int rc = STORE_EBUDGET;
+
+	for (bool tried = false;; tried = true) {
+		rc = ring ? ring_create(server->loop, bytes, &quota->memory, &quota->staging,
+					ring_out) :
+			    staging_create(bytes, &quota->memory, &quota->staging, staging);
+		if (rc != STORE_EBUDGET ||
+		    relief_run(server, bytes, NULL, peer->uid, tried, why, why_len) < 0)
+			break;   /* for STORE_EBUDGET, why says so */
+	}
+	if (rc == ZC_EEXHAUSTED)
+		snprintf(why, why_len, "staging quota of %llu bytes for uid %u is exhausted "
+			 "(%llu held by its connections; --max-staging-bytes-per-uid)",
+			 (unsigned long long)quota->staging.limit, peer->uid,
+			 (unsigned long long)__atomic_load_n(&quota->staging.used, __ATOMIC_RELAXED));
+	else if (rc < 0 && rc != STORE_EBUDGET)
+		reply_resource_text(server, rc, why, why_len);
+	return rc == STORE_EBUDGET ? ZC_EEXHAUSTED : rc;
+}
+
+/* The connection's request ring (docs/RING.md): one per connection. */
+static void handle_ring(const struct request *rq, const wire_request *request)
+{
+	struct peer *peer = rq->peer;
+	uint64_t bytes = request->staging.bytes;
+	struct ring *ring = NULL;
+	char why[200];
+	int fds[2];
+
+	if (peer->ring) {
+		reply_error(rq, ZC_EINVALID, "this connection has a request ring already");
+		return;
+	}
+	if (bytes < RING_MIN_BYTES || bytes > RING_MAX_BYTES) {
+		reply_error(rq, ZC_EINVALID, "a request ring of %llu bytes is outside %u..%u",
+			    (unsigned long long)bytes, RING_MIN_BYTES, RING_MAX_BYTES);
+		return;
+	}
+	if (bytes > rq->server->options.max_staging_bytes) {
+		reply_error(rq, ZC_EEXHAUSTED, "a request ring of %llu bytes is past "
+			    "--max-staging-bytes (%llu)", (unsigned long long)bytes,
+			    (unsigned long long)rq->server->options.max_staging_bytes);
+		return;
+	}
+	int rc = staging_memory_make(rq, bytes, true, NULL, &ring, why, sizeof(why));
+	if (rc == 0 && (rc = ring_share(ring, fds)) < 0) {
+		reply_resource_text(rq->server, rc, why, sizeof(why));
+		ring_close(ring);
+	}
+	if (rc < 0) {
+		reply_error(rq, rc, "cannot create a request ring of %llu bytes: %s",
+			    (unsigned long long)bytes, why);
+		return;
+	}
+	peer->ring = ring;
+	rq->server->rings++;
+	wire_response response;
+	wire_response_init(&response, rq->id, WIRE_OP_STAGING);
+	response.staging.bytes = ring->capacity;
+	response.staging.ring = true;
+	reply_send(rq, &response, fds, 2);
+}
+
 static void handle_staging(const struct request *rq, const wire_request *request)
 {
 	struct server *server = rq->server;
@@ -2184,33 +2259,20 @@ static void handle_staging(const struct request *rq, const wire_request *request
 	struct staging *staging;
 	char why[200];
 
+	if (request->staging.ring) {
+		handle_ring(rq, request);
+		return;
+	}
 	if (bytes == 0 || bytes > server->options.max_staging_bytes) {
 		reply_error(rq, bytes ? ZC_EEXHAUSTED : ZC_EINVALID,
 			    "staging buffer of %llu bytes is outside 1..%llu",
 			    (unsigned long long)bytes, (unsigned long long)server->options.max_staging_bytes);
 		return;
 	}
-	/* Charged to the uid's memory quota (and so the daemon's budget) and
-	 * to its staging quota; the old buffer's charge goes when its last
-	 * reader lets go of it. */
-	struct quota_usage *quota = peer->quota;
-	int rc = staging_create(bytes, &quota->memory, &quota->staging, &staging);
-	for (bool tried = false; rc == STORE_EBUDGET; tried = true) {
-		if (relief_run(server, bytes, NULL, peer->uid, tried, why, sizeof(why)) < 0)
-			break;   /* why says so */
-		rc = staging_create(bytes, &quota->memory, &quota->staging, &staging);
-	}
+	int rc = staging_memory_make(rq, bytes, false, &staging, NULL, why, sizeof(why));
 	if (rc < 0) {
-		/* For STORE_EBUDGET, relief_run wrote why. */
-		if (rc == ZC_EEXHAUSTED)
-			snprintf(why, sizeof(why), "staging quota of %llu bytes for uid %u is exhausted "
-				 "(%llu held by its connections; --max-staging-bytes-per-uid)",
-				 (unsigned long long)quota->staging.limit, peer->uid,
-				 (unsigned long long)__atomic_load_n(&quota->staging.used, __ATOMIC_RELAXED));
-		else if (rc != STORE_EBUDGET)
-			reply_resource_text(server, rc, why, sizeof(why));
-		reply_error(rq, rc == STORE_EBUDGET ? ZC_EEXHAUSTED : rc,
-			    "cannot create a staging buffer of %llu bytes: %s", (unsigned long long)bytes, why);
+		reply_error(rq, rc, "cannot create a staging buffer of %llu bytes: %s",
+			    (unsigned long long)bytes, why);
 		return;
 	}
 	int fd = dup(staging->fd);

@@ -22,6 +22,7 @@ struct peer {
 	uint32_t uid;
 	struct quota_usage *quota;   /* the uid's holdings (server->quotas) */
 	struct staging *staging;     /* the last staging buffer handed out; the peer's reference */
+	struct ring *ring;           /* its request ring, if it asked for one; the peer's */
 };
 
 struct responder;

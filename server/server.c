@@ -34,6 +34,7 @@
 #include "reply.h"
 #include "retain.h"
 #include "resources.h"
+#include "ring.h"
 #include "staging.h"
 #include "store.h"
 #include "zipcache/error.h"
@@ -143,6 +144,11 @@ static void client_closing(struct connection *connection)
 	session_table_release_peer(&server->sessions, client->peer.id);
 	staging_unref(client->peer.staging);
 	client->peer.staging = NULL;
+	if (client->peer.ring) {
+		ring_close(client->peer.ring);
+		client->peer.ring = NULL;
+		server->rings--;
+	}
 	stop_progress(server);
 }
 
@@ -575,6 +581,7 @@ void server_stop(struct server *server)
 	sd_notify(0, "STOPPING=1");
 	server->stop_deadline_ms = uv_now(server->loop) + STOP_GRACE_MS;
 	busy_poll_close(&server->busy_poll, on_handle_closed);
+	ring_pump_close(&server->ring_pump, on_handle_closed);
 	if (server->listening) {
 		server->listening = false;
 		uv_close((uv_handle_t *)&server->listener, on_listener_closed);
@@ -786,6 +793,7 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 		period = 10;
 	uv_timer_start(&server->ttl_timer, on_ttl, period, period);
 	busy_poll_init(&server->busy_poll, loop, options->busy_poll_us);
+	ring_pump_init(&server->ring_pump, server);
 	return 0;
 }
 
@@ -802,6 +810,7 @@ void server_free(struct server *server)
 	uv_close((uv_handle_t *)&server->stop_timer, on_handle_closed);
 	uv_close((uv_handle_t *)&server->accept_timer, on_handle_closed);
 	busy_poll_close(&server->busy_poll, on_handle_closed);
+	ring_pump_close(&server->ring_pump, on_handle_closed);
 	if (server->listening) {
 		server->listening = false;
 		uv_close((uv_handle_t *)&server->listener, on_listener_closed);

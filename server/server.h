@@ -17,6 +17,7 @@
 
 #include "adopt.h"
 #include "busy_poll.h"
+#include "ring_pump.h"
 #include "connection.h"
 #include "dispatch.h"
 #include "metrics.h"
@@ -84,6 +85,8 @@ struct server {
 	struct remote *remote;         /* --remote; NULL without */
 	struct offload_state offload;  /* --offload-idle-seconds, relief's offload step */
 	struct busy_poll busy_poll;    /* --busy-poll-us */
+	struct ring_pump ring_pump;    /* the connections' request rings into their connections */
+	uint32_t rings;                /* connections that hold a request ring */
 };
 
 /* Takes over an accepted socket: serves it, or tells it why not (a limit,

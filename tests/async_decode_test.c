@@ -371,7 +371,7 @@ END_TEST
  * at random (and sometimes none until the window pushes back), one with
  * the synchronous call asking for stats (the flush on the caller's path,
  * as before). Views and blocks must agree bit for bit, and with the model. */
-static void async_against_sync(zc_views views, unsigned window, unsigned batch)
+static void async_against_sync(zc_views views, unsigned window, unsigned batch, size_t ring)
 {
 	struct service service;
 	zc_session_config a_config = decode_config("async", views);
@@ -388,7 +388,38 @@ static void async_against_sync(zc_views views, unsigned window, unsigned batch)
 	rng_seed(&rng, 2718);
 	ck_assert_int_eq(zc_client_set_async_window(service.client, window), 0);
 	ck_assert_int_eq(zc_client_set_async_batch(service.client, batch), 0);
+	ck_assert_int_eq(zc_client_set_async_ring(service.client, ring), 0);
 	for (unsigned step = 0; step < 4000; step++) {
+		if (step % 97 == 96) {
+			/* Both layers in one write on the socket, between updates
+			 * through the ring: the daemon still sees one order. */
+			struct block blocks[2];
+			zc_update updates[2];
+			zc_view view;
+			zc_layer_stats stats;
+			size_t done = 0;
+			bool room = true;
+			for (uint32_t layer = 0; layer < 2; layer++)
+				room &= model.layer[layer].tokens + 3 <= MAX_TOKENS - 64;
+			if (room) {
+				for (uint32_t layer = 0; layer < 2; layer++) {
+					block_make(&blocks[layer], &model, 3, &rng);
+					ck_assert_int_eq(model_update(&model, layer, 3, blocks[layer].keys,
+								      blocks[layer].values), 0);
+					updates[layer] = (zc_update){ layer, 3, blocks[layer].keys,
+								      blocks[layer].values };
+				}
+				ck_assert_int_eq(zc_update_many(async, updates, 2, &done), 0);
+				ck_assert_uint_eq(done, 2);
+				for (uint32_t layer = 0; layer < 2; layer++) {
+					ck_assert_int_eq(zc_update_and_fetch(sync, layer, 3,
+									     blocks[layer].keys,
+									     blocks[layer].values,
+									     &view, &stats), 0);
+					block_free(&blocks[layer]);
+				}
+			}
+		}
 		for (uint32_t layer = 0; layer < 2; layer++) {
 			struct block block;
 			zc_view view;
@@ -437,6 +468,14 @@ static void async_against_sync(zc_views views, unsigned window, unsigned batch)
 	barrier(async);
 	CHECK(session_matches, async, &model);
 	CHECK(session_matches, sync, &model);
+	/* The updates went the way asked: through a ring of that size, or not. */
+	size_t ring_bytes = 0;
+	uint64_t doorbells = 0;
+	ck_assert_int_eq(zc_client_async_ring(service.client, &ring_bytes, &doorbells), 0);
+	if (ring && batch == 1)
+		ck_assert_uint_ge(ring_bytes, ring);
+	else
+		ck_assert_uint_eq(ring_bytes, 0);
 	/* And the two maps' tables name blocks of the same shapes. */
 	const zc_map_header *ha = zc_session_map(async), *hs = zc_session_map(sync);
 	for (uint32_t layer = 0; layer < 2; layer++) {
@@ -453,7 +492,21 @@ static void async_against_sync(zc_views views, unsigned window, unsigned batch)
 
 START_TEST(async_decode_equals_sync_views_full)
 {
-	async_against_sync(ZC_VIEWS_FULL, ZC_ASYNC_WINDOW, 1);
+	async_against_sync(ZC_VIEWS_FULL, ZC_ASYNC_WINDOW, 1, ZC_ASYNC_RING_BYTES);
+}
+END_TEST
+
+/* Every update written to the socket, no request ring. */
+START_TEST(async_decode_equals_sync_without_ring)
+{
+	async_against_sync(ZC_VIEWS_FULL, ZC_ASYNC_WINDOW, 1, 0);
+}
+END_TEST
+
+/* The smallest ring, which these frames wrap hundreds of times. */
+START_TEST(async_decode_equals_sync_small_ring)
+{
+	async_against_sync(ZC_VIEWS_FULL, ZC_ASYNC_WINDOW, 1, ZC_ASYNC_RING_MIN_BYTES);
 }
 END_TEST
 
@@ -461,13 +514,13 @@ END_TEST
  * out what is queued, and nothing is lost or reordered. */
 START_TEST(async_decode_equals_sync_batched_writes)
 {
-	async_against_sync(ZC_VIEWS_FULL, 16, 8);
+	async_against_sync(ZC_VIEWS_FULL, 16, 8, ZC_ASYNC_RING_BYTES);
 }
 END_TEST
 
 START_TEST(async_decode_equals_sync_views_none_small_window)
 {
-	async_against_sync(ZC_VIEWS_NONE, 3, 1);
+	async_against_sync(ZC_VIEWS_NONE, 3, 1, ZC_ASYNC_RING_BYTES);
 }
 END_TEST
 
@@ -724,6 +777,8 @@ static Suite *async_decode_suite(void)
 
 	tcase_set_timeout(async, TEST_TIMEOUT_SECONDS);
 	tcase_add_test(async, async_decode_equals_sync_views_full);
+	tcase_add_test(async, async_decode_equals_sync_without_ring);
+	tcase_add_test(async, async_decode_equals_sync_small_ring);
 	tcase_add_test(async, async_decode_equals_sync_views_none_small_window);
 	tcase_add_test(async, async_decode_equals_sync_batched_writes);
 	tcase_add_test(async, async_refusals_name_the_request);

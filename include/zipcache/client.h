@@ -543,6 +543,27 @@ int zc_client_set_async_window(zc_client *client, unsigned window);
 int zc_client_set_async_batch(zc_client *client, unsigned frames);
 
 /*
+ * The request ring (docs/RING.md). With a batch of 1, asynchronous updates
+ * are appended to memory shared with the daemon instead of written to the
+ * socket: no system call while the daemon's loop is awake (busy polling,
+ * or still at earlier work), one eventfd write to wake it when it sleeps.
+ * The daemon makes it at the first zc_update_async, of
+ * ZC_ASYNC_RING_BYTES unless set here before, charged to the uid's memory
+ * and staging quotas; a daemon that cannot make one leaves the
+ * connection on the socket (no error). 0 turns it off: every update is a
+ * write. Updates keep their order either way. Returns 0, or ZC_EINVALID
+ * for a size out of range or another size once a ring exists (it takes a
+ * zc_client_reconnect).
+ */
+#define ZC_ASYNC_RING_BYTES (256u << 10)
+#define ZC_ASYNC_RING_MIN_BYTES (64u << 10)
+#define ZC_ASYNC_RING_MAX_BYTES (16u << 20)
+int zc_client_set_async_ring(zc_client *client, size_t bytes);
+/* The ring's data bytes (0: none on this connection) and how many times
+ * the client rang its doorbell. */
+int zc_client_async_ring(const zc_client *client, size_t *bytes, uint64_t *doorbells);
+
+/*
  * Many blocks at once (a prefill of every layer): sent in one write (up
  * to the window's worth), without a round trip per block; the daemon
  * applies them in its session's order and the replies are read together.

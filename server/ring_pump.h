@@ -1,0 +1,31 @@
+/*
+ * Takes the entries of the connections' request rings (ring.c) into their
+ * connections, as frames, at the loop's two edges: after every poll (the
+ * loop is awake: clients need not ring) and before it sleeps (the wakeup
+ * flag set, the tails looked at again). While entries wait that a
+ * connection could take, an idle handle keeps the loop from sleeping.
+ */
+#ifndef ZIPCACHE_RING_PUMP_H
+#define ZIPCACHE_RING_PUMP_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+struct server;
+
+struct ring_pump {
+	uv_prepare_t prepare;
+	uv_check_t check;
+	uv_idle_t idle;
+	struct server *server;
+	uint8_t *frame;          /* an entry copied out of its ring */
+	uint32_t frame_bytes;
+	bool open;
+};
+
+void ring_pump_init(struct ring_pump *pump, struct server *server);
+/* Closes the three handles (cb for each). */
+void ring_pump_close(struct ring_pump *pump, uv_close_cb cb);
+
+#endif
