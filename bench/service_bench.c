@@ -142,6 +142,7 @@ struct options {
 	unsigned only;      /* RUN_* bits */
 	int compute_us;     /* async: a layer's attention between two updates */
 	int spin_us;        /* the client's receive spin; -1: the library's default */
+	bool no_ring;       /* every update on the socket (no request ring) */
 };
 
 enum { RUN_DECODE = 1, RUN_CONTEXT = 2, RUN_PREFILL = 4, RUN_RATIO = 8, RUN_REBUILD = 16,
@@ -226,6 +227,7 @@ static const uint16_t *pool_row(const uint16_t *pool, uint64_t step)
 
 /* Printed into the JSON lines the options change. */
 static int json_busy_poll_us;
+static const char *json_ring = "true";
 static const char *json_prefill_views = "full";
 
 static zc_session_config session_config(const char *name, uint32_t layers, uint32_t max_tokens,
@@ -645,7 +647,7 @@ out:
 			rc = c;
 	}
 	zc_client_set_async_batch(client, 1);
-	zc_client_set_async_ring(client, ZC_ASYNC_RING_BYTES);
+	zc_client_set_async_ring(client, opt->no_ring ? 0 : ZC_ASYNC_RING_BYTES);
 	free(frame);
 	free(reply);
 	free(blocked);
@@ -1446,9 +1448,9 @@ static void report_decode(const struct decode_result *r)
 	       r->flushes, r->flush_p50, r->other_p50, r->other_p99);
 	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p50\",\"us\":%.3f,"
 	     "\"raw_us\":%.3f,\"ratio\":%.4f,\"samples\":%u,\"request_bytes\":%zu,"
-	     "\"reply_bytes\":%zu,\"busy_poll_us\":%d}",
+	     "\"reply_bytes\":%zu,\"busy_poll_us\":%d,\"ring\":%s}",
 	     r->p50, r->raw_p50, r->p50 / r->raw_p50, r->samples, r->request_bytes,
-	     r->reply_bytes, json_busy_poll_us);
+	     r->reply_bytes, json_busy_poll_us, json_ring);
 	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p50_over_raw_polled\","
 	     "\"us\":%.3f,\"raw_polled_us\":%.3f,\"ratio\":%.4f,\"p99_ratio\":%.4f,\"spin_us\":%u}",
 	     r->p50, r->spin_p50, r->p50 / r->spin_p50, r->p99 / r->spin_p99, r->spin_us);
@@ -1501,9 +1503,10 @@ static void report_redis(const struct redis_result *r)
 	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p50_over_redis_set\","
 	     "\"us\":%.3f,\"redis_us\":%.3f,\"ratio\":%.4f,\"redis_p99_us\":%.3f,"
 	     "\"value_bytes\":%u,\"samples\":%u,\"redis_polled_us\":%.3f,\"polled_ratio\":%.4f,"
-	     "\"spin_us\":%u,\"busy_poll_us\":%d}",
+	     "\"spin_us\":%u,\"busy_poll_us\":%d,\"ring\":%s}",
 	     r->p50, r->redis_p50, r->p50 / r->redis_p50, r->redis_p99, REDIS_VALUE_BYTES,
-	     r->samples, r->polled_p50, r->p50 / r->polled_p50, r->spin_us, json_busy_poll_us);
+	     r->samples, r->polled_p50, r->p50 / r->polled_p50, r->spin_us, json_busy_poll_us,
+	     json_ring);
 }
 
 static void report_context(const struct context_result *r)
@@ -1615,6 +1618,7 @@ static void usage(FILE *f)
 		   "               [--only decode,context,prefill,ratio,rebuild,async,redis]\n"
 		   "               [--async-compute-us N] [--receive-spin-us N]\n"
 		   "               [--daemon-busy-poll-us N] [--echo-cpu N] [--prefill-views full|none]\n"
+		   "               [--no-ring]\n"
 		   "  --steps N       decode samples per side (default %u, rounded up to %u)\n"
 		   "  --runs N        prefill runs (default %d)\n"
 		   "  --rounds N      rebuild rounds (default %d)\n"
@@ -1632,6 +1636,9 @@ static void usage(FILE *f)
 		   "                  polling, a CPU of its own, or its spin and zipcached's\n"
 		   "                  delay each other where one side takes over from the other\n"
 		   "  --prefill-views V     the prefill sessions' views: full (default) or none\n"
+		   "  --no-ring       no request ring: every update a write on the socket (by\n"
+		   "                  default the client makes one first, and the synchronous\n"
+		   "                  steps go through it too)\n"
 		   "  --quick         smoke test: a few hundred steps, one prefill run, one rebuild\n",
 		DECODE_STEPS, BATCH_STEPS, PREFILL_RUNS, REBUILD_ROUNDS, ASYNC_COMPUTE_US,
 		ZC_RECEIVE_SPIN_US);
@@ -1715,6 +1722,8 @@ static int parse_args(int argc, char **argv, struct options *opt)
 		} else if (!strcmp(a, "--echo-cpu") && v && parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
 			opt->echo_cpu = (int)n;
 			i++;
+		} else if (!strcmp(a, "--no-ring")) {
+			opt->no_ring = true;
 		} else if (!strcmp(a, "--daemon-busy-poll-us") && v &&
 			   parse_int(v, 0, 100000, &n) == 0) {
 			opt->busy_poll_us = (int)n;
@@ -1811,12 +1820,18 @@ int main(int argc, char **argv)
 		bench_fail_client(client, "receive spin", rc);
 		goto out;
 	}
+	/* The request ring at once, so the synchronous steps take it too. */
+	json_ring = opt.no_ring ? "false" : "true";
+	if ((rc = zc_client_set_async_ring(client, opt.no_ring ? 0 : ZC_ASYNC_RING_BYTES)) < 0) {
+		bench_fail_client(client, "request ring", rc);
+		goto out;
+	}
 
 	/* The pid is there for `perf record -p`. */
 	printf("service benchmark: zipcached %s (%s, pid %d), benchmark on cpu %d, daemon on cpu %d, "
-	       "echo on cpu %d, busy poll %d us%s%s\n",
+	       "echo on cpu %d, busy poll %d us, request ring %s%s%s\n",
 	       zc_client_server_info(client)->server_version, daemon_path, (int)bench_daemon_pid(),
-	       opt.cpu, opt.daemon_cpu, opt.echo_cpu, opt.busy_poll_us,
+	       opt.cpu, opt.daemon_cpu, opt.echo_cpu, opt.busy_poll_us, opt.no_ring ? "off" : "on",
 	       spread ? " (the daemon spread over more: see cpus)" : "",
 	       opt.quick ? ", QUICK (smoke test, not a measurement)" : "");
 	printf("shape B=1 H=%u D=%u, fp16; us = microseconds per call as the caller sees it\n\n",
@@ -1845,6 +1860,8 @@ int main(int argc, char **argv)
 	}
 	if (opt.only & RUN_ASYNC) {
 		for (size_t i = 0; i < ASYNC_RUNS; i++) {
+			if (opt.no_ring && async_ways[i].ring)
+				continue;
 			if ((rc = bench_async(client, &data, &opt, &async_ways[i], &async[i])) < 0)
 				goto out;
 			report_async(&async[i]);
@@ -1905,6 +1922,8 @@ int main(int argc, char **argv)
 	}
 	if (opt.only & RUN_ASYNC) {
 		for (size_t i = 0; i < ASYNC_RUNS; i++) {
+			if (async[i].samples == 0)
+				continue;
 			double x = async[i].blocked_p50 / async[i].raw_p50;
 			if (async[i].ring_bytes)
 				printf("  async blocked per layer / raw p50 %6.3f  <= %.2f   %s (request "

@@ -157,6 +157,7 @@ static int64_t now_ms(void)
 
 static int async_drain(zc_client *client);
 static void async_forget(zc_client *client);
+static bool ring_usable(zc_client *client, size_t len);
 
 /*
  * Encodes request at send_buffer + used (*len: its frame's bytes). The
@@ -208,10 +209,23 @@ static int call_fd(zc_client *client, wire_request *request, wire_response *resp
 		return error_set(client, rc, rc == -ENOMEM ? "out of memory" :
 					 "request cannot be encoded");
 	/* From here on a failure leaves the request's fate unknown and the
-	 * stream out of step: each one breaks the connection. */
-	int sent = send_fd >= 0 ?
-		   transport_send_fd(&client->transport, client->send_buffer, len, send_fd) :
-		   transport_send(&client->transport, client->send_buffer, len);
+	 * stream out of step: each one breaks the connection. An update goes
+	 * through the request ring when there is one (nothing is in flight:
+	 * the ring is empty, and its reply still comes on the socket). */
+	int sent;
+	if (send_fd < 0 && request->op == WIRE_OP_UPDATE_AND_FETCH && ring_usable(client, len)) {
+		sent = request_ring_put(&client->ring, client->send_buffer, len);
+		if (sent <= 0)
+			return client_break(client, sent < 0 ? sent : ZC_EPROTOCOL,
+					    sent == -EAGAIN || sent == 0 ?
+					    "the daemon's request ring has no room with nothing "
+					    "in flight" : "cannot ring the daemon's doorbell");
+		sent = 0;
+	} else {
+		sent = send_fd >= 0 ?
+		       transport_send_fd(&client->transport, client->send_buffer, len, send_fd) :
+		       transport_send(&client->transport, client->send_buffer, len);
+	}
 	if (sent < 0 && sent != -EPIPE && sent != -ECONNRESET)
 		return client_break(client, sent, sent == -ETIMEDOUT ?
 				    "timed out sending the request" : "cannot send the request");
@@ -1287,13 +1301,13 @@ static void ring_open(zc_client *client)
 		client->ring_refused = false;
 }
 
-/* Whether the next asynchronous frame (`len` bytes, alone in the send
- * buffer) goes through the ring: one per write (batch 1), nothing of the
- * socket's in flight, and it fits. */
+/* Whether the next update's frame (`len` bytes, alone in the send
+ * buffer) may go through the ring: nothing of the socket's in flight or
+ * queued, and it fits. */
 static bool ring_usable(zc_client *client, size_t len)
 {
-	return client->unsent == 0 && client->socket_pending == 0 && client->batch == 1 &&
-	       client->ring_bytes > 0 && request_ring_fits(&client->ring, len);
+	return client->unsent == 0 && client->socket_pending == 0 && client->ring_bytes > 0 &&
+	       request_ring_fits(&client->ring, len);
 }
 
 /* The frame at the start of the send buffer into the ring, as soon as
@@ -1354,7 +1368,8 @@ int zc_update_async(zc_session *session, uint32_t layer, uint32_t tokens,
 	rc = update_encode(session, layer, tokens, keys, values, false, 0, 0, &used, &id);
 	if (rc < 0)
 		return rc;
-	if (ring_usable(client, used))
+	/* A batch of more than one is the socket's way of saving writes. */
+	if (client->batch == 1 && ring_usable(client, used))
 		rc = ring_queue(session, layer, used, id);
 	else
 		rc = async_queue(session, layer, NULL, used, id, 1, false);
@@ -1455,6 +1470,12 @@ int zc_client_set_async_ring(zc_client *client, size_t bytes)
 	if (rc < 0)
 		return rc;
 	client->ring_bytes = bytes;
+	if (bytes && !client->ring.base) {
+		client->ring_refused = false;
+		ring_open(client);
+		if (client->broken)
+			return client_refuse_broken(client);
+	}
 	return 0;
 }
 

@@ -97,7 +97,7 @@ void options_print_help(const char *program, const struct options *configured)
 	       "  --max-connections N      concurrent connections (default %u)\n"
 	       "  --max-sessions N         open sessions (default %u)\n"
 	       "  --max-tokens N           max_tokens allowed per session (default %u)\n"
-	       "  --max-staging-bytes N    largest staging buffer per connection (default %llu)\n"
+	       "  --max-staging-bytes N    largest staging buffer or request ring per connection (default %llu)\n"
 	       "  --memory-budget N        bytes of memory for all sessions and staging buffers, 0 = none\n"
 	       "                           (default: derived at start from the shm-dir's file system size\n"
 	       "                           and the cgroup's memory limit, whichever is smaller, less a\n"

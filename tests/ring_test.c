@@ -4,6 +4,8 @@
  *                   for room, and every update lands, in order
  *   doorbells       rung when the daemon sleeps, hardly ever while it busy
  *                   polls
+ *   sync            synchronous updates take the ring once there is one,
+ *                   mixed with asynchronous ones, views and stats exact
  *   refused         a daemon that will not make one (--max-staging-bytes)
  *                   leaves the client on the socket, with no error
  *   hostile         every kind of broken ring (an entry too long, one past
@@ -125,6 +127,50 @@ START_TEST(doorbells_only_while_the_daemon_sleeps)
 	ck_assert_int_eq(zc_client_async_ring(service.client, &bytes, &after), 0);
 	ck_assert_msg(after - before <= 100, "%llu doorbells for 400 updates to a polling daemon",
 		      (unsigned long long)(after - before));
+	model_free(&model);
+	zc_session_release(session);
+	service_stop(&service);
+}
+END_TEST
+
+/* Once the connection has a ring, synchronous updates take it too (each
+ * rings the sleeping daemon once), mixed with asynchronous ones, and
+ * every view and stat they return is the model's. Off (0), they are
+ * written to the socket again and ring nothing. */
+START_TEST(synchronous_updates_take_the_ring)
+{
+	struct service service;
+	zc_session_config config = wide_config("sync");
+	struct model model;
+	struct rng rng;
+	size_t bytes;
+	uint64_t before, after;
+
+	service_start(&service, NULL);
+	ck_assert_int_eq(zc_client_set_async_ring(service.client, ZC_ASYNC_RING_BYTES), 0);
+	ck_assert_int_eq(zc_client_async_ring(service.client, &bytes, &before), 0);
+	ck_assert_uint_eq(bytes, ZC_ASYNC_RING_BYTES);
+	zc_session *session = open_session(service.client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 81);
+	for (unsigned step = 0; step < 300; step++) {
+		uint32_t layer = step % 2, tokens = 1 + rng_below(&rng, 4);
+		if (step % 3 == 2) {
+			async_rounds(service.client, session, &model, &rng, 1, tokens, 0);
+			continue;
+		}
+		CHECK(update_checked, service.client, session, &model, &rng, layer, tokens);
+	}
+	ck_assert_int_eq(zc_client_async_ring(service.client, &bytes, &after), 0);
+	ck_assert_msg(after - before >= 100, "%llu doorbells for 200 synchronous updates",
+		      (unsigned long long)(after - before));
+	ck_assert_int_eq(zc_client_set_async_ring(service.client, 0), 0);
+	ck_assert_int_eq(zc_client_async_ring(service.client, &bytes, &before), 0);
+	for (unsigned step = 0; step < 50; step++)
+		CHECK(update_checked, service.client, session, &model, &rng, step % 2, 1);
+	ck_assert_int_eq(zc_client_async_ring(service.client, &bytes, &after), 0);
+	ck_assert_uint_eq(after, before);
+	CHECK(session_matches, session, &model);
 	model_free(&model);
 	zc_session_release(session);
 	service_stop(&service);
@@ -307,6 +353,7 @@ static Suite *ring_suite(void)
 		{ "full", { a_full_ring_waits_for_room, NULL } },
 		{ "doorbells", { doorbells_only_while_the_daemon_sleeps, NULL } },
 		{ "refused", { a_refused_ring_leaves_the_socket, NULL } },
+		{ "sync", { synchronous_updates_take_the_ring, NULL } },
 		{ "hostile", { a_broken_ring_closes_only_its_connection, NULL } },
 	};
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);

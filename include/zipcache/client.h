@@ -547,13 +547,15 @@ int zc_client_set_async_batch(zc_client *client, unsigned frames);
  * are appended to memory shared with the daemon instead of written to the
  * socket: no system call while the daemon's loop is awake (busy polling,
  * or still at earlier work), one eventfd write to wake it when it sleeps.
- * The daemon makes it at the first zc_update_async, of
- * ZC_ASYNC_RING_BYTES unless set here before, charged to the uid's memory
- * and staging quotas; a daemon that cannot make one leaves the
- * connection on the socket (no error). 0 turns it off: every update is a
- * write. Updates keep their order either way. Returns 0, or ZC_EINVALID
- * for a size out of range or another size once a ring exists (it takes a
- * zc_client_reconnect).
+ * Once a connection has one, synchronous updates go through it too (their
+ * replies, like all replies, come on the socket). The daemon makes it at
+ * the first zc_update_async, or at once when this is called with a size
+ * (ZC_ASYNC_RING_BYTES unless set), charged to the uid's memory and
+ * staging quotas; a daemon that cannot make one leaves the connection on
+ * the socket (no error). 0 turns it off: every update is a write. Updates
+ * keep their order either way. Returns 0, or ZC_EINVALID for a size out of
+ * range or another size once a ring exists (it takes a
+ * zc_client_reconnect), or a broken connection's code.
  */
 #define ZC_ASYNC_RING_BYTES (256u << 10)
 #define ZC_ASYNC_RING_MIN_BYTES (64u << 10)
