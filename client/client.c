@@ -1297,6 +1297,8 @@ static void ring_open(zc_client *client)
 	}
 	if (request_ring_map(&client->ring, fds[0], fds[1], granted) < 0)
 		client_break(client, ZC_EPROTOCOL, "the daemon's request ring cannot be mapped");
+	else if (transport_set_ring(&client->transport, &client->ring) < 0)
+		client_break(client, -ENOMEM, "no memory for the request ring's replies");
 	else
 		client->ring_refused = false;
 }

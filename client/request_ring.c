@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "ring_entries.h"
 #include "ring_format.h"
 #include "zipcache/error.h"
 
@@ -16,11 +17,23 @@ static struct ring_header *header_of(const struct request_ring *ring)
 	return (struct ring_header *)ring->base;
 }
 
+static struct ring_area requests_of(const struct request_ring *ring)
+{
+	return (struct ring_area){ ring->base ? ring->base + RING_HEADER_BYTES : NULL,
+				   ring->capacity };
+}
+
+static struct ring_area replies_of(const struct request_ring *ring)
+{
+	return (struct ring_area){ ring->base + RING_HEADER_BYTES + ring->capacity,
+				   RING_REPLY_BYTES };
+}
+
 int request_ring_map(struct request_ring *ring, int memfd, int eventfd, uint64_t capacity)
 {
 	struct stat st;
 	int rc = ZC_EPROTOCOL;
-	uint64_t mapped = RING_HEADER_BYTES + capacity;
+	uint64_t mapped = RING_HEADER_BYTES + capacity + RING_REPLY_BYTES;
 
 	memset(ring, 0, sizeof(*ring));
 	ring->eventfd = -1;
@@ -32,16 +45,16 @@ int request_ring_map(struct request_ring *ring, int memfd, int eventfd, uint64_t
 		rc = -errno;
 		goto fail;
 	}
-	ring->base = base;
-	ring->mapped_bytes = mapped;
-	struct ring_header *h = header_of(ring);
+	struct ring_header *h = base;
 	if (h->magic != RING_MAGIC || h->capacity != capacity) {
 		munmap(base, mapped);
-		ring->base = NULL;
 		goto fail;
 	}
+	ring->base = base;
+	ring->mapped_bytes = mapped;
 	ring->capacity = capacity;
 	ring->tail = __atomic_load_n(&h->tail, __ATOMIC_RELAXED);
+	ring->reply_head = __atomic_load_n(&h->reply_head, __ATOMIC_RELAXED);
 	ring->eventfd = eventfd;
 	close(memfd);
 	return 0;
@@ -64,32 +77,18 @@ void request_ring_unmap(struct request_ring *ring)
 
 bool request_ring_fits(const struct request_ring *ring, size_t len)
 {
-	return ring->base && len >= 4 && len - 4 <= UINT32_MAX - RING_ALIGN &&
-	       ring_entry_bytes(len - 4) <= ring->capacity / 2;
+	struct ring_area area = requests_of(ring);
+	return ring_entry_fits(&area, len);
 }
 
 int request_ring_put(struct request_ring *ring, const uint8_t *frame, size_t len)
 {
 	struct ring_header *h = header_of(ring);
-	uint8_t *data = ring->base + RING_HEADER_BYTES;
-	uint64_t need = ring_entry_bytes(len - 4);
+	struct ring_area area = requests_of(ring);
 	uint64_t head = __atomic_load_n(&h->head, __ATOMIC_ACQUIRE);
-	uint64_t used = ring->tail - head;
-
-	if (used > ring->capacity)
-		return ZC_EPROTOCOL;
-	uint64_t offset = ring->tail % ring->capacity;
-	uint64_t to_end = ring->capacity - offset;
-	uint64_t skip = need <= to_end ? 0 : to_end;
-	if (used + skip + need > ring->capacity)
-		return 0;
-	if (skip) {
-		uint32_t wrap = RING_WRAP;
-		memcpy(data + offset, &wrap, sizeof(wrap));
-		offset = 0;
-	}
-	memcpy(data + offset, frame, len);
-	ring->tail += skip + need;
+	int rc = ring_entry_put(&area, &ring->tail, head, frame, len);
+	if (rc != 1)
+		return rc;
 	__atomic_store_n(&h->tail, ring->tail, __ATOMIC_RELEASE);
 	/* The other half of ring_sleep's handshake: after the tail, the flag. */
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -110,4 +109,37 @@ bool request_ring_taken(const struct request_ring *ring)
 {
 	return !ring->base ||
 	       __atomic_load_n(&header_of(ring)->head, __ATOMIC_ACQUIRE) == ring->tail;
+}
+
+int request_ring_reply(struct request_ring *ring, uint8_t *out, size_t *len)
+{
+	struct ring_header *h = header_of(ring);
+	struct ring_area area = replies_of(ring);
+	uint64_t tail = __atomic_load_n(&h->reply_tail, __ATOMIC_ACQUIRE);
+	const char *why;
+	uint64_t bad[2];
+	if (tail == ring->reply_head)
+		return 0;
+	int rc = ring_entry_take(&area, &ring->reply_head, tail, RING_REPLY_BYTES - 4, out, len,
+				 &why, bad);
+	if (rc == 1) {
+		__atomic_store_n(&h->reply_head, ring->reply_head, __ATOMIC_RELEASE);
+		ring->replies++;
+	}
+	return rc;
+}
+
+bool request_ring_sleep(struct request_ring *ring)
+{
+	struct ring_header *h = header_of(ring);
+	__atomic_store_n(&h->client_waiting, 1, __ATOMIC_SEQ_CST);
+	if (__atomic_load_n(&h->reply_tail, __ATOMIC_SEQ_CST) == ring->reply_head)
+		return false;
+	__atomic_store_n(&h->client_waiting, 0, __ATOMIC_RELAXED);
+	return true;
+}
+
+void request_ring_awake(struct request_ring *ring)
+{
+	__atomic_store_n(&header_of(ring)->client_waiting, 0, __ATOMIC_RELAXED);
 }

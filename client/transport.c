@@ -5,12 +5,15 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <stdbool.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "request_ring.h"
+#include "ring_format.h"
 #include "zipcache/error.h"
 
 /*
@@ -137,6 +140,32 @@ void transport_close(struct transport *transport)
 		close(transport->fd);
 	transport->fd = -1;
 	frame_reader_free(&transport->reader);
+	free(transport->ring_frame);
+	transport->ring_frame = NULL;
+	transport->ring = NULL;
+}
+
+int transport_set_ring(struct transport *transport, struct request_ring *ring)
+{
+	if (ring && !transport->ring_frame && !(transport->ring_frame = malloc(RING_REPLY_BYTES)))
+		return -ENOMEM;
+	transport->ring = ring;
+	return 0;
+}
+
+/* A reply from the ring's reply area into the frame reader, only between
+ * frames (never into the middle of one the socket is still delivering):
+ * 1 when one came, 0 when none, or ZC_EPROTOCOL. */
+static int ring_pull(struct transport *transport)
+{
+	size_t len;
+	if (!transport->ring || frame_reader_buffered(&transport->reader) > 0)
+		return 0;
+	int rc = request_ring_reply(transport->ring, transport->ring_frame, &len);
+	if (rc != 1)
+		return rc;
+	rc = frame_reader_feed(&transport->reader, transport->ring_frame, len);
+	return rc < 0 ? rc : 1;
 }
 
 int transport_send(struct transport *transport, const uint8_t *data, size_t len)
@@ -247,12 +276,36 @@ static int receive_spin(struct transport *transport, int64_t deadline)
 	int64_t until = now_ns() + (int64_t)transport->spin_us * 1000;
 	if (deadline >= 0 && until > deadline * 1000000)
 		until = deadline * 1000000;
+	/* With a ring the replies come in memory: the socket (a reply with
+	 * descriptors, or too large for the ring) is looked at every
+	 * SOCKET_EVERY turns, each one a system call. */
+	enum { SOCKET_EVERY = 32 };
+	unsigned turn = 0;
 	do {
-		int rc = receive_some(transport, -1, MSG_DONTWAIT);
-		if (rc != -EAGAIN)
-			return rc;
+		int rc = ring_pull(transport);
+		if (rc != 0)
+			return rc < 0 ? rc : 0;
+		if (!transport->ring || frame_reader_buffered(&transport->reader) > 0 ||
+		    turn++ % SOCKET_EVERY == 0) {
+			rc = receive_some(transport, -1, MSG_DONTWAIT);
+			if (rc != -EAGAIN)
+				return rc;
+		}
 	} while (now_ns() < until);
 	return -EAGAIN;
+}
+
+/* Sleeps in recvmsg, after asking the daemon for a nudge should its
+ * reply go to the ring meanwhile. */
+static int receive_sleep(struct transport *transport, int64_t deadline)
+{
+	if (transport->ring && frame_reader_buffered(&transport->reader) == 0 &&
+	    request_ring_sleep(transport->ring))
+		return 0;   /* it came: the caller pulls it */
+	int rc = receive_some(transport, deadline, 0);
+	if (transport->ring)
+		request_ring_awake(transport->ring);
+	return rc;
 }
 
 int transport_receive(struct transport *transport, const uint8_t **frame, size_t *len)
@@ -262,15 +315,24 @@ int transport_receive(struct transport *transport, const uint8_t **frame, size_t
 		return -ENOTCONN;
 	for (;;) {
 		int rc = frame_reader_next(&transport->reader, frame, len);
+		if (rc == 1 && *len == 0) {
+			frame_reader_consume(&transport->reader);   /* a nudge */
+			continue;
+		}
 		if (rc == 1)
 			return 0;
 		if (rc < 0)
 			return rc;
+		if ((rc = ring_pull(transport)) != 0) {
+			if (rc < 0)
+				return rc;
+			continue;
+		}
 		if (timed_out(deadline))
 			return -ETIMEDOUT;
 		rc = receive_spin(transport, deadline);
 		if (rc == -EAGAIN)
-			rc = receive_some(transport, deadline, 0);
+			rc = receive_sleep(transport, deadline);
 		if (rc < 0)
 			return rc;
 	}
@@ -282,10 +344,19 @@ int transport_receive_ready(struct transport *transport, const uint8_t **frame, 
 		return -ENOTCONN;
 	for (;;) {
 		int rc = frame_reader_next(&transport->reader, frame, len);
+		if (rc == 1 && *len == 0) {
+			frame_reader_consume(&transport->reader);   /* a nudge */
+			continue;
+		}
 		if (rc == 1)
 			return 0;
 		if (rc < 0)
 			return rc;
+		if ((rc = ring_pull(transport)) != 0) {
+			if (rc < 0)
+				return rc;
+			continue;
+		}
 		rc = receive_some(transport, -1, MSG_DONTWAIT);
 		if (rc < 0)
 			return rc;

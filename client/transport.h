@@ -11,6 +11,8 @@
 
 #include "frame.h"
 
+struct request_ring;
+
 #define TRANSPORT_MAX_FDS 16
 
 struct transport {
@@ -20,6 +22,11 @@ struct transport {
 	frame_reader reader;
 	int fds[TRANSPORT_MAX_FDS];/* received, not yet claimed */
 	int n_fds;
+	/* The connection's request ring, whose reply area is read before
+	 * the socket (and polled instead of it while a receive spins);
+	 * NULL without. Its owner's (client.c); ring_frame is ours. */
+	struct request_ring *ring;
+	uint8_t *ring_frame;
 };
 
 /* spin_us: how long a receive polls before it sleeps (zc_client_set_receive_spin). */
@@ -33,6 +40,11 @@ int transport_send(struct transport *transport, const uint8_t *data, size_t len)
 
 /* The same, with one descriptor (SCM_RIGHTS) on the frame's first byte. */
 int transport_send_fd(struct transport *transport, const uint8_t *data, size_t len, int fd);
+
+/* Replies also come from this ring's reply area from now on (NULL: only
+ * the socket). An empty frame on the socket is the daemon's nudge to look
+ * there, and never reaches the caller. */
+int transport_set_ring(struct transport *transport, struct request_ring *ring);
 
 /* Blocks until a whole frame is buffered; *frame stays valid until
  * transport_consume(). */

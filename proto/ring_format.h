@@ -6,12 +6,23 @@
  * in the reply to a staging request with `ring` set.
  *
  *   [struct ring_header]                       one page
- *   [data: capacity bytes]                     entries, in order
+ *   [data: capacity bytes]                     request entries, in order
+ *   [replies: RING_REPLY_BYTES]                reply entries, in order
  *
  * An entry is one frame exactly as on the socket (4-byte length, then the
  * body), padded to RING_ALIGN. An entry never wraps: where the rest of
  * the data area is too short for the next one, the client writes
  * RING_WRAP as a length there and the entry starts again at offset 0.
+ *
+ * Replies go the other way the same way (entries of the reply area,
+ * reply_tail written by the daemon, reply_head by the client), for a
+ * client that polls memory rather than the socket while it waits: a
+ * reply with descriptors, one that does not fit half the area, or one
+ * for which the area has no room goes on the socket instead. Before a
+ * client sleeps in recvmsg it sets client_waiting, then looks at the
+ * reply area again; a daemon that published a reply and then (after a
+ * full fence) finds the flag set sends an empty frame on the socket, the
+ * nudge to look.
  *
  * Positions (tail, head) count bytes since the ring was made and never
  * wrap; an offset in the data area is position % capacity. Who writes what:
@@ -39,6 +50,8 @@
 #define RING_HEADER_BYTES 4096u
 #define RING_ALIGN 8u
 #define RING_WRAP 0xffffffffu
+/* The reply area: update replies are tens of bytes. */
+#define RING_REPLY_BYTES (64u << 10)
 /* The data area: at least one decode step's frame, at most what one
  * connection may pin (the uid's staging quota bounds it further). */
 #define RING_MIN_BYTES ZC_ASYNC_RING_MIN_BYTES
@@ -50,6 +63,9 @@ struct ring_header {
 	_Alignas(64) uint64_t tail;
 	_Alignas(64) uint64_t head;
 	_Alignas(64) uint32_t need_wakeup;
+	_Alignas(64) uint64_t reply_tail;      /* daemon */
+	_Alignas(64) uint64_t reply_head;      /* client */
+	_Alignas(64) uint32_t client_waiting;  /* client */
 };
 
 _Static_assert(sizeof(struct ring_header) <= RING_HEADER_BYTES, "ring header fits its page");

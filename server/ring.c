@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "frame.h"
+#include "ring_entries.h"
 #include "ring_format.h"
 #include "budget.h"
 #include "zipcache/error.h"
@@ -40,7 +41,7 @@ int ring_create(uv_loop_t *loop, uint64_t bytes, struct store_budget *memory,
 	if (bytes < RING_MIN_BYTES || bytes > RING_MAX_BYTES)
 		return -EINVAL;
 	uint64_t capacity = (bytes + 4095) / 4096 * 4096;
-	uint64_t mapped = RING_HEADER_BYTES + capacity;
+	uint64_t mapped = RING_HEADER_BYTES + capacity + RING_REPLY_BYTES;
 	int rc;
 
 	if (store_budget_take(quota, mapped) < 0)
@@ -105,62 +106,54 @@ out_quota:
 	return rc;
 }
 
-static int corrupt(char *why, size_t why_len, const char *what, uint64_t a, uint64_t b)
+static struct ring_area requests_of(const struct ring *ring)
 {
-	snprintf(why, why_len, "request ring: %s (%" PRIu64 ", %" PRIu64 ")", what, a, b);
-	return ZC_EPROTOCOL;
+	return (struct ring_area){ ring->base + RING_HEADER_BYTES, ring->capacity };
+}
+
+static struct ring_area replies_of(const struct ring *ring)
+{
+	return (struct ring_area){ ring->base + RING_HEADER_BYTES + ring->capacity,
+				   RING_REPLY_BYTES };
 }
 
 int ring_next(struct ring *ring, uint8_t *buffer, uint32_t max_frame, uint32_t *len,
 	      char *why, size_t why_len)
 {
-	struct ring_header *h = header_of(ring);
-	const uint8_t *data = ring->base + RING_HEADER_BYTES;
-
-	for (bool wrapped = false;;) {
-		uint64_t tail = __atomic_load_n(&h->tail, __ATOMIC_ACQUIRE);
-		uint64_t available = tail - ring->head;
-		if (available == 0)
-			return 0;
-		if (available > ring->capacity)
-			return corrupt(why, why_len, "the tail is not within one lap of the head",
-				       tail, ring->head);
-		if (tail % RING_ALIGN)
-			return corrupt(why, why_len, "the tail is not aligned", tail, RING_ALIGN);
-		uint64_t offset = ring->head % ring->capacity;
-		uint64_t to_end = ring->capacity - offset;
-		uint32_t body;
-		/* Read once: the client may be rewriting it. */
-		uint32_t raw = __atomic_load_n((const uint32_t *)(data + offset), __ATOMIC_RELAXED);
-		uint8_t bytes[FRAME_HEADER_BYTES];
-		memcpy(bytes, &raw, sizeof(bytes));
-		body = frame_header_read(bytes);
-		if (body == RING_WRAP) {
-			if (offset == 0 || wrapped)
-				return corrupt(why, why_len, "a wrap mark at the start of the data",
-					       ring->head, offset);
-			if (to_end > available)
-				return corrupt(why, why_len, "a wrap mark past the tail", to_end,
-					       available);
-			ring->head += to_end;
-			wrapped = true;
-			continue;
-		}
-		if (body > max_frame)
-			return corrupt(why, why_len, "an entry longer than a frame may be", body,
-				       max_frame);
-		uint64_t entry = ring_entry_bytes(body);
-		if (entry > to_end)
-			return corrupt(why, why_len, "an entry that runs past the end of the data",
-				       entry, to_end);
-		if (entry > available)
-			return corrupt(why, why_len, "an entry cut by the tail", entry, available);
-		memcpy(buffer, data + offset + 4, body);
-		ring->head += entry;
+	struct ring_area area = requests_of(ring);
+	uint64_t tail = __atomic_load_n(&header_of(ring)->tail, __ATOMIC_ACQUIRE);
+	const char *what;
+	uint64_t bad[2];
+	size_t frame_len;
+	int rc = ring_entry_take(&area, &ring->head, tail, max_frame, buffer, &frame_len, &what,
+				 bad);
+	if (rc == 1) {
 		ring->taken++;
-		*len = body;
-		return 1;
+		*len = (uint32_t)(frame_len - FRAME_HEADER_BYTES);
+	} else if (rc < 0) {
+		snprintf(why, why_len, "request ring: %s (%" PRIu64 ", %" PRIu64 ")", what, bad[0],
+			 bad[1]);
 	}
+	return rc;
+}
+
+int ring_reply(struct ring *ring, const uint8_t *frame, size_t len, bool *nudge)
+{
+	struct ring_area area = replies_of(ring);
+	struct ring_header *h = header_of(ring);
+	*nudge = false;
+	if (!ring_entry_fits(&area, len))
+		return 0;
+	/* The client's head, untrusted: a lie costs it its own replies. */
+	uint64_t head = __atomic_load_n(&h->reply_head, __ATOMIC_ACQUIRE);
+	if (ring_entry_put(&area, &ring->reply_tail, head, frame, len) != 1)
+		return 0;
+	__atomic_store_n(&h->reply_tail, ring->reply_tail, __ATOMIC_RELEASE);
+	/* The other half of the client's sleep: after the tail, its flag. */
+	__atomic_thread_fence(__ATOMIC_SEQ_CST);
+	*nudge = __atomic_load_n(&h->client_waiting, __ATOMIC_RELAXED) != 0;
+	ring->replies++;
+	return 1;
 }
 
 bool ring_pending(const struct ring *ring)

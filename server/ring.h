@@ -25,7 +25,9 @@ struct ring {
 	uint64_t capacity;           /* the data area's bytes (ours, not the header's) */
 	uint64_t head;               /* ours: how far entries were taken */
 	uint64_t published;          /* head as last written to the header */
-	uint64_t taken;              /* entries taken, for the metrics */
+	uint64_t taken;              /* entries taken */
+	uint64_t reply_tail;         /* ours: replies written */
+	uint64_t replies;            /* replies written */
 	uint64_t doorbells;          /* the eventfd's counts read */
 	struct store_budget *memory, *quota;   /* charged mapped_bytes */
 };
@@ -40,13 +42,22 @@ int ring_create(uv_loop_t *loop, uint64_t bytes, struct store_budget *memory,
 		struct store_budget *quota, struct ring **out);
 
 /*
- * The next entry's body copied into `buffer` (room for max_frame bytes):
- * 1 and *len, 0 when the ring is empty, or ZC_EPROTOCOL when what the
- * client wrote is not a valid entry (`why` says how); the ring is unusable
- * after that. The head is published by ring_publish, not here.
+ * The next entry copied into `buffer` (room for max_frame + 4 bytes): 1,
+ * its body at buffer + 4 and *len bytes long; 0 when the ring is empty;
+ * ZC_EPROTOCOL when what the client wrote is not a valid entry (`why`
+ * says how), and the ring is unusable after that. The head is published
+ * by ring_publish, not here.
  */
 int ring_next(struct ring *ring, uint8_t *buffer, uint32_t max_frame, uint32_t *len,
 	      char *why, size_t why_len);
+
+/*
+ * A reply frame (header included) into the reply area: 1 when written
+ * and published (*nudge: the client sleeps on its socket, send it an
+ * empty frame), 0 when it does not fit or has no room (send it on the
+ * socket). The frame stays the caller's.
+ */
+int ring_reply(struct ring *ring, const uint8_t *frame, size_t len, bool *nudge);
 
 /* Whether an entry waits (the tail moved past our head). */
 bool ring_pending(const struct ring *ring);

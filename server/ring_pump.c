@@ -4,6 +4,7 @@
 #include <stdlib.h>
 
 #include "connection.h"
+#include "frame.h"
 #include "log.h"
 #include "ring.h"
 #include "ring_format.h"
@@ -39,7 +40,7 @@ static bool pump_client(struct ring_pump *pump, struct client *client)
 		/* Taken before it is answered: a client that has every reply
 		 * finds the ring empty (and may write the socket). */
 		ring_publish(ring);
-		connection_deliver(&client->connection, pump->frame, len);
+		connection_deliver(&client->connection, pump->frame + FRAME_HEADER_BYTES, len);
 		n++;
 	}
 	return false;
@@ -80,7 +81,7 @@ static bool pump_ready(struct ring_pump *pump)
 	uint32_t bytes = pump->server->options.max_frame_bytes;
 	if (bytes > RING_MAX_BYTES)
 		bytes = RING_MAX_BYTES;
-	pump->frame = malloc(bytes);
+	pump->frame = malloc((size_t)bytes + FRAME_HEADER_BYTES);
 	if (!pump->frame) {
 		log_error("ring", "no memory for the ring's frame buffer", "bytes=%u", bytes);
 		return false;

@@ -19,8 +19,8 @@ struct ring_pump {
 	uv_check_t check;
 	uv_idle_t idle;
 	struct server *server;
-	uint8_t *frame;          /* an entry copied out of its ring */
-	uint32_t frame_bytes;
+	uint8_t *frame;          /* an entry copied out of its ring: header, body */
+	uint32_t frame_bytes;    /* the largest body it holds */
 	bool open;
 };
 

@@ -165,10 +165,25 @@ static const struct connection_callbacks client_callbacks = {
 	.freed = client_freed,
 };
 
+/* A reply to a client with a request ring goes through the ring's reply
+ * area when it can (no descriptors, room): the client polls memory for it
+ * instead of the socket, and is nudged with an empty frame if it had
+ * gone to sleep on the socket meanwhile. */
 static int responder_send(struct responder *responder, uint8_t *frame, size_t len, const int *fds,
 			  int n_fds)
 {
-	return connection_send(&client_of_responder(responder)->connection, frame, len, fds, n_fds);
+	struct client *client = client_of_responder(responder);
+	bool nudge;
+	if (client->peer.ring && n_fds == 0 && client->connection.state != CONNECTION_CLOSING &&
+	    ring_reply(client->peer.ring, frame, len, &nudge) == 1) {
+		free(frame);
+		if (!nudge)
+			return 0;
+		uint8_t *empty = calloc(1, FRAME_HEADER_BYTES);
+		return empty ? connection_send(&client->connection, empty, FRAME_HEADER_BYTES, NULL, 0) :
+			       -ENOMEM;
+	}
+	return connection_send(&client->connection, frame, len, fds, n_fds);
 }
 
 static void responder_abort(struct responder *responder)

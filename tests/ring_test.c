@@ -6,6 +6,9 @@
  *                   polls
  *   sync            synchronous updates take the ring once there is one,
  *                   mixed with asynchronous ones, views and stats exact
+ *   nudge           a client asleep on its socket is nudged there when its
+ *                   reply went to the ring; a reply head it garbles sends
+ *                   its replies back to the socket
  *   refused         a daemon that will not make one (--max-staging-bytes)
  *                   leaves the client on the socket, with no error
  *   hostile         every kind of broken ring (an entry too long, one past
@@ -33,6 +36,9 @@
 #include "zipcache/error.h"
 
 #define MAX_TOKENS 4096u
+
+static size_t ring_mappings(uintptr_t *starts, size_t max);
+static struct ring_header *ring_new_mapping(const uintptr_t *before, size_t n_before);
 #define TEST_TIMEOUT_SECONDS 120
 
 static zc_session_config wide_config(const char *name)
@@ -171,6 +177,51 @@ START_TEST(synchronous_updates_take_the_ring)
 	ck_assert_int_eq(zc_client_async_ring(service.client, &bytes, &after), 0);
 	ck_assert_uint_eq(after, before);
 	CHECK(session_matches, session, &model);
+	model_free(&model);
+	zc_session_release(session);
+	service_stop(&service);
+}
+END_TEST
+
+/* A client that sleeps on its socket at once (no receive spin) is nudged
+ * there whenever its reply went to the ring: nothing waits for the
+ * timeout. And a reply head the client garbles only sends its replies
+ * back to the socket. */
+START_TEST(a_sleeping_client_is_nudged)
+{
+	struct service service;
+	zc_session_config config = wide_config("nudged");
+	struct model model;
+	struct rng rng;
+	size_t bytes;
+	uint64_t doorbells;
+
+	service_start(&service, NULL);
+	ck_assert_int_eq(zc_client_set_receive_spin(service.client, 0), 0);
+	uintptr_t before[16];
+	size_t n_before = ring_mappings(before, 16);
+	ck_assert_int_eq(zc_client_set_async_ring(service.client, ZC_ASYNC_RING_BYTES), 0);
+	struct ring_header *h = ring_new_mapping(before, n_before);
+	zc_session *session = open_session(service.client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 82);
+	int64_t start = now_ms();
+	for (unsigned step = 0; step < 200; step++)
+		CHECK(update_checked, service.client, session, &model, &rng, step % 2, 1);
+	async_rounds(service.client, session, &model, &rng, 50, 0, 0);
+	/* 300 replies: a missed nudge would cost the client's whole timeout. */
+	ck_assert_int_lt(now_ms() - start, CLIENT_TIMEOUT_MS);
+	ck_assert_uint_gt(__atomic_load_n(&h->reply_tail, __ATOMIC_ACQUIRE), 0);
+
+	/* The client's head a lap ahead of the daemon's tail: the daemon
+	 * trusts it no further than its own replies. */
+	__atomic_store_n(&h->reply_head, h->reply_tail + 3 * RING_REPLY_BYTES, __ATOMIC_RELEASE);
+	for (unsigned step = 0; step < 20; step++)
+		CHECK(update_checked, service.client, session, &model, &rng, step % 2, 1);
+	async_rounds(service.client, session, &model, &rng, 5, 0, 0);
+	CHECK(session_matches, session, &model);
+	ck_assert_int_eq(zc_client_async_ring(service.client, &bytes, &doorbells), 0);
+	ck_assert_uint_eq(bytes, ZC_ASYNC_RING_BYTES);
 	model_free(&model);
 	zc_session_release(session);
 	service_stop(&service);
@@ -354,6 +405,7 @@ static Suite *ring_suite(void)
 		{ "doorbells", { doorbells_only_while_the_daemon_sleeps, NULL } },
 		{ "refused", { a_refused_ring_leaves_the_socket, NULL } },
 		{ "sync", { synchronous_updates_take_the_ring, NULL } },
+		{ "nudge", { a_sleeping_client_is_nudged, NULL } },
 		{ "hostile", { a_broken_ring_closes_only_its_connection, NULL } },
 	};
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);
