@@ -89,10 +89,9 @@ int request_ring_put(struct request_ring *ring, const uint8_t *frame, size_t len
 	int rc = ring_entry_put(&area, &ring->tail, head, frame, len);
 	if (rc != 1)
 		return rc;
-	__atomic_store_n(&h->tail, ring->tail, __ATOMIC_RELEASE);
-	/* The other half of ring_sleep's handshake: after the tail, the flag. */
-	__atomic_thread_fence(__ATOMIC_SEQ_CST);
-	if (__atomic_load_n(&h->need_wakeup, __ATOMIC_RELAXED) &&
+	/* Swapped, so that entries appended before the daemon wakes ring
+	 * no more. */
+	if (ring_tail_publish(&h->tail, ring->tail, &h->need_wakeup) &&
 	    __atomic_exchange_n(&h->need_wakeup, 0, __ATOMIC_ACQ_REL)) {
 		uint64_t one = 1;
 		ssize_t n;
@@ -132,11 +131,7 @@ int request_ring_reply(struct request_ring *ring, uint8_t *out, size_t *len)
 bool request_ring_sleep(struct request_ring *ring)
 {
 	struct ring_header *h = header_of(ring);
-	__atomic_store_n(&h->client_waiting, 1, __ATOMIC_SEQ_CST);
-	if (__atomic_load_n(&h->reply_tail, __ATOMIC_SEQ_CST) == ring->reply_head)
-		return false;
-	__atomic_store_n(&h->client_waiting, 0, __ATOMIC_RELAXED);
-	return true;
+	return ring_flag_sleep(&h->client_waiting, &h->reply_tail, ring->reply_head);
 }
 
 void request_ring_awake(struct request_ring *ring)

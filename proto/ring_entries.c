@@ -91,3 +91,19 @@ int ring_entry_take(const struct ring_area *area, uint64_t *head, uint64_t tail,
 		return 1;
 	}
 }
+
+bool ring_flag_sleep(uint32_t *flag, const uint64_t *tail, uint64_t seen)
+{
+	__atomic_store_n(flag, 1, __ATOMIC_SEQ_CST);
+	if (__atomic_load_n(tail, __ATOMIC_SEQ_CST) == seen)
+		return false;
+	__atomic_store_n(flag, 0, __ATOMIC_RELAXED);
+	return true;
+}
+
+bool ring_tail_publish(uint64_t *tail_field, uint64_t tail, const uint32_t *flag)
+{
+	__atomic_store_n(tail_field, tail, __ATOMIC_RELEASE);
+	__atomic_thread_fence(__ATOMIC_SEQ_CST);
+	return __atomic_load_n(flag, __ATOMIC_RELAXED) != 0;
+}

@@ -6,6 +6,7 @@
 #ifndef ZIPCACHE_RING_ENTRIES_H
 #define ZIPCACHE_RING_ENTRIES_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -40,5 +41,17 @@ int ring_entry_put(const struct ring_area *area, uint64_t *tail, uint64_t head,
 int ring_entry_take(const struct ring_area *area, uint64_t *head, uint64_t tail,
 		    uint32_t max_body, uint8_t *out, size_t *len, const char **why,
 		    uint64_t bad[2]);
+
+/*
+ * The two halves of the wakeup handshake, the same either way (the
+ * daemon sleeping for requests, the client for replies):
+ *   the sleeper raises its flag and looks at the other side's tail again
+ *   (true: it moved past `seen`, the flag is lowered, do not sleep);
+ *   the writer publishes its tail, then (after a full fence) looks at the
+ *   flag (true: the sleeper may not have seen the entry, wake it).
+ * Either the sleeper sees the entry or the writer sees the flag.
+ */
+bool ring_flag_sleep(uint32_t *flag, const uint64_t *tail, uint64_t seen);
+bool ring_tail_publish(uint64_t *tail_field, uint64_t tail, const uint32_t *flag);
 
 #endif

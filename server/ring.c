@@ -14,6 +14,7 @@
 #include "frame.h"
 #include "ring_entries.h"
 #include "ring_format.h"
+#include "staging.h"
 #include "budget.h"
 #include "zipcache/error.h"
 
@@ -54,22 +55,11 @@ int ring_create(uv_loop_t *loop, uint64_t bytes, struct store_budget *memory,
 	if (!ring)
 		goto out_memory;
 	ring->eventfd = -1;
-	ring->memfd = memfd_create("zipcache-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-	if (ring->memfd < 0) {
-		rc = -errno;
-		goto out_free;
-	}
 	/* Sealed against shrinking: our writable mapping never faults. */
-	if (ftruncate(ring->memfd, (off_t)mapped) < 0 ||
-	    fcntl(ring->memfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
-		rc = -errno;
-		goto out_close;
-	}
-	void *base = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, ring->memfd, 0);
-	if (base == MAP_FAILED) {
-		rc = -errno;
-		goto out_close;
-	}
+	uint8_t *base;
+	rc = staging_memfd_map("zipcache-ring", mapped, PROT_READ | PROT_WRITE, &ring->memfd, &base);
+	if (rc < 0)
+		goto out_free;
 	ring->base = base;
 	ring->mapped_bytes = mapped;
 	ring->capacity = capacity;
@@ -93,7 +83,6 @@ int ring_create(uv_loop_t *loop, uint64_t bytes, struct store_budget *memory,
 
 out_unmap:
 	munmap(base, mapped);
-out_close:
 	if (ring->eventfd >= 0)
 		close(ring->eventfd);
 	close(ring->memfd);
@@ -148,10 +137,7 @@ int ring_reply(struct ring *ring, const uint8_t *frame, size_t len, bool *nudge)
 	uint64_t head = __atomic_load_n(&h->reply_head, __ATOMIC_ACQUIRE);
 	if (ring_entry_put(&area, &ring->reply_tail, head, frame, len) != 1)
 		return 0;
-	__atomic_store_n(&h->reply_tail, ring->reply_tail, __ATOMIC_RELEASE);
-	/* The other half of the client's sleep: after the tail, its flag. */
-	__atomic_thread_fence(__ATOMIC_SEQ_CST);
-	*nudge = __atomic_load_n(&h->client_waiting, __ATOMIC_RELAXED) != 0;
+	*nudge = ring_tail_publish(&h->reply_tail, ring->reply_tail, &h->client_waiting);
 	ring->replies++;
 	return 1;
 }
@@ -172,11 +158,7 @@ void ring_publish(struct ring *ring)
 bool ring_sleep(struct ring *ring)
 {
 	struct ring_header *h = header_of(ring);
-	__atomic_store_n(&h->need_wakeup, 1, __ATOMIC_SEQ_CST);
-	if (__atomic_load_n(&h->tail, __ATOMIC_SEQ_CST) == ring->head)
-		return false;
-	__atomic_store_n(&h->need_wakeup, 0, __ATOMIC_RELAXED);
-	return true;
+	return ring_flag_sleep(&h->need_wakeup, &h->tail, ring->head);
 }
 
 void ring_awake(struct ring *ring)

@@ -10,6 +10,24 @@
 #include "store.h"
 #include "zipcache/error.h"
 
+int staging_memfd_map(const char *name, uint64_t bytes, int prot, int *fd, uint8_t **base)
+{
+	int memfd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (memfd < 0)
+		return -errno;
+	void *mapping = MAP_FAILED;
+	if (ftruncate(memfd, (off_t)bytes) < 0 ||
+	    fcntl(memfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0 ||
+	    (mapping = mmap(NULL, bytes, prot, MAP_SHARED, memfd, 0)) == MAP_FAILED) {
+		int rc = -errno;
+		close(memfd);
+		return rc;
+	}
+	*fd = memfd;
+	*base = mapping;
+	return 0;
+}
+
 int staging_create(uint64_t bytes, struct store_budget *memory, struct store_budget *quota,
 		   struct staging **out)
 {
@@ -28,21 +46,10 @@ int staging_create(uint64_t bytes, struct store_budget *memory, struct store_bud
 	staging = calloc(1, sizeof(*staging));
 	if (!staging)
 		goto out_memory;
-	staging->fd = memfd_create("zipcache-staging", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-	if (staging->fd < 0) {
-		rc = -errno;
+	uint8_t *base;
+	rc = staging_memfd_map("zipcache-staging", bytes, PROT_READ, &staging->fd, &base);
+	if (rc < 0)
 		goto out_free;
-	}
-	if (ftruncate(staging->fd, (off_t)bytes) < 0 ||
-	    fcntl(staging->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
-		rc = -errno;
-		goto out_close;
-	}
-	void *base = mmap(NULL, bytes, PROT_READ, MAP_SHARED, staging->fd, 0);
-	if (base == MAP_FAILED) {
-		rc = -errno;
-		goto out_close;
-	}
 	staging->base = base;
 	staging->bytes = bytes;
 	staging->refs = 1;
@@ -51,8 +58,6 @@ int staging_create(uint64_t bytes, struct store_budget *memory, struct store_bud
 	*out = staging;
 	return 0;
 
-out_close:
-	close(staging->fd);
 out_free:
 	free(staging);
 out_memory:

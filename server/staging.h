@@ -35,6 +35,14 @@ struct staging {
 int staging_create(uint64_t bytes, struct store_budget *memory, struct store_budget *quota,
 		   struct staging **out);
 void staging_ref(struct staging *staging);
+
+/*
+ * A memfd of `bytes` named `name`, sealed against resizing (so that no
+ * mapping of it, ours or the client's, ever faults past its end), mapped
+ * shared with `prot`: 0 with *fd and *base, or a negative errno with
+ * nothing left open. The staging buffers' and the request rings' memory.
+ */
+int staging_memfd_map(const char *name, uint64_t bytes, int prot, int *fd, uint8_t **base);
 /* Drops a reference; the last one frees the buffer and gives its bytes back. */
 void staging_unref(struct staging *staging);
 
