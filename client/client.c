@@ -347,6 +347,22 @@ int zc_client_connect(const char *socket_path, int timeout_ms, zc_client **out)
 	return 0;
 }
 
+static void staging_unmap(zc_client *client);
+
+/* The connection's new staging buffer (the daemon dropped the old one):
+ * mapped in place of the old, fd closed either way. */
+static int staging_adopt(zc_client *client, int fd, uint64_t granted)
+{
+	void *mapping = mmap(NULL, granted, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	close(fd);
+	if (mapping == MAP_FAILED)
+		return error_set(client, -errno, "cannot map the staging buffer");
+	staging_unmap(client);
+	client->staging = mapping;
+	client->staging_bytes = granted;
+	return 0;
+}
+
 static void staging_unmap(zc_client *client)
 {
 	if (client->staging)
@@ -1289,6 +1305,14 @@ static void ring_open(zc_client *client)
 	uint64_t granted = response.staging.bytes;
 	bool ring = response.staging.ring;
 	wire_response_free(&response);
+	if (rc == 1 && !ring) {
+		/* A daemon older than rings made a staging buffer of that size
+		 * instead, in place of the connection's: it is ours now. */
+		if (staging_adopt(client, fds[0], granted) < 0)
+			client_break(client, ZC_EPROTOCOL, "cannot map the staging buffer a daemon "
+					    "without request rings sent");
+		return;
+	}
 	if (rc != 2 || !ring) {
 		for (int i = 0; i < rc; i++)
 			close(fds[i]);
@@ -1652,14 +1676,9 @@ int zc_client_staging(zc_client *client, size_t bytes, void **buffer)
 			close(fd);
 		return client_break(client, ZC_EPROTOCOL, "staging reply without a buffer");
 	}
-	void *mapping = mmap(NULL, granted, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	close(fd);
-	if (mapping == MAP_FAILED)
-		return error_set(client, -errno, "cannot map the staging buffer");
-	staging_unmap(client);
-	client->staging = mapping;
-	client->staging_bytes = granted;
-	*buffer = mapping;
+	if ((rc = staging_adopt(client, fd, granted)) < 0)
+		return rc;
+	*buffer = client->staging;
 	return 0;
 }
 
