@@ -78,6 +78,11 @@ METRICS = {
     "zipcache_connections_total",
     "zipcache_errors_total",
     "zipcache_tokens_appended_total",
+    "zipcache_request_rings",
+    "zipcache_ring_requests_total",
+    "zipcache_ring_replies_total",
+    "zipcache_ring_doorbells_total",
+    "zipcache_ring_nudges_total",
     "zipcache_uptime_seconds",
     "zipcache_build_info",
 }

@@ -2192,7 +2192,7 @@ static int staging_memory_make(const struct request *rq, uint64_t bytes, bool ri
 
 	for (bool tried = false;; tried = true) {
 		rc = ring ? ring_create(server->loop, bytes, &quota->memory, &quota->staging,
-					ring_out) :
+					&server->counters.ring_doorbells, ring_out) :
 			    staging_create(bytes, &quota->memory, &quota->staging, staging);
 		if (rc != STORE_EBUDGET ||
 		    relief_run(server, bytes, NULL, peer->uid, tried, why, why_len) < 0)

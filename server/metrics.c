@@ -403,6 +403,18 @@ int metrics_render(const struct server *server, char **out, size_t *out_len)
 		server->counters.connections_accepted);
 	counter(&text, "zipcache_tokens_appended_total", "Tokens appended by update_and_fetch.",
 		server->counters.tokens_appended);
+	gauge(&text, "zipcache_request_rings", "Connections holding a request ring (docs/RING.md).",
+	      (double)server->rings);
+	counter(&text, "zipcache_ring_requests_total", "Requests taken from request rings.",
+		server->counters.ring_requests);
+	counter(&text, "zipcache_ring_replies_total", "Replies written into request rings' reply areas.",
+		server->counters.ring_replies);
+	counter(&text, "zipcache_ring_doorbells_total",
+		"Doorbells rung: clients that appended to a ring while the loop slept.",
+		server->counters.ring_doorbells);
+	counter(&text, "zipcache_ring_nudges_total",
+		"Empty frames sent to clients asleep on their socket whose reply went to their ring.",
+		server->counters.ring_nudges);
 	gauge(&text, "zipcache_uptime_seconds", "Seconds since the daemon started.",
 	      (double)(uv_now(server->loop) - server->started_ms) / 1000.0);
 	if (server->remote)

@@ -33,11 +33,11 @@ static void on_doorbell(uv_poll_t *handle, int status, int events)
 	 * The entries themselves are taken by the owner's check handle,
 	 * which runs right after this poll phase. */
 	if (read(ring->eventfd, &count, sizeof(count)) == (ssize_t)sizeof(count))
-		ring->doorbells += count;
+		*ring->doorbells += count;
 }
 
 int ring_create(uv_loop_t *loop, uint64_t bytes, struct store_budget *memory,
-		struct store_budget *quota, struct ring **out)
+		struct store_budget *quota, uint64_t *doorbells, struct ring **out)
 {
 	if (bytes < RING_MIN_BYTES || bytes > RING_MAX_BYTES)
 		return -EINVAL;
@@ -77,6 +77,7 @@ int ring_create(uv_loop_t *loop, uint64_t bytes, struct store_budget *memory,
 	ring->doorbell.data = ring;
 	ring->memory = memory;
 	ring->quota = quota;
+	ring->doorbells = doorbells;
 	uv_poll_start(&ring->doorbell, UV_READABLE, on_doorbell);
 	*out = ring;
 	return 0;

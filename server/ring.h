@@ -28,7 +28,7 @@ struct ring {
 	uint64_t taken;              /* entries taken */
 	uint64_t reply_tail;         /* ours: replies written */
 	uint64_t replies;            /* replies written */
-	uint64_t doorbells;          /* the eventfd's counts read */
+	uint64_t *doorbells;         /* the eventfd's counts read are added there */
 	struct store_budget *memory, *quota;   /* charged mapped_bytes */
 };
 
@@ -39,7 +39,7 @@ struct ring {
  * (STORE_EBUDGET, ZC_EEXHAUSTED, negative errno), nothing charged then.
  */
 int ring_create(uv_loop_t *loop, uint64_t bytes, struct store_budget *memory,
-		struct store_budget *quota, struct ring **out);
+		struct store_budget *quota, uint64_t *doorbells, struct ring **out);
 
 /*
  * The next entry copied into `buffer` (room for max_frame + 4 bytes): 1,

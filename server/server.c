@@ -177,8 +177,10 @@ static int responder_send(struct responder *responder, uint8_t *frame, size_t le
 	if (client->peer.ring && n_fds == 0 && client->connection.state != CONNECTION_CLOSING &&
 	    ring_reply(client->peer.ring, frame, len, &nudge) == 1) {
 		free(frame);
+		client->server->counters.ring_replies++;
 		if (!nudge)
 			return 0;
+		client->server->counters.ring_nudges++;
 		uint8_t *empty = calloc(1, FRAME_HEADER_BYTES);
 		return empty ? connection_send(&client->connection, empty, FRAME_HEADER_BYTES, NULL, 0) :
 			       -ENOMEM;

@@ -45,6 +45,10 @@ struct server_counters {
 	uint64_t requests;
 	uint64_t request_errors;
 	uint64_t tokens_appended;
+	uint64_t ring_requests;    /* requests taken from request rings */
+	uint64_t ring_replies;     /* replies written into their reply areas */
+	uint64_t ring_doorbells;   /* doorbell counts read (clients that woke the loop) */
+	uint64_t ring_nudges;      /* empty frames sent to clients asleep on their socket */
 };
 
 struct server {

@@ -108,7 +108,7 @@ static uint64_t doorbells_rung(const char *const *args, const char *name, unsign
 	size_t bytes;
 	uint64_t before, after;
 
-	service_start(&service, args);
+	uint16_t port = service_start_metrics(&service, args);
 	zc_session *session = open_session(service.client, &config);
 	model_init(&model, &config);
 	/* The first update makes the ring. */
@@ -117,6 +117,12 @@ static uint64_t doorbells_rung(const char *const *args, const char *name, unsign
 	ck_assert_uint_eq(bytes, ZC_ASYNC_RING_BYTES);
 	async_rounds(service.client, session, &model, rng, rounds, 1, gap_us);
 	ck_assert_int_eq(zc_client_async_ring(service.client, &bytes, &after), 0);
+	/* The daemon counts what the client did: each doorbell read once,
+	 * every update taken from the ring, every reply written there. */
+	ck_assert_int_eq(metric_value(port, "zipcache_request_rings"), 1);
+	ck_assert_int_eq(metric_value(port, "zipcache_ring_doorbells_total"), (long long)after);
+	ck_assert_int_ge(metric_value(port, "zipcache_ring_requests_total"), 2 * (rounds + 1));
+	ck_assert_int_ge(metric_value(port, "zipcache_ring_replies_total"), 2 * (rounds + 1));
 	model_free(&model);
 	zc_session_release(session);
 	service_stop(&service);
@@ -196,7 +202,7 @@ START_TEST(a_sleeping_client_is_nudged)
 	size_t bytes;
 	uint64_t doorbells;
 
-	service_start(&service, NULL);
+	uint16_t port = service_start_metrics(&service, NULL);
 	ck_assert_int_eq(zc_client_set_receive_spin(service.client, 0), 0);
 	uintptr_t before[16];
 	size_t n_before = ring_mappings(before, 16);
@@ -212,6 +218,7 @@ START_TEST(a_sleeping_client_is_nudged)
 	/* 300 replies: a missed nudge would cost the client's whole timeout. */
 	ck_assert_int_lt(now_ms() - start, CLIENT_TIMEOUT_MS);
 	ck_assert_uint_gt(__atomic_load_n(&h->reply_tail, __ATOMIC_ACQUIRE), 0);
+	ck_assert_int_gt(metric_value(port, "zipcache_ring_nudges_total"), 0);
 
 	/* The client's head a lap ahead of the daemon's tail: the daemon
 	 * trusts it no further than its own replies. */
