@@ -510,6 +510,8 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "zc_wait_all": (c_int, [zc_client_p]),
     "zc_client_set_async_window": (c_int, [zc_client_p, c_uint]),
     "zc_client_set_async_batch": (c_int, [zc_client_p, c_uint]),
+    "zc_client_set_async_ring": (c_int, [zc_client_p, c_size_t]),
+    "zc_client_async_ring": (c_int, [zc_client_p, POINTER(c_size_t), POINTER(c_uint64)]),
     "zc_chunk_chain": (c_int, [c_void_p, c_void_p, c_size_t, c_void_p]),
     "zc_update_and_fetch_chunk": (
         c_int,

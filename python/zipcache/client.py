@@ -417,15 +417,31 @@ class Client:
         with handle.lock:
             handle.check(lib.zc_wait_all(handle.ptr), "wait_all")
 
-    def set_async(self, window: int | None = None, batch: int | None = None) -> None:
-        """Asynchronous updates in flight at most (``window``, 1..64) and how many go out
-        in one write (``batch``, 1 = each at once); see zipcache/client.h."""
+    def set_async(self, window: int | None = None, batch: int | None = None,
+                  ring: int | None = None) -> None:
+        """Asynchronous updates in flight at most (``window``, 1..64), how many go out
+        in one write (``batch``, 1 = each at once), and the request ring's bytes
+        (``ring``: made now, 64 KiB..16 MiB; 0 = every update on the socket;
+        docs/RING.md); see zipcache/client.h."""
         handle = self._native()
         with handle.lock:
             if window is not None:
                 handle.check(lib.zc_client_set_async_window(handle.ptr, int(window)), "set_async")
             if batch is not None:
                 handle.check(lib.zc_client_set_async_batch(handle.ptr, int(batch)), "set_async")
+            if ring is not None:
+                handle.check(lib.zc_client_set_async_ring(handle.ptr, int(ring)), "set_async")
+
+    @property
+    def async_ring(self) -> tuple[int, int]:
+        """The request ring's bytes (0: none on this connection) and the doorbells
+        this client rang."""
+        handle = self._native()
+        size, doorbells = ctypes.c_size_t(0), ctypes.c_uint64(0)
+        with handle.lock:
+            handle.check(lib.zc_client_async_ring(handle.ptr, ctypes.byref(size),
+                                                  ctypes.byref(doorbells)), "async_ring")
+        return size.value, doorbells.value
 
     def set_receive_spin(self, microseconds: int) -> None:
         """How long a wait for a reply polls before it sleeps (0 .. 100000 us; the

@@ -49,6 +49,34 @@ def test_async_loop_equals_sync(client, open_session, views):
     client.set_async(window=64, batch=1)
 
 
+@pytest.mark.parametrize("ring", [0, 64 << 10])
+def test_async_through_the_ring_or_the_socket(client, open_session, ring):
+    """The same loop with the smallest request ring and with none: the session
+    holds every update, in order, and the ring is there or not."""
+    c = client
+    c.set_async(ring=ring)
+    rng = np.random.default_rng(142)
+    s = open_session(name=f"py-ring-{ring}", layers=2, kv_heads=2, head_dim=16,
+                     residual_tokens=8, max_tokens=1024)
+    sent = [[], []]
+    for step in range(200):
+        for layer in range(2):
+            k, v = make_keys(rng, 1, 2, 1, 16), make_values(rng, 1, 2, 1, 16)
+            s.update_async(layer, k, v)
+            sent[layer].append((k, v))
+    c.wait_all()
+    size, doorbells = c.async_ring
+    assert size == ring
+    assert doorbells >= 0
+    with pytest.raises(zipcache.InvalidArgument):
+        c.set_async(ring=1000)
+    s.stats()  # waits for the daemon's deferred flushes
+    for layer in range(2):
+        assert s.tokens(layer) == 200
+        k, v = s.reconstruct_layer(layer)
+        assert k.shape[2] == 200
+
+
 def test_async_refusal_names_the_request(client, open_session):
     rng = np.random.default_rng(141)
     s = open_session(name="py-async-bad", layers=1, kv_heads=2, head_dim=16, check_finite=False)
