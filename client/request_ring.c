@@ -123,7 +123,6 @@ int request_ring_reply(struct request_ring *ring, uint8_t *out, size_t *len)
 				 &why, bad);
 	if (rc == 1) {
 		__atomic_store_n(&h->reply_head, ring->reply_head, __ATOMIC_RELEASE);
-		ring->replies++;
 	}
 	return rc;
 }

@@ -20,7 +20,6 @@ struct request_ring {
 	uint64_t reply_head;    /* ours; published after each reply taken */
 	int eventfd;
 	uint64_t doorbells;     /* times rung */
-	uint64_t replies;       /* replies taken from the reply area */
 };
 
 /*

@@ -117,13 +117,11 @@ int ring_next(struct ring *ring, uint8_t *buffer, uint32_t max_frame, uint32_t *
 	size_t frame_len;
 	int rc = ring_entry_take(&area, &ring->head, tail, max_frame, buffer, &frame_len, &what,
 				 bad);
-	if (rc == 1) {
-		ring->taken++;
+	if (rc == 1)
 		*len = (uint32_t)(frame_len - FRAME_HEADER_BYTES);
-	} else if (rc < 0) {
+	else if (rc < 0)
 		snprintf(why, why_len, "request ring: %s (%" PRIu64 ", %" PRIu64 ")", what, bad[0],
 			 bad[1]);
-	}
 	return rc;
 }
 
@@ -139,7 +137,6 @@ int ring_reply(struct ring *ring, const uint8_t *frame, size_t len, bool *nudge)
 	if (ring_entry_put(&area, &ring->reply_tail, head, frame, len) != 1)
 		return 0;
 	*nudge = ring_tail_publish(&h->reply_tail, ring->reply_tail, &h->client_waiting);
-	ring->replies++;
 	return 1;
 }
 

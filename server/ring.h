@@ -20,14 +20,12 @@ struct store_budget;
 struct ring {
 	uv_poll_t doorbell;
 	int memfd, eventfd;
-	uint8_t *base;               /* the mapping: header page, then data */
+	uint8_t *base;               /* the mapping: header page, request area, reply area */
 	uint64_t mapped_bytes;
-	uint64_t capacity;           /* the data area's bytes (ours, not the header's) */
+	uint64_t capacity;           /* the request area's bytes (ours, not the header's) */
 	uint64_t head;               /* ours: how far entries were taken */
 	uint64_t published;          /* head as last written to the header */
-	uint64_t taken;              /* entries taken */
-	uint64_t reply_tail;         /* ours: replies written */
-	uint64_t replies;            /* replies written */
+	uint64_t reply_tail;         /* ours: reply bytes written */
 	uint64_t *doorbells;         /* the eventfd's counts read are added there */
 	struct store_budget *memory, *quota;   /* charged mapped_bytes */
 };
