@@ -211,7 +211,7 @@ static int call_fd(zc_client *client, wire_request *request, wire_response *resp
 	/* From here on a failure leaves the request's fate unknown and the
 	 * stream out of step: each one breaks the connection. An update goes
 	 * through the request ring when there is one (nothing is in flight:
-	 * the ring is empty, and its reply still comes on the socket). */
+	 * the ring is empty; its reply comes back through either way). */
 	int sent;
 	if (send_fd < 0 && request->op == WIRE_OP_UPDATE_AND_FETCH && ring_usable(client, len)) {
 		sent = request_ring_put(&client->ring, client->send_buffer, len);
@@ -1305,14 +1305,6 @@ static void ring_open(zc_client *client)
 	uint64_t granted = response.staging.bytes;
 	bool ring = response.staging.ring;
 	wire_response_free(&response);
-	if (rc == 1 && !ring) {
-		/* A daemon older than rings made a staging buffer of that size
-		 * instead, in place of the connection's: it is ours now. */
-		if (staging_adopt(client, fds[0], granted) < 0)
-			client_break(client, ZC_EPROTOCOL, "cannot map the staging buffer a daemon "
-					    "without request rings sent");
-		return;
-	}
 	if (rc != 2 || !ring) {
 		for (int i = 0; i < rc; i++)
 			close(fds[i]);
@@ -1385,7 +1377,7 @@ int zc_update_async(zc_session *session, uint32_t layer, uint32_t tokens,
 			return rc;
 	}
 	if (client->ring_bytes > 0 && !client->ring.base && !client->ring_refused &&
-	    client->batch == 1) {
+	    client->batch == 1 && client->server.max_ring_bytes >= client->ring_bytes) {
 		ring_open(client);
 		if (client->broken)
 			return client_refuse_broken(client);
@@ -1477,7 +1469,11 @@ int zc_client_set_async_batch(zc_client *client, unsigned frames)
 {
 	if (frames == 0 || frames > ZC_ASYNC_WINDOW)
 		return error_set(client, ZC_EINVALID, "a batch is 1 .. ZC_ASYNC_WINDOW updates");
-	int rc = async_flush(client);
+	/* Batched writes go on the socket: what the ring holds is taken
+	 * first, here, not later inside a zc_poll. */
+	int rc = frames > 1 ? ring_settle(client) : 0;
+	if (rc == 0)
+		rc = async_flush(client);
 	if (rc < 0)
 		return rc;
 	client->batch = frames;
@@ -1489,14 +1485,14 @@ int zc_client_set_async_ring(zc_client *client, size_t bytes)
 	if (bytes != 0 && (bytes < ZC_ASYNC_RING_MIN_BYTES || bytes > ZC_ASYNC_RING_MAX_BYTES))
 		return error_set(client, ZC_EINVALID, "a request ring is 0 (none) or "
 					  "ZC_ASYNC_RING_MIN_BYTES .. ZC_ASYNC_RING_MAX_BYTES");
-	if (client->ring.base && bytes != 0 && bytes != client->ring_bytes)
+	if (client->ring.base && bytes != 0 && bytes != client->ring.capacity)
 		return error_set(client, ZC_EINVALID, "this connection has its request ring "
 					  "already: a new size takes a zc_client_reconnect");
 	int rc = async_drain(client);
 	if (rc < 0)
 		return rc;
 	client->ring_bytes = bytes;
-	if (bytes && !client->ring.base) {
+	if (bytes && !client->ring.base && client->server.max_ring_bytes >= bytes) {
 		client->ring_refused = false;
 		ring_open(client);
 		if (client->broken)

@@ -168,6 +168,19 @@ static int ring_pull(struct transport *transport)
 	return rc < 0 ? rc : 1;
 }
 
+static int receive_some(struct transport *transport, int64_t deadline, int flags);
+
+/* receive_some, but a daemon that wrote its last reply into the ring and
+ * then closed (a stop, a frame it refused) is heard out: the reply is
+ * taken before the end of the stream is. */
+static int socket_receive(struct transport *transport, int64_t deadline, int flags)
+{
+	int rc = receive_some(transport, deadline, flags);
+	if (rc == -ECONNRESET && ring_pull(transport) == 1)
+		return 0;
+	return rc;
+}
+
 int transport_send(struct transport *transport, const uint8_t *data, size_t len)
 {
 	int64_t deadline = deadline_of(transport);
@@ -287,7 +300,7 @@ static int receive_spin(struct transport *transport, int64_t deadline)
 			return rc < 0 ? rc : 0;
 		if (!transport->ring || frame_reader_buffered(&transport->reader) > 0 ||
 		    turn++ % SOCKET_EVERY == 0) {
-			rc = receive_some(transport, -1, MSG_DONTWAIT);
+			rc = socket_receive(transport, -1, MSG_DONTWAIT);
 			if (rc != -EAGAIN)
 				return rc;
 		}
@@ -302,7 +315,7 @@ static int receive_sleep(struct transport *transport, int64_t deadline)
 	if (transport->ring && frame_reader_buffered(&transport->reader) == 0 &&
 	    request_ring_sleep(transport->ring))
 		return 0;   /* it came: the caller pulls it */
-	int rc = receive_some(transport, deadline, 0);
+	int rc = socket_receive(transport, deadline, 0);
 	if (transport->ring)
 		request_ring_awake(transport->ring);
 	return rc;
@@ -357,7 +370,7 @@ int transport_receive_ready(struct transport *transport, const uint8_t **frame, 
 				return rc;
 			continue;
 		}
-		rc = receive_some(transport, -1, MSG_DONTWAIT);
+		rc = socket_receive(transport, -1, MSG_DONTWAIT);
 		if (rc < 0)
 			return rc;
 	}

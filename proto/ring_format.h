@@ -28,7 +28,8 @@
  * wrap; an offset in the data area is position % capacity. Who writes what:
  *   tail         the client: published (release) after an entry's bytes
  *   head         the daemon: how far it has taken entries, published after
- *                each batch; the client may reuse what lies before it
+ *                each one, before it is dispatched; the client may reuse
+ *                what lies before it
  *   need_wakeup  the daemon sets it to 1 just before its loop sleeps, then
  *                reads tail again; a client that publishes an entry and
  *                then (after a full fence) finds it 1 swaps it to 0 and

@@ -1680,6 +1680,7 @@ static const zipcache_v1_Response *plain_response_prepare(const wire_response *r
 			.max_tokens_per_session = h->max_tokens_per_session,
 			.memory_budget_bytes = h->memory_budget_bytes,
 			.lease_ms = h->lease_ms,
+			.max_ring_bytes = h->max_ring_bytes,
 		};
 		memcpy(msg->op.hello.server_version, h->server_version,
 		       sizeof(msg->op.hello.server_version));
@@ -1969,6 +1970,7 @@ int wire_response_decode(const uint8_t *frame, size_t len, wire_response *out)
 			.max_tokens_per_session = h->max_tokens_per_session,
 			.memory_budget_bytes = h->memory_budget_bytes,
 			.lease_ms = h->lease_ms,
+			.max_ring_bytes = h->max_ring_bytes,
 		};
 		memcpy(out->hello.server_version, h->server_version, sizeof(out->hello.server_version));
 		break;

@@ -2195,7 +2195,8 @@ static int staging_memory_make(const struct request *rq, uint64_t bytes, bool ri
 					&server->counters.ring_doorbells, ring_out) :
 			    staging_create(bytes, &quota->memory, &quota->staging, staging);
 		if (rc != STORE_EBUDGET ||
-		    relief_run(server, bytes, NULL, peer->uid, tried, why, why_len) < 0)
+		    relief_run(server, ring ? ring_charge_bytes(bytes) : bytes, NULL, peer->uid,
+			       tried, why, why_len) < 0)
 			break;   /* for STORE_EBUDGET, why says so */
 	}
 	if (rc == ZC_EEXHAUSTED)
@@ -2226,10 +2227,17 @@ static void handle_ring(const struct request *rq, const wire_request *request)
 			    (unsigned long long)bytes, RING_MIN_BYTES, RING_MAX_BYTES);
 		return;
 	}
-	if (bytes > rq->server->options.max_staging_bytes) {
-		reply_error(rq, ZC_EEXHAUSTED, "a request ring of %llu bytes is past "
-			    "--max-staging-bytes (%llu)", (unsigned long long)bytes,
-			    (unsigned long long)rq->server->options.max_staging_bytes);
+	uint64_t max = ring_max_bytes(rq->server->options.max_staging_bytes);
+	if (bytes > max) {
+		reply_error(rq, ZC_EEXHAUSTED, "a request ring of %llu bytes is past the largest "
+			    "this daemon makes, %llu (--max-staging-bytes)", (unsigned long long)bytes,
+			    (unsigned long long)max);
+		return;
+	}
+	/* The pump's buffer first: a ring it could not empty would hang its
+	 * client. */
+	if (ring_pump_reserve(&rq->server->ring_pump) < 0) {
+		reply_error(rq, -ENOMEM, "no memory for the daemon's side of a request ring");
 		return;
 	}
 	int rc = staging_memory_make(rq, bytes, true, NULL, &ring, why, sizeof(why));

@@ -13,6 +13,7 @@
 
 #include "log.h"
 #include "quota.h"
+#include "ring.h"
 #include "server.h"
 #include "session.h"
 #include "pool.h"
@@ -229,6 +230,7 @@ void reply_hello(const struct request *rq)
 	hello->max_tokens_per_session = server->options.max_tokens;
 	hello->memory_budget_bytes = server->options.memory_budget;
 	hello->lease_ms = (uint32_t)(server->options.lease_seconds * 1000);
+	hello->max_ring_bytes = ring_max_bytes(server->options.max_staging_bytes);
 	reply_send(rq, &response, NULL, 0);
 }
 

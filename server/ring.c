@@ -36,13 +36,24 @@ static void on_doorbell(uv_poll_t *handle, int status, int events)
 		*ring->doorbells += count;
 }
 
+uint64_t ring_max_bytes(uint64_t max_staging_bytes)
+{
+	uint64_t max = max_staging_bytes < RING_MAX_BYTES ? max_staging_bytes : RING_MAX_BYTES;
+	return max / 4096 * 4096 >= RING_MIN_BYTES ? max / 4096 * 4096 : 0;
+}
+
+uint64_t ring_charge_bytes(uint64_t bytes)
+{
+	return RING_HEADER_BYTES + (bytes + 4095) / 4096 * 4096 + RING_REPLY_BYTES;
+}
+
 int ring_create(uv_loop_t *loop, uint64_t bytes, struct store_budget *memory,
 		struct store_budget *quota, uint64_t *doorbells, struct ring **out)
 {
 	if (bytes < RING_MIN_BYTES || bytes > RING_MAX_BYTES)
 		return -EINVAL;
 	uint64_t capacity = (bytes + 4095) / 4096 * 4096;
-	uint64_t mapped = RING_HEADER_BYTES + capacity + RING_REPLY_BYTES;
+	uint64_t mapped = ring_charge_bytes(bytes);
 	int rc;
 
 	if (store_budget_take(quota, mapped) < 0)

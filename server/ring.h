@@ -30,6 +30,13 @@ struct ring {
 	struct store_budget *memory, *quota;   /* charged mapped_bytes */
 };
 
+/* The largest ring a daemon with this --max-staging-bytes makes (0: none). */
+uint64_t ring_max_bytes(uint64_t max_staging_bytes);
+
+/* What a ring of `bytes` of data maps and is charged: the header page,
+ * the request area rounded up to pages, the reply area. */
+uint64_t ring_charge_bytes(uint64_t bytes);
+
 /*
  * A ring of at least `bytes` of data (RING_MIN_BYTES..RING_MAX_BYTES,
  * rounded up to pages), its doorbell polled on `loop`; charged to

@@ -1,6 +1,7 @@
 /* The request rings taken into their connections: see ring_pump.h. */
 #include "ring_pump.h"
 
+#include <errno.h>
 #include <stdlib.h>
 
 #include "connection.h"
@@ -71,24 +72,27 @@ static void keep_awake(struct ring_pump *pump, bool awake)
 		uv_idle_stop(&pump->idle);
 }
 
-/* Entries may come from outside the loop (the client's memory), so the
- * pump needs a buffer as large as any frame an entry may hold. */
-static bool pump_ready(struct ring_pump *pump)
+int ring_pump_reserve(struct ring_pump *pump)
 {
-	if (pump->server->rings == 0)
-		return false;
 	if (pump->frame)
-		return true;
+		return 0;
 	uint32_t bytes = pump->server->options.max_frame_bytes;
 	if (bytes > RING_MAX_BYTES)
 		bytes = RING_MAX_BYTES;
 	pump->frame = malloc((size_t)bytes + FRAME_HEADER_BYTES);
 	if (!pump->frame) {
-		log_error("ring", "no memory for the ring's frame buffer", "bytes=%u", bytes);
-		return false;
+		log_error("ring", "no memory for the rings' frame buffer", "bytes=%u", bytes);
+		return -ENOMEM;
 	}
 	pump->frame_bytes = bytes;
-	return true;
+	return 0;
+}
+
+/* Whether there is work: a ring exists only once ring_pump_reserve made
+ * the buffer. */
+static bool pump_ready(const struct ring_pump *pump)
+{
+	return pump->server->rings > 0 && pump->frame;
 }
 
 static void on_check(uv_check_t *check)

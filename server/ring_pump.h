@@ -25,6 +25,9 @@ struct ring_pump {
 };
 
 void ring_pump_init(struct ring_pump *pump, struct server *server);
+/* Makes the buffer entries are copied into (once): before the first ring
+ * is made, so that no ring waits for a buffer. 0 or -ENOMEM. */
+int ring_pump_reserve(struct ring_pump *pump);
 /* Closes the three handles (cb for each). */
 void ring_pump_close(struct ring_pump *pump, uv_close_cb cb);
 

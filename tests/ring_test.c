@@ -109,6 +109,8 @@ static uint64_t doorbells_rung(const char *const *args, const char *name, unsign
 	uint64_t before, after;
 
 	uint16_t port = service_start_metrics(&service, args);
+	ck_assert_uint_eq(zc_client_server_info(service.client)->max_ring_bytes,
+			  ZC_ASYNC_RING_MAX_BYTES);
 	zc_session *session = open_session(service.client, &config);
 	model_init(&model, &config);
 	/* The first update makes the ring. */
@@ -245,6 +247,8 @@ START_TEST(a_refused_ring_leaves_the_socket)
 	uint64_t doorbells;
 
 	service_start(&service, (const char *const[]){ "--max-staging-bytes", "65536", NULL });
+	/* The hello says how large a ring the daemon makes. */
+	ck_assert_uint_eq(zc_client_server_info(service.client)->max_ring_bytes, 65536);
 	zc_session *session = open_session(service.client, &config);
 	model_init(&model, &config);
 	rng_seed(&rng, 79);

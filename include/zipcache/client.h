@@ -236,6 +236,7 @@ typedef struct zc_server_info {
 	uint64_t max_tokens_per_session;
 	uint64_t memory_budget_bytes;
 	uint32_t lease_ms;         /* a view's lease without another call on its session */
+	uint64_t max_ring_bytes;   /* the largest request ring it makes; 0: none */
 } zc_server_info;
 
 typedef struct zc_server_stats {
@@ -547,12 +548,14 @@ int zc_client_set_async_batch(zc_client *client, unsigned frames);
  * are appended to memory shared with the daemon instead of written to the
  * socket: no system call while the daemon's loop is awake (busy polling,
  * or still at earlier work), one eventfd write to wake it when it sleeps.
- * Once a connection has one, synchronous updates go through it too (their
- * replies, like all replies, come on the socket). The daemon makes it at
- * the first zc_update_async, or at once when this is called with a size
- * (ZC_ASYNC_RING_BYTES unless set), charged to the uid's memory and
- * staging quotas; a daemon that cannot make one leaves the connection on
- * the socket (no error). 0 turns it off: every update is a write. Updates
+ * Once a connection has one, synchronous updates go through it too, and
+ * replies without descriptors come back through its reply area. The
+ * daemon makes it at the first zc_update_async, or at once when this is
+ * called with a size (ZC_ASYNC_RING_BYTES unless set), charged to the
+ * uid's memory and staging quotas; a daemon that cannot make one (its
+ * quota, its memory, a size past its max_ring_bytes in zc_server_info,
+ * 0 from a daemon that makes none) leaves the connection on the socket
+ * (no error). 0 turns it off: every update is a write. Updates
  * keep their order either way. Returns 0, or ZC_EINVALID for a size out of
  * range or another size once a ring exists (it takes a
  * zc_client_reconnect), or a broken connection's code.

@@ -310,6 +310,7 @@ class zc_server_info(Structure):
         ("max_tokens_per_session", c_uint64),
         ("memory_budget_bytes", c_uint64),
         ("lease_ms", c_uint32),
+        ("max_ring_bytes", c_uint64),
     ]
 
 
