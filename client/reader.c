@@ -668,6 +668,7 @@ static const struct {
 	OFFSET_OF(zc_server_info, max_inline_bytes), OFFSET_OF(zc_server_info, max_sessions),
 	OFFSET_OF(zc_server_info, max_tokens_per_session),
 	OFFSET_OF(zc_server_info, memory_budget_bytes), OFFSET_OF(zc_server_info, lease_ms),
+	OFFSET_OF(zc_server_info, max_ring_bytes),
 	SIZE_OF(zc_view),
 	OFFSET_OF(zc_view, keys), OFFSET_OF(zc_view, values), OFFSET_OF(zc_view, tokens),
 	OFFSET_OF(zc_view, batch), OFFSET_OF(zc_view, kv_heads), OFFSET_OF(zc_view, head_dim_k),
