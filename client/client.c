@@ -158,6 +158,7 @@ static int64_t now_ms(void)
 static int async_drain(zc_client *client);
 static void async_forget(zc_client *client);
 static bool ring_usable(zc_client *client, size_t len);
+static int ring_write(zc_client *client, size_t len);
 
 /*
  * Encodes request at send_buffer + used (*len: its frame's bytes). The
@@ -214,12 +215,8 @@ static int call_fd(zc_client *client, wire_request *request, wire_response *resp
 	 * the ring is empty; its reply comes back through either way). */
 	int sent;
 	if (send_fd < 0 && request->op == WIRE_OP_UPDATE_AND_FETCH && ring_usable(client, len)) {
-		sent = request_ring_put(&client->ring, client->send_buffer, len);
-		if (sent <= 0)
-			return client_break(client, sent < 0 ? sent : ZC_EPROTOCOL,
-					    sent == -EAGAIN || sent == 0 ?
-					    "the daemon's request ring has no room with nothing "
-					    "in flight" : "cannot ring the daemon's doorbell");
+		if ((rc = ring_write(client, len)) < 0)
+			return rc;
 		sent = 0;
 	} else {
 		sent = send_fd >= 0 ?
@@ -344,22 +341,6 @@ int zc_client_connect(const char *socket_path, int timeout_ms, zc_client **out)
 		return rc;
 	}
 	*out = client;
-	return 0;
-}
-
-static void staging_unmap(zc_client *client);
-
-/* The connection's new staging buffer (the daemon dropped the old one):
- * mapped in place of the old, fd closed either way. */
-static int staging_adopt(zc_client *client, int fd, uint64_t granted)
-{
-	void *mapping = mmap(NULL, granted, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	close(fd);
-	if (mapping == MAP_FAILED)
-		return error_set(client, -errno, "cannot map the staging buffer");
-	staging_unmap(client);
-	client->staging = mapping;
-	client->staging_bytes = granted;
 	return 0;
 }
 
@@ -1281,10 +1262,15 @@ static int async_queue(zc_session *session, uint32_t layer_of_first, const zc_up
 	return now || client->unsent_frames >= client->batch ? async_flush(client) : 0;
 }
 
-/* Asks the daemon for this connection's request ring, once. A refusal
- * (its quota, its memory, an older daemon) leaves the socket in use. */
+/* Asks the daemon for this connection's request ring of ring_bytes, if
+ * wanted, none is there yet, the daemon makes one that large (its hello
+ * says) and has not refused it on this connection. A refusal (its quota,
+ * its memory) leaves the socket in use. */
 static void ring_open(zc_client *client)
 {
+	if (client->ring_bytes == 0 || client->ring.base || client->ring_refused ||
+	    client->server.max_ring_bytes < client->ring_bytes)
+		return;
 	wire_request request = { 0 };
 	wire_response response;
 	int fds[2] = { -1, -1 };
@@ -1329,10 +1315,10 @@ static bool ring_usable(zc_client *client, size_t len)
 }
 
 /* The frame at the start of the send buffer into the ring, as soon as
- * the daemon has taken enough to make room for it. */
-static int ring_queue(zc_session *session, uint32_t layer, size_t len, uint64_t id)
+ * the daemon has taken enough to make room for it (with nothing in
+ * flight, the ring is empty: no room then is the daemon's fault). */
+static int ring_write(zc_client *client, size_t len)
 {
-	zc_client *client = session->client;
 	int rc;
 	while ((rc = request_ring_put(&client->ring, client->send_buffer, len)) == 0) {
 		if (client->n_pending == 0)
@@ -1345,6 +1331,16 @@ static int ring_queue(zc_session *session, uint32_t layer, size_t len, uint64_t 
 		return client_break(client, rc, rc == ZC_EPROTOCOL ?
 				    "the daemon's request ring head makes no sense" :
 				    "cannot ring the daemon's doorbell");
+	return 0;
+}
+
+/* An asynchronous update through the ring, in flight from now on. */
+static int ring_queue(zc_session *session, uint32_t layer, size_t len, uint64_t id)
+{
+	zc_client *client = session->client;
+	int rc = ring_write(client, len);
+	if (rc < 0)
+		return rc;
 	client->pending[client->n_pending++] = (struct pending){ id, session, layer, now_ms(),
 								 true };
 	return 0;
@@ -1376,8 +1372,7 @@ int zc_update_async(zc_session *session, uint32_t layer, uint32_t tokens,
 		if (rc < 0)
 			return rc;
 	}
-	if (client->ring_bytes > 0 && !client->ring.base && !client->ring_refused &&
-	    client->batch == 1 && client->server.max_ring_bytes >= client->ring_bytes) {
+	if (client->batch == 1) {
 		ring_open(client);
 		if (client->broken)
 			return client_refuse_broken(client);
@@ -1492,13 +1487,10 @@ int zc_client_set_async_ring(zc_client *client, size_t bytes)
 	if (rc < 0)
 		return rc;
 	client->ring_bytes = bytes;
-	if (bytes && !client->ring.base && client->server.max_ring_bytes >= bytes) {
-		client->ring_refused = false;
-		ring_open(client);
-		if (client->broken)
-			return client_refuse_broken(client);
-	}
-	return 0;
+	/* Asked for by name: tried again even if refused before. */
+	client->ring_refused = false;
+	ring_open(client);
+	return client->broken ? client_refuse_broken(client) : 0;
 }
 
 int zc_client_async_ring(const zc_client *client, size_t *bytes, uint64_t *doorbells)
@@ -1672,9 +1664,14 @@ int zc_client_staging(zc_client *client, size_t bytes, void **buffer)
 			close(fd);
 		return client_break(client, ZC_EPROTOCOL, "staging reply without a buffer");
 	}
-	if ((rc = staging_adopt(client, fd, granted)) < 0)
-		return rc;
-	*buffer = client->staging;
+	void *mapping = mmap(NULL, granted, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	close(fd);
+	if (mapping == MAP_FAILED)
+		return error_set(client, -errno, "cannot map the staging buffer");
+	staging_unmap(client);
+	client->staging = mapping;
+	client->staging_bytes = granted;
+	*buffer = mapping;
 	return 0;
 }
 

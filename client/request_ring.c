@@ -17,23 +17,12 @@ static struct ring_header *header_of(const struct request_ring *ring)
 	return (struct ring_header *)ring->base;
 }
 
-static struct ring_area requests_of(const struct request_ring *ring)
-{
-	return (struct ring_area){ ring->base ? ring->base + RING_HEADER_BYTES : NULL,
-				   ring->capacity };
-}
-
-static struct ring_area replies_of(const struct request_ring *ring)
-{
-	return (struct ring_area){ ring->base + RING_HEADER_BYTES + ring->capacity,
-				   RING_REPLY_BYTES };
-}
 
 int request_ring_map(struct request_ring *ring, int memfd, int eventfd, uint64_t capacity)
 {
 	struct stat st;
 	int rc = ZC_EPROTOCOL;
-	uint64_t mapped = RING_HEADER_BYTES + capacity + RING_REPLY_BYTES;
+	uint64_t mapped = ring_mapped_bytes(capacity);
 
 	memset(ring, 0, sizeof(*ring));
 	ring->eventfd = -1;
@@ -77,14 +66,16 @@ void request_ring_unmap(struct request_ring *ring)
 
 bool request_ring_fits(const struct request_ring *ring, size_t len)
 {
-	struct ring_area area = requests_of(ring);
+	if (!ring->base)
+		return false;
+	struct ring_area area = ring_requests(ring->base, ring->capacity);
 	return ring_entry_fits(&area, len);
 }
 
 int request_ring_put(struct request_ring *ring, const uint8_t *frame, size_t len)
 {
 	struct ring_header *h = header_of(ring);
-	struct ring_area area = requests_of(ring);
+	struct ring_area area = ring_requests(ring->base, ring->capacity);
 	uint64_t head = __atomic_load_n(&h->head, __ATOMIC_ACQUIRE);
 	int rc = ring_entry_put(&area, &ring->tail, head, frame, len);
 	if (rc != 1)
@@ -113,17 +104,14 @@ bool request_ring_taken(const struct request_ring *ring)
 int request_ring_reply(struct request_ring *ring, uint8_t *out, size_t *len)
 {
 	struct ring_header *h = header_of(ring);
-	struct ring_area area = replies_of(ring);
+	struct ring_area area = ring_replies(ring->base, ring->capacity);
 	uint64_t tail = __atomic_load_n(&h->reply_tail, __ATOMIC_ACQUIRE);
 	const char *why;
 	uint64_t bad[2];
-	if (tail == ring->reply_head)
-		return 0;
 	int rc = ring_entry_take(&area, &ring->reply_head, tail, RING_REPLY_BYTES - 4, out, len,
 				 &why, bad);
-	if (rc == 1) {
+	if (rc == 1)
 		__atomic_store_n(&h->reply_head, ring->reply_head, __ATOMIC_RELEASE);
-	}
 	return rc;
 }
 

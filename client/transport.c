@@ -168,6 +168,24 @@ static int ring_pull(struct transport *transport)
 	return rc < 0 ? rc : 1;
 }
 
+/* A whole frame already in hand: from the reader's buffer, else from the
+ * ring's reply area; nudges (empty frames) skipped. 1 with *frame and
+ * *len, 0 when the socket must be read, or a negative code. */
+static int frame_in_hand(struct transport *transport, const uint8_t **frame, size_t *len)
+{
+	for (;;) {
+		int rc = frame_reader_next(&transport->reader, frame, len);
+		if (rc == 1 && *len == 0) {
+			frame_reader_consume(&transport->reader);   /* a nudge */
+			continue;
+		}
+		if (rc != 0)
+			return rc;
+		if ((rc = ring_pull(transport)) <= 0)
+			return rc;
+	}
+}
+
 static int receive_some(struct transport *transport, int64_t deadline, int flags);
 
 /* receive_some, but a daemon that wrote its last reply into the ring and
@@ -327,20 +345,9 @@ int transport_receive(struct transport *transport, const uint8_t **frame, size_t
 	if (transport->fd < 0)
 		return -ENOTCONN;
 	for (;;) {
-		int rc = frame_reader_next(&transport->reader, frame, len);
-		if (rc == 1 && *len == 0) {
-			frame_reader_consume(&transport->reader);   /* a nudge */
-			continue;
-		}
-		if (rc == 1)
-			return 0;
-		if (rc < 0)
-			return rc;
-		if ((rc = ring_pull(transport)) != 0) {
-			if (rc < 0)
-				return rc;
-			continue;
-		}
+		int rc = frame_in_hand(transport, frame, len);
+		if (rc != 0)
+			return rc < 0 ? rc : 0;
 		if (timed_out(deadline))
 			return -ETIMEDOUT;
 		rc = receive_spin(transport, deadline);
@@ -356,20 +363,9 @@ int transport_receive_ready(struct transport *transport, const uint8_t **frame, 
 	if (transport->fd < 0)
 		return -ENOTCONN;
 	for (;;) {
-		int rc = frame_reader_next(&transport->reader, frame, len);
-		if (rc == 1 && *len == 0) {
-			frame_reader_consume(&transport->reader);   /* a nudge */
-			continue;
-		}
-		if (rc == 1)
-			return 0;
-		if (rc < 0)
-			return rc;
-		if ((rc = ring_pull(transport)) != 0) {
-			if (rc < 0)
-				return rc;
-			continue;
-		}
+		int rc = frame_in_hand(transport, frame, len);
+		if (rc != 0)
+			return rc < 0 ? rc : 0;
 		rc = socket_receive(transport, -1, MSG_DONTWAIT);
 		if (rc < 0)
 			return rc;

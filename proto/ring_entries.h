@@ -18,6 +18,18 @@ struct ring_area {
 	uint64_t capacity;
 };
 
+/* The two areas of a ring mapped at `base` with `capacity` bytes of
+ * request area (ring_format.h's layout). */
+static inline struct ring_area ring_requests(uint8_t *base, uint64_t capacity)
+{
+	return (struct ring_area){ base + RING_HEADER_BYTES, capacity };
+}
+
+static inline struct ring_area ring_replies(uint8_t *base, uint64_t capacity)
+{
+	return (struct ring_area){ base + RING_HEADER_BYTES + capacity, RING_REPLY_BYTES };
+}
+
 /* Whether a frame of len bytes (header included) may go in at all: it
  * leaves room for another of its size. */
 int ring_entry_fits(const struct ring_area *area, size_t len);

@@ -71,6 +71,13 @@ struct ring_header {
 
 _Static_assert(sizeof(struct ring_header) <= RING_HEADER_BYTES, "ring header fits its page");
 
+/* What a ring with `capacity` bytes of request area maps: header page,
+ * request area, reply area. */
+static inline uint64_t ring_mapped_bytes(uint64_t capacity)
+{
+	return RING_HEADER_BYTES + capacity + RING_REPLY_BYTES;
+}
+
 /* An entry's bytes in the ring: frame header and body, padded. */
 static inline uint64_t ring_entry_bytes(uint64_t body_bytes)
 {

@@ -15,7 +15,6 @@
 #include "ring_entries.h"
 #include "ring_format.h"
 #include "staging.h"
-#include "budget.h"
 #include "zipcache/error.h"
 
 static struct ring_header *header_of(const struct ring *ring)
@@ -42,9 +41,15 @@ uint64_t ring_max_bytes(uint64_t max_staging_bytes)
 	return max / 4096 * 4096 >= RING_MIN_BYTES ? max / 4096 * 4096 : 0;
 }
 
+/* The request area: what was asked, in whole pages. */
+static uint64_t capacity_of(uint64_t bytes)
+{
+	return (bytes + 4095) / 4096 * 4096;
+}
+
 uint64_t ring_charge_bytes(uint64_t bytes)
 {
-	return RING_HEADER_BYTES + (bytes + 4095) / 4096 * 4096 + RING_REPLY_BYTES;
+	return ring_mapped_bytes(capacity_of(bytes));
 }
 
 int ring_create(uv_loop_t *loop, uint64_t bytes, struct store_budget *memory,
@@ -52,19 +57,16 @@ int ring_create(uv_loop_t *loop, uint64_t bytes, struct store_budget *memory,
 {
 	if (bytes < RING_MIN_BYTES || bytes > RING_MAX_BYTES)
 		return -EINVAL;
-	uint64_t capacity = (bytes + 4095) / 4096 * 4096;
-	uint64_t mapped = ring_charge_bytes(bytes);
+	uint64_t capacity = capacity_of(bytes);
+	uint64_t mapped = ring_mapped_bytes(capacity);
 	int rc;
 
-	if (store_budget_take(quota, mapped) < 0)
-		return ZC_EEXHAUSTED;
-	rc = store_budget_take(memory, mapped);
-	if (rc < 0)
-		goto out_quota;
+	if ((rc = staging_charge(memory, quota, mapped)) < 0)
+		return rc;
 	rc = -ENOMEM;
 	struct ring *ring = calloc(1, sizeof(*ring));
 	if (!ring)
-		goto out_memory;
+		goto out_charge;
 	ring->eventfd = -1;
 	/* Sealed against shrinking: our writable mapping never faults. */
 	uint8_t *base;
@@ -100,45 +102,35 @@ out_unmap:
 	close(ring->memfd);
 out_free:
 	free(ring);
-out_memory:
-	store_budget_give(memory, mapped);
-out_quota:
-	store_budget_give(quota, mapped);
+out_charge:
+	staging_uncharge(memory, quota, mapped);
 	return rc;
 }
 
-static struct ring_area requests_of(const struct ring *ring)
-{
-	return (struct ring_area){ ring->base + RING_HEADER_BYTES, ring->capacity };
-}
-
-static struct ring_area replies_of(const struct ring *ring)
-{
-	return (struct ring_area){ ring->base + RING_HEADER_BYTES + ring->capacity,
-				   RING_REPLY_BYTES };
-}
 
 int ring_next(struct ring *ring, uint8_t *buffer, uint32_t max_frame, uint32_t *len,
 	      char *why, size_t why_len)
 {
-	struct ring_area area = requests_of(ring);
+	struct ring_area area = ring_requests(ring->base, ring->capacity);
 	uint64_t tail = __atomic_load_n(&header_of(ring)->tail, __ATOMIC_ACQUIRE);
 	const char *what;
 	uint64_t bad[2];
 	size_t frame_len;
 	int rc = ring_entry_take(&area, &ring->head, tail, max_frame, buffer, &frame_len, &what,
 				 bad);
-	if (rc == 1)
+	if (rc == 1) {
 		*len = (uint32_t)(frame_len - FRAME_HEADER_BYTES);
-	else if (rc < 0)
+		__atomic_store_n(&header_of(ring)->head, ring->head, __ATOMIC_RELEASE);
+	} else if (rc < 0) {
 		snprintf(why, why_len, "request ring: %s (%" PRIu64 ", %" PRIu64 ")", what, bad[0],
 			 bad[1]);
+	}
 	return rc;
 }
 
 int ring_reply(struct ring *ring, const uint8_t *frame, size_t len, bool *nudge)
 {
-	struct ring_area area = replies_of(ring);
+	struct ring_area area = ring_replies(ring->base, ring->capacity);
 	struct ring_header *h = header_of(ring);
 	*nudge = false;
 	if (!ring_entry_fits(&area, len))
@@ -154,14 +146,6 @@ int ring_reply(struct ring *ring, const uint8_t *frame, size_t len, bool *nudge)
 bool ring_pending(const struct ring *ring)
 {
 	return __atomic_load_n(&header_of(ring)->tail, __ATOMIC_ACQUIRE) != ring->head;
-}
-
-void ring_publish(struct ring *ring)
-{
-	if (ring->published == ring->head)
-		return;
-	__atomic_store_n(&header_of(ring)->head, ring->head, __ATOMIC_RELEASE);
-	ring->published = ring->head;
 }
 
 bool ring_sleep(struct ring *ring)
@@ -197,8 +181,7 @@ static void on_closed(uv_handle_t *handle)
 	munmap(ring->base, ring->mapped_bytes);
 	close(ring->eventfd);
 	close(ring->memfd);
-	store_budget_give(ring->memory, ring->mapped_bytes);
-	store_budget_give(ring->quota, ring->mapped_bytes);
+	staging_uncharge(ring->memory, ring->quota, ring->mapped_bytes);
 	free(ring);
 }
 

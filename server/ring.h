@@ -24,7 +24,6 @@ struct ring {
 	uint64_t mapped_bytes;
 	uint64_t capacity;           /* the request area's bytes (ours, not the header's) */
 	uint64_t head;               /* ours: how far entries were taken */
-	uint64_t published;          /* head as last written to the header */
 	uint64_t reply_tail;         /* ours: reply bytes written */
 	uint64_t *doorbells;         /* the eventfd's counts read are added there */
 	struct store_budget *memory, *quota;   /* charged mapped_bytes */
@@ -50,8 +49,9 @@ int ring_create(uv_loop_t *loop, uint64_t bytes, struct store_budget *memory,
  * The next entry copied into `buffer` (room for max_frame + 4 bytes): 1,
  * its body at buffer + 4 and *len bytes long; 0 when the ring is empty;
  * ZC_EPROTOCOL when what the client wrote is not a valid entry (`why`
- * says how), and the ring is unusable after that. The head is published
- * by ring_publish, not here.
+ * says how), and the ring is unusable after that. The new head is
+ * published at once, before the entry is dispatched: a client that holds
+ * every reply finds the ring empty (and may write the socket).
  */
 int ring_next(struct ring *ring, uint8_t *buffer, uint32_t max_frame, uint32_t *len,
 	      char *why, size_t why_len);
@@ -66,9 +66,6 @@ int ring_reply(struct ring *ring, const uint8_t *frame, size_t len, bool *nudge)
 
 /* Whether an entry waits (the tail moved past our head). */
 bool ring_pending(const struct ring *ring);
-
-/* Tells the client how far entries were taken. */
-void ring_publish(struct ring *ring);
 
 /*
  * The loop is about to sleep: sets the wakeup flag, then looks at the

@@ -38,9 +38,6 @@ static bool pump_client(struct ring_pump *pump, struct client *client)
 			connection_close(&client->connection);
 			return false;
 		}
-		/* Taken before it is answered: a client that has every reply
-		 * finds the ring empty (and may write the socket). */
-		ring_publish(ring);
 		pump->server->counters.ring_requests++;
 		connection_deliver(&client->connection, pump->frame + FRAME_HEADER_BYTES, len);
 		n++;

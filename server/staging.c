@@ -28,6 +28,22 @@ int staging_memfd_map(const char *name, uint64_t bytes, int prot, int *fd, uint8
 	return 0;
 }
 
+int staging_charge(struct store_budget *memory, struct store_budget *quota, uint64_t bytes)
+{
+	if (store_budget_take(quota, bytes) < 0)
+		return ZC_EEXHAUSTED;
+	int rc = store_budget_take(memory, bytes);
+	if (rc < 0)
+		store_budget_give(quota, bytes);
+	return rc;
+}
+
+void staging_uncharge(struct store_budget *memory, struct store_budget *quota, uint64_t bytes)
+{
+	store_budget_give(memory, bytes);
+	store_budget_give(quota, bytes);
+}
+
 int staging_create(uint64_t bytes, struct store_budget *memory, struct store_budget *quota,
 		   struct staging **out)
 {
@@ -37,15 +53,12 @@ int staging_create(uint64_t bytes, struct store_budget *memory, struct store_bud
 	if (bytes == 0 || bytes > UINT64_MAX - 4095)
 		return -EINVAL;
 	bytes = (bytes + 4095) / 4096 * 4096;
-	if (store_budget_take(quota, bytes) < 0)
-		return ZC_EEXHAUSTED;
-	rc = store_budget_take(memory, bytes);
-	if (rc < 0)
-		goto out_quota;
+	if ((rc = staging_charge(memory, quota, bytes)) < 0)
+		return rc;
 	rc = -ENOMEM;
 	staging = calloc(1, sizeof(*staging));
 	if (!staging)
-		goto out_memory;
+		goto out_charge;
 	uint8_t *base;
 	rc = staging_memfd_map("zipcache-staging", bytes, PROT_READ, &staging->fd, &base);
 	if (rc < 0)
@@ -60,10 +73,8 @@ int staging_create(uint64_t bytes, struct store_budget *memory, struct store_bud
 
 out_free:
 	free(staging);
-out_memory:
-	store_budget_give(memory, bytes);
-out_quota:
-	store_budget_give(quota, bytes);
+out_charge:
+	staging_uncharge(memory, quota, bytes);
 	return rc;
 }
 
@@ -78,7 +89,6 @@ void staging_unref(struct staging *staging)
 		return;
 	munmap((void *)staging->base, staging->bytes);
 	close(staging->fd);
-	store_budget_give(staging->memory, staging->bytes);
-	store_budget_give(staging->quota, staging->bytes);
+	staging_uncharge(staging->memory, staging->quota, staging->bytes);
 	free(staging);
 }

@@ -37,6 +37,15 @@ int staging_create(uint64_t bytes, struct store_budget *memory, struct store_bud
 void staging_ref(struct staging *staging);
 
 /*
+ * Charges `bytes` to `memory` and to the uid's staging `quota` (each with
+ * its parents; either may be NULL): 0, ZC_EEXHAUSTED when the quota
+ * refuses, STORE_EBUDGET when the memory does; nothing charged then.
+ * The staging buffers' and the request rings' charge.
+ */
+int staging_charge(struct store_budget *memory, struct store_budget *quota, uint64_t bytes);
+void staging_uncharge(struct store_budget *memory, struct store_budget *quota, uint64_t bytes);
+
+/*
  * A memfd of `bytes` named `name`, sealed against resizing (so that no
  * mapping of it, ours or the client's, ever faults past its end), mapped
  * shared with `prot`: 0 with *fd and *base, or a negative errno with
