@@ -137,6 +137,7 @@ struct options {
 	int daemon_cpus;    /* > 1: zipcached on this many CPUs instead (not the echo) */
 	int echo_cpu;       /* the echo peer's CPU; -1: --daemon-cpu's */
 	int busy_poll_us;   /* zipcached's --busy-poll-us, the echo peer's spin alike */
+	int ring_poll_us;   /* zipcached's --ring-poll-us; -1: not given (its default) */
 	bool prefill_views_none; /* prefill sessions without fp16 views */
 	const char *daemon; /* NULL: ZC_BUILD_DIR/bin/zipcached */
 	unsigned only;      /* RUN_* bits */
@@ -227,6 +228,7 @@ static const uint16_t *pool_row(const uint16_t *pool, uint64_t step)
 
 /* Printed into the JSON lines the options change. */
 static int json_busy_poll_us;
+static int json_ring_poll_us = -1;
 static const char *json_ring = "true";
 static const char *json_prefill_views = "full";
 
@@ -1448,9 +1450,9 @@ static void report_decode(const struct decode_result *r)
 	       r->flushes, r->flush_p50, r->other_p50, r->other_p99);
 	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p50\",\"us\":%.3f,"
 	     "\"raw_us\":%.3f,\"ratio\":%.4f,\"samples\":%u,\"request_bytes\":%zu,"
-	     "\"reply_bytes\":%zu,\"busy_poll_us\":%d,\"ring\":%s}",
+	     "\"reply_bytes\":%zu,\"busy_poll_us\":%d,\"ring\":%s,\"ring_poll_us\":%d}",
 	     r->p50, r->raw_p50, r->p50 / r->raw_p50, r->samples, r->request_bytes,
-	     r->reply_bytes, json_busy_poll_us, json_ring);
+	     r->reply_bytes, json_busy_poll_us, json_ring, json_ring_poll_us);
 	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p50_over_raw_polled\","
 	     "\"us\":%.3f,\"raw_polled_us\":%.3f,\"ratio\":%.4f,\"p99_ratio\":%.4f,\"spin_us\":%u}",
 	     r->p50, r->spin_p50, r->p50 / r->spin_p50, r->p99 / r->spin_p99, r->spin_us);
@@ -1481,10 +1483,10 @@ static void report_async(const struct async_result *r)
 	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"async_blocked_per_layer\","
 	     "\"us\":%.3f,\"p99_us\":%.3f,\"mean_us\":%.3f,\"raw_us\":%.3f,\"ratio\":%.4f,"
 	     "\"layers\":%u,\"compute_us\":%d,\"batch\":%u,\"samples\":%u,\"busy_poll_us\":%d,"
-	     "\"ring_bytes\":%zu,\"doorbells\":%llu}",
+	     "\"ring_bytes\":%zu,\"doorbells\":%llu,\"ring_poll_us\":%d}",
 	     r->blocked_p50, r->blocked_p99, r->blocked_mean, r->raw_p50,
 	     r->blocked_p50 / r->raw_p50, r->layers, r->compute_us, r->batch, r->samples,
-	     json_busy_poll_us, r->ring_bytes, (unsigned long long)r->doorbells);
+	     json_busy_poll_us, r->ring_bytes, (unsigned long long)r->doorbells, json_ring_poll_us);
 }
 
 static void report_redis(const struct redis_result *r)
@@ -1503,10 +1505,10 @@ static void report_redis(const struct redis_result *r)
 	JSON("{\"bench\":\"service\",\"shape\":\"H8xD128\",\"op\":\"decode_p50_over_redis_set\","
 	     "\"us\":%.3f,\"redis_us\":%.3f,\"ratio\":%.4f,\"redis_p99_us\":%.3f,"
 	     "\"value_bytes\":%u,\"samples\":%u,\"redis_polled_us\":%.3f,\"polled_ratio\":%.4f,"
-	     "\"spin_us\":%u,\"busy_poll_us\":%d,\"ring\":%s}",
+	     "\"spin_us\":%u,\"busy_poll_us\":%d,\"ring\":%s,\"ring_poll_us\":%d}",
 	     r->p50, r->redis_p50, r->p50 / r->redis_p50, r->redis_p99, REDIS_VALUE_BYTES,
 	     r->samples, r->polled_p50, r->p50 / r->polled_p50, r->spin_us, json_busy_poll_us,
-	     json_ring);
+	     json_ring, json_ring_poll_us);
 }
 
 static void report_context(const struct context_result *r)
@@ -1632,6 +1634,8 @@ static void usage(FILE *f)
 		   "  --receive-spin-us N   the client's receive spin (default %u, ZC_RECEIVE_SPIN_US)\n"
 		   "  --daemon-busy-poll-us N  zipcached's --busy-poll-us, and the echo peer polls\n"
 		   "                  as long before it sleeps (default 0: both sleep at once)\n"
+		   "  --daemon-ring-poll-us N  zipcached's --ring-poll-us (default: not given,\n"
+		   "                  zipcached's own default; JSON ring_poll_us -1)\n"
 		   "  --echo-cpu N    the echo peer's CPU (default --daemon-cpu's): with busy\n"
 		   "                  polling, a CPU of its own, or its spin and zipcached's\n"
 		   "                  delay each other where one side takes over from the other\n"
@@ -1680,7 +1684,7 @@ static int parse_args(int argc, char **argv, struct options *opt)
 	*opt = (struct options){ .steps = DECODE_STEPS, .runs = PREFILL_RUNS,
 				 .rounds = REBUILD_ROUNDS, .cpu = -1, .daemon_cpu = -1,
 				 .only = RUN_ALL, .compute_us = ASYNC_COMPUTE_US,
-				 .daemon_cpus = 1, .spin_us = -1, .echo_cpu = -1 };
+				 .daemon_cpus = 1, .spin_us = -1, .echo_cpu = -1, .ring_poll_us = -1 };
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i];
 		const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -1724,6 +1728,10 @@ static int parse_args(int argc, char **argv, struct options *opt)
 			i++;
 		} else if (!strcmp(a, "--no-ring")) {
 			opt->no_ring = true;
+		} else if (!strcmp(a, "--daemon-ring-poll-us") && v &&
+			   parse_int(v, 0, 100000, &n) == 0) {
+			opt->ring_poll_us = (int)n;
+			i++;
 		} else if (!strcmp(a, "--daemon-busy-poll-us") && v &&
 			   parse_int(v, 0, 100000, &n) == 0) {
 			opt->busy_poll_us = (int)n;
@@ -1787,6 +1795,7 @@ int main(int argc, char **argv)
 		goto out;
 
 	json_busy_poll_us = opt.busy_poll_us;
+	json_ring_poll_us = opt.ring_poll_us;
 	json_prefill_views = opt.prefill_views_none ? "none" : "full";
 	if (opt.echo_cpu < 0)
 		opt.echo_cpu = opt.daemon_cpu;
@@ -1796,14 +1805,20 @@ int main(int argc, char **argv)
 	}
 	/* On N CPUs: started unpinned with N codec threads (it counts its
 	 * CPUs at start, before the spread), then spread. */
-	char threads[16], busy[16];
+	char threads[16], busy[16], ring_poll[16];
 	snprintf(threads, sizeof threads, "%d", opt.daemon_cpus);
 	snprintf(busy, sizeof busy, "%d", opt.busy_poll_us);
-	const char *daemon_args[5] = { "--busy-poll-us", busy, NULL };
+	snprintf(ring_poll, sizeof ring_poll, "%d", opt.ring_poll_us);
+	const char *daemon_args[7] = { "--busy-poll-us", busy, NULL };
+	size_t n_args = 2;
 	bool spread = opt.daemon_cpus > 1;
 	if (spread) {
-		daemon_args[2] = "--codec-threads";
-		daemon_args[3] = threads;
+		daemon_args[n_args++] = "--codec-threads";
+		daemon_args[n_args++] = threads;
+	}
+	if (opt.ring_poll_us >= 0) {
+		daemon_args[n_args++] = "--ring-poll-us";
+		daemon_args[n_args++] = ring_poll;
 	}
 	if ((rc = bench_daemon_start(daemon_path, spread ? -1 : opt.daemon_cpu, daemon_args,
 				     &client)) < 0) {
@@ -1829,10 +1844,10 @@ int main(int argc, char **argv)
 
 	/* The pid is there for `perf record -p`. */
 	printf("service benchmark: zipcached %s (%s, pid %d), benchmark on cpu %d, daemon on cpu %d, "
-	       "echo on cpu %d, busy poll %d us, request ring %s%s%s\n",
+	       "echo on cpu %d, busy poll %d us, request ring %s, ring poll %s%s%s\n",
 	       zc_client_server_info(client)->server_version, daemon_path, (int)bench_daemon_pid(),
 	       opt.cpu, opt.daemon_cpu, opt.echo_cpu, opt.busy_poll_us, opt.no_ring ? "off" : "on",
-	       spread ? " (the daemon spread over more: see cpus)" : "",
+	       opt.ring_poll_us < 0 ? "zipcached's default" : ring_poll, spread ? " (the daemon spread over more: see cpus)" : "",
 	       opt.quick ? ", QUICK (smoke test, not a measurement)" : "");
 	printf("shape B=1 H=%u D=%u, fp16; us = microseconds per call as the caller sees it\n\n",
 	       HEADS, HEAD_DIM);

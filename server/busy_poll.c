@@ -14,24 +14,30 @@ static void on_spin(uv_idle_t *idle)
 	 * workers may share its CPU, and the request that waits for them
 	 * would wait longer behind a spinning loop (measured: the step after
 	 * a flush, 94 -> 210 us on one CPU). */
-	if (uv_hrtime() - poll->last_ns >= poll->spin_ns || idle->loop->active_reqs.count > 0)
+	if (uv_hrtime() >= poll->until_ns || idle->loop->active_reqs.count > 0)
 		uv_idle_stop(idle);
 }
 
-void busy_poll_init(struct busy_poll *poll, uv_loop_t *loop, uint32_t spin_us)
+uint32_t busy_poll_ring_default(int cpus_online)
 {
-	poll->spin_ns = (uint64_t)spin_us * 1000u;
-	poll->last_ns = 0;
+	return cpus_online >= 2 ? RING_POLL_DEFAULT_US : 0;
+}
+
+void busy_poll_init(struct busy_poll *poll, uv_loop_t *loop)
+{
+	poll->until_ns = 0;
 	uv_idle_init(loop, &poll->idle);
 	poll->idle.data = poll;
 	poll->open = true;
 }
 
-void busy_poll_kick(struct busy_poll *poll)
+void busy_poll_kick(struct busy_poll *poll, uint32_t spin_us)
 {
-	if (!poll->open || poll->spin_ns == 0)
+	if (!poll->open || spin_us == 0)
 		return;
-	poll->last_ns = uv_hrtime();
+	uint64_t until = uv_hrtime() + (uint64_t)spin_us * 1000u;
+	if (until > poll->until_ns)
+		poll->until_ns = until;
 	if (!uv_is_active((uv_handle_t *)&poll->idle))
 		uv_idle_start(&poll->idle, on_spin);
 }

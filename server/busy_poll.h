@@ -11,7 +11,12 @@
  * epoll_wait as soon as it has nothing to do. An idle daemon never spins,
  * nor one whose thread pool has work of its own in flight (the loop then
  * sleeps until that work is done, leaving the CPU to the workers).
- * Loop thread only.
+ *
+ * Requests taken from a request ring (ring_pump.c) kick it with their own
+ * bound, --ring-poll-us: a client that set up a ring hands updates over
+ * through memory, and a loop still polling finds the next one without the
+ * eventfd write that would wake it (docs/RING.md). The longer of the two
+ * bounds in force wins. Loop thread only.
  */
 #ifndef ZIPCACHE_BUSY_POLL_H
 #define ZIPCACHE_BUSY_POLL_H
@@ -20,21 +25,33 @@
 #include <stdint.h>
 #include <uv.h>
 
-/* The largest --busy-poll-us: a tenth of a second of spinning per request. */
+/* The largest --busy-poll-us and --ring-poll-us: a tenth of a second of
+ * spinning per request. */
 #define BUSY_POLL_MAX_US 100000u
+
+/* --ring-poll-us when not given: RING_POLL_DEFAULT_US on a machine with
+ * two CPUs or more online, else 0 (on one CPU the spin would hold off the
+ * very client whose next request it waits for). Not the CPUs zipcached
+ * may use: a daemon pinned to one core of a large machine is the case
+ * polling is for. The default bound covers a layer's attention between
+ * two updates of a decode step (tens of microseconds). */
+#define RING_POLL_AUTO UINT32_MAX
+#define RING_POLL_DEFAULT_US 50u
+
+/* What RING_POLL_AUTO means on a machine with `cpus_online` CPUs. */
+uint32_t busy_poll_ring_default(int cpus_online);
 
 struct busy_poll {
 	uv_idle_t idle;      /* active while spinning: the loop then polls with timeout 0 */
-	uint64_t spin_ns;    /* 0: off */
-	uint64_t last_ns;    /* uv_hrtime() of the last request */
+	uint64_t until_ns;   /* uv_hrtime() the spin ends at */
 	bool open;           /* initialized and not yet closed */
 };
 
-/* spin_us: 0 (off) .. BUSY_POLL_MAX_US, as options.c admits it. */
-void busy_poll_init(struct busy_poll *poll, uv_loop_t *loop, uint32_t spin_us);
+void busy_poll_init(struct busy_poll *poll, uv_loop_t *loop);
 
-/* A request arrived: spin for the bound from now. */
-void busy_poll_kick(struct busy_poll *poll);
+/* A request arrived: spin for spin_us (0 .. BUSY_POLL_MAX_US, as
+ * options.c admits it; 0 does nothing) from now. */
+void busy_poll_kick(struct busy_poll *poll, uint32_t spin_us);
 
 /* Stops spinning for good (the server stops); cb as uv_close's. */
 void busy_poll_close(struct busy_poll *poll, uv_close_cb cb);

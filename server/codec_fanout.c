@@ -86,9 +86,16 @@ static int run_part(const struct fanout *f, unsigned index)
 	size_t first = f->heads * index / f->parts;
 	size_t last = f->heads * (index + 1) / f->parts;
 	while (first < last) {
-		/* A run never crosses a batch entry: the strides differ there. */
+		/* A run never crosses a batch entry: the strides differ there.
+		 * Compression goes one head per call: the codec's check pass
+		 * (key norms, or finiteness) reads the whole span before it
+		 * writes, and a prefill head (1 MiB at 4096 x 128) still sits
+		 * in L2 when its encode reads it again; a span of several
+		 * heads would be read back from L3 or memory. */
 		size_t entry_end = (first / f->shape.heads + 1) * f->shape.heads;
 		size_t end = last < entry_end ? last : entry_end;
+		if (!f->reconstruct)
+			end = first + 1;
 		int rc = run_span(f, first, end);
 		if (rc < 0)
 			return rc;
@@ -130,20 +137,21 @@ static int fanout_run(struct fanout *f)
 	return 0;
 }
 
-/* How many parts a block is worth; 1 sends the call to the codec as is
- * (which then also gives every error of a malformed call). */
+/* How many parts a block is worth; 0 sends the call to the codec as is
+ * (which then also gives every error of a malformed call), 1 keeps a large
+ * block on the calling thread but still head by head (run_part). */
 static unsigned parts_for(const zc_codec_config *config, zc_tensor tensor,
 			  const zc_block_shape *shape, const zc_strides *strides,
 			  zc_block_layout *layout)
 {
 	unsigned threads = fanout_threads;
-	if (threads <= 1 || zc_block_layout_compute(config, tensor, shape, layout) < 0)
-		return 1;
+	if (zc_block_layout_compute(config, tensor, shape, layout) < 0)
+		return 0;
 	if (strides->token != layout->head_dim || layout->total_bytes == 0)
-		return 1;
+		return 0;
 	uint64_t elements = (uint64_t)layout->heads * layout->tokens * layout->head_dim;
 	if (elements < CODEC_FANOUT_MIN_ELEMENTS || layout->heads < 2)
-		return 1;
+		return 0;
 	return layout->heads < threads ? (unsigned)layout->heads : threads;
 }
 
@@ -154,9 +162,9 @@ int64_t codec_fanout_compress(const zc_codec_config *config, zc_tensor tensor,
 {
 	zc_block_layout layout;
 	unsigned parts = parts_for(config, tensor, shape, strides, &layout);
-	if (parts > 1 && capacity < layout.total_bytes)
-		parts = 1;
-	if (parts == 1)
+	if (parts > 0 && capacity < layout.total_bytes)
+		parts = 0;
+	if (parts == 0)
 		return scores ? zc_block_compress_scored_strided(config, shape, input, strides, scores,
 								  out, capacity) :
 				zc_block_compress_strided(config, tensor, shape, input, strides, out,
@@ -177,8 +185,8 @@ int codec_fanout_reconstruct(const zc_codec_config *config, zc_tensor tensor,
 	zc_block_layout layout;
 	unsigned parts = parts_for(config, tensor, shape, strides, &layout);
 	if (parts > 1 && size != layout.total_bytes)
-		parts = 1;
-	if (parts == 1)
+		parts = 0;
+	if (parts <= 1)
 		return zc_block_reconstruct(config, tensor, shape, compressed, size, out, strides);
 	struct fanout f = {
 		.config = config, .tensor = tensor, .shape = *shape, .strides = strides,

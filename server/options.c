@@ -38,6 +38,7 @@ void options_default(struct options *options)
 	options->max_sessions = 1024;
 	options->max_tokens = 1u << 20;
 	options->max_staging_bytes = 1ull << 30;
+	options->ring_poll_us = RING_POLL_AUTO;
 	options->memory_budget = OPTIONS_DERIVED;
 	options->max_sessions_per_uid = OPTIONS_DERIVED;
 	options->max_connections_per_uid = OPTIONS_DERIVED;
@@ -132,6 +133,9 @@ void options_print_help(const char *program, const struct options *configured)
 	       "                           so a decode loop's next request finds the daemon awake (no\n"
 	       "                           wake-up on the client's send); costs a CPU while requests keep\n"
 	       "                           coming; 0..%u, 0 = off (default 0)\n"
+	       "  --ring-poll-us US        the same after each request taken from a request ring, so that\n"
+	       "                           a ring client's next update needs no doorbell; 0..%u, 0 = off\n"
+	       "                           (default %u on a machine with 2 CPUs or more online, else 0)\n"
 	       "  --no-adopt               delete session files left by an earlier run instead of adopting them\n"
 	       "  --metrics-listen ADDR    HTTP /metrics and /healthz on HOST:PORT, or off (default %s)\n"
 	       "  --remote URL             the shared tier on Redis, standalone or Cluster (found out on\n"
@@ -163,7 +167,7 @@ void options_print_help(const char *program, const struct options *configured)
 	       (unsigned long long)d.max_reply_queue_total, (unsigned long long)d.retain_bytes,
 	       (unsigned long long)d.idle_ttl_seconds,
 	       (unsigned long long)d.lease_seconds, (unsigned long long)d.view_idle_seconds,
-	       d.offload_elements, CODEC_FANOUT_MAX_THREADS, BUSY_POLL_MAX_US, d.metrics_listen, d.remote.timeout_ms, d.remote_ttl_seconds,
+	       d.offload_elements, CODEC_FANOUT_MAX_THREADS, BUSY_POLL_MAX_US, BUSY_POLL_MAX_US, RING_POLL_DEFAULT_US, d.metrics_listen, d.remote.timeout_ms, d.remote_ttl_seconds,
 	       (unsigned long long)resources_descriptors_needed(configured), formula,
 	       configured_text(configured->memory_budget, "derived at start", text[0], sizeof(text[0])),
 	       configured_text(configured->max_sessions_per_uid, rule[0], text[1], sizeof(text[1])),
@@ -204,7 +208,7 @@ enum option_id {
 	OPT_VERSION, OPT_SESSIONS_PER_UID, OPT_CONNECTIONS_PER_UID, OPT_BUDGET_PER_UID,
 	OPT_STAGING_PER_UID, OPT_REPLY_QUEUE, OPT_REPLY_QUEUE_TOTAL, OPT_MAX_MAPPED, OPT_REMOTE,
 	OPT_REMOTE_CREDENTIALS, OPT_REMOTE_TIMEOUT, OPT_OFFLOAD_IDLE, OPT_REMOTE_TTL, OPT_RETAIN,
-	OPT_CODEC_THREADS, OPT_BUSY_POLL
+	OPT_CODEC_THREADS, OPT_BUSY_POLL, OPT_RING_POLL
 };
 
 static const struct option long_options[] = {
@@ -238,6 +242,7 @@ static const struct option long_options[] = {
 	{ "retain-bytes", required_argument, NULL, OPT_RETAIN },
 	{ "codec-threads", required_argument, NULL, OPT_CODEC_THREADS },
 	{ "busy-poll-us", required_argument, NULL, OPT_BUSY_POLL },
+	{ "ring-poll-us", required_argument, NULL, OPT_RING_POLL },
 	{ "remote", required_argument, NULL, OPT_REMOTE },
 	{ "remote-credentials", required_argument, NULL, OPT_REMOTE_CREDENTIALS },
 	{ "remote-timeout-ms", required_argument, NULL, OPT_REMOTE_TIMEOUT },
@@ -423,6 +428,11 @@ static int option_apply(struct options *o, int id, const char *arg)
 		if (value > BUSY_POLL_MAX_US)
 			return -ERANGE;
 		o->busy_poll_us = (uint32_t)value;
+		return 0;
+	case OPT_RING_POLL:
+		if (value > BUSY_POLL_MAX_US)
+			return -ERANGE;
+		o->ring_poll_us = (uint32_t)value;
 		return 0;
 	}
 	return -EINVAL;

@@ -37,6 +37,7 @@ struct options {
 	uint32_t offload_elements; /* jobs costing more go to the thread pool */
 	uint32_t codec_threads;    /* threads per large block (codec_fanout.h); 0: the CPUs allowed */
 	uint32_t busy_poll_us;     /* the loop polls without sleeping this long after a request (busy_poll.h); 0: off */
+	uint32_t ring_poll_us;     /* the same after a request from a request ring; RING_POLL_AUTO until server_start */
 	uint64_t max_mapped_bytes; /* address space of all session mappings; 0: derived */
 	uint64_t retain_bytes;     /* pages of closed sessions kept for reuse (retain.h); 0: none */
 	enum log_level log_level;

@@ -2,6 +2,7 @@
 #include "resources.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <sched.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -10,6 +11,7 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
+#include <unistd.h>
 
 #include "connection.h"
 #include "http.h"
@@ -193,6 +195,12 @@ void resources_memory_budget_default(const char *shm_dir, struct resources_memor
 		out->fs_bytes = (uint64_t)fs.f_blocks * (uint64_t)fs.f_bsize;
 	out->cgroup_bytes = resources_cgroup_memory_limit("/proc/self/cgroup", "/sys/fs/cgroup");
 	out->budget = resources_budget_from(out->fs_bytes, out->cgroup_bytes);
+}
+
+int resources_cpus_online(void)
+{
+	long n = sysconf(_SC_NPROCESSORS_ONLN);
+	return n < 1 ? 1 : n > INT_MAX ? INT_MAX : (int)n;
 }
 
 int resources_cpus(void)

@@ -34,6 +34,9 @@ void resources_descriptors_formula(const struct options *options, char *text, si
  * sizes the codec's and the snapshots' threads. */
 int resources_cpus(void);
 
+/* CPUs online on the machine, whatever this process is allowed (>= 1). */
+int resources_cpus_online(void);
+
 /* Raises the soft RLIMIT_NOFILE to the hard limit. *before is the soft
  * limit found, *soft and *hard the limits after. */
 int resources_raise_descriptor_limit(uint64_t *before, uint64_t *soft, uint64_t *hard);

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <stdlib.h>
 
+#include "busy_poll.h"
 #include "connection.h"
 #include "frame.h"
 #include "log.h"
@@ -39,6 +40,7 @@ static bool pump_client(struct ring_pump *pump, struct client *client)
 			return false;
 		}
 		pump->server->counters.ring_requests++;
+		busy_poll_kick(&pump->server->busy_poll, pump->server->options.ring_poll_us);
 		connection_deliver(&client->connection, pump->frame + FRAME_HEADER_BYTES, len);
 		n++;
 	}

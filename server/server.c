@@ -69,7 +69,7 @@ static struct client *client_of_responder(struct responder *responder)
 static void client_frame(struct connection *connection, const uint8_t *frame, size_t len)
 {
 	struct client *client = connection->data;
-	busy_poll_kick(&client->server->busy_poll);
+	busy_poll_kick(&client->server->busy_poll, client->server->options.busy_poll_us);
 	dispatch_request(client->server, &client->peer, &client->responder, frame, len);
 }
 
@@ -740,6 +740,8 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	store_set_map_limit(options->max_mapped_bytes ? options->max_mapped_bytes : map_limit_default());
 	retain_set_limit(options->retain_bytes);
 	(void)codec_fanout_set_threads(options->codec_threads);
+	if (server->options.ring_poll_us == RING_POLL_AUTO)
+		server->options.ring_poll_us = busy_poll_ring_default(resources_cpus_online());
 	rc = boot_epoch_make(&server->boot_epoch);
 	if (rc < 0)
 		return rc;
@@ -809,7 +811,7 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	if (period < 10)
 		period = 10;
 	uv_timer_start(&server->ttl_timer, on_ttl, period, period);
-	busy_poll_init(&server->busy_poll, loop, options->busy_poll_us);
+	busy_poll_init(&server->busy_poll, loop);
 	ring_pump_init(&server->ring_pump, server);
 	return 0;
 }

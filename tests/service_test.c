@@ -2362,6 +2362,65 @@ START_TEST(busy_poll_spins_after_requests_then_sleeps)
 }
 END_TEST
 
+/* --ring-poll-us: requests taken from a request ring keep the loop
+ * polling for the bound, requests on the socket do not. */
+START_TEST(ring_poll_spins_after_ring_requests_then_sleeps)
+{
+	static const char *const args[] = { "--ring-poll-us", "100000", NULL };
+	struct service service;
+	zc_session_config config = streaming_config("ring-poll", 2, 2, 64, 1024, 16);
+	struct model model;
+	struct rng rng;
+	zc_server_stats stats;
+	size_t ring_bytes = 0;
+	uint64_t doorbells = 0;
+
+	service_start(&service, args);
+	pid_t pid = service.daemon.pid;
+	zc_session *session = open_session(service.client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 43);
+
+	/* Requests on the socket: the loop sleeps after them. */
+	usleep(200000);
+	for (int i = 0; i < 20; i++)
+		ck_assert_int_eq(zc_client_stats(service.client, &stats), 0);
+	uint64_t idle = loop_cpu_ms_over(pid, 400);
+	ck_assert_msg(idle < 50, "after socket requests the loop used %" PRIu64
+		      " ms of CPU in 400 ms (--ring-poll-us spins for ring requests only)", idle);
+
+	/* One update through the ring: the loop polls for about 100 ms. */
+	ck_assert_int_eq(zc_client_set_async_ring(service.client, 64u << 10), 0);
+	ck_assert_int_eq(zc_client_async_ring(service.client, &ring_bytes, &doorbells), 0);
+	ck_assert_uint_eq(ring_bytes, 64u << 10);
+	CHECK(update_checked, service.client, session, &model, &rng, 0, 1);
+	uint64_t spun = loop_cpu_ms_over(pid, 400);
+	ck_assert_msg(spun >= 30 && spun < 250,
+		      "after one ring request the loop used %" PRIu64 " ms of CPU in 400 ms "
+		      "(--ring-poll-us 100000: about 100)", spun);
+	idle = loop_cpu_ms_over(pid, 500);
+	ck_assert_msg(idle < 50, "after its spin the loop used %" PRIu64 " ms of CPU in 500 ms",
+		      idle);
+
+	/* A decode loop through the ring is served as without the flag, and
+	 * while the loop polls, the client rings no doorbell: at most the
+	 * first update of the loop (the loop was asleep) and none after. */
+	ck_assert_int_eq(zc_client_async_ring(service.client, &ring_bytes, &doorbells), 0);
+	uint64_t before = doorbells;
+	for (uint32_t step = 0; step < 60; step++)
+		for (uint32_t layer = 0; layer < 2; layer++)
+			CHECK(update_checked, service.client, session, &model, &rng, layer, 1);
+	CHECK(session_matches, session, &model);
+	ck_assert_int_eq(zc_client_async_ring(service.client, &ring_bytes, &doorbells), 0);
+	ck_assert_msg(doorbells - before <= 1,
+		      "%" PRIu64 " doorbells for 120 updates to a polling daemon", doorbells - before);
+
+	ck_assert_int_eq(zc_session_close(session), 0);
+	model_free(&model);
+	service_stop(&service);
+}
+END_TEST
+
 START_TEST(no_busy_poll_by_default)
 {
 	struct service service;
@@ -2497,7 +2556,7 @@ static Suite *service_suite(void)
 				 help_lists_the_flags, bad_flags_exit_2,
 				 second_daemon_on_a_live_socket_is_refused, NULL } },
 		{ "busy_poll", { busy_poll_spins_after_requests_then_sleeps, no_busy_poll_by_default,
-				 NULL } },
+				 ring_poll_spins_after_ring_requests_then_sleeps, NULL } },
 	};
 
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);
