@@ -45,6 +45,7 @@ struct fanout {
 	const uint16_t *input;        /* compress */
 	const float *scores;
 	uint8_t *out;
+	const struct codec_sink *sink;
 	const uint8_t *compressed;    /* reconstruct */
 	uint16_t *view;
 	unsigned parts;
@@ -78,6 +79,9 @@ static int run_span(const struct fanout *f, size_t first, size_t last)
 	else
 		rc = zc_block_compress_strided(f->config, f->tensor, &one, f->input + at,
 					       f->strides, f->out + first * f->head_bytes, bytes);
+	if (rc >= 0 && f->sink)
+		rc = f->sink->write(f->sink->ctx, first * f->head_bytes,
+				    f->out + first * f->head_bytes, bytes);
 	return rc < 0 ? (int)rc : 0;
 }
 
@@ -158,21 +162,28 @@ static unsigned parts_for(const zc_codec_config *config, zc_tensor tensor,
 int64_t codec_fanout_compress(const zc_codec_config *config, zc_tensor tensor,
 			      const zc_block_shape *shape, const uint16_t *input,
 			      const zc_strides *strides, const float *scores, void *out,
-			      size_t capacity)
+			      size_t capacity, const struct codec_sink *sink)
 {
 	zc_block_layout layout;
 	unsigned parts = parts_for(config, tensor, shape, strides, &layout);
 	if (parts > 0 && capacity < layout.total_bytes)
 		parts = 0;
-	if (parts == 0)
-		return scores ? zc_block_compress_scored_strided(config, shape, input, strides, scores,
-								  out, capacity) :
-				zc_block_compress_strided(config, tensor, shape, input, strides, out,
-							  capacity);
+	if (parts == 0) {
+		int64_t n = scores ? zc_block_compress_scored_strided(config, shape, input, strides,
+								       scores, out, capacity) :
+				     zc_block_compress_strided(config, tensor, shape, input, strides,
+							       out, capacity);
+		if (n > 0 && sink) {
+			int rc = sink->write(sink->ctx, 0, out, (size_t)n);
+			if (rc < 0)
+				return rc;
+		}
+		return n;
+	}
 	struct fanout f = {
 		.config = config, .tensor = tensor, .shape = *shape, .strides = strides,
 		.head_bytes = layout.head_bytes, .input = input, .scores = scores, .out = out,
-		.parts = parts, .heads = layout.heads,
+		.sink = sink, .parts = parts, .heads = layout.heads,
 	};
 	int rc = fanout_run(&f);
 	return rc < 0 ? rc : (int64_t)layout.total_bytes;

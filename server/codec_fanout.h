@@ -26,14 +26,25 @@
 unsigned codec_fanout_set_threads(unsigned threads);
 unsigned codec_fanout_threads(void);
 
+/* Where compressed bytes go on from the output buffer as soon as they
+ * are final: write(ctx, at, bytes, n) puts the n bytes of the payload at
+ * byte `at` of the block. Called from the thread that made them, for
+ * disjoint ranges, in no set order; a negative return is the call's error. */
+struct codec_sink {
+	int (*write)(void *ctx, uint64_t at, const void *bytes, size_t n);
+	void *ctx;
+};
+
 /* zc_block_compress_strided (scores NULL) or
  * zc_block_compress_scored_strided (keys, scores given), heads split
  * between threads. Same result and same codes as one thread; on an
- * error the output buffer is scratch. */
+ * error the output buffer is scratch. With a sink (else NULL), each
+ * thread hands its heads' bytes on while they are still in its cache,
+ * instead of one thread copying the whole payload afterwards. */
 int64_t codec_fanout_compress(const zc_codec_config *config, zc_tensor tensor,
 			      const zc_block_shape *shape, const uint16_t *input,
 			      const zc_strides *strides, const float *scores, void *out,
-			      size_t capacity);
+			      size_t capacity, const struct codec_sink *sink);
 
 /* zc_block_reconstruct, heads split between threads. */
 int codec_fanout_reconstruct(const zc_codec_config *config, zc_tensor tensor,

@@ -2063,6 +2063,19 @@ int store_residual_mass(struct store *store, uint32_t layer, uint32_t first_toke
 	return 0;
 }
 
+/* A codec_sink into a reserved pool extent: payload byte `at` lands at
+ * offset + at. */
+struct pool_sink {
+	struct pool *pool;
+	uint64_t offset;
+};
+
+static int pool_sink_write(void *ctx, uint64_t at, const void *bytes, size_t n)
+{
+	const struct pool_sink *sink = ctx;
+	return pool_write_at(sink->pool, sink->offset + at, bytes, n);
+}
+
 /*
  * Compresses a [B, H, tokens, D] block (keys and values, each with its own
  * strides; the keys ranked by scores when given, else by norm) into a new
@@ -2101,16 +2114,30 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 	if (!key_out)
 		return -ENOMEM;
 	uint8_t *value_out = key_out + key_count.compressed;
+	/* The extent first, so that the codec's threads write their heads
+	 * into the pool themselves (pool_sink_write). Without one, the block
+	 * is still compressed: bad input's error comes before a full pool's. */
+	uint64_t key_offset = 0;
+	int reserved = pool_reserve(store->pool, key_count.compressed, value_count.compressed,
+				    &key_offset);
+	struct pool_sink key_at = { store->pool, key_offset };
+	struct pool_sink value_at = { store->pool,
+				      pool_value_offset(key_offset, key_count.compressed) };
+	const struct codec_sink key_sink = { pool_sink_write, &key_at };
+	const struct codec_sink value_sink = { pool_sink_write, &value_at };
 	int64_t written = codec_fanout_compress(&store->codec, ZC_TENSOR_KEYS, &key_shape, keys,
-						key_strides, scores, key_out, key_count.compressed);
+						key_strides, scores, key_out, key_count.compressed,
+						reserved == 0 ? &key_sink : NULL);
 	if (written >= 0)
 		written = codec_fanout_compress(&store->codec, ZC_TENSOR_VALUES, &value_shape,
 						values, value_strides, NULL, value_out,
-						value_count.compressed);
-	uint64_t key_offset = 0;
-	rc = written < 0 ? (int)written :
-			   pool_write(store->pool, key_out, key_count.compressed, value_out,
-				      value_count.compressed, &key_offset);
+						value_count.compressed,
+						reserved == 0 ? &value_sink : NULL);
+	rc = written < 0 ? (int)written : reserved;
+	if (rc < 0 && reserved == 0)
+		pool_unref(store->pool, key_offset);
+	if (rc == 0)
+		fault_point("pool.write");
 	if (rc == 0 && views_full(store)) {
 		zc_strides key_view_strides = view_strides(h, h->head_dim_k);
 		zc_strides value_view_strides = view_strides(h, h->head_dim_v);
@@ -2273,12 +2300,12 @@ void store_flush_compress(const struct store *store, struct store_flush *flush)
 	const uint16_t *keys = key_residual(store, flush->layer) + (size_t)flush->start * h->head_dim_k;
 	int64_t written = codec_fanout_compress(&store->codec, ZC_TENSOR_KEYS, &key_shape, keys,
 						&key_strides, flush->scores, flush->payload,
-						flush->key_count.compressed);
+						flush->key_count.compressed, NULL);
 	if (written >= 0)
 		written = codec_fanout_compress(
 			&store->codec, ZC_TENSOR_VALUES, &value_shape,
 			value_residual(store, flush->layer) + (size_t)flush->start * h->head_dim_v,
-			&value_strides, NULL, value_out, flush->value_count.compressed);
+			&value_strides, NULL, value_out, flush->value_count.compressed, NULL);
 	flush->rc = written < 0 ? (int)written :
 				  pool_write(store->pool, flush->payload, flush->key_count.compressed,
 					     value_out, flush->value_count.compressed, &flush->key_offset);

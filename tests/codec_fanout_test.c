@@ -5,7 +5,10 @@
  * by norm and by caller's scores, values quantized and exact.
  */
 #include <check.h>
+#include <errno.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +43,30 @@ static uint32_t rng(void)
 	rng_state ^= rng_state >> 7;
 	rng_state ^= rng_state << 17;
 	return (uint32_t)(rng_state >> 16);
+}
+
+/* A sink copying into a buffer of the block's size, counting its calls
+ * and bytes; it refuses the call numbered fail_at (0: none) with -EIO. */
+struct copy_sink {
+	uint8_t *bytes;
+	size_t size, written;
+	unsigned calls, fail_at;
+	pthread_mutex_t lock;
+};
+
+static int copy_sink_write(void *ctx, uint64_t at, const void *bytes, size_t n)
+{
+	struct copy_sink *c = ctx;
+	pthread_mutex_lock(&c->lock);
+	unsigned call = ++c->calls;
+	bool ok = at + n <= c->size && call != c->fail_at;
+	if (ok)
+		c->written += n;
+	pthread_mutex_unlock(&c->lock);
+	if (!ok)
+		return -EIO;
+	memcpy(c->bytes + at, bytes, n);
+	return 0;
 }
 
 /* K/V-like rows: most channels small, a few outliers, some loud tokens. */
@@ -120,7 +147,7 @@ static void one_case(const zc_codec_config *config, zc_tensor tensor, const stru
 		memset(got, 0xa5, count.compressed);
 		memset(got_view, 0, view_elements * 2);
 		n = codec_fanout_compress(config, tensor, &shape, input, &in, scored ? scores : NULL,
-					  got, count.compressed);
+					  got, count.compressed, NULL);
 		ck_assert_int_eq(n, (int64_t)count.compressed);
 		ck_assert_mem_eq(got, want, count.compressed);
 		ck_assert_int_eq(codec_fanout_reconstruct(config, tensor, &shape, got,
@@ -128,6 +155,28 @@ static void one_case(const zc_codec_config *config, zc_tensor tensor, const stru
 				 0);
 		/* Rows around the block untouched, the block's as one call's. */
 		ck_assert_mem_eq(got_view, want_view, view_elements * 2);
+
+		/* Through a sink: every byte handed on once, as one call's; a
+		 * sink's error is the call's. */
+		struct copy_sink sink_copy = { .bytes = malloc(count.compressed),
+					       .size = count.compressed };
+		ck_assert_ptr_nonnull(sink_copy.bytes);
+		pthread_mutex_init(&sink_copy.lock, NULL);
+		const struct codec_sink sink = { copy_sink_write, &sink_copy };
+		n = codec_fanout_compress(config, tensor, &shape, input, &in, scored ? scores : NULL,
+					  got, count.compressed, &sink);
+		ck_assert_int_eq(n, (int64_t)count.compressed);
+		ck_assert_uint_eq(sink_copy.written, count.compressed);
+		ck_assert_mem_eq(sink_copy.bytes, want, count.compressed);
+		unsigned calls = sink_copy.calls;
+		sink_copy.calls = 0;
+		sink_copy.fail_at = calls;
+		ck_assert_int_eq(codec_fanout_compress(config, tensor, &shape, input, &in,
+						       scored ? scores : NULL, got, count.compressed,
+						       &sink),
+				 -EIO);
+		pthread_mutex_destroy(&sink_copy.lock);
+		free(sink_copy.bytes);
 	}
 	free(got);
 	free(got_view);
@@ -176,22 +225,22 @@ START_TEST(errors_are_one_calls)
 
 	/* Too small a buffer. */
 	ck_assert_int_eq(codec_fanout_compress(&config, ZC_TENSOR_KEYS, &shape, input, &in, NULL,
-					       out, count.compressed - 1),
+					       out, count.compressed - 1, NULL),
 			 ZC_EBUFFER);
 	/* A NaN in the last head only, then in the first. */
 	size_t last = (s.batch - 1) * in.batch + (size_t)s.heads * s.tokens * s.dim - 5, first = 7;
 	input[last] = 0x7e00;
 	ck_assert_int_eq(codec_fanout_compress(&config, ZC_TENSOR_KEYS, &shape, input, &in, NULL,
-					       out, count.compressed),
+					       out, count.compressed, NULL),
 			 zc_block_compress_strided(&config, ZC_TENSOR_KEYS, &shape, input, &in, out,
 						   count.compressed));
 	ck_assert_int_lt(codec_fanout_compress(&config, ZC_TENSOR_VALUES, &shape, input, &in, NULL,
-					       out, count.compressed),
+					       out, count.compressed, NULL),
 			 0);
 	input[last] = 0;
 	input[first] = 0x7c00;
 	ck_assert_int_eq(codec_fanout_compress(&config, ZC_TENSOR_KEYS, &shape, input, &in, NULL,
-					       out, count.compressed),
+					       out, count.compressed, NULL),
 			 zc_block_compress_strided(&config, ZC_TENSOR_KEYS, &shape, input, &in, out,
 						   count.compressed));
 	input[first] = 0;
@@ -201,21 +250,21 @@ START_TEST(errors_are_one_calls)
 	ck_assert_ptr_nonnull(scores);
 	scores[n_scores - 1] = -1.0f;
 	ck_assert_int_eq(codec_fanout_compress(&config, ZC_TENSOR_KEYS, &shape, input, &in, scores,
-					       out, count.compressed),
+					       out, count.compressed, NULL),
 			 ZC_EINVALID);
 	free(scores);
 	/* Strides that are not rows of D: refused as one call refuses them. */
 	zc_strides odd = in;
 	odd.token = s.dim + 1;
 	ck_assert_int_eq(codec_fanout_compress(&config, ZC_TENSOR_KEYS, &shape, input, &odd, NULL,
-					       out, count.compressed),
+					       out, count.compressed, NULL),
 			 zc_block_compress_strided(&config, ZC_TENSOR_KEYS, &shape, input, &odd, out,
 						   count.compressed));
 
 	/* Reconstruction: a wrong size, then a mask with a bit too many in
 	 * the last head. */
 	ck_assert_int_eq(codec_fanout_compress(&config, ZC_TENSOR_KEYS, &shape, input, &in, NULL,
-					       out, count.compressed),
+					       out, count.compressed, NULL),
 			 (int64_t)count.compressed);
 	uint16_t *view = malloc(elements * 2);
 	ck_assert_ptr_nonnull(view);

@@ -624,12 +624,13 @@ typedef enum data_kind {
 	DATA_PERMUTED_ROWS,     /* rows are permutations of one vector */
 	DATA_EXTREMES,          /* ±65504, subnormals, ±1 mixed */
 	DATA_CONSTANT_CHANNELS, /* every third channel constant over tokens */
+	DATA_NEAR_HALVES,       /* offset + j * unit / 2: quotients at or next to k + 1/2 */
 	DATA_KIND_COUNT
 } data_kind;
 
 static const char *const data_kind_names[DATA_KIND_COUNT] = {
 	"gaussian", "outlier-channels", "any-finite", "small-integers",
-	"permuted-rows", "extremes", "constant-channels",
+	"permuted-rows", "extremes", "constant-channels", "near-halves",
 };
 
 static const uint16_t extreme_halves[] = {
@@ -673,18 +674,23 @@ static uint16_t *make_input(data_kind kind, uint64_t heads, uint32_t tokens, uin
 	uint16_t *input = malloc((heads * head_elements + 1) * sizeof *input);
 	random_state generator = random_seeded(seed);
 	double *base = malloc(((size_t)head_dim + 1) * sizeof *base);
+	double *unit = malloc(((size_t)head_dim + 1) * sizeof *unit);
 	uint32_t *order = malloc(((size_t)head_dim + 1) * sizeof *order);
 
 	ck_assert_ptr_nonnull(input);
 	ck_assert_ptr_nonnull(base);
+	ck_assert_ptr_nonnull(unit);
 	ck_assert_ptr_nonnull(order);
 	for (uint64_t head = 0; head < heads; head++) {
 		uint16_t *head_input = input + head * head_elements;
 		double sigma = ldexp(1.0, (int)random_below(&generator, 14) - 7);
 
-		for (uint32_t c = 0; c < head_dim; c++)
+		for (uint32_t c = 0; c < head_dim; c++) {
 			base[c] = ldexp(1.0 + random_unit(&generator),
 					(int)random_below(&generator, 20) - 10);
+			unit[c] = ldexp(1.0 + random_unit(&generator),
+					(int)random_below(&generator, 16) - 12);
+		}
 		for (uint32_t t = 0; t < tokens; t++) {
 			uint16_t *row = head_input + (uint64_t)t * head_dim;
 
@@ -739,6 +745,17 @@ static uint16_t *make_input(data_kind kind, uint64_t heads, uint32_t tokens, uin
 						half = half_from_double(sigma
 									* random_normal(&generator));
 					break;
+				case DATA_NEAR_HALVES:
+					/* A group's scale comes out near unit (range /
+					 * levels, rounded to a half), so (x - min) / scale
+					 * lands on or within rounding of half-integers,
+					 * where the kernels' shortcuts must agree with the
+					 * division exactly. */
+					half = half_from_double((c % 2 ? -base[c] : base[c])
+								+ unit[c] / 2.0
+									  * (double)random_below(
+										  &generator, 64));
+					break;
 				case DATA_KIND_COUNT:
 					break;
 				}
@@ -747,6 +764,7 @@ static uint16_t *make_input(data_kind kind, uint64_t heads, uint32_t tokens, uin
 		}
 	}
 	free(base);
+	free(unit);
 	free(order);
 	return input;
 }
