@@ -72,6 +72,17 @@ static int avx512_row_norms(const uint16_t *rows, size_t n_rows, size_t dim, flo
 
 	for (; r0 + NORM_ROWS <= n_rows; r0 += NORM_ROWS) {
 		__m512 lanes[NORM_ROWS];
+		/* The pass is a block's first touch (staged by another process,
+		 * so in L3 or memory), and the hardware's streams stop at every
+		 * 4 KiB page, which 16 rows of D = 128 are: the rows two passes
+		 * ahead are asked for now (measured: a warm prefill on one CPU
+		 * 115 -> 89 ms on the Zen 4 VM). A check_finite pass, a plain
+		 * stream, gained nothing from the same. */
+		if (r0 + 3 * NORM_ROWS <= n_rows) {
+			const char *ahead = (const char *)(rows + (r0 + 2 * NORM_ROWS) * dim);
+			for (size_t at = 0; at < NORM_ROWS * dim * 2; at += 64)
+				_mm_prefetch(ahead + at, _MM_HINT_T0);
+		}
 		_Pragma("GCC unroll 16")
 		for (size_t k = 0; k < NORM_ROWS; k++)
 			lanes[k] = _mm512_setzero_ps();
