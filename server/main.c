@@ -32,10 +32,11 @@ int main(int argc, char **argv)
 	if (rc < 0)
 		return 1;
 	log_info("server", "listening",
-		 "socket=%s mode=%04o shm_dir=%s version=%s codec=%s codec_threads=%u busy_poll_us=%u ring_poll_us=%u sessions=%zu",
+		 "socket=%s mode=%04o shm_dir=%s version=%s codec=%s codec_threads=%u busy_poll_us=%u ring_poll_us=%u pool_writes=%s sessions=%zu",
 		 options.socket_path, options.socket_mode, options.shm_dir, ZIPCACHE_VERSION,
 		 zc_isa_name(zc_codec_isa()), codec_fanout_threads(), options.busy_poll_us,
-		 server.options.ring_poll_us, server.sessions.count);
+		 server.options.ring_poll_us, pool_writes_name(server.options.pool_writes),
+		 server.sessions.count);
 	printf("zipcached %s listening on %s\n", ZIPCACHE_VERSION, options.socket_path);
 	fflush(stdout);
 	/* Under systemd (Type=notify) this is readiness; elsewhere a no-op. */

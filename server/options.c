@@ -136,6 +136,9 @@ void options_print_help(const char *program, const struct options *configured)
 	       "  --ring-poll-us US        the same after each request taken from a request ring, so that\n"
 	       "                           a ring client's next update needs no doorbell; 0..%u, 0 = off\n"
 	       "                           (default %u on a machine with 2 CPUs or more online, else 0)\n"
+	       "  --pool-writes MODE       how new blocks get into the pool file: map (in place, through a\n"
+	       "                           mapping), copy (pwrite), or auto: map unless a probe at start\n"
+	       "                           finds page-table work too dear (default auto)\n"
 	       "  --no-adopt               delete session files left by an earlier run instead of adopting them\n"
 	       "  --metrics-listen ADDR    HTTP /metrics and /healthz on HOST:PORT, or off (default %s)\n"
 	       "  --remote URL             the shared tier on Redis, standalone or Cluster (found out on\n"
@@ -208,7 +211,7 @@ enum option_id {
 	OPT_VERSION, OPT_SESSIONS_PER_UID, OPT_CONNECTIONS_PER_UID, OPT_BUDGET_PER_UID,
 	OPT_STAGING_PER_UID, OPT_REPLY_QUEUE, OPT_REPLY_QUEUE_TOTAL, OPT_MAX_MAPPED, OPT_REMOTE,
 	OPT_REMOTE_CREDENTIALS, OPT_REMOTE_TIMEOUT, OPT_OFFLOAD_IDLE, OPT_REMOTE_TTL, OPT_RETAIN,
-	OPT_CODEC_THREADS, OPT_BUSY_POLL, OPT_RING_POLL
+	OPT_CODEC_THREADS, OPT_BUSY_POLL, OPT_RING_POLL, OPT_POOL_WRITES
 };
 
 static const struct option long_options[] = {
@@ -243,6 +246,7 @@ static const struct option long_options[] = {
 	{ "codec-threads", required_argument, NULL, OPT_CODEC_THREADS },
 	{ "busy-poll-us", required_argument, NULL, OPT_BUSY_POLL },
 	{ "ring-poll-us", required_argument, NULL, OPT_RING_POLL },
+	{ "pool-writes", required_argument, NULL, OPT_POOL_WRITES },
 	{ "remote", required_argument, NULL, OPT_REMOTE },
 	{ "remote-credentials", required_argument, NULL, OPT_REMOTE_CREDENTIALS },
 	{ "remote-timeout-ms", required_argument, NULL, OPT_REMOTE_TIMEOUT },
@@ -303,6 +307,8 @@ static int option_apply(struct options *o, int id, const char *arg)
 		return 0;
 	case OPT_LOG_LEVEL:
 		return log_level_parse(arg, &o->log_level);
+	case OPT_POOL_WRITES:
+		return pool_writes_parse(arg, &o->pool_writes);
 	case OPT_REMOTE:
 		return remote_url_parse(arg, &o->remote, value_why, sizeof(value_why));
 	case OPT_REMOTE_CREDENTIALS:

@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "log.h"
+#include "pool.h"
 #include "remote.h"
 
 /* A limit left to server_start to derive (the memory budget from the
@@ -38,6 +39,7 @@ struct options {
 	uint32_t codec_threads;    /* threads per large block (codec_fanout.h); 0: the CPUs allowed */
 	uint32_t busy_poll_us;     /* the loop polls without sleeping this long after a request (busy_poll.h); 0: off */
 	uint32_t ring_poll_us;     /* the same after a request from a request ring; RING_POLL_AUTO until server_start */
+	enum pool_writes pool_writes; /* how blocks get into the pool (pool.h); AUTO until server_start */
 	uint64_t max_mapped_bytes; /* address space of all session mappings; 0: derived */
 	uint64_t retain_bytes;     /* pages of closed sessions kept for reuse (retain.h); 0: none */
 	enum log_level log_level;

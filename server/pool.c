@@ -34,6 +34,16 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <sys/mman.h>
+#include <time.h>
+
+/* Linux 5.14; older headers lack the name. An older kernel refuses it
+ * (EINVAL), and the block is then written by copy. */
+#ifndef MADV_POPULATE_WRITE
+#define POOL_MADV_POPULATE_WRITE 23
+#else
+#define POOL_MADV_POPULATE_WRITE MADV_POPULATE_WRITE
+#endif
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -687,6 +697,130 @@ int pool_write(struct pool *pool, const void *key, uint64_t key_bytes, const voi
 	fault_point("pool.write");
 	*key_offset = start;
 	return 0;
+}
+
+/* ---- how blocks are written ----------------------------------------------------- */
+
+static enum pool_writes writes_mode = POOL_WRITES_COPY;
+
+static const char *const writes_names[] = { "auto", "map", "copy" };
+
+int pool_writes_parse(const char *text, enum pool_writes *out)
+{
+	for (int i = 0; i < 3; i++) {
+		if (strcmp(text, writes_names[i]) == 0) {
+			*out = (enum pool_writes)i;
+			return 0;
+		}
+	}
+	return -EINVAL;
+}
+
+const char *pool_writes_name(enum pool_writes mode)
+{
+	return writes_names[mode];
+}
+
+void pool_writes_set(enum pool_writes mode)
+{
+	writes_mode = mode == POOL_WRITES_MAP ? POOL_WRITES_MAP : POOL_WRITES_COPY;
+}
+
+#define PROBE_BYTES (1u << 20)
+#define POOL_WRITES_MAP_TOLERANCE 4.0
+#define PROBE_TRIES 5
+
+static double probe_now_us(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+static int probe_cmp(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* One try of each way: the block's bytes made (a memset standing in for
+ * the codec's output), then in the file's pages. False if a step failed. */
+static bool probe_once(int fd, uint8_t *scratch, uint8_t fill, double *map_us, double *copy_us)
+{
+	/* Fresh pages for each way, as a new extent has. */
+	if (fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, PROBE_BYTES) < 0 ||
+	    fallocate(fd, 0, 0, PROBE_BYTES) < 0)
+		return false;
+	double t0 = probe_now_us();
+	void *base = mmap(NULL, PROBE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (base == MAP_FAILED)
+		return false;
+	bool ok = madvise(base, PROBE_BYTES, POOL_MADV_POPULATE_WRITE) == 0;
+	if (ok)
+		memset(base, fill, PROBE_BYTES);
+	munmap(base, PROBE_BYTES);
+	*map_us = probe_now_us() - t0;
+	if (!ok ||
+	    fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, PROBE_BYTES) < 0 ||
+	    fallocate(fd, 0, 0, PROBE_BYTES) < 0)
+		return false;
+	t0 = probe_now_us();
+	memset(scratch, fill, PROBE_BYTES);
+	ok = fd_pwrite_all(fd, scratch, PROBE_BYTES, 0) == 0;
+	*copy_us = probe_now_us() - t0;
+	return ok;
+}
+
+enum pool_writes pool_writes_probe(double *map_us, double *copy_us)
+{
+	double map[PROBE_TRIES], copy[PROBE_TRIES];
+	*map_us = *copy_us = 0;
+	int fd = memfd_create("zipcached-pool-probe", MFD_CLOEXEC);
+	uint8_t *scratch = malloc(PROBE_BYTES);
+	bool ok = fd >= 0 && scratch && ftruncate(fd, PROBE_BYTES) == 0;
+	for (int i = 0; ok && i < PROBE_TRIES; i++)
+		ok = probe_once(fd, scratch, (uint8_t)(i + 1), &map[i], &copy[i]);
+	free(scratch);
+	if (fd >= 0)
+		close(fd);
+	if (!ok)
+		return POOL_WRITES_COPY;
+	qsort(map, PROBE_TRIES, sizeof(double), probe_cmp);
+	qsort(copy, PROBE_TRIES, sizeof(double), probe_cmp);
+	*map_us = map[PROBE_TRIES / 2];
+	*copy_us = copy[PROBE_TRIES / 2];
+	return *map_us <= POOL_WRITES_MAP_TOLERANCE * *copy_us ? POOL_WRITES_MAP : POOL_WRITES_COPY;
+}
+
+uint8_t *pool_extent_map(struct pool *pool, uint64_t offset, uint64_t bytes,
+			 struct pool_mapping *mapping)
+{
+	/* The pages are there (pool_reserve's fallocate), so populating the
+	 * mapping only sets up its page table: no SIGBUS, no first-touch
+	 * faults while the codec writes. */
+	uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+	uint64_t start = offset / page * page;
+	uint64_t length = round_up(offset + bytes, page) - start;
+	*mapping = (struct pool_mapping){ 0 };
+	if (writes_mode != POOL_WRITES_MAP || bytes == 0 || length > SIZE_MAX)
+		return NULL;
+	void *base = mmap(NULL, (size_t)length, PROT_READ | PROT_WRITE, MAP_SHARED, pool->fd,
+			  (off_t)start);
+	if (base == MAP_FAILED)
+		return NULL;
+	if (madvise(base, (size_t)length, POOL_MADV_POPULATE_WRITE) != 0) {
+		munmap(base, (size_t)length);
+		return NULL;
+	}
+	*mapping = (struct pool_mapping){ base, (size_t)length };
+	return (uint8_t *)base + (offset - start);
+}
+
+void pool_extent_unmap(struct pool_mapping *mapping)
+{
+	if (mapping->base)
+		munmap(mapping->base, mapping->length);
+	*mapping = (struct pool_mapping){ 0 };
 }
 
 int pool_read(struct pool *pool, uint64_t offset, void *out, uint64_t bytes)

@@ -72,6 +72,48 @@ int pool_reserve(struct pool *pool, uint64_t key_bytes, uint64_t value_bytes,
 		 uint64_t *key_offset);
 int pool_write_at(struct pool *pool, uint64_t offset, const void *bytes, uint64_t n);
 
+/*
+ * How new blocks get into the pool file (--pool-writes). MAP: the codec
+ * writes them in place through a mapping of their extent (pool_extent_map),
+ * which saves the kernel's copy and its per-page locking, but costs page
+ * table work per page: cheap on bare metal and ordinary VMs (a warm prefill
+ * on the Xeon host 0.31 -> 0.36 of memcpy), three times the copy on a
+ * paravirtualized guest that syncs its page tables on every change. COPY:
+ * pwrite from scratch (pool_write_at). AUTO: MAP, unless a probe at start
+ * (pool_writes_probe) finds page-table work so dear that MAP is sure to
+ * lose.
+ */
+enum pool_writes { POOL_WRITES_AUTO, POOL_WRITES_MAP, POOL_WRITES_COPY };
+
+int pool_writes_parse(const char *text, enum pool_writes *out);
+const char *pool_writes_name(enum pool_writes mode);
+/* MAP or COPY for this machine: a 1 MiB block written into a fresh shmem
+ * file both ways (the median of five tries each; *map_us and *copy_us).
+ * Alone, MAP is slower even where it wins in place of the copy a block
+ * write really is (on the Xeon host the probe takes 1.9 times the copy's
+ * time, and a prefill is 10-25 % faster mapped); on the paravirtualized
+ * VM, 18 times, and a prefill three times slower. So MAP up to
+ * POOL_WRITES_MAP_TOLERANCE times the copy. COPY when the probe cannot run. */
+enum pool_writes pool_writes_probe(double *map_us, double *copy_us);
+/* MAP or COPY, from now on, for every pool (before serving). */
+void pool_writes_set(enum pool_writes mode);
+
+/*
+ * A writable mapping of bytes at offset of an extent the caller owns, its
+ * pages populated, so that a block is written in place (the codec's output
+ * buffer) instead of through pool_write_at's copy. NULL when it cannot be
+ * made, or the pool writes by COPY: the caller then writes with
+ * pool_write_at. The caller unmaps it
+ * with pool_extent_unmap before the block is committed or dropped.
+ */
+struct pool_mapping {
+	void *base;
+	size_t length;
+};
+uint8_t *pool_extent_map(struct pool *pool, uint64_t offset, uint64_t bytes,
+			 struct pool_mapping *mapping);
+void pool_extent_unmap(struct pool_mapping *mapping);
+
 /* Reads bytes at offset (a block's payload); ZC_ECORRUPT when the file
  * no longer holds them. */
 int pool_read(struct pool *pool, uint64_t offset, void *out, uint64_t bytes);

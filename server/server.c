@@ -742,6 +742,13 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	(void)codec_fanout_set_threads(options->codec_threads);
 	if (server->options.ring_poll_us == RING_POLL_AUTO)
 		server->options.ring_poll_us = busy_poll_ring_default(resources_cpus_online());
+	if (server->options.pool_writes == POOL_WRITES_AUTO) {
+		double map_us, copy_us;
+		server->options.pool_writes = pool_writes_probe(&map_us, &copy_us);
+		log_info("pool", "writes chosen", "mode=%s map_us=%.0f copy_us=%.0f bytes=1048576",
+			 pool_writes_name(server->options.pool_writes), map_us, copy_us);
+	}
+	pool_writes_set(server->options.pool_writes);
 	rc = boot_epoch_make(&server->boot_epoch);
 	if (rc < 0)
 		return rc;

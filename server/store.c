@@ -2110,29 +2110,42 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 	if (rc < 0)
 		return rc;
 
-	uint8_t *key_out = scratch_get(key_count.compressed + value_count.compressed, &owned);
-	if (!key_out)
-		return -ENOMEM;
-	uint8_t *value_out = key_out + key_count.compressed;
-	/* The extent first, so that the codec's threads write their heads
-	 * into the pool themselves (pool_sink_write). Without one, the block
-	 * is still compressed: bad input's error comes before a full pool's. */
+	/* The extent first. The codec then writes into it in place, through a
+	 * mapping; failing that, into scratch, each codec thread handing its
+	 * heads on to the pool itself (pool_sink_write). Without an extent
+	 * the block is still compressed into scratch, so that bad input's
+	 * error comes before a full pool's. */
 	uint64_t key_offset = 0;
 	int reserved = pool_reserve(store->pool, key_count.compressed, value_count.compressed,
 				    &key_offset);
+	uint64_t value_offset = pool_value_offset(key_offset, key_count.compressed);
+	struct pool_mapping mapping = { 0 };
+	uint8_t *key_out = reserved < 0 ? NULL :
+		pool_extent_map(store->pool, key_offset,
+				value_offset + value_count.compressed - key_offset, &mapping);
+	uint8_t *value_out = key_out ? key_out + (value_offset - key_offset) : NULL;
+	owned = false;
+	if (!key_out) {
+		key_out = scratch_get(key_count.compressed + value_count.compressed, &owned);
+		if (!key_out) {
+			if (reserved == 0)
+				pool_unref(store->pool, key_offset);
+			return -ENOMEM;
+		}
+		value_out = key_out + key_count.compressed;
+	}
+	bool sink = reserved == 0 && !mapping.base;
 	struct pool_sink key_at = { store->pool, key_offset };
-	struct pool_sink value_at = { store->pool,
-				      pool_value_offset(key_offset, key_count.compressed) };
+	struct pool_sink value_at = { store->pool, value_offset };
 	const struct codec_sink key_sink = { pool_sink_write, &key_at };
 	const struct codec_sink value_sink = { pool_sink_write, &value_at };
 	int64_t written = codec_fanout_compress(&store->codec, ZC_TENSOR_KEYS, &key_shape, keys,
 						key_strides, scores, key_out, key_count.compressed,
-						reserved == 0 ? &key_sink : NULL);
+						sink ? &key_sink : NULL);
 	if (written >= 0)
 		written = codec_fanout_compress(&store->codec, ZC_TENSOR_VALUES, &value_shape,
 						values, value_strides, NULL, value_out,
-						value_count.compressed,
-						reserved == 0 ? &value_sink : NULL);
+						value_count.compressed, sink ? &value_sink : NULL);
 	rc = written < 0 ? (int)written : reserved;
 	if (rc < 0 && reserved == 0)
 		pool_unref(store->pool, key_offset);
@@ -2158,6 +2171,7 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 		}
 	}
 	scratch_put(key_out, owned);
+	pool_extent_unmap(&mapping);
 	if (rc < 0)
 		return rc;
 	fault_point(step_compress);

@@ -463,7 +463,9 @@ static const char *op_name(enum op_kind kind)
 static bool fault_run(const char *step, int hit, const struct op *ops, size_t n_ops)
 {
 	struct daemon_harness daemon;
-	const char *const args[] = { "--memory-budget", SCRIPT_BUDGET, "--idle-ttl", "0", NULL };
+	/* Blocks written in place and by copy (--pool-writes), every other hit. */
+	const char *const args[] = { "--memory-budget", SCRIPT_BUDGET, "--idle-ttl", "0",
+				     "--pool-writes", hit % 2 ? "map" : "copy", NULL };
 	const char *const plain[] = { "--idle-ttl", "0", NULL };
 	struct outcome outcomes[128] = { 0 };
 	char spec[96], tail[4096];

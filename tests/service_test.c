@@ -636,30 +636,41 @@ START_TEST(custom_codec_configs)
 }
 END_TEST
 
+/* Both ways of writing blocks into the pool (--pool-writes): in place
+ * through a mapping, and by pwrite from scratch. */
+static const char *const pool_writes_modes[] = { "map", "copy" };
+
 START_TEST(large_blocks_through_staging)
 {
-	struct service service;
 	/* 600 tokens x 4 heads x 128 dims x 2 bytes x (K + V) = 1.2 MB: far
 	 * above the inline limit, so the client stages it. */
 	zc_session_config config = shaped_config("staged", 2, 1, 4, 128, 128, 2048,
 						  ZC_POLICY_STREAMING, 0);
-	struct model model;
-	struct rng rng;
 
-	service_start(&service, NULL);
-	zc_session *session = open_session(service.client, &config);
-	model_init(&model, &config);
-	rng_seed(&rng, 7);
-	for (uint32_t layer = 0; layer < 2; layer++)
-		CHECK(update_checked, service.client, session, &model, &rng, layer, 600);
-	for (uint32_t step = 0; step < 20; step++)
-		CHECK(update_checked, service.client, session, &model, &rng, step % 2, 1);
-	/* A second large block after decode: the residual goes first. */
-	CHECK(update_checked, service.client, session, &model, &rng, 0, 700);
-	CHECK(session_matches, session, &model);
-	ck_assert_int_eq(zc_session_close(session), 0);
-	model_free(&model);
-	service_stop(&service);
+	/* Views none as well: the layer is then read back from the pool's
+	 * bytes (client/reader.c), not from views made beside them. */
+	for (size_t m = 0; m < 4; m++) {
+		const char *const args[] = { "--pool-writes", pool_writes_modes[m % 2], NULL };
+		struct service service;
+		struct model model;
+		struct rng rng;
+
+		config.views = m < 2 ? ZC_VIEWS_FULL : ZC_VIEWS_NONE;
+		service_start(&service, args);
+		zc_session *session = open_session(service.client, &config);
+		model_init(&model, &config);
+		rng_seed(&rng, 7);
+		for (uint32_t layer = 0; layer < 2; layer++)
+			CHECK(update_checked, service.client, session, &model, &rng, layer, 600);
+		for (uint32_t step = 0; step < 20; step++)
+			CHECK(update_checked, service.client, session, &model, &rng, step % 2, 1);
+		/* A second large block after decode: the residual goes first. */
+		CHECK(update_checked, service.client, session, &model, &rng, 0, 700);
+		CHECK(session_matches, session, &model);
+		ck_assert_int_eq(zc_session_close(session), 0);
+		model_free(&model);
+		service_stop(&service);
+	}
 }
 END_TEST
 
@@ -670,28 +681,32 @@ END_TEST
  * memory pressure and rebuilt on the threads. */
 START_TEST(large_blocks_spread_over_codec_threads)
 {
-	static const char *const args[] = { "--codec-threads", "3", NULL };
-	struct service service;
 	/* 2 x 4 heads x 1100 tokens x 128 dims = 1.1 M elements per tensor,
 	 * above CODEC_FANOUT_MIN_ELEMENTS; a residual of 512 rows too. */
 	zc_session_config config = shaped_config("spread", 2, 2, 4, 128, 128, 4096,
 						  ZC_POLICY_STREAMING, 512);
-	struct model model;
-	struct rng rng;
 
-	service_start(&service, args);
-	zc_session *session = open_session(service.client, &config);
-	model_init(&model, &config);
-	rng_seed(&rng, 31);
-	for (uint32_t layer = 0; layer < 2; layer++)
-		CHECK(update_checked, service.client, session, &model, &rng, layer, 1100);
-	for (uint32_t step = 0; step < 520; step++)
-		CHECK(update_checked, service.client, session, &model, &rng, 0, 1);
-	CHECK(update_checked, service.client, session, &model, &rng, 1, 1500);
-	CHECK(session_matches, session, &model);
-	ck_assert_int_eq(zc_session_close(session), 0);
-	model_free(&model);
-	service_stop(&service);
+	for (size_t m = 0; m < 2; m++) {
+		const char *const args[] = { "--codec-threads", "3", "--pool-writes",
+					     pool_writes_modes[m], NULL };
+		struct service service;
+		struct model model;
+		struct rng rng;
+
+		service_start(&service, args);
+		zc_session *session = open_session(service.client, &config);
+		model_init(&model, &config);
+		rng_seed(&rng, 31);
+		for (uint32_t layer = 0; layer < 2; layer++)
+			CHECK(update_checked, service.client, session, &model, &rng, layer, 1100);
+		for (uint32_t step = 0; step < 520; step++)
+			CHECK(update_checked, service.client, session, &model, &rng, 0, 1);
+		CHECK(update_checked, service.client, session, &model, &rng, 1, 1500);
+		CHECK(session_matches, session, &model);
+		ck_assert_int_eq(zc_session_close(session), 0);
+		model_free(&model);
+		service_stop(&service);
+	}
 }
 END_TEST
 
@@ -2472,6 +2487,10 @@ START_TEST(bad_flags_exit_2)
 		{ "--busy-poll-us", "100001", "busy-poll-us" },
 		{ "--busy-poll-us", "-1", "busy-poll-us" },
 		{ "--busy-poll-us", "soon", "busy-poll-us" },
+		{ "--ring-poll-us", "100001", "ring-poll-us" },
+		{ "--ring-poll-us", "often", "ring-poll-us" },
+		{ "--pool-writes", "mmap", "pool-writes" },
+		{ "--pool-writes", "", "pool-writes" },
 		{ "stray-argument", NULL, "stray-argument" },
 	};
 	char dir[] = "/tmp/zc_service_flags.XXXXXX", socket_path[64], shm_dir[64];
