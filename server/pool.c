@@ -35,16 +35,8 @@
 #include <string.h>
 #include <dirent.h>
 #include <sys/mman.h>
-#include <time.h>
-
-/* Linux 5.14; older headers lack the name. An older kernel refuses it
- * (EINVAL), and the block is then written by copy. */
-#ifndef MADV_POPULATE_WRITE
-#define POOL_MADV_POPULATE_WRITE 23
-#else
-#define POOL_MADV_POPULATE_WRITE MADV_POPULATE_WRITE
-#endif
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "fault.h"
@@ -52,6 +44,14 @@
 #include "retain.h"
 #include "log.h"
 #include "zipcache/map.h"
+
+/* Linux 5.14; older headers lack the name. An older kernel refuses it
+ * (EINVAL): the probe then finds no way to map, and blocks are copied. */
+#ifndef MADV_POPULATE_WRITE
+#define POOL_MADV_POPULATE_WRITE 23
+#else
+#define POOL_MADV_POPULATE_WRITE MADV_POPULATE_WRITE
+#endif
 
 #define PAGE_BYTES 4096u
 #define POOL_DATA_OFFSET PAGE_BYTES

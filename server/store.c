@@ -2065,14 +2065,14 @@ int store_residual_mass(struct store *store, uint32_t layer, uint32_t first_toke
 
 /* A codec_sink into a reserved pool extent: payload byte `at` lands at
  * offset + at. */
-struct pool_sink {
+struct extent_sink {
 	struct pool *pool;
 	uint64_t offset;
 };
 
-static int pool_sink_write(void *ctx, uint64_t at, const void *bytes, size_t n)
+static int extent_sink_write(void *ctx, uint64_t at, const void *bytes, size_t n)
 {
-	const struct pool_sink *sink = ctx;
+	const struct extent_sink *sink = ctx;
 	return pool_write_at(sink->pool, sink->offset + at, bytes, n);
 }
 
@@ -2112,7 +2112,7 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 
 	/* The extent first. The codec then writes into it in place, through a
 	 * mapping; failing that, into scratch, each codec thread handing its
-	 * heads on to the pool itself (pool_sink_write). Without an extent
+	 * heads on to the pool itself (extent_sink_write). Without an extent
 	 * the block is still compressed into scratch, so that bad input's
 	 * error comes before a full pool's. */
 	uint64_t key_offset = 0;
@@ -2135,10 +2135,10 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 		value_out = key_out + key_count.compressed;
 	}
 	bool sink = reserved == 0 && !mapping.base;
-	struct pool_sink key_at = { store->pool, key_offset };
-	struct pool_sink value_at = { store->pool, value_offset };
-	const struct codec_sink key_sink = { pool_sink_write, &key_at };
-	const struct codec_sink value_sink = { pool_sink_write, &value_at };
+	struct extent_sink key_at = { store->pool, key_offset };
+	struct extent_sink value_at = { store->pool, value_offset };
+	const struct codec_sink key_sink = { extent_sink_write, &key_at };
+	const struct codec_sink value_sink = { extent_sink_write, &value_at };
 	int64_t written = codec_fanout_compress(&store->codec, ZC_TENSOR_KEYS, &key_shape, keys,
 						key_strides, scores, key_out, key_count.compressed,
 						sink ? &key_sink : NULL);
