@@ -17,7 +17,6 @@ static struct ring_header *header_of(const struct request_ring *ring)
 	return (struct ring_header *)ring->base;
 }
 
-
 int request_ring_map(struct request_ring *ring, int memfd, int eventfd, uint64_t capacity)
 {
 	struct stat st;

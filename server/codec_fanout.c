@@ -166,9 +166,7 @@ int64_t codec_fanout_compress(const zc_codec_config *config, zc_tensor tensor,
 {
 	zc_block_layout layout;
 	unsigned parts = parts_for(config, tensor, shape, strides, &layout);
-	if (parts > 0 && capacity < layout.total_bytes)
-		parts = 0;
-	if (parts == 0) {
+	if (parts == 0 || capacity < layout.total_bytes) {
 		int64_t n = scores ? zc_block_compress_scored_strided(config, shape, input, strides,
 								       scores, out, capacity) :
 				     zc_block_compress_strided(config, tensor, shape, input, strides,
@@ -195,9 +193,7 @@ int codec_fanout_reconstruct(const zc_codec_config *config, zc_tensor tensor,
 {
 	zc_block_layout layout;
 	unsigned parts = parts_for(config, tensor, shape, strides, &layout);
-	if (parts > 1 && size != layout.total_bytes)
-		parts = 0;
-	if (parts <= 1)
+	if (parts <= 1 || size != layout.total_bytes)
 		return zc_block_reconstruct(config, tensor, shape, compressed, size, out, strides);
 	struct fanout f = {
 		.config = config, .tensor = tensor, .shape = *shape, .strides = strides,

@@ -107,7 +107,6 @@ out_charge:
 	return rc;
 }
 
-
 int ring_next(struct ring *ring, uint8_t *buffer, uint32_t max_frame, uint32_t *len,
 	      char *why, size_t why_len)
 {

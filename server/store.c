@@ -2182,7 +2182,7 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 		.valid_tokens = tokens,
 		.key_offset = key_offset,
 		.key_bytes = key_count.compressed,
-		.value_offset = pool_value_offset(key_offset, key_count.compressed),
+		.value_offset = value_offset,
 		.value_bytes = value_count.compressed,
 	};
 	store->index[layer].entries[next->blocks] = entry;
