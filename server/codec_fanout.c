@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdbool.h>
+#include <stdint.h>
 
 #include "resources.h"
 
@@ -32,118 +33,147 @@ unsigned codec_fanout_threads(void)
 	return fanout_threads;
 }
 
-/* One call's work: the block's flat heads (b * heads + h) cut into parts
- * of whole heads; each part runs the public codec call over its runs of
- * heads within one batch entry. */
-struct fanout {
-	const zc_codec_config *config;
+/* One tensor of a block. */
+struct work {
 	zc_tensor tensor;
 	zc_block_shape shape;
 	const zc_strides *strides;
 	size_t head_bytes;
-	bool reconstruct;
+	size_t heads;                 /* batch * heads */
 	const uint16_t *input;        /* compress */
 	const float *scores;
 	uint8_t *out;
 	const struct codec_sink *sink;
 	const uint8_t *compressed;    /* reconstruct */
 	uint16_t *view;
+};
+
+/*
+ * One call's work: single heads (the tensors' flat heads b * heads + h,
+ * one tensor after the other) handed out from a shared counter. A thread
+ * that started late or ran fast takes more, and a block's keys and values
+ * need one start and one join between them.
+ */
+struct fanout {
+	const zc_codec_config *config;
+	struct work work[CODEC_FANOUT_MAX_TENSORS];
+	size_t n_work;
+	bool reconstruct;
 	unsigned parts;
-	size_t heads;                 /* batch * heads */
+	size_t tasks;                 /* every tensor's heads */
+	size_t next;                  /* atomic: the next task to hand out */
+	size_t failed;                /* atomic: the lowest task that failed */
 };
 
 struct part {
 	struct fanout *f;
 	unsigned index;
 	int rc;
+	size_t failed;                /* the task rc came from */
 	pthread_t thread;
 	bool started;
 };
 
-/* Heads [first, last) of one batch entry. */
-static int run_span(const struct fanout *f, size_t first, size_t last)
+/* Heads [first, last) of one batch entry of w (a run never crosses
+ * one: the strides differ there). */
+static int run_span(const zc_codec_config *config, const struct work *w, size_t first,
+		    size_t last, bool reconstruct)
 {
-	size_t b = first / f->shape.heads, hh = first % f->shape.heads;
-	zc_block_shape one = { 1, (uint32_t)(last - first), f->shape.tokens, f->shape.head_dim };
-	size_t bytes = (last - first) * f->head_bytes;
-	size_t at = b * f->strides->batch + hh * f->strides->head;
-	if (f->reconstruct)
-		return zc_block_reconstruct(f->config, f->tensor, &one,
-					    f->compressed + first * f->head_bytes, bytes,
-					    f->view + at, f->strides);
+	size_t b = first / w->shape.heads, hh = first % w->shape.heads;
+	zc_block_shape one = { 1, (uint32_t)(last - first), w->shape.tokens, w->shape.head_dim };
+	size_t bytes = (last - first) * w->head_bytes;
+	size_t at = b * w->strides->batch + hh * w->strides->head;
+	if (reconstruct)
+		return zc_block_reconstruct(config, w->tensor, &one,
+					    w->compressed + first * w->head_bytes, bytes,
+					    w->view + at, w->strides);
 	int64_t rc;
-	if (f->scores)
-		rc = zc_block_compress_scored_strided(f->config, &one, f->input + at, f->strides,
-						      f->scores + first * f->shape.tokens,
-						      f->out + first * f->head_bytes, bytes);
+	if (w->scores)
+		rc = zc_block_compress_scored_strided(config, &one, w->input + at, w->strides,
+						      w->scores + first * w->shape.tokens,
+						      w->out + first * w->head_bytes, bytes);
 	else
-		rc = zc_block_compress_strided(f->config, f->tensor, &one, f->input + at,
-					       f->strides, f->out + first * f->head_bytes, bytes);
-	if (rc >= 0 && f->sink)
-		rc = f->sink->write(f->sink->ctx, first * f->head_bytes,
-				    f->out + first * f->head_bytes, bytes);
+		rc = zc_block_compress_strided(config, w->tensor, &one, w->input + at, w->strides,
+					       w->out + first * w->head_bytes, bytes);
+	if (rc >= 0 && w->sink)
+		rc = w->sink->write(w->sink->ctx, first * w->head_bytes,
+				    w->out + first * w->head_bytes, bytes);
 	return rc < 0 ? (int)rc : 0;
 }
 
-static int run_part(const struct fanout *f, unsigned index)
+/* Takes heads until none is left, or one before it failed (a later
+ * head's work would be thrown away). One head per codec call: the codec's
+ * check pass (key norms, or finiteness) reads the whole head before it
+ * writes, and a prefill head (1 MiB at 4096 x 128) still sits in L2 when
+ * its encode reads it again; a span of several heads would be read back
+ * from L3 or memory. Tasks are handed out in order, so this thread's
+ * first failure is its lowest. */
+static void run_heads(struct fanout *f, struct part *p)
 {
-	size_t first = f->heads * index / f->parts;
-	size_t last = f->heads * (index + 1) / f->parts;
-	while (first < last) {
-		/* A run never crosses a batch entry: the strides differ there.
-		 * Compression goes one head per call: the codec's check pass
-		 * (key norms, or finiteness) reads the whole span before it
-		 * writes, and a prefill head (1 MiB at 4096 x 128) still sits
-		 * in L2 when its encode reads it again; a span of several
-		 * heads would be read back from L3 or memory. */
-		size_t entry_end = (first / f->shape.heads + 1) * f->shape.heads;
-		size_t end = last < entry_end ? last : entry_end;
-		if (!f->reconstruct)
-			end = first + 1;
-		int rc = run_span(f, first, end);
-		if (rc < 0)
-			return rc;
-		first = end;
+	for (;;) {
+		size_t task = __atomic_fetch_add(&f->next, 1, __ATOMIC_RELAXED);
+		if (task >= f->tasks || task > __atomic_load_n(&f->failed, __ATOMIC_RELAXED))
+			return;
+		const struct work *w = f->work;
+		size_t head = task;
+		while (head >= w->heads)
+			head -= (w++)->heads;
+		int rc = run_span(f->config, w, head, head + 1, f->reconstruct);
+		if (rc < 0) {
+			p->rc = rc;
+			p->failed = task;
+			size_t seen = __atomic_load_n(&f->failed, __ATOMIC_RELAXED);
+			while (task < seen &&
+			       !__atomic_compare_exchange_n(&f->failed, &seen, task, true,
+							    __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+				;
+			return;
+		}
 	}
-	return 0;
 }
 
 static void *part_main(void *arg)
 {
 	struct part *p = arg;
-	p->rc = run_part(p->f, p->index);
+	run_heads(p->f, p);
 	return NULL;
 }
 
-/* The parts on threads, part 0 on the caller; the first part's error
- * (by index, not by time) is the answer, so it does not depend on which
- * thread ran first. */
+/* The parts on threads, part 0 on the caller. The answer is the error
+ * of the lowest failed task (tensor by tensor, head by head), so it does
+ * not depend on which thread ran first. */
 static int fanout_run(struct fanout *f)
 {
 	struct part parts[CODEC_FANOUT_MAX_THREADS];
+	f->next = 0;
+	f->failed = SIZE_MAX;
 	for (unsigned i = 0; i < f->parts; i++) {
-		parts[i] = (struct part){ .f = f, .index = i };
+		parts[i] = (struct part){ .f = f, .index = i, .failed = SIZE_MAX };
 		if (i > 0)
 			parts[i].started = pthread_create(&parts[i].thread, NULL, part_main,
 							  &parts[i]) == 0;
 	}
-	parts[0].rc = run_part(f, 0);
+	run_heads(f, &parts[0]);
 	for (unsigned i = 1; i < f->parts; i++) {
 		if (parts[i].started)
 			pthread_join(parts[i].thread, NULL);
 		else
-			parts[i].rc = run_part(f, i);
+			run_heads(f, &parts[i]);
 	}
+	int rc = 0;
+	size_t lowest = SIZE_MAX;
 	for (unsigned i = 0; i < f->parts; i++) {
-		if (parts[i].rc < 0)
-			return parts[i].rc;
+		if (parts[i].rc < 0 && parts[i].failed < lowest) {
+			lowest = parts[i].failed;
+			rc = parts[i].rc;
+		}
 	}
-	return 0;
+	return rc;
 }
 
-/* How many parts a block is worth; 0 sends the call to the codec as is
- * (which then also gives every error of a malformed call), 1 keeps a large
- * block on the calling thread but still head by head (run_part). */
+/* How many threads a tensor is worth; 0 sends the call to the codec as
+ * is (which then also gives every error of a malformed call), 1 keeps a
+ * large block on the calling thread but still head by head. */
 static unsigned parts_for(const zc_codec_config *config, zc_tensor tensor,
 			  const zc_block_shape *shape, const zc_strides *strides,
 			  zc_block_layout *layout)
@@ -159,46 +189,119 @@ static unsigned parts_for(const zc_codec_config *config, zc_tensor tensor,
 	return layout->heads < threads ? (unsigned)layout->heads : threads;
 }
 
+/* The codec's own call for one tensor, bytes then through its sink. */
+static int64_t compress_direct(const zc_codec_config *config, const struct codec_fanout_tensor *t)
+{
+	int64_t n = t->scores ? zc_block_compress_scored_strided(config, &t->shape, t->input,
+								  t->strides, t->scores, t->out,
+								  t->capacity) :
+				zc_block_compress_strided(config, t->tensor, &t->shape, t->input,
+							  t->strides, t->out, t->capacity);
+	if (n > 0 && t->sink) {
+		int rc = t->sink->write(t->sink->ctx, 0, t->out, (size_t)n);
+		if (rc < 0)
+			return rc;
+	}
+	return n;
+}
+
+int codec_fanout_compress_block(const zc_codec_config *config,
+				const struct codec_fanout_tensor *tensors, size_t n)
+{
+	struct fanout f = { .config = config };
+	unsigned parts = 0;
+	bool direct = n == 0 || n > CODEC_FANOUT_MAX_TENSORS;
+	for (size_t i = 0; i < n && !direct; i++) {
+		const struct codec_fanout_tensor *t = &tensors[i];
+		zc_block_layout layout;
+		unsigned p = parts_for(config, t->tensor, &t->shape, t->strides, &layout);
+		if (p == 0 || t->capacity < layout.total_bytes) {
+			direct = true;
+			break;
+		}
+		f.work[i] = (struct work){
+			.tensor = t->tensor, .shape = t->shape, .strides = t->strides,
+			.head_bytes = layout.head_bytes, .heads = layout.heads, .input = t->input,
+			.scores = t->scores, .out = t->out, .sink = t->sink,
+		};
+		f.tasks += layout.heads;
+		parts = p > parts ? p : parts;
+	}
+	/* A tensor the threads would not take: one tensor after the other,
+	 * the same bytes and, for a malformed call, the codec's own error. */
+	if (direct) {
+		for (size_t i = 0; i < n; i++) {
+			const struct codec_fanout_tensor *t = &tensors[i];
+			int64_t rc = codec_fanout_compress(config, t->tensor, &t->shape, t->input,
+							   t->strides, t->scores, t->out,
+							   t->capacity, t->sink);
+			if (rc < 0)
+				return (int)rc;
+		}
+		return 0;
+	}
+	f.n_work = n;
+	f.parts = parts;
+	return fanout_run(&f);
+}
+
 int64_t codec_fanout_compress(const zc_codec_config *config, zc_tensor tensor,
 			      const zc_block_shape *shape, const uint16_t *input,
 			      const zc_strides *strides, const float *scores, void *out,
 			      size_t capacity, const struct codec_sink *sink)
 {
+	const struct codec_fanout_tensor t = { tensor, *shape, input, strides, scores,
+					       out, capacity, sink };
 	zc_block_layout layout;
-	unsigned parts = parts_for(config, tensor, shape, strides, &layout);
-	if (parts == 0 || capacity < layout.total_bytes) {
-		int64_t n = scores ? zc_block_compress_scored_strided(config, shape, input, strides,
-								       scores, out, capacity) :
-				     zc_block_compress_strided(config, tensor, shape, input, strides,
-							       out, capacity);
-		if (n > 0 && sink) {
-			int rc = sink->write(sink->ctx, 0, out, (size_t)n);
+	if (parts_for(config, tensor, shape, strides, &layout) == 0 || capacity < layout.total_bytes)
+		return compress_direct(config, &t);
+	int rc = codec_fanout_compress_block(config, &t, 1);
+	return rc < 0 ? rc : (int64_t)layout.total_bytes;
+}
+
+int codec_fanout_reconstruct_block(const zc_codec_config *config,
+				   const struct codec_fanout_view *views, size_t n)
+{
+	struct fanout f = { .config = config, .reconstruct = true };
+	unsigned parts = 0;
+	bool direct = n == 0 || n > CODEC_FANOUT_MAX_TENSORS;
+	for (size_t i = 0; i < n && !direct; i++) {
+		const struct codec_fanout_view *v = &views[i];
+		zc_block_layout layout;
+		unsigned p = parts_for(config, v->tensor, &v->shape, v->strides, &layout);
+		if (p <= 1 || v->size != layout.total_bytes) {
+			direct = true;
+			break;
+		}
+		f.work[i] = (struct work){
+			.tensor = v->tensor, .shape = v->shape, .strides = v->strides,
+			.head_bytes = layout.head_bytes, .heads = layout.heads,
+			.compressed = v->compressed, .view = v->out,
+		};
+		f.tasks += layout.heads;
+		parts = p > parts ? p : parts;
+	}
+	if (direct) {
+		for (size_t i = 0; i < n; i++) {
+			const struct codec_fanout_view *v = &views[i];
+			int rc = n == 1 ? zc_block_reconstruct(config, v->tensor, &v->shape,
+							       v->compressed, v->size, v->out,
+							       v->strides) :
+					  codec_fanout_reconstruct_block(config, v, 1);
 			if (rc < 0)
 				return rc;
 		}
-		return n;
+		return 0;
 	}
-	struct fanout f = {
-		.config = config, .tensor = tensor, .shape = *shape, .strides = strides,
-		.head_bytes = layout.head_bytes, .input = input, .scores = scores, .out = out,
-		.sink = sink, .parts = parts, .heads = layout.heads,
-	};
-	int rc = fanout_run(&f);
-	return rc < 0 ? rc : (int64_t)layout.total_bytes;
+	f.n_work = n;
+	f.parts = parts;
+	return fanout_run(&f);
 }
 
 int codec_fanout_reconstruct(const zc_codec_config *config, zc_tensor tensor,
 			     const zc_block_shape *shape, const void *compressed, size_t size,
 			     uint16_t *out, const zc_strides *strides)
 {
-	zc_block_layout layout;
-	unsigned parts = parts_for(config, tensor, shape, strides, &layout);
-	if (parts <= 1 || size != layout.total_bytes)
-		return zc_block_reconstruct(config, tensor, shape, compressed, size, out, strides);
-	struct fanout f = {
-		.config = config, .tensor = tensor, .shape = *shape, .strides = strides,
-		.head_bytes = layout.head_bytes, .reconstruct = true, .compressed = compressed,
-		.view = out, .parts = parts, .heads = layout.heads,
-	};
-	return fanout_run(&f);
+	const struct codec_fanout_view v = { tensor, *shape, compressed, size, out, strides };
+	return codec_fanout_reconstruct_block(config, &v, 1);
 }

@@ -46,9 +46,52 @@ int64_t codec_fanout_compress(const zc_codec_config *config, zc_tensor tensor,
 			      const zc_strides *strides, const float *scores, void *out,
 			      size_t capacity, const struct codec_sink *sink);
 
+/* One tensor of a block for codec_fanout_compress_block: the arguments
+ * of codec_fanout_compress. */
+struct codec_fanout_tensor {
+	zc_tensor tensor;
+	zc_block_shape shape;
+	const uint16_t *input;
+	const zc_strides *strides;
+	const float *scores;              /* keys by the caller's scores, else NULL */
+	void *out;
+	size_t capacity;
+	const struct codec_sink *sink;    /* or NULL */
+};
+
+/* Tensors compressed together in one call (at most this many). */
+#define CODEC_FANOUT_MAX_TENSORS 2u
+
+/* codec_fanout_compress of each of n tensors (a block's keys and values),
+ * their heads shared between the threads in one go: one start and one
+ * join per block, and no thread idle at the end of the keys while the
+ * others finish theirs. Every tensor's output is the same as that call's;
+ * returns 0, or the error that calling it tensor after tensor would have
+ * returned first (every output buffer is then scratch). */
+int codec_fanout_compress_block(const zc_codec_config *config,
+				const struct codec_fanout_tensor *tensors, size_t n);
+
 /* zc_block_reconstruct, heads split between threads. */
 int codec_fanout_reconstruct(const zc_codec_config *config, zc_tensor tensor,
 			     const zc_block_shape *shape, const void *compressed, size_t size,
 			     uint16_t *out, const zc_strides *strides);
+
+/* One tensor of a block for codec_fanout_reconstruct_block: the
+ * arguments of codec_fanout_reconstruct. */
+struct codec_fanout_view {
+	zc_tensor tensor;
+	zc_block_shape shape;
+	const void *compressed;
+	size_t size;
+	uint16_t *out;
+	const zc_strides *strides;
+};
+
+/* codec_fanout_reconstruct of each of n tensors (at most
+ * CODEC_FANOUT_MAX_TENSORS), their heads shared between the threads in
+ * one go; returns 0 or the error that calling it tensor after tensor
+ * would have returned first. */
+int codec_fanout_reconstruct_block(const zc_codec_config *config,
+				   const struct codec_fanout_view *views, size_t n);
 
 #endif

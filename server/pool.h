@@ -99,13 +99,18 @@ enum pool_writes pool_writes_probe(double *map_us, double *copy_us);
 void pool_writes_set(enum pool_writes mode);
 
 /*
- * A writable mapping of bytes at offset of an extent the caller owns, its
- * pages populated, so that a block is written in place (the codec's output
- * buffer) instead of through pool_write_at's copy. NULL when it cannot be
- * made, or the pool writes by COPY: the caller then writes with
- * pool_write_at. The caller unmaps it
- * with pool_extent_unmap before the block is committed or dropped.
+ * A writable mapping of bytes at offset of an extent the caller owns, so
+ * that a block is written in place (the codec's output buffer) instead of
+ * through pool_write_at's copy. NULL when it cannot be made, or the pool
+ * writes by COPY: the caller then writes with pool_write_at. An extent
+ * within one window of POOL_WINDOW_BYTES (pool.c says why) is written
+ * through the window, which stays mapped until the pool closes
+ * (mapping->base stays NULL); one across two windows gets a mapping of
+ * its own, populated. Either way the caller calls pool_extent_unmap
+ * before the block is committed or dropped.
  */
+#define POOL_WINDOW_BYTES (UINT64_C(64) << 20)
+
 struct pool_mapping {
 	void *base;
 	size_t length;

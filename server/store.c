@@ -2124,6 +2124,7 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 		pool_extent_map(store->pool, key_offset,
 				value_offset + value_count.compressed - key_offset, &mapping);
 	uint8_t *value_out = key_out ? key_out + (value_offset - key_offset) : NULL;
+	bool in_place = key_out != NULL;
 	owned = false;
 	if (!key_out) {
 		key_out = scratch_get(key_count.compressed + value_count.compressed, &owned);
@@ -2134,19 +2135,20 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 		}
 		value_out = key_out + key_count.compressed;
 	}
-	bool sink = reserved == 0 && !mapping.base;
+	bool sink = reserved == 0 && !in_place;
 	struct extent_sink key_at = { store->pool, key_offset };
 	struct extent_sink value_at = { store->pool, value_offset };
 	const struct codec_sink key_sink = { extent_sink_write, &key_at };
 	const struct codec_sink value_sink = { extent_sink_write, &value_at };
-	int64_t written = codec_fanout_compress(&store->codec, ZC_TENSOR_KEYS, &key_shape, keys,
-						key_strides, scores, key_out, key_count.compressed,
-						sink ? &key_sink : NULL);
-	if (written >= 0)
-		written = codec_fanout_compress(&store->codec, ZC_TENSOR_VALUES, &value_shape,
-						values, value_strides, NULL, value_out,
-						value_count.compressed, sink ? &value_sink : NULL);
-	rc = written < 0 ? (int)written : reserved;
+	const struct codec_fanout_tensor pair[2] = {
+		{ ZC_TENSOR_KEYS, key_shape, keys, key_strides, scores, key_out,
+		  key_count.compressed, sink ? &key_sink : NULL },
+		{ ZC_TENSOR_VALUES, value_shape, values, value_strides, NULL, value_out,
+		  value_count.compressed, sink ? &value_sink : NULL },
+	};
+	rc = codec_fanout_compress_block(&store->codec, pair, 2);
+	if (rc == 0)
+		rc = reserved;
 	if (rc < 0 && reserved == 0)
 		pool_unref(store->pool, key_offset);
 	if (rc == 0)
@@ -2154,16 +2156,15 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 	if (rc == 0 && views_full(store)) {
 		zc_strides key_view_strides = view_strides(h, h->head_dim_k);
 		zc_strides value_view_strides = view_strides(h, h->head_dim_v);
-		rc = codec_fanout_reconstruct(&store->codec, ZC_TENSOR_KEYS, &key_shape, key_out,
-					      key_count.compressed,
-					      key_view(store, layer) + (size_t)first_token * h->head_dim_k,
-					      &key_view_strides);
-		if (rc == 0)
-			rc = codec_fanout_reconstruct(&store->codec, ZC_TENSOR_VALUES, &value_shape,
-						      value_out, value_count.compressed,
-						      value_view(store, layer) +
-							      (size_t)first_token * h->head_dim_v,
-						      &value_view_strides);
+		const struct codec_fanout_view views[2] = {
+			{ ZC_TENSOR_KEYS, key_shape, key_out, key_count.compressed,
+			  key_view(store, layer) + (size_t)first_token * h->head_dim_k,
+			  &key_view_strides },
+			{ ZC_TENSOR_VALUES, value_shape, value_out, value_count.compressed,
+			  value_view(store, layer) + (size_t)first_token * h->head_dim_v,
+			  &value_view_strides },
+		};
+		rc = codec_fanout_reconstruct_block(&store->codec, views, 2);
 		if (rc < 0) {
 			/* Rows of the view may hold the half-written reconstruction. */
 			view_valid_set(store, layer, false);

@@ -2,7 +2,8 @@
  * server/codec_fanout.c: a block's codec work split by heads between
  * threads gives the bytes, the reconstruction and the error codes of one
  * call of the codec, for every thread count, batch and head count, keys
- * by norm and by caller's scores, values quantized and exact.
+ * by norm and by caller's scores, values quantized and exact; a block's
+ * keys and values in one go give what the calls in turn give.
  */
 #include <check.h>
 #include <errno.h>
@@ -286,6 +287,189 @@ START_TEST(errors_are_one_calls)
 }
 END_TEST
 
+/* A block's keys and values through one call of the block functions give
+ * each tensor's bytes and reconstruction as the codec's own calls, for
+ * every thread count, also when only one of them is large enough for the
+ * threads (values of a smaller head dim). */
+static void pair_case(const zc_codec_config *config, const struct shape_case *s,
+		      uint32_t value_dim)
+{
+	const struct shape_case vs_case = { s->batch, s->heads, s->tokens, value_dim };
+	const struct shape_case *cases[2] = { s, &vs_case };
+	const zc_tensor tensors[2] = { ZC_TENSOR_KEYS, ZC_TENSOR_VALUES };
+	zc_block_shape shape[2];
+	zc_strides in[2], vs[2];
+	uint16_t *input[2], *want_view[2], *got_view[2];
+	uint8_t *want[2], *got[2];
+	zc_byte_count count[2];
+	size_t view_elements[2], at[2];
+	for (int t = 0; t < 2; t++) {
+		const struct shape_case *c = cases[t];
+		shape[t] = (zc_block_shape){ c->batch, c->heads, c->tokens, c->dim };
+		in[t] = input_strides(c);
+		vs[t] = view_strides(c);
+		input[t] = rows_make(c->batch * in[t].batch, c->dim);
+		ck_assert_int_eq(zc_block_count_bytes(config, tensors[t], &shape[t], &count[t]), 0);
+		view_elements[t] = c->batch * vs[t].batch;
+		at[t] = (size_t)(c->tokens / 2) * c->dim;
+		want[t] = malloc(count[t].compressed);
+		got[t] = malloc(count[t].compressed);
+		want_view[t] = calloc(view_elements[t], 2);
+		got_view[t] = malloc(view_elements[t] * 2);
+		ck_assert(want[t] && got[t] && want_view[t] && got_view[t]);
+		ck_assert_int_eq(zc_block_compress_strided(config, tensors[t], &shape[t], input[t],
+							   &in[t], want[t], count[t].compressed),
+				 (int64_t)count[t].compressed);
+		ck_assert_int_eq(zc_block_reconstruct(config, tensors[t], &shape[t], want[t],
+						      count[t].compressed, want_view[t] + at[t],
+						      &vs[t]),
+				 0);
+	}
+	for (unsigned threads = 1; threads <= 5; threads++) {
+		codec_fanout_set_threads(threads);
+		struct copy_sink sinks[2];
+		struct codec_sink sink[2];
+		struct codec_fanout_tensor pair[2];
+		struct codec_fanout_view views[2];
+		for (int t = 0; t < 2; t++) {
+			memset(got[t], 0xa5, count[t].compressed);
+			memset(got_view[t], 0, view_elements[t] * 2);
+			sinks[t] = (struct copy_sink){ .bytes = malloc(count[t].compressed),
+						       .size = count[t].compressed };
+			ck_assert_ptr_nonnull(sinks[t].bytes);
+			pthread_mutex_init(&sinks[t].lock, NULL);
+			sink[t] = (struct codec_sink){ copy_sink_write, &sinks[t] };
+			pair[t] = (struct codec_fanout_tensor){ tensors[t], shape[t], input[t], &in[t],
+								NULL, got[t], count[t].compressed,
+								&sink[t] };
+			views[t] = (struct codec_fanout_view){ tensors[t], shape[t], got[t],
+							       count[t].compressed,
+							       got_view[t] + at[t], &vs[t] };
+		}
+		ck_assert_int_eq(codec_fanout_compress_block(config, pair, 2), 0);
+		ck_assert_int_eq(codec_fanout_reconstruct_block(config, views, 2), 0);
+		for (int t = 0; t < 2; t++) {
+			ck_assert_mem_eq(got[t], want[t], count[t].compressed);
+			ck_assert_uint_eq(sinks[t].written, count[t].compressed);
+			ck_assert_mem_eq(sinks[t].bytes, want[t], count[t].compressed);
+			ck_assert_mem_eq(got_view[t], want_view[t], view_elements[t] * 2);
+		}
+		/* The values' sink failing is the block's error. */
+		sinks[1].fail_at = sinks[1].calls + 1;
+		ck_assert_int_eq(codec_fanout_compress_block(config, pair, 2), -EIO);
+		for (int t = 0; t < 2; t++) {
+			pthread_mutex_destroy(&sinks[t].lock);
+			free(sinks[t].bytes);
+		}
+	}
+	codec_fanout_set_threads(1);
+	for (int t = 0; t < 2; t++) {
+		free(input[t]);
+		free(want[t]);
+		free(got[t]);
+		free(want_view[t]);
+		free(got_view[t]);
+	}
+}
+
+START_TEST(block_is_its_tensors_in_turn)
+{
+	zc_codec_config config;
+	zc_codec_config_default(&config);
+	pair_case(&config, &shapes[0], 128);
+	pair_case(&config, &shapes[1], 64);   /* values below the threshold */
+	pair_case(&config, &shapes[2], 96);
+	zc_codec_config exact_values = config;
+	exact_values.quantize_values = false;
+	pair_case(&exact_values, &shapes[3], 64);
+}
+END_TEST
+
+/* A block's error is the first one its tensors in turn, head by head,
+ * would meet, whichever thread meets which, however often it runs. */
+START_TEST(block_errors_are_the_first_in_turn)
+{
+	zc_codec_config config;
+	zc_codec_config_default(&config);
+	const struct shape_case s = { 2, 4, 1024, 128 };
+	zc_block_shape shape = { s.batch, s.heads, s.tokens, s.dim };
+	zc_strides in = input_strides(&s);
+	size_t elements = s.batch * in.batch;
+	uint16_t *keys = rows_make(elements, s.dim), *values = rows_make(elements, s.dim);
+	size_t n_scores = (size_t)s.batch * s.heads * s.tokens;
+	float *scores = calloc(n_scores, sizeof(float));
+	zc_byte_count count, value_count;
+	ck_assert_int_eq(zc_block_count_bytes(&config, ZC_TENSOR_KEYS, &shape, &count), 0);
+	ck_assert_int_eq(zc_block_count_bytes(&config, ZC_TENSOR_VALUES, &shape, &value_count), 0);
+	uint8_t *key_out = malloc(count.compressed), *value_out = malloc(value_count.compressed);
+	ck_assert(keys && values && scores && key_out && value_out);
+	const struct codec_fanout_tensor pair[2] = {
+		{ ZC_TENSOR_KEYS, shape, keys, &in, scores, key_out, count.compressed, NULL },
+		{ ZC_TENSOR_VALUES, shape, values, &in, NULL, value_out, value_count.compressed,
+		  NULL },
+	};
+	/* Flat head (b, h) starts at b * in.batch + h * in.head. */
+	size_t last_head = (s.batch - 1) * in.batch + (size_t)(s.heads - 1) * in.head;
+	size_t second_head = in.head;
+	for (unsigned threads = 1; threads <= 5; threads++) {
+		codec_fanout_set_threads(threads);
+		for (int round = 0; round < 8; round++) {
+			/* A bad score in the keys' last head, a NaN in the values'
+			 * first: the keys' error. */
+			scores[n_scores - 1] = -1.0f;
+			values[3] = 0x7e00;
+			ck_assert_int_eq(codec_fanout_compress_block(&config, pair, 2), ZC_EINVALID);
+			/* Keys fine: the values' error. */
+			scores[n_scores - 1] = 0.0f;
+			ck_assert_int_eq(codec_fanout_compress_block(&config, pair, 2),
+					 ZC_ENONFINITE);
+			/* Within the keys, the lower head's: an Inf in head 1
+			 * before the bad score in the last. */
+			values[3] = 0;
+			keys[second_head + 5] = 0x7c00;
+			scores[n_scores - 1] = -1.0f;
+			ck_assert_int_eq(codec_fanout_compress_block(&config, pair, 2),
+					 ZC_ENONFINITE);
+			keys[second_head + 5] = 0;
+			scores[n_scores - 1] = 0.0f;
+			/* Only the values' last head. */
+			values[last_head + 9] = 0xfc00;
+			ck_assert_int_eq(codec_fanout_compress_block(&config, pair, 2),
+					 ZC_ENONFINITE);
+			values[last_head + 9] = 0;
+			ck_assert_int_eq(codec_fanout_compress_block(&config, pair, 2), 0);
+		}
+	}
+	/* Reconstruction: the keys' wrong size before the values' corrupt
+	 * mask; then the mask alone. */
+	ck_assert_int_eq(codec_fanout_compress_block(&config, pair, 2), 0);
+	zc_block_layout layout;
+	ck_assert_int_eq(zc_block_layout_compute(&config, ZC_TENSOR_VALUES, &shape, &layout), 0);
+	uint16_t *key_view = malloc(elements * 2), *value_view = malloc(elements * 2);
+	ck_assert(key_view && value_view);
+	uint8_t *mask = value_out + (layout.heads - 1) * layout.head_bytes + layout.mask_offset;
+	mask[0] ^= 1;   /* values are all salient: a clear bit is one too few */
+	struct codec_fanout_view views[2] = {
+		{ ZC_TENSOR_KEYS, shape, key_out, count.compressed - 1, key_view, &in },
+		{ ZC_TENSOR_VALUES, shape, value_out, value_count.compressed, value_view, &in },
+	};
+	codec_fanout_set_threads(3);
+	ck_assert_int_eq(codec_fanout_reconstruct_block(&config, views, 2), ZC_ECORRUPT);
+	views[0].size = count.compressed;
+	ck_assert_int_eq(codec_fanout_reconstruct_block(&config, views, 2), ZC_ECORRUPT);
+	mask[0] ^= 1;
+	ck_assert_int_eq(codec_fanout_reconstruct_block(&config, views, 2), 0);
+	codec_fanout_set_threads(1);
+	free(key_view);
+	free(value_view);
+	free(key_out);
+	free(value_out);
+	free(scores);
+	free(keys);
+	free(values);
+}
+END_TEST
+
 START_TEST(thread_count_is_bounded)
 {
 	ck_assert_uint_ge(codec_fanout_set_threads(0), 1);
@@ -303,6 +487,8 @@ static Suite *fanout_suite(void)
 	const struct test_case cases[] = {
 		{ "identity", { split_by_heads_is_one_call, NULL } },
 		{ "errors", { errors_are_one_calls, thread_count_is_bounded, NULL } },
+		{ "block", { block_is_its_tensors_in_turn, block_errors_are_the_first_in_turn,
+			     NULL } },
 	};
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);
 	return suite;

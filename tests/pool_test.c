@@ -274,6 +274,77 @@ START_TEST(write_read_round_trip)
 }
 END_TEST
 
+/* Blocks written in place: through the pool's windows, and through a
+ * mapping of their own when they straddle two; read back as written,
+ * also into space freed (punched or kept) and taken again. */
+static void write_mapped(struct pool *pool, struct blk *b, uint64_t bytes, uint32_t seed,
+			 bool *own_mapping)
+{
+	*b = (struct blk){ .key_bytes = bytes / 2, .value_bytes = bytes - bytes / 2 - 64,
+			   .seed = seed };
+	ck_assert_int_eq(pool_reserve(pool, b->key_bytes, b->value_bytes, &b->offset), 0);
+	uint64_t value_offset = pool_value_offset(b->offset, b->key_bytes);
+	uint64_t span = value_offset + b->value_bytes - b->offset;
+	struct pool_mapping mapping;
+	uint8_t *at = pool_extent_map(pool, b->offset, span, &mapping);
+	ck_assert_ptr_nonnull(at);
+	*own_mapping = mapping.base != NULL;
+	uint8_t *k = pattern(b->key_bytes, seed), *v = pattern(b->value_bytes, seed + 1000);
+	memcpy(at, k, b->key_bytes);
+	memcpy(at + (value_offset - b->offset), v, b->value_bytes);
+	pool_extent_unmap(&mapping);
+	ck_assert_ptr_null(mapping.base);
+	free(k);
+	free(v);
+}
+
+START_TEST(blocks_written_in_place_through_windows)
+{
+	struct fixture f;
+	fixture_start(&f, "pool_map");
+	pool_writes_set(POOL_WRITES_MAP);
+	/* 3 MiB blocks: the 22nd straddles the first window's end. */
+	const uint64_t bytes = UINT64_C(3) << 20;
+	enum { N = 24 };
+	struct blk b[N];
+	unsigned straddling = 0;
+	for (uint32_t i = 0; i < N; i++) {
+		bool own;
+		write_mapped(f.pool, &b[i], bytes, i + 1, &own);
+		uint64_t end = b[i].offset + pool_extent_bytes(b[i].key_bytes, b[i].value_bytes);
+		bool across = b[i].offset / POOL_WINDOW_BYTES != (end - 1) / POOL_WINDOW_BYTES;
+		ck_assert_msg(own == across, "block %u at %llu: own mapping %d, across windows %d", i,
+			      (unsigned long long)b[i].offset, own, across);
+		straddling += across;
+	}
+	ck_assert_uint_eq(straddling, 1);
+	for (uint32_t i = 0; i < N; i++)
+		assert_block_intact(f.pool, &b[i]);
+	/* Freed (every other one) and taken again, through the same window:
+	 * the new bytes, not the old pages'. */
+	for (uint32_t i = 0; i < N; i += 2)
+		pool_unref(f.pool, b[i].offset);
+	for (uint32_t i = 0; i < N; i += 2) {
+		bool own;
+		write_mapped(f.pool, &b[i], bytes, 100 + i, &own);
+	}
+	for (uint32_t i = 0; i < N; i++)
+		assert_block_intact(f.pool, &b[i]);
+	for (uint32_t i = 0; i < N; i++)
+		pool_unref(f.pool, b[i].offset);
+	assert_charge_exact(&f, f.pool);
+	pool_writes_set(POOL_WRITES_COPY);
+	/* COPY: no mapping at all. */
+	struct pool_mapping mapping;
+	uint64_t offset;
+	ck_assert_int_eq(pool_reserve(f.pool, 100, 100, &offset), 0);
+	ck_assert_ptr_null(pool_extent_map(f.pool, offset, 200, &mapping));
+	ck_assert_ptr_null(mapping.base);
+	pool_unref(f.pool, offset);
+	fixture_end(&f);
+}
+END_TEST
+
 START_TEST(last_reference_punches_and_gives_back)
 {
 	struct fixture f;
@@ -1070,7 +1141,8 @@ static Suite *pool_suite(void)
 {
 	Suite *suite = suite_create("pool");
 	const struct test_case cases[] = {
-		{ "blocks", { write_read_round_trip, last_reference_punches_and_gives_back, NULL } },
+		{ "blocks", { write_read_round_trip, last_reference_punches_and_gives_back,
+			      blocks_written_in_place_through_windows, NULL } },
 		{ "free_space", { freed_space_is_reused_first_fit, neighbours_coalesce, NULL } },
 		{ "refusals", { capacity_exhausted_takes_nothing, budget_refuses_without_taking, NULL } },
 		{ "adoption", { sweep_keeps_claims_and_frees_the_rest, overlapping_claims_are_kept_for_good,
