@@ -642,6 +642,23 @@ START_TEST(update_many_prefills_through_staging)
 	ck_assert_int_eq(zc_wait_all(service.client), 0);
 	barrier(session);
 	CHECK(session_matches, session, &model);
+	/* The same through the staging buffer, where each block is sent as
+	 * soon as it is copied: a NaN in the second of three, the first and
+	 * the third applied. */
+	for (int i = 0; i < 3; i++) {
+		block_free(&blocks[i]);
+		block_make(&blocks[i], &model, 300, &rng);
+		updates[i] = (zc_update){ (uint32_t)i + 1, 300, blocks[i].keys, blocks[i].values };
+	}
+	blocks[1].keys[77] = 0x7e00; /* NaN */
+	ck_assert_int_eq(model_update(&model, 1, 300, blocks[0].keys, blocks[0].values), 0);
+	ck_assert_int_eq(model_update(&model, 3, 300, blocks[2].keys, blocks[2].values), 0);
+	ck_assert_int_eq(zc_update_many(session, updates, 3, &done), ZC_EINVALID);
+	ck_assert_uint_eq(done, 2);
+	ck_assert_ptr_nonnull(strstr(zc_client_last_error(service.client), "layer 2"));
+	ck_assert_int_eq(zc_wait_all(service.client), 0);
+	barrier(session);
+	CHECK(session_matches, session, &model);
 	for (int i = 0; i < 8; i++)
 		block_free(&blocks[i]);
 	model_free(&model);

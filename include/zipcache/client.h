@@ -569,15 +569,18 @@ int zc_client_set_async_ring(zc_client *client, size_t bytes);
 int zc_client_async_ring(const zc_client *client, size_t *bytes, uint64_t *doorbells);
 
 /*
- * Many blocks at once (a prefill of every layer): sent in one write (up
- * to the window's worth), without a round trip per block; the daemon
- * applies them in its session's order and the replies are read together.
- * Blocks over the inline limit go through the staging buffer, in batches
- * of up to 256 MiB. Each block is applied or refused on its own, as if
- * sent alone: a refused one does not hold back those after it. *done: how
- * many were applied; returns the first refusal's code
- * (zc_client_last_error: its sentence), or 0. A broken connection stops
- * it (see Failures at the top).
+ * Many blocks at once (a prefill of every layer), without a round trip
+ * per block; the daemon applies them in its session's order. Inline
+ * blocks are sent in one write (up to the window's worth) and their
+ * replies read together. Blocks over the inline limit go through the
+ * staging buffer (batches of up to 256 MiB, each block its own region):
+ * each is sent as soon as it is copied there, at most two ahead of their
+ * replies, so the daemon compresses one while the next is copied and
+ * reads it while it is still in cache. Each block is applied or refused
+ * on its own, as if sent alone: a refused one does not hold back those
+ * after it. *done: how many were applied; returns the first refusal's
+ * code (zc_client_last_error: its sentence), or 0. A broken connection
+ * stops it (see Failures at the top).
  */
 typedef struct zc_update {
 	uint32_t layer;
