@@ -205,27 +205,41 @@ static int64_t compress_direct(const zc_codec_config *config, const struct codec
 	return n;
 }
 
+/* Adds a tensor to a block call, its heads as tasks. Returns the threads
+ * it is worth; 0 (nothing added) when it must go through the codec's own
+ * call: too small, malformed, or `bytes` not what its layout needs (at
+ * least that much to compress into, exactly that much to reconstruct). */
+static unsigned fanout_add(struct fanout *f, zc_tensor tensor, const zc_block_shape *shape,
+			   const zc_strides *strides, size_t bytes)
+{
+	zc_block_layout layout;
+	unsigned parts = parts_for(f->config, tensor, shape, strides, &layout);
+	if (parts == 0 || (f->reconstruct && parts == 1) ||
+	    (f->reconstruct ? bytes != layout.total_bytes : bytes < layout.total_bytes))
+		return 0;
+	f->work[f->n_work++] = (struct work){ .tensor = tensor, .shape = *shape,
+					      .strides = strides, .head_bytes = layout.head_bytes,
+					      .heads = layout.heads };
+	f->tasks += layout.heads;
+	f->parts = parts > f->parts ? parts : f->parts;
+	return parts;
+}
+
 int codec_fanout_compress_block(const zc_codec_config *config,
 				const struct codec_fanout_tensor *tensors, size_t n)
 {
 	struct fanout f = { .config = config };
-	unsigned parts = 0;
 	bool direct = n == 0 || n > CODEC_FANOUT_MAX_TENSORS;
 	for (size_t i = 0; i < n && !direct; i++) {
 		const struct codec_fanout_tensor *t = &tensors[i];
-		zc_block_layout layout;
-		unsigned p = parts_for(config, t->tensor, &t->shape, t->strides, &layout);
-		if (p == 0 || t->capacity < layout.total_bytes) {
-			direct = true;
-			break;
+		direct = fanout_add(&f, t->tensor, &t->shape, t->strides, t->capacity) == 0;
+		if (!direct) {
+			struct work *w = &f.work[i];
+			w->input = t->input;
+			w->scores = t->scores;
+			w->out = t->out;
+			w->sink = t->sink;
 		}
-		f.work[i] = (struct work){
-			.tensor = t->tensor, .shape = t->shape, .strides = t->strides,
-			.head_bytes = layout.head_bytes, .heads = layout.heads, .input = t->input,
-			.scores = t->scores, .out = t->out, .sink = t->sink,
-		};
-		f.tasks += layout.heads;
-		parts = p > parts ? p : parts;
 	}
 	/* A tensor the threads would not take: one tensor after the other,
 	 * the same bytes and, for a malformed call, the codec's own error. */
@@ -240,8 +254,6 @@ int codec_fanout_compress_block(const zc_codec_config *config,
 		}
 		return 0;
 	}
-	f.n_work = n;
-	f.parts = parts;
 	return fanout_run(&f);
 }
 
@@ -263,38 +275,27 @@ int codec_fanout_reconstruct_block(const zc_codec_config *config,
 				   const struct codec_fanout_view *views, size_t n)
 {
 	struct fanout f = { .config = config, .reconstruct = true };
-	unsigned parts = 0;
 	bool direct = n == 0 || n > CODEC_FANOUT_MAX_TENSORS;
 	for (size_t i = 0; i < n && !direct; i++) {
 		const struct codec_fanout_view *v = &views[i];
-		zc_block_layout layout;
-		unsigned p = parts_for(config, v->tensor, &v->shape, v->strides, &layout);
-		if (p <= 1 || v->size != layout.total_bytes) {
-			direct = true;
-			break;
+		direct = fanout_add(&f, v->tensor, &v->shape, v->strides, v->size) == 0;
+		if (!direct) {
+			f.work[i].compressed = v->compressed;
+			f.work[i].view = v->out;
 		}
-		f.work[i] = (struct work){
-			.tensor = v->tensor, .shape = v->shape, .strides = v->strides,
-			.head_bytes = layout.head_bytes, .heads = layout.heads,
-			.compressed = v->compressed, .view = v->out,
-		};
-		f.tasks += layout.heads;
-		parts = p > parts ? p : parts;
 	}
 	if (direct) {
 		for (size_t i = 0; i < n; i++) {
 			const struct codec_fanout_view *v = &views[i];
-			int rc = n == 1 ? zc_block_reconstruct(config, v->tensor, &v->shape,
-							       v->compressed, v->size, v->out,
-							       v->strides) :
-					  codec_fanout_reconstruct_block(config, v, 1);
+			int rc = n > 1 ? codec_fanout_reconstruct_block(config, v, 1) :
+					 zc_block_reconstruct(config, v->tensor, &v->shape,
+							      v->compressed, v->size, v->out,
+							      v->strides);
 			if (rc < 0)
 				return rc;
 		}
 		return 0;
 	}
-	f.n_work = n;
-	f.parts = parts;
 	return fanout_run(&f);
 }
 

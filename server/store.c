@@ -1932,9 +1932,19 @@ zc_codec_config store_codec(const struct store *store)
 /* ---- mutations ---------------------------------------------------------------- */
 
 /* A worker's buffer for one block's compressed bytes: kept between jobs
- * up to SCRATCH_KEEP_BYTES, so a decode loop's flushes allocate nothing. */
+ * up to SCRATCH_KEEP_BYTES, so a decode loop's flushes allocate nothing.
+ * The key frees it when its thread ends (libuv joins its workers at
+ * exit). */
 static _Thread_local uint8_t *scratch_kept;
 static _Thread_local uint64_t scratch_kept_bytes;
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_key_once = PTHREAD_ONCE_INIT;
+static bool scratch_key_made;
+
+static void scratch_key_make(void)
+{
+	scratch_key_made = pthread_key_create(&scratch_key, free) == 0;
+}
 
 static uint8_t *scratch_get(uint64_t bytes, bool *owned)
 {
@@ -1950,6 +1960,9 @@ static uint8_t *scratch_get(uint64_t bytes, bool *owned)
 		return NULL;
 	scratch_kept = grown;
 	scratch_kept_bytes = bytes;
+	pthread_once(&scratch_key_once, scratch_key_make);
+	if (scratch_key_made)
+		(void)pthread_setspecific(scratch_key, grown);
 	return grown;
 }
 
