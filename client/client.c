@@ -1546,13 +1546,13 @@ static int many_batch(zc_session *session, const zc_update *updates, size_t n,
 		      const uint64_t *offsets, uint8_t *staging, size_t *done)
 {
 	zc_client *client = session->client;
-	size_t used = client->unsent, reaped = 0;
+	size_t used = client->unsent, reaped = 0, queued = 0;
 	uint64_t ids[ZC_ASYNC_WINDOW];
-	int first = 0, rc;
+	int first = 0, rc = 0;
 	char first_error[sizeof(client->last_error)];
 	if (n == 0 || n > ZC_ASYNC_WINDOW)
 		return 0;
-	for (size_t i = 0; i < n; i++) {
+	for (size_t i = 0; i < n && rc == 0; i++) {
 		const zc_update *u = &updates[i];
 		uint64_t key_bytes, value_bytes;
 		block_bytes(session, u->tokens, &key_bytes, &value_bytes);
@@ -1567,14 +1567,23 @@ static int many_batch(zc_session *session, const zc_update *updates, size_t n,
 		rc = update_encode(session, u->layer, u->tokens, u->keys, u->values, offsets != NULL,
 				   offsets ? offsets[i] : 0, offsets ? offsets[i] + key_bytes : 0,
 				   &used, &ids[i]);
-		if (rc < 0)
-			return rc;
-		if (offsets) {
+		if (rc == 0 && offsets) {
+			queued = i + 1;
 			rc = async_queue(session, 0, u, used, ids[i], 1, true);
-			if (rc < 0)
-				return rc;
 			used = client->unsent;
 		}
+	}
+	if (rc < 0) {
+		/* Blocks already sent are answered before the error goes back:
+		 * their replies are theirs, and the staging regions they name
+		 * are the next batch's. */
+		char error[sizeof(client->last_error)];
+		memcpy(error, client->last_error, sizeof(error));
+		for (; reaped < queued && !client->broken; reaped++)
+			(void)many_reap(session, &updates[reaped], ids[reaped], done, &first,
+					first_error);
+		memcpy(client->last_error, error, sizeof(error));
+		return rc;
 	}
 	if (!offsets && (rc = async_queue(session, 0, updates, used, ids[0], (unsigned)n, true)) < 0)
 		return rc;

@@ -37,10 +37,14 @@ struct codec_sink {
 
 /* zc_block_compress_strided (scores NULL) or
  * zc_block_compress_scored_strided (keys, scores given), heads split
- * between threads. Same result and same codes as one thread; on an
- * error the output buffer is scratch. With a sink (else NULL), each
- * thread hands its heads' bytes on while they are still in its cache,
- * instead of one thread copying the whole payload afterwards. */
+ * between threads. The same bytes as one call, and its error codes with
+ * one exception: with the caller's scores, one call checks every head's
+ * values before any score, so a NaN in a later head wins over a bad
+ * score in an earlier one; here each head is checked whole in turn, the
+ * earlier head's error first. On an error the output buffer is scratch.
+ * With a sink (else NULL), each thread hands its heads' bytes on while
+ * they are still in its cache, instead of one thread copying the whole
+ * payload afterwards. */
 int64_t codec_fanout_compress(const zc_codec_config *config, zc_tensor tensor,
 			      const zc_block_shape *shape, const uint16_t *input,
 			      const zc_strides *strides, const float *scores, void *out,

@@ -440,8 +440,9 @@ START_TEST(block_errors_are_the_first_in_turn)
 			ck_assert_int_eq(codec_fanout_compress_block(&config, pair, 2), 0);
 		}
 	}
-	/* Reconstruction: the keys' wrong size before the values' corrupt
-	 * mask; then the mask alone. */
+	/* Reconstruction, whose one error is ZC_ECORRUPT: the keys' wrong
+	 * size (the calls in turn), then the values' corrupt mask alone (on
+	 * the threads), then nothing once it is mended. */
 	ck_assert_int_eq(codec_fanout_compress_block(&config, pair, 2), 0);
 	zc_block_layout layout;
 	ck_assert_int_eq(zc_block_layout_compute(&config, ZC_TENSOR_VALUES, &shape, &layout), 0);
