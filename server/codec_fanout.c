@@ -67,7 +67,6 @@ struct fanout {
 
 struct part {
 	struct fanout *f;
-	unsigned index;
 	int rc;
 	size_t failed;                /* the task rc came from */
 	pthread_t thread;
@@ -148,7 +147,7 @@ static int fanout_run(struct fanout *f)
 	f->next = 0;
 	f->failed = SIZE_MAX;
 	for (unsigned i = 0; i < f->parts; i++) {
-		parts[i] = (struct part){ .f = f, .index = i, .failed = SIZE_MAX };
+		parts[i] = (struct part){ .f = f, .failed = SIZE_MAX };
 		if (i > 0)
 			parts[i].started = pthread_create(&parts[i].thread, NULL, part_main,
 							  &parts[i]) == 0;

@@ -43,17 +43,9 @@
 #include "fd_write.h"
 #include "retain.h"
 #include "log.h"
+#include "pages.h"
 #include "zipcache/map.h"
 
-/* Linux 5.14; older headers lack the name. An older kernel refuses it
- * (EINVAL): the probe then finds no way to map, and blocks are copied. */
-#ifndef MADV_POPULATE_WRITE
-#define POOL_MADV_POPULATE_WRITE 23
-#else
-#define POOL_MADV_POPULATE_WRITE MADV_POPULATE_WRITE
-#endif
-
-#define PAGE_BYTES 4096u
 #define POOL_DATA_OFFSET PAGE_BYTES
 
 /*
@@ -776,7 +768,7 @@ static bool probe_once(int fd, uint8_t *scratch, uint8_t fill, double *map_us, d
 	void *base = mmap(NULL, PROBE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	if (base == MAP_FAILED)
 		return false;
-	bool ok = madvise(base, PROBE_BYTES, POOL_MADV_POPULATE_WRITE) == 0;
+	bool ok = madvise(base, PROBE_BYTES, MADV_POPULATE_WRITE) == 0;
 	if (ok)
 		memset(base, fill, PROBE_BYTES);
 	munmap(base, PROBE_BYTES);
@@ -871,7 +863,7 @@ uint8_t *pool_extent_map(struct pool *pool, uint64_t offset, uint64_t bytes,
 			  (off_t)start);
 	if (base == MAP_FAILED)
 		return NULL;
-	if (madvise(base, (size_t)length, POOL_MADV_POPULATE_WRITE) != 0) {
+	if (madvise(base, (size_t)length, MADV_POPULATE_WRITE) != 0) {
 		munmap(base, (size_t)length);
 		return NULL;
 	}

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "frame.h"
+#include "pages.h"
 #include "ring_entries.h"
 #include "ring_format.h"
 #include "staging.h"
@@ -38,13 +39,14 @@ static void on_doorbell(uv_poll_t *handle, int status, int events)
 uint64_t ring_max_bytes(uint64_t max_staging_bytes)
 {
 	uint64_t max = max_staging_bytes < RING_MAX_BYTES ? max_staging_bytes : RING_MAX_BYTES;
-	return max / 4096 * 4096 >= RING_MIN_BYTES ? max / 4096 * 4096 : 0;
+	uint64_t pages = max / PAGE_BYTES * PAGE_BYTES;
+	return pages >= RING_MIN_BYTES ? pages : 0;
 }
 
 /* The request area: what was asked, in whole pages. */
 static uint64_t capacity_of(uint64_t bytes)
 {
-	return (bytes + 4095) / 4096 * 4096;
+	return (bytes + PAGE_BYTES - 1) / PAGE_BYTES * PAGE_BYTES;
 }
 
 uint64_t ring_charge_bytes(uint64_t bytes)

@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "pages.h"
 #include "store.h"
 #include "zipcache/error.h"
 
@@ -50,9 +51,9 @@ int staging_create(uint64_t bytes, struct store_budget *memory, struct store_bud
 	struct staging *staging;
 	int rc;
 
-	if (bytes == 0 || bytes > UINT64_MAX - 4095)
+	if (bytes == 0 || bytes > UINT64_MAX - (PAGE_BYTES - 1))
 		return -EINVAL;
-	bytes = (bytes + 4095) / 4096 * 4096;
+	bytes = (bytes + PAGE_BYTES - 1) / PAGE_BYTES * PAGE_BYTES;
 	if ((rc = staging_charge(memory, quota, bytes)) < 0)
 		return rc;
 	rc = -ENOMEM;

@@ -32,10 +32,9 @@
 #include "fault.h"
 #include "fd_write.h"
 #include "log.h"
+#include "pages.h"
 #include "pool.h"
 #include "retain.h"
-
-#define PAGE_BYTES 4096u
 
 /* Views are reserved this many tokens ahead: one fallocate per head
  * every 256 decode steps instead of one per step. */
@@ -365,10 +364,6 @@ struct pool *store_pool(const struct store *store)
 {
 	return store->pool;
 }
-
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23   /* Linux 5.14; older kernels answer EINVAL */
-#endif
 
 /* The daemon writes reserved pages through its own mappings (residual
  * rows, views). Mapping them when they are reserved, one call per range,
