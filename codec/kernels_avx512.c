@@ -118,6 +118,37 @@ static int avx512_row_norms(const uint16_t *rows, size_t n_rows, size_t dim, flo
 	return bad ? ZC_ENONFINITE : 0;
 }
 
+/*
+ * The contract's quotient q = fl(a / scale16) for the code's rounding,
+ * with a multiply by fl(1 / scale16) instead of a division, which is 5
+ * to 10 times slower and bounded the encode loops. f = fl(a * inv) is
+ * within 3u (u = 2^-24) of a / scale16 relative, and so is q: for
+ * f < 512, |f - q| < 1536.001 * 2^-24 < 2^-13. So when f is more than
+ * 2^-13 from every half-integer, q lies on the same side of each and
+ * rounds to the same integer (no tie either). For f >= 512 both are
+ * above any code (max 255) and clamp alike; NaN and Inf only come from
+ * scale16 == 0, whose lanes are capped at code 0. The lanes near a half
+ * (about 1 in 4096) are divided for real.
+ */
+#define NEAR_HALF (0.5f - 0x1p-13f)
+
+static inline __attribute__((always_inline)) __m512 recip16(__m512 scale)
+{
+	return _mm512_div_ps(_mm512_set1_ps(1.0f), scale);
+}
+
+static inline __attribute__((always_inline)) __m512
+quotient16(__m512 a, __m512 scale, __m512 inv)
+{
+	__m512 f = _mm512_mul_ps(a, inv);
+	/* f - rne(f), exact; 0x08: round to nearest, no precision flag. */
+	__m512 frac = _mm512_abs_ps(_mm512_reduce_ps(f, 0x08));
+	__mmask16 near = _mm512_cmp_ps_mask(frac, _mm512_set1_ps(NEAR_HALF), _CMP_GE_OQ);
+	if (__builtin_expect(near != 0, 0))
+		f = _mm512_mask_div_ps(f, near, a, scale);
+	return f;
+}
+
 /* Channels per pass of group_params and reconstruct: 8 vectors, all of a
  * D = 128 head, each with its own independent min/max chain. */
 #define PARAMS_VECTORS 8
@@ -284,13 +315,14 @@ static void avx512_group_quantize(const uint16_t *head, const uint32_t *rows, si
 	/* Channels outer, rows inner: each vector's scale and min are
 	 * widened once per group instead of once per row. */
 	for (size_t c0 = 0; c0 < dim; c0 += 16 * QUANT_VECTORS) {
-		__m512 scale[QUANT_VECTORS], min[QUANT_VECTORS];
+		__m512 scale[QUANT_VECTORS], inv[QUANT_VECTORS], min[QUANT_VECTORS];
 		__mmask16 mask[QUANT_VECTORS], flat[QUANT_VECTORS];
 		_Pragma("GCC unroll 4")
 		for (int v = 0; v < QUANT_VECTORS; v++) {
 			size_t c = c0 + 16 * (size_t)v;
 			mask[v] = c < dim ? tail_mask16(dim - c) : 0;
 			scale[v] = load_fp16x16(scales + 2 * c, mask[v]);
+			inv[v] = recip16(scale[v]);
 			min[v] = load_fp16x16(mins + 2 * c, mask[v]);
 			flat[v] = _mm512_cmp_ps_mask(scale[v], zero, _CMP_EQ_OQ);
 		}
@@ -300,7 +332,7 @@ static void avx512_group_quantize(const uint16_t *head, const uint32_t *rows, si
 			_Pragma("GCC unroll 4")
 			for (int v = 0; v < QUANT_VECTORS; v++) {
 				__m512 x = load_fp16x16(row + 16 * v, mask[v]);
-				__m512 q = _mm512_div_ps(_mm512_sub_ps(x, min[v]), scale[v]);
+				__m512 q = quotient16(_mm512_sub_ps(x, min[v]), scale[v], inv[v]);
 				q = _mm512_roundscale_ps(q, ROUND_NEAREST);
 				q = _mm512_max_ps(q, zero);
 				q = _mm512_min_ps(q, max_code);
@@ -838,7 +870,7 @@ pack64(const struct encode_tables *t, enum pack_kind kind, __m512i q0, __m512i q
 
 /* One group's params for ENCODE_VECTORS vectors, widened once. */
 struct encode_params {
-	__m512 scale[ENCODE_VECTORS], min[ENCODE_VECTORS];
+	__m512 scale[ENCODE_VECTORS], inv[ENCODE_VECTORS], min[ENCODE_VECTORS];
 	__m512i cap[ENCODE_VECTORS];
 	__mmask16 mask[ENCODE_VECTORS];
 };
@@ -863,7 +895,7 @@ encode_row(const struct encode_params *p, const struct encode_tables *t, enum pa
 		for (int v = 0; v < 4; v++) {
 			int u = 4 * h + v;
 			__m512 x = load_fp16x16(row + 16 * u, p->mask[u]);
-			__m512 f = _mm512_div_ps(_mm512_sub_ps(x, p->min[u]), p->scale[u]);
+			__m512 f = quotient16(_mm512_sub_ps(x, p->min[u]), p->scale[u], p->inv[u]);
 			q[v] = _mm512_min_epu32(_mm512_cvt_roundps_epi32(f, ROUND_NEAREST), p->cap[u]);
 		}
 		__m512i packed = pack64(t, kind, q[0], q[1], q[2], q[3]);
@@ -941,6 +973,7 @@ static VBMI void vbmi_group_encode(const uint16_t *head, const uint32_t *rows, s
 			size_t c = c0 + 16 * (size_t)v;
 			p.mask[v] = c < dim ? tail_mask16(dim - c) : 0;
 			p.scale[v] = load_fp16x16(scales + 2 * c, p.mask[v]);
+			p.inv[v] = recip16(p.scale[v]);
 			p.min[v] = load_fp16x16(mins + 2 * c, p.mask[v]);
 			__mmask16 flat = _mm512_cmp_ps_mask(p.scale[v], zero, _CMP_EQ_OQ);
 			p.cap[v] = _mm512_maskz_mov_epi32(p.mask[v] & ~flat, max_code);

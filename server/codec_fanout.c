@@ -45,7 +45,8 @@ struct work {
 	uint8_t *out;
 	const struct codec_sink *sink;
 	const uint8_t *compressed;    /* reconstruct */
-	uint16_t *view;
+	uint16_t *view;               /* reconstruct, or compress with a view */
+	const zc_strides *view_strides;
 };
 
 /*
@@ -97,6 +98,12 @@ static int run_span(const zc_codec_config *config, const struct work *w, size_t 
 	if (rc >= 0 && w->sink)
 		rc = w->sink->write(w->sink->ctx, first * w->head_bytes,
 				    w->out + first * w->head_bytes, bytes);
+	if (rc >= 0 && w->view)
+		rc = zc_block_reconstruct(config, w->tensor, &one, w->out + first * w->head_bytes,
+					  bytes,
+					  w->view + b * w->view_strides->batch +
+						  hh * w->view_strides->head,
+					  w->view_strides);
 	return rc < 0 ? (int)rc : 0;
 }
 
@@ -201,6 +208,12 @@ static int64_t compress_direct(const zc_codec_config *config, const struct codec
 		if (rc < 0)
 			return rc;
 	}
+	if (n > 0 && t->view) {
+		int rc = zc_block_reconstruct(config, t->tensor, &t->shape, t->out, (size_t)n,
+					      t->view, t->view_strides);
+		if (rc < 0)
+			return rc;
+	}
 	return n;
 }
 
@@ -224,6 +237,8 @@ static unsigned fanout_add(struct fanout *f, zc_tensor tensor, const zc_block_sh
 	return parts;
 }
 
+static int64_t compress_one(const zc_codec_config *config, const struct codec_fanout_tensor *t);
+
 int codec_fanout_compress_block(const zc_codec_config *config,
 				const struct codec_fanout_tensor *tensors, size_t n)
 {
@@ -238,16 +253,15 @@ int codec_fanout_compress_block(const zc_codec_config *config,
 			w->scores = t->scores;
 			w->out = t->out;
 			w->sink = t->sink;
+			w->view = t->view;
+			w->view_strides = t->view_strides;
 		}
 	}
 	/* A tensor the threads would not take: one tensor after the other,
 	 * the same bytes and, for a malformed call, the codec's own error. */
 	if (direct) {
 		for (size_t i = 0; i < n; i++) {
-			const struct codec_fanout_tensor *t = &tensors[i];
-			int64_t rc = codec_fanout_compress(config, t->tensor, &t->shape, t->input,
-							   t->strides, t->scores, t->out,
-							   t->capacity, t->sink);
+			int64_t rc = compress_one(config, &tensors[i]);
 			if (rc < 0)
 				return (int)rc;
 		}
@@ -256,18 +270,25 @@ int codec_fanout_compress_block(const zc_codec_config *config,
 	return fanout_run(&f);
 }
 
+/* One tensor: on threads if it is worth them, else the codec's own call. */
+static int64_t compress_one(const zc_codec_config *config, const struct codec_fanout_tensor *t)
+{
+	zc_block_layout layout;
+	if (parts_for(config, t->tensor, &t->shape, t->strides, &layout) == 0 ||
+	    t->capacity < layout.total_bytes)
+		return compress_direct(config, t);
+	int rc = codec_fanout_compress_block(config, t, 1);
+	return rc < 0 ? rc : (int64_t)layout.total_bytes;
+}
+
 int64_t codec_fanout_compress(const zc_codec_config *config, zc_tensor tensor,
 			      const zc_block_shape *shape, const uint16_t *input,
 			      const zc_strides *strides, const float *scores, void *out,
 			      size_t capacity, const struct codec_sink *sink)
 {
 	const struct codec_fanout_tensor t = { tensor, *shape, input, strides, scores,
-					       out, capacity, sink };
-	zc_block_layout layout;
-	if (parts_for(config, tensor, shape, strides, &layout) == 0 || capacity < layout.total_bytes)
-		return compress_direct(config, &t);
-	int rc = codec_fanout_compress_block(config, &t, 1);
-	return rc < 0 ? rc : (int64_t)layout.total_bytes;
+					       out, capacity, sink, NULL, NULL };
+	return compress_one(config, &t);
 }
 
 int codec_fanout_reconstruct_block(const zc_codec_config *config,

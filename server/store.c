@@ -2148,37 +2148,34 @@ static int block_append(struct store *store, uint32_t layer, struct layer_state 
 	struct extent_sink value_at = { store->pool, value_offset };
 	const struct codec_sink key_sink = { extent_sink_write, &key_at };
 	const struct codec_sink value_sink = { extent_sink_write, &value_at };
+	/* Each head is reconstructed into the views right after it is
+	 * compressed, while its bytes are in cache; only with an extent, so
+	 * that a full pool leaves the views alone. */
+	bool views = reserved == 0 && views_full(store);
+	zc_strides key_view_strides = view_strides(h, h->head_dim_k);
+	zc_strides value_view_strides = view_strides(h, h->head_dim_v);
 	const struct codec_fanout_tensor pair[2] = {
 		{ ZC_TENSOR_KEYS, key_shape, keys, key_strides, scores, key_out,
-		  key_count.compressed, sink ? &key_sink : NULL },
+		  key_count.compressed, sink ? &key_sink : NULL,
+		  views ? key_view(store, layer) + (size_t)first_token * h->head_dim_k : NULL,
+		  &key_view_strides },
 		{ ZC_TENSOR_VALUES, value_shape, values, value_strides, NULL, value_out,
-		  value_count.compressed, sink ? &value_sink : NULL },
+		  value_count.compressed, sink ? &value_sink : NULL,
+		  views ? value_view(store, layer) + (size_t)first_token * h->head_dim_v : NULL,
+		  &value_view_strides },
 	};
 	rc = codec_fanout_compress_block(&store->codec, pair, 2);
 	if (rc == 0)
 		rc = reserved;
 	if (rc < 0 && reserved == 0)
 		pool_unref(store->pool, key_offset);
+	/* Rows of the view past the layer's tokens hold nothing yet; rows
+	 * before them (a residual being flushed) may now hold part of a
+	 * reconstruction the layer will not have. */
+	if (rc < 0 && views && first_token < store->layer[layer].tokens)
+		view_valid_set(store, layer, false);
 	if (rc == 0)
 		fault_point("pool.write");
-	if (rc == 0 && views_full(store)) {
-		zc_strides key_view_strides = view_strides(h, h->head_dim_k);
-		zc_strides value_view_strides = view_strides(h, h->head_dim_v);
-		const struct codec_fanout_view views[2] = {
-			{ ZC_TENSOR_KEYS, key_shape, key_out, key_count.compressed,
-			  key_view(store, layer) + (size_t)first_token * h->head_dim_k,
-			  &key_view_strides },
-			{ ZC_TENSOR_VALUES, value_shape, value_out, value_count.compressed,
-			  value_view(store, layer) + (size_t)first_token * h->head_dim_v,
-			  &value_view_strides },
-		};
-		rc = codec_fanout_reconstruct_block(&store->codec, views, 2);
-		if (rc < 0) {
-			/* Rows of the view may hold the half-written reconstruction. */
-			view_valid_set(store, layer, false);
-			pool_unref(store->pool, key_offset);
-		}
-	}
 	scratch_put(key_out, owned);
 	pool_extent_unmap(&mapping);
 	if (rc < 0)

@@ -341,7 +341,7 @@ static void pair_case(const zc_codec_config *config, const struct shape_case *s,
 			sink[t] = (struct codec_sink){ copy_sink_write, &sinks[t] };
 			pair[t] = (struct codec_fanout_tensor){ tensors[t], shape[t], input[t], &in[t],
 								NULL, got[t], count[t].compressed,
-								&sink[t] };
+								&sink[t], NULL, NULL };
 			views[t] = (struct codec_fanout_view){ tensors[t], shape[t], got[t],
 							       count[t].compressed,
 							       got_view[t] + at[t], &vs[t] };
@@ -353,6 +353,21 @@ static void pair_case(const zc_codec_config *config, const struct shape_case *s,
 			ck_assert_uint_eq(sinks[t].written, count[t].compressed);
 			ck_assert_mem_eq(sinks[t].bytes, want[t], count[t].compressed);
 			ck_assert_mem_eq(got_view[t], want_view[t], view_elements[t] * 2);
+		}
+		/* With views: each head reconstructed as it is compressed writes
+		 * what the second pass wrote, and nothing outside the block's rows. */
+		for (int t = 0; t < 2; t++) {
+			memset(got[t], 0xa5, count[t].compressed);
+			memset(got_view[t], 0, view_elements[t] * 2);
+			pair[t].view = got_view[t] + at[t];
+			pair[t].view_strides = &vs[t];
+		}
+		ck_assert_int_eq(codec_fanout_compress_block(config, pair, 2), 0);
+		for (int t = 0; t < 2; t++) {
+			ck_assert_mem_eq(got[t], want[t], count[t].compressed);
+			ck_assert_mem_eq(sinks[t].bytes, want[t], count[t].compressed);
+			ck_assert_mem_eq(got_view[t], want_view[t], view_elements[t] * 2);
+			pair[t].view = NULL;
 		}
 		/* The values' sink failing is the block's error. */
 		sinks[1].fail_at = sinks[1].calls + 1;
@@ -382,6 +397,7 @@ START_TEST(block_is_its_tensors_in_turn)
 	zc_codec_config exact_values = config;
 	exact_values.quantize_values = false;
 	pair_case(&exact_values, &shapes[3], 64);
+	pair_case(&config, &shapes[5], 32);   /* both below: the codec's own calls */
 }
 END_TEST
 
@@ -404,9 +420,10 @@ START_TEST(block_errors_are_the_first_in_turn)
 	uint8_t *key_out = malloc(count.compressed), *value_out = malloc(value_count.compressed);
 	ck_assert(keys && values && scores && key_out && value_out);
 	const struct codec_fanout_tensor pair[2] = {
-		{ ZC_TENSOR_KEYS, shape, keys, &in, scores, key_out, count.compressed, NULL },
-		{ ZC_TENSOR_VALUES, shape, values, &in, NULL, value_out, value_count.compressed,
+		{ ZC_TENSOR_KEYS, shape, keys, &in, scores, key_out, count.compressed, NULL, NULL,
 		  NULL },
+		{ ZC_TENSOR_VALUES, shape, values, &in, NULL, value_out, value_count.compressed,
+		  NULL, NULL, NULL },
 	};
 	/* Flat head (b, h) starts at b * in.batch + h * in.head. */
 	size_t last_head = (s.batch - 1) * in.batch + (size_t)(s.heads - 1) * in.head;
