@@ -9,6 +9,8 @@
 
 struct spare_map {
 	int fd;
+	void *base;             /* the daemon's mapping, or NULL */
+	retain_unmap_fn unmap;
 	uint64_t map_bytes, allocated;
 	uint32_t uid;
 	struct store_budget *budget;
@@ -87,21 +89,24 @@ static uint64_t map_free_locked(unsigned i)
 {
 	struct spare_map m = maps[i];
 	maps[i] = maps[--n_maps];
+	if (m.base)
+		m.unmap(m.base, m.map_bytes);
 	close(m.fd);
 	store_budget_give(m.budget, m.allocated);
 	retain_give(m.allocated);
 	return m.allocated;
 }
 
-bool retain_map_put(int fd, uint64_t map_bytes, uint64_t allocated, uint32_t uid,
-		    struct store_budget *budget)
+bool retain_map_put(int fd, void *base, retain_unmap_fn unmap, uint64_t map_bytes,
+		    uint64_t allocated, uint32_t uid, struct store_budget *budget)
 {
 	if (allocated < RETAIN_MIN_MAP_BYTES)
 		return false;
 	pthread_mutex_lock(&maps_lock);
 	bool kept = false;
 	if (n_maps < RETAIN_MAX_MAPS && retain_take(allocated)) {
-		maps[n_maps++] = (struct spare_map){ .fd = fd, .map_bytes = map_bytes,
+		maps[n_maps++] = (struct spare_map){ .fd = fd, .base = base, .unmap = unmap,
+						     .map_bytes = map_bytes,
 						     .allocated = allocated, .uid = uid,
 						     .budget = budget };
 		kept = true;
@@ -113,9 +118,10 @@ bool retain_map_put(int fd, uint64_t map_bytes, uint64_t allocated, uint32_t uid
 }
 
 int retain_map_get(uint64_t map_bytes, uint32_t uid, struct store_budget *budget,
-		   uint64_t *allocated)
+		   uint64_t *allocated, void **base)
 {
 	int fd = -1;
+	*base = NULL;
 	pthread_mutex_lock(&maps_lock);
 	/* The newest first: its pages are the likeliest still in cache. */
 	for (unsigned i = n_maps; i-- > 0;) {
@@ -134,6 +140,7 @@ int retain_map_get(uint64_t map_bytes, uint32_t uid, struct store_budget *budget
 		retain_give(m.allocated);
 		__atomic_fetch_add(&map_reuses, 1, __ATOMIC_RELAXED);
 		*allocated = m.allocated;
+		*base = m.base;
 		fd = m.fd;
 		break;
 	}

@@ -57,24 +57,33 @@ uint64_t retain_map_reuses(void);
 void retain_count_extent_reuse(void);
 uint64_t retain_extent_reuses(void);
 
+/* Lets go of a retained map's daemon mapping (munmap, and the address
+ * space it was charged), when the map is freed instead of reused. */
+typedef void (*retain_unmap_fn)(void *base, uint64_t map_bytes);
+
 /*
  * Keeps a closed session's map memfd `fd` (`map_bytes` long, `allocated`
- * bytes of pages, charged to `budget`, owned by uid). On true the
- * descriptor and the charge are the retained set's; on false (the bound,
- * the count, or too small) nothing was taken and the caller frees both.
+ * bytes of pages, charged to `budget`, owned by uid) and the daemon's
+ * mapping of it, `base` (or NULL), so that the next session finds the
+ * page tables of its views built: mapping them afresh costs a fault or a
+ * populate per page on that session's prefill. On true the descriptor,
+ * the mapping and the charge are the retained set's (`unmap` lets go of
+ * the mapping if the map is freed); on false (the bound, the count, or
+ * too small) nothing was taken and the caller frees all three.
  */
-bool retain_map_put(int fd, uint64_t map_bytes, uint64_t allocated, uint32_t uid,
-		    struct store_budget *budget);
+bool retain_map_put(int fd, void *base, retain_unmap_fn unmap, uint64_t map_bytes,
+		    uint64_t allocated, uint32_t uid, struct store_budget *budget);
 
 /*
  * A retained map of exactly `map_bytes` for uid, its charge moved to
  * `budget` (taken there when it is another budget: when that refuses, the
  * map is freed and none is returned). Returns the descriptor (sealed,
  * mode 0400, its pages stale bytes of the closed session) with
- * *allocated its pages, or -1.
+ * *allocated its pages and *base its mapping (the caller's now, with
+ * what it was charged; NULL if it came without one), or -1.
  */
 int retain_map_get(uint64_t map_bytes, uint32_t uid, struct store_budget *budget,
-		   uint64_t *allocated);
+		   uint64_t *allocated, void **base);
 
 /* Frees retained maps (all uids', or uid's alone) until about `wanted`
  * bytes came back; returns the bytes freed. */

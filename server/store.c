@@ -109,6 +109,9 @@ struct store {
 	 * rebuilt after adoption. */
 	int map_fd;
 	uint8_t *map_base;
+	/* map_base came with a retained map: the pages the map holds are in
+	 * its page tables already (see reserve_populate). */
+	bool map_warm;
 	zc_map_header *map;
 	zc_map_header layout;             /* private copy of the map's layout */
 	struct store_header *header;      /* private copy: shape, codec, layout */
@@ -151,7 +154,7 @@ uint64_t store_mapped_bytes_total(void)
 }
 
 /* Takes address space for a mapping, or refuses without taking any. */
-static int map_take(uint64_t bytes)
+static int map_try(uint64_t bytes)
 {
 	uint64_t used = __atomic_load_n(&mapped_total, __ATOMIC_RELAXED);
 	do {
@@ -160,6 +163,16 @@ static int map_take(uint64_t bytes)
 	} while (!__atomic_compare_exchange_n(&mapped_total, &used, used + bytes, true,
 					      __ATOMIC_RELAXED, __ATOMIC_RELAXED));
 	return 0;
+}
+
+/* map_try; over the bound, the mappings retained maps keep (retain.h)
+ * go first, pages and all, as they do under memory pressure. */
+static int map_take(uint64_t bytes)
+{
+	int rc = map_try(bytes);
+	if (rc < 0 && retain_maps_release(true, 0, bytes) > 0)
+		rc = map_try(bytes);
+	return rc;
 }
 
 static void map_give(uint64_t bytes)
@@ -369,11 +382,14 @@ struct pool *store_pool(const struct store *store)
  * rows, views). Mapping them when they are reserved, one call per range,
  * takes the first-touch fault off the decode step that writes each page
  * (about one fault per step otherwise). A refusal only leaves the faults
- * where they were. */
-static void reserve_populate(struct store *store, int fd, uint64_t start, uint64_t end)
+ * where they were. Pages a retained map brought along are mapped already,
+ * unless the file grew (`grew`): walking their tables again is skipped. */
+static void reserve_populate(struct store *store, int fd, uint64_t start, uint64_t end, bool grew)
 {
 	uint8_t *base = NULL;
 	uint64_t bytes = 0;
+	if (!grew && fd == store->map_fd && store->map_warm)
+		return;
 	if (fd == store->fd) {
 		base = store->base;
 		bytes = store->file_bytes;
@@ -413,12 +429,12 @@ static int reserve_in(struct store *store, int fd, uint64_t offset, uint64_t byt
 			 (unsigned long long)(end - start), strerror(err));
 		return -err;
 	}
-	reserve_populate(store, fd, start, end);
 	/* The provisional charge becomes the real one: what was taken and not
 	 * grown goes back (never all of it first: another thread could take
 	 * the room in between and pass the limit). */
 	uint64_t after = file_allocated(store);
 	uint64_t grown = after > before ? after - before : 0;
+	reserve_populate(store, fd, start, end, grown > 0);
 	if (grown > end - start)
 		grown = end - start;
 	store_budget_give(store->budget, end - start - grown);
@@ -455,8 +471,9 @@ static int reserve_heads(struct store *store, int fd, uint64_t first, uint64_t s
 		return rc;
 	}
 	uint64_t before = fd_allocated(fd);
-	for (uint64_t i = 0; i < count; i++) {
-		uint64_t offset = first + i * stride;
+	uint64_t done = 0;
+	for (; done < count; done++) {
+		uint64_t offset = first + done * stride;
 		uint64_t start = offset / PAGE_BYTES * PAGE_BYTES;
 		uint64_t end = round_up(offset + bytes, PAGE_BYTES);
 		if (fallocate(fd, 0, (off_t)start, (off_t)(end - start)) < 0) {
@@ -466,11 +483,15 @@ static int reserve_heads(struct store *store, int fd, uint64_t first, uint64_t s
 				 (unsigned long long)(end - start), strerror(-rc));
 			break;
 		}
-		reserve_populate(store, fd, start, end);
 	}
 	/* As in reserve_in: the provisional charge becomes what the file grew. */
 	uint64_t after = fd_allocated(fd);
 	uint64_t grown = after > before ? after - before : 0;
+	for (uint64_t i = 0; i < done; i++) {
+		uint64_t offset = first + i * stride;
+		reserve_populate(store, fd, offset / PAGE_BYTES * PAGE_BYTES,
+				 round_up(offset + bytes, PAGE_BYTES), grown > 0);
+	}
 	if (grown > total)
 		grown = total;
 	store_budget_give(store->budget, total - grown);
@@ -968,19 +989,32 @@ static int map_open(struct store *store)
 {
 	const zc_map_header *m = &store->layout;
 	size_t bytes = m->map_bytes;
-	int rc = map_take(bytes);
-	if (rc < 0)
-		return rc;
+	int rc;
 	/* A closed session's map of this size and uid, pages and all
 	 * (retain.h): its charge becomes this store's, its stale bytes are
 	 * never read (readers read what the header and tables say is there,
 	 * and the header pages are cleared below). */
 	uint64_t retained = 0;
-	store->map_fd = retain_map_get(bytes, store->header->owner_uid, store->budget, &retained);
+	void *kept = NULL;
+	store->map_fd = retain_map_get(bytes, store->header->owner_uid, store->budget, &retained,
+				       &kept);
 	if (store->map_fd >= 0) {
 		store->charged += retained;
 		kind_add(store, KIND_VIEWS, (int64_t)retained);
-	} else {
+	}
+	/* Its mapping comes with its address space taken; any other mapping
+	 * takes its own (taking it first could release the very map this
+	 * session was about to reuse). */
+	if (kept) {
+		store->map_base = kept;
+		store->map_warm = true;
+	} else if ((rc = map_take(bytes)) < 0) {
+		if (store->map_fd >= 0)
+			close(store->map_fd);
+		store->map_fd = -1;
+		return rc;
+	}
+	if (store->map_fd < 0) {
 		store->map_fd = memfd_create("zipcache-map", MFD_CLOEXEC | MFD_ALLOW_SEALING);
 		if (store->map_fd < 0 || ftruncate(store->map_fd, (off_t)bytes) < 0 ||
 		    fcntl(store->map_fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
@@ -994,13 +1028,15 @@ static int map_open(struct store *store)
 	rc = reserve_in(store, store->map_fd, 0, m->header_bytes, KIND_HEADERS);
 	if (rc < 0)
 		goto out_close;
-	void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, store->map_fd, 0);
-	if (base == MAP_FAILED) {
-		rc = -errno;
-		goto out_close;
+	if (!store->map_base) {
+		void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, store->map_fd, 0);
+		if (base == MAP_FAILED) {
+			rc = -errno;
+			goto out_close;
+		}
+		store->map_base = base;
 	}
-	store->map_base = base;
-	store->map = base;
+	store->map = (zc_map_header *)store->map_base;
 	if (retained)
 		memset(store->map_base, 0, m->header_bytes);
 	memcpy(store->map, m, sizeof(*m));
@@ -1017,6 +1053,10 @@ static int map_open(struct store *store)
 out_close:
 	/* What its header page was charged stays in store->charged, which
 	 * the caller's failure path gives back whole. */
+	if (store->map_base)
+		munmap(store->map_base, bytes);
+	store->map_base = NULL;
+	store->map_warm = false;
 	if (store->map_fd >= 0)
 		close(store->map_fd);
 	store->map_fd = -1;
@@ -1044,6 +1084,12 @@ static int map_table_fill(struct store *store, uint32_t layer)
  * store. Only for a session gone for good (its file unlinked): a store
  * closed at shutdown or for an offload keeps nothing.
  */
+static void map_release(void *base, uint64_t bytes)
+{
+	munmap(base, bytes);
+	map_give(bytes);
+}
+
 static void map_retain(struct store *store)
 {
 	if (!store->unlinked || store->map_fd < 0 || !store->map_base)
@@ -1051,11 +1097,13 @@ static void map_retain(struct store *store)
 	uint64_t allocated = fd_allocated(store->map_fd);
 	if (allocated > store->charged)
 		return;
-	if (!retain_map_put(store->map_fd, store->layout.map_bytes, allocated,
-			    store->header->owner_uid, store->budget))
+	if (!retain_map_put(store->map_fd, store->map_base, map_release, store->layout.map_bytes,
+			    allocated, store->header->owner_uid, store->budget))
 		return;
 	store->charged -= allocated;
 	store->map_fd = -1;
+	store->map_base = NULL;
+	store->map = NULL;
 }
 
 static void store_unmap(struct store *store)

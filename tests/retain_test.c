@@ -225,6 +225,68 @@ START_TEST(retain_bytes_zero_gives_everything_back)
 }
 END_TEST
 
+/* The address space a session's layout needs, from the refusal of a
+ * daemon that may map almost nothing. */
+static unsigned long long layout_needs(const zc_session_config *config)
+{
+	struct node node;
+	zc_session *s = NULL;
+	node_start(&node, (const char *const[]){ "--max-mapped-bytes", "4096", NULL });
+	ck_assert_int_eq(zc_session_open(node.service.client, config, &s), ZC_EEXHAUSTED);
+	const char *why = zc_client_last_error(node.service.client);
+	const char *at = strstr(why, "layout needs ");
+	ck_assert_msg(at != NULL, "the refusal does not say what the layout needs: %s", why);
+	unsigned long long needs = strtoull(at + strlen("layout needs "), NULL, 10);
+	service_stop(&node.service);
+	ck_assert_uint_gt(needs, 0);
+	return needs;
+}
+
+/*
+ * A kept map keeps the daemon's mapping of it too (its page tables are
+ * the next session's), and that mapping still counts against
+ * --max-mapped-bytes: a session that would not fit beside it takes its
+ * place, as memory relief would take its pages, instead of being refused.
+ */
+START_TEST(a_kept_mapping_gives_way_under_max_mapped_bytes)
+{
+	struct node node;
+	struct model model;
+	struct rng rng;
+	rng_seed(&rng, 9);
+	zc_session_config first = big_config("first", 2048);
+	zc_session_config wide = big_config("wide", 4096);
+	unsigned long long first_needs = layout_needs(&first), wide_needs = layout_needs(&wide);
+	/* Room for either, not for the wide one beside the first's views. */
+	unsigned long long limit = wide_needs + first_needs / 2;
+	char arg[32];
+	snprintf(arg, sizeof(arg), "%llu", limit);
+	node_start(&node, (const char *const[]){ "--max-mapped-bytes", arg, NULL });
+	zc_session *s = filled(&node, &first, &model, &rng, 256, 8);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	model_free(&model);
+	long long kept = metric(&node, KEPT_MAPS);
+	ck_assert_int_gt(kept, 8 << 20);
+	/* The kept map's mapping is at least its pages: with it, the wide
+	 * session is past the limit. */
+	ck_assert_uint_gt((unsigned long long)kept + wide_needs, limit);
+	s = filled(&node, &wide, &model, &rng, 512, 2);
+	ck_assert_int_eq(metric(&node, KEPT_MAPS), 0);
+	ck_assert_int_eq(metric(&node, REUSED_MAPS), 0);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	model_free(&model);
+	/* The wide one's map is kept in turn, and serves the next of its size. */
+	ck_assert_int_gt(metric(&node, KEPT_MAPS), 0);
+	s = filled(&node, &wide, &model, &rng, 300, 1);
+	ck_assert_int_eq(metric(&node, REUSED_MAPS), 1);
+	CHECK(update_checked, node.service.client, s, &model, &rng, 0, 7);
+	CHECK(session_matches, s, &model);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	model_free(&model);
+	service_stop(&node.service);
+}
+END_TEST
+
 /*
  * A direct block whose residual went into a block of its own first, then
  * was refused by the budget, frees that block: its extent is kept. Memory
@@ -310,7 +372,8 @@ static Suite *retain_suite(void)
 	Suite *suite = suite_create("retain");
 	const struct test_case cases[] = {
 		{ "reuse", { a_kept_map_and_kept_extents_serve_the_next_session_bit_exact,
-			     retain_bytes_zero_gives_everything_back, NULL } },
+			     retain_bytes_zero_gives_everything_back,
+			     a_kept_mapping_gives_way_under_max_mapped_bytes, NULL } },
 		{ "relief", { relief_takes_kept_pages_before_any_view,
 			      an_import_is_never_refused_for_kept_pages, NULL } },
 		{ "spin", { a_refused_direct_block_is_answered_not_retried_forever, NULL } },
