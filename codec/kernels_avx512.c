@@ -118,41 +118,6 @@ static int avx512_row_norms(const uint16_t *rows, size_t n_rows, size_t dim, flo
 	return bad ? ZC_ENONFINITE : 0;
 }
 
-/*
- * The contract's quotient q = fl(a / scale16) for the code's rounding,
- * with a multiply by fl(1 / scale16) instead of a division, which is 5
- * to 10 times slower and bounded the encode loops. f = fl(a * inv) is
- * within 3u (u = 2^-24) of a / scale16 relative, and so is q: for
- * f < 512, |f - q| < 1536.001 * 2^-24 < 2^-13. So when f is more than
- * 2^-13 from every half-integer, q lies on the same side of each and
- * rounds to the same integer (no tie either). For f >= 512 both are
- * above any code (max 255) and clamp alike; NaN and Inf only come from
- * scale16 == 0, whose lanes are capped at code 0. The lanes near a half
- * (about 1 in 4096) are divided for real.
- */
-#define NEAR_HALF (0.5f - 0x1p-13f)
-
-static inline __attribute__((always_inline)) __m512 recip16(__m512 scale)
-{
-	return _mm512_div_ps(_mm512_set1_ps(1.0f), scale);
-}
-
-/* The lanes of f = fl(a * inv) that are within 2^-13 of a half. */
-static inline __attribute__((always_inline)) __mmask16 near_half16(__m512 f)
-{
-	/* f - rne(f), exact; 0x08: round to nearest, no precision flag. */
-	__m512 frac = _mm512_abs_ps(_mm512_reduce_ps(f, 0x08));
-	return _mm512_cmp_ps_mask(frac, _mm512_set1_ps(NEAR_HALF), _CMP_GE_OQ);
-}
-
-/* The true division for the lanes near a half; rare, so out of the loop
- * (and the scale out of its registers). */
-static __attribute__((noinline, cold)) __m512
-quotient_divide(__m512 f, __mmask16 near, __m512 a, const uint8_t *scale_at, __mmask16 mask)
-{
-	return _mm512_mask_div_ps(f, near, a, load_fp16x16(scale_at, mask));
-}
-
 /* Channels per pass of group_params and reconstruct: 8 vectors, all of a
  * D = 128 head, each with its own independent min/max chain. */
 #define PARAMS_VECTORS 8
@@ -319,16 +284,15 @@ static void avx512_group_quantize(const uint16_t *head, const uint32_t *rows, si
 	/* Channels outer, rows inner: each vector's scale and min are
 	 * widened once per group instead of once per row. */
 	for (size_t c0 = 0; c0 < dim; c0 += 16 * QUANT_VECTORS) {
-		__m512 inv[QUANT_VECTORS], min[QUANT_VECTORS];
+		__m512 scale[QUANT_VECTORS], min[QUANT_VECTORS];
 		__mmask16 mask[QUANT_VECTORS], flat[QUANT_VECTORS];
 		_Pragma("GCC unroll 4")
 		for (int v = 0; v < QUANT_VECTORS; v++) {
 			size_t c = c0 + 16 * (size_t)v;
 			mask[v] = c < dim ? tail_mask16(dim - c) : 0;
-			__m512 scale = load_fp16x16(scales + 2 * c, mask[v]);
-			inv[v] = recip16(scale);
+			scale[v] = load_fp16x16(scales + 2 * c, mask[v]);
 			min[v] = load_fp16x16(mins + 2 * c, mask[v]);
-			flat[v] = _mm512_cmp_ps_mask(scale, zero, _CMP_EQ_OQ);
+			flat[v] = _mm512_cmp_ps_mask(scale[v], zero, _CMP_EQ_OQ);
 		}
 		for (size_t r = 0; r < n_rows; r++) {
 			const uint16_t *row = head + (size_t)rows[r] * dim + c0;
@@ -336,12 +300,7 @@ static void avx512_group_quantize(const uint16_t *head, const uint32_t *rows, si
 			_Pragma("GCC unroll 4")
 			for (int v = 0; v < QUANT_VECTORS; v++) {
 				__m512 x = load_fp16x16(row + 16 * v, mask[v]);
-				__m512 a = _mm512_sub_ps(x, min[v]);
-				__m512 q = _mm512_mul_ps(a, inv[v]);
-				__mmask16 near = near_half16(q);
-				if (__builtin_expect(near != 0, 0))
-					q = quotient_divide(q, near, a, scales + 2 * (c0 + 16 * v),
-							    mask[v]);
+				__m512 q = _mm512_div_ps(_mm512_sub_ps(x, min[v]), scale[v]);
 				q = _mm512_roundscale_ps(q, ROUND_NEAREST);
 				q = _mm512_max_ps(q, zero);
 				q = _mm512_min_ps(q, max_code);
@@ -879,10 +838,9 @@ pack64(const struct encode_tables *t, enum pack_kind kind, __m512i q0, __m512i q
 
 /* One group's params for ENCODE_VECTORS vectors, widened once. */
 struct encode_params {
-	__m512 inv[ENCODE_VECTORS], min[ENCODE_VECTORS];
+	__m512 scale[ENCODE_VECTORS], min[ENCODE_VECTORS];
 	__m512i cap[ENCODE_VECTORS];
 	__mmask16 mask[ENCODE_VECTORS];
-	const uint8_t *scales;   /* the fp16 scales of channel c0 on */
 };
 
 /* The next group, whose params group_encode works out on the way. */
@@ -901,29 +859,13 @@ encode_row(const struct encode_params *p, const struct encode_tables *t, enum pa
 		if (h == 1 && !two)
 			break;
 		__m512i q[4];
-		__m512 a[4], f[4];
-		__mmask16 near[4];
-		unsigned any = 0;
 		_Pragma("GCC unroll 4")
 		for (int v = 0; v < 4; v++) {
 			int u = 4 * h + v;
 			__m512 x = load_fp16x16(row + 16 * u, p->mask[u]);
-			a[v] = _mm512_sub_ps(x, p->min[u]);
-			f[v] = _mm512_mul_ps(a[v], p->inv[u]);
-			near[v] = near_half16(f[v]);
-			any |= near[v];
+			__m512 f = _mm512_div_ps(_mm512_sub_ps(x, p->min[u]), p->scale[u]);
+			q[v] = _mm512_min_epu32(_mm512_cvt_roundps_epi32(f, ROUND_NEAREST), p->cap[u]);
 		}
-		if (__builtin_expect(any != 0, 0)) {
-			for (int v = 0; v < 4; v++)
-				if (near[v])
-					f[v] = quotient_divide(f[v], near[v], a[v],
-							       p->scales + 32 * (4 * h + v),
-							       p->mask[4 * h + v]);
-		}
-		_Pragma("GCC unroll 4")
-		for (int v = 0; v < 4; v++)
-			q[v] = _mm512_min_epu32(_mm512_cvt_roundps_epi32(f[v], ROUND_NEAREST),
-						p->cap[4 * h + v]);
 		__m512i packed = pack64(t, kind, q[0], q[1], q[2], q[3]);
 		uint8_t *at = dst + (size_t)h * 8 * (size_t)t->bits;
 		/* Masked byte stores are slow: whole 64-code runs of 2 or 4
@@ -994,15 +936,13 @@ static VBMI void vbmi_group_encode(const uint16_t *head, const uint32_t *rows, s
 			size_t nbytes = (n < 64 ? n : 64) * (size_t)bits / 8;
 			store[h] = nbytes >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << nbytes) - 1u);
 		}
-		p.scales = scales + 2 * c0;
 		_Pragma("GCC unroll 8")
 		for (int v = 0; v < ENCODE_VECTORS; v++) {
 			size_t c = c0 + 16 * (size_t)v;
 			p.mask[v] = c < dim ? tail_mask16(dim - c) : 0;
-			__m512 scale = load_fp16x16(scales + 2 * c, p.mask[v]);
-			p.inv[v] = recip16(scale);
+			p.scale[v] = load_fp16x16(scales + 2 * c, p.mask[v]);
 			p.min[v] = load_fp16x16(mins + 2 * c, p.mask[v]);
-			__mmask16 flat = _mm512_cmp_ps_mask(scale, zero, _CMP_EQ_OQ);
+			__mmask16 flat = _mm512_cmp_ps_mask(p.scale[v], zero, _CMP_EQ_OQ);
 			p.cap[v] = _mm512_maskz_mov_epi32(p.mask[v] & ~flat, max_code);
 		}
 		uint8_t *out = codes + c0 * (size_t)bits / 8;
