@@ -1078,18 +1078,20 @@ static int map_table_fill(struct store *store, uint32_t layer)
 	return rc;
 }
 
-/*
- * A closed session's map, kept for the next session of its size and uid
- * (retain.h) instead of closed: its pages and their charge leave the
- * store. Only for a session gone for good (its file unlinked): a store
- * closed at shutdown or for an offload keeps nothing.
- */
+/* How a retained map lets go of the mapping it kept (retain_unmap_fn). */
 static void map_release(void *base, uint64_t bytes)
 {
 	munmap(base, bytes);
 	map_give(bytes);
 }
 
+/*
+ * A closed session's map, kept for the next session of its size and uid
+ * (retain.h) instead of closed: its pages, their charge and the
+ * daemon's mapping leave the store. Only for a session gone for good
+ * (its file unlinked): a store
+ * closed at shutdown or for an offload keeps nothing.
+ */
 static void map_retain(struct store *store)
 {
 	if (!store->unlinked || store->map_fd < 0 || !store->map_base)
