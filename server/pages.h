@@ -7,9 +7,17 @@
 #ifndef ZIPCACHED_PAGES_H
 #define ZIPCACHED_PAGES_H
 
+#include <stdint.h>
 #include <sys/mman.h>
 
 #define PAGE_BYTES 4096u
+
+/* value rounded up to a multiple of unit (a page, or another alignment);
+ * the caller keeps value + unit - 1 within 64 bits. */
+static inline uint64_t round_up(uint64_t value, uint64_t unit)
+{
+	return (value + unit - 1) / unit * unit;
+}
 
 /* Linux 5.14; older headers lack the name. An older kernel refuses it
  * (EINVAL), and the caller keeps its first-touch faults or copies. */

@@ -110,11 +110,6 @@ struct pool {
 	bool provisional;         /* made for an import no one else has asked for yet */
 };
 
-static uint64_t round_up(uint64_t value, uint64_t unit)
-{
-	return (value + unit - 1) / unit * unit;
-}
-
 uint64_t pool_value_offset(uint64_t key_offset, uint64_t key_bytes)
 {
 	return key_offset + round_up(key_bytes, POOL_PAYLOAD_ALIGN);

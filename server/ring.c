@@ -46,7 +46,7 @@ uint64_t ring_max_bytes(uint64_t max_staging_bytes)
 /* The request area: what was asked, in whole pages. */
 static uint64_t capacity_of(uint64_t bytes)
 {
-	return (bytes + PAGE_BYTES - 1) / PAGE_BYTES * PAGE_BYTES;
+	return round_up(bytes, PAGE_BYTES);
 }
 
 uint64_t ring_charge_bytes(uint64_t bytes)

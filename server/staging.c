@@ -53,7 +53,7 @@ int staging_create(uint64_t bytes, struct store_budget *memory, struct store_bud
 
 	if (bytes == 0 || bytes > UINT64_MAX - (PAGE_BYTES - 1))
 		return -EINVAL;
-	bytes = (bytes + PAGE_BYTES - 1) / PAGE_BYTES * PAGE_BYTES;
+	bytes = round_up(bytes, PAGE_BYTES);
 	if ((rc = staging_charge(memory, quota, bytes)) < 0)
 		return rc;
 	rc = -ENOMEM;

@@ -180,11 +180,6 @@ static void map_give(uint64_t bytes)
 	__atomic_fetch_sub(&mapped_total, bytes, __ATOMIC_RELAXED);
 }
 
-static uint64_t round_up(uint64_t value, uint64_t unit)
-{
-	return (value + unit - 1) / unit * unit;
-}
-
 /* a * b * c, or false when it does not fit in 64 bits. */
 static bool mul3(uint64_t a, uint64_t b, uint64_t c, uint64_t *out)
 {
