@@ -134,6 +134,18 @@ static int op_reconstruct(struct op *op)
 				    op->compressed_size, op->output, op->strides);
 }
 
+/* Compress and the view's reconstruction in one call (a session's block
+ * with views): to set against compress + reconstruct. */
+static int op_compress_view(struct op *op)
+{
+	int64_t n = zc_block_compress_view(op->config, op->tensor, op->shape, op->input,
+					   op->strides, NULL, op->compressed,
+					   op->compressed_size, op->output, op->strides);
+	if (n < 0)
+		return (int)n;
+	return (size_t)n == op->compressed_size ? 0 : ZC_ECORRUPT;
+}
+
 static int op_memcpy(struct op *op)
 {
 	memcpy_fn(op->dst, op->src, op->bytes);
@@ -303,7 +315,7 @@ static double rel_rmse(const uint16_t *x, const uint16_t *y, size_t n)
 
 /*
  * Benchmarks compress and reconstruct of one tensor kind at one shape.
- * which: bit 0 compress, bit 1 reconstruct.
+ * which: bit 0 compress, bit 1 reconstruct, bit 2 compress with a view.
  */
 static int bench_tensor(const struct options *opt, uint32_t tokens, zc_tensor tensor,
 			int which, bool note)
@@ -345,6 +357,12 @@ static int bench_tensor(const struct options *opt, uint32_t tokens, zc_tensor te
 				 .shape = &shape, .compressed = compressed,
 				 .compressed_size = layout.total_bytes, .output = output,
 				 .strides = &strides};
+	struct op compress_view = {.run = op_compress_view, .config = &config, .tensor = tensor,
+				   .shape = &shape, .input = input, .compressed = compressed,
+				   .compressed_size = layout.total_bytes, .output = output,
+				   .strides = &strides};
+	struct op *ops[3] = {&compress, &reconstruct, &compress_view};
+	static const char *const op_names[3] = {"compress", "reconstruct", "compress_view"};
 	struct op copy = {.run = op_memcpy, .dst = copy_dst, .src = copy_src, .bytes = bytes};
 
 	/* Reconstruct needs a real payload, and a benchmark of a codec that
@@ -364,20 +382,18 @@ static int bench_tensor(const struct options *opt, uint32_t tokens, zc_tensor te
 		b->rel_rmse = rel_rmse(input, output, n);
 	}
 
-	for (int k = 0; k < 2; k++) {
+	for (int k = 0; k < 3; k++) {
 		if (!(which & (1 << k)) || n_results >= MAX_RESULTS)
 			continue;
 		struct result *r = &results[n_results];
 		snprintf(r->shape, sizeof r->shape, "B%uxH%uxS%uxD%u", BATCH, HEADS, tokens,
 			 HEAD_DIM);
-		snprintf(r->op, sizeof r->op, "%s_%s", k == 0 ? "compress" : "reconstruct",
-			 tname);
+		snprintf(r->op, sizeof r->op, "%s_%s", op_names[k], tname);
 		r->tensor = tname;
 		r->isa = zc_codec_isa();
 		r->fp16_bytes = (double)bytes;
 		r->runs = opt->runs;
-		rc = measure(k == 0 ? &compress : &reconstruct, &copy, opt, &r->codec_s,
-			     &r->memcpy_s);
+		rc = measure(ops[k], &copy, opt, &r->codec_s, &r->memcpy_s);
 		if (rc < 0) {
 			fprintf(stderr, "codec: %s S=%u: %s\n", r->op, tokens, zc_strerror(rc));
 			goto out;
@@ -559,7 +575,7 @@ int main(int argc, char **argv)
 
 	for (size_t i = 0; i < n_tokens; i++)
 		for (int t = 0; t < 2; t++)
-			if (bench_tensor(&opt, tokens[i], (zc_tensor)t, 3, true) < 0)
+			if (bench_tensor(&opt, tokens[i], (zc_tensor)t, 7, true) < 0)
 				return 1;
 
 	/* The scalar path at the cache-resident shape, so the SIMD speedup is

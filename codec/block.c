@@ -18,6 +18,14 @@
  * enough (with D <= 4096) that the code bytes stay in L1/L2. */
 #define QUANTIZE_CHUNK_BYTES 8192u
 
+/* A reconstruction of at least this many bytes is written with
+ * non-temporal stores where the kernels have them: it is past what a
+ * core's L2 keeps (a prefill's views), so storing through the cache only
+ * adds a read of every destination line and evicts the caller's data.
+ * Smaller ones (a decode's residual flush) stay in cache for the reads
+ * that follow. */
+#define RECONSTRUCT_STREAM_BYTES (512u * 1024u)
+
 struct compress_scratch {
 	float *norms;      /* B*H*S key norms, computed before anything is written */
 	uint32_t *rows;    /* S + 2 row indices: salient, a spare, the others, a spare */
@@ -49,20 +57,27 @@ static int scratch_alloc(struct compress_scratch *scratch, const zc_block_layout
 	return 0;
 }
 
-/* Quantizes one subset (salient or other rows) of one head. */
+/* Whole bytes per row: every row starts on a byte, so a kernel can pack a
+ * group's codes straight from its registers, work out the next group's
+ * params in the same pass, and write the rows' reconstruction. */
+static bool subset_encodes(const struct codec_kernels *kernels, size_t dim, int bits)
+{
+	return kernels->group_encode && (dim * (size_t)bits) % 8 == 0;
+}
+
+/* Quantizes one subset (salient or other rows) of one head; where
+ * subset_encodes, writes the rows' reconstruction to view (not NULL). */
 static void subset_compress(const struct codec_kernels *kernels, const uint16_t *head,
 			    const uint32_t *rows, uint32_t n_rows, size_t dim, int bits,
 			    size_t group_size, uint8_t *params, uint8_t *codes_stream,
-			    size_t codes_bytes, struct compress_scratch *scratch)
+			    size_t codes_bytes, struct compress_scratch *scratch,
+			    const struct codec_view *view)
 {
 	uint8_t *stream_end = codes_stream + codes_bytes;
 
 	if (n_rows == 0)
 		return;
-	/* Whole bytes per row: every row starts on a byte, so a kernel can
-	 * pack a group's codes straight from its registers, and work out the
-	 * next group's params in the same pass. */
-	if (kernels->group_encode && (dim * (size_t)bits) % 8 == 0) {
+	if (subset_encodes(kernels, dim, bits)) {
 		kernels->group_params(head, rows, n_rows < group_size ? n_rows : group_size, dim,
 				      bits, params, params + 2 * dim);
 		for (size_t first = 0; first < n_rows; first += group_size) {
@@ -75,7 +90,7 @@ static void subset_compress(const struct codec_kernels *kernels, const uint16_t 
 					      scales + 2 * dim,
 					      codes_stream + first * dim * (size_t)bits / 8,
 					      rows + next, n_next, next_scales,
-					      n_next ? next_scales + 2 * dim : NULL);
+					      n_next ? next_scales + 2 * dim : NULL, view);
 		}
 		return;
 	}
@@ -95,10 +110,20 @@ static void subset_compress(const struct codec_kernels *kernels, const uint16_t 
 	}
 }
 
+static void head_reconstruct(const struct codec_kernels *kernels, const zc_block_layout *layout,
+			     size_t group_size, const uint8_t *payload, const uint8_t *read_end,
+			     uint16_t *out, size_t token_stride, bool nt);
+
+/* Compresses one head into payload and, with a view, writes its
+ * reconstruction there: in the encode's pass where both subsets encode,
+ * else from the payload just written, while it is in cache. */
 static void head_compress(const struct codec_kernels *kernels, const zc_block_layout *layout,
 			  const zc_codec_config *config, const uint16_t *head,
-			  const float *norms, uint8_t *payload, struct compress_scratch *scratch)
+			  const float *norms, uint8_t *payload, struct compress_scratch *scratch,
+			  const struct codec_view *view)
 {
+	bool fused = view && subset_encodes(kernels, layout->head_dim, layout->hi_bits) &&
+		     subset_encodes(kernels, layout->head_dim, layout->lo_bits);
 	uint32_t tokens = layout->tokens, n_hi = 0, n_lo = 0;
 	uint8_t *mask = payload + layout->mask_offset;
 	uint32_t *hi_rows = scratch->rows;
@@ -119,10 +144,15 @@ static void head_compress(const struct codec_kernels *kernels, const zc_block_la
 	}
 	subset_compress(kernels, head, hi_rows, n_hi, layout->head_dim, layout->hi_bits,
 			(size_t)config->group_size, payload + layout->hi_params_offset,
-			payload + layout->hi_codes_offset, layout->hi_codes_bytes, scratch);
+			payload + layout->hi_codes_offset, layout->hi_codes_bytes, scratch,
+			fused ? view : NULL);
 	subset_compress(kernels, head, lo_rows, n_lo, layout->head_dim, layout->lo_bits,
 			(size_t)config->group_size, payload + layout->lo_params_offset,
-			payload + layout->lo_codes_offset, layout->lo_codes_bytes, scratch);
+			payload + layout->lo_codes_offset, layout->lo_codes_bytes, scratch,
+			fused ? view : NULL);
+	if (view && !fused)
+		head_reconstruct(kernels, layout, (size_t)config->group_size, payload,
+				 payload + layout->head_bytes, view->at, view->token_stride, false);
 }
 
 /* Caller-given saliency scores: the radix select orders non-negative
@@ -142,7 +172,7 @@ static int scores_take(const float *scores, size_t n, float *norms)
 static int64_t block_compress(const zc_codec_config *config, zc_tensor tensor,
 			      const zc_block_shape *shape, const uint16_t *input,
 			      const zc_strides *input_strides, const float *scores, void *out,
-			      size_t capacity)
+			      size_t capacity, uint16_t *view, const zc_strides *view_strides)
 {
 	const struct codec_kernels *kernels = codec_kernels_active();
 	zc_block_layout layout;
@@ -184,12 +214,22 @@ static int64_t block_compress(const zc_codec_config *config, zc_tensor tensor,
 		const uint16_t *head = input + (h / shape->heads) * input_strides->batch +
 				       (h % shape->heads) * input_strides->head;
 		uint8_t *payload = (uint8_t *)out + h * layout.head_bytes;
+		struct codec_view head_view = { 0 };
+		if (view) {
+			head_view.at = view + (h / shape->heads) * view_strides->batch +
+				       (h % shape->heads) * view_strides->head;
+			head_view.token_stride = view_strides->token;
+		}
 		if (layout.exact) {
 			memcpy(payload, head, layout.head_bytes);
+			for (size_t t = 0; view && t < layout.tokens; t++)
+				memcpy(head_view.at + t * head_view.token_stride,
+				       head + t * layout.head_dim, layout.head_dim * 2);
 			continue;
 		}
 		head_compress(kernels, &layout, config, head,
-			      keys ? scratch.norms + h * layout.tokens : NULL, payload, &scratch);
+			      keys ? scratch.norms + h * layout.tokens : NULL, payload, &scratch,
+			      view ? &head_view : NULL);
 	}
 	rc = 0;
 out_free:
@@ -201,7 +241,8 @@ int64_t zc_block_compress_strided(const zc_codec_config *config, zc_tensor tenso
 				  const zc_block_shape *shape, const uint16_t *input,
 				  const zc_strides *input_strides, void *out, size_t capacity)
 {
-	return block_compress(config, tensor, shape, input, input_strides, NULL, out, capacity);
+	return block_compress(config, tensor, shape, input, input_strides, NULL, out, capacity,
+			      NULL, NULL);
 }
 
 static zc_strides contiguous_strides(const zc_block_shape *shape)
@@ -220,7 +261,8 @@ int64_t zc_block_compress(const zc_codec_config *config, zc_tensor tensor,
 			  void *out, size_t capacity)
 {
 	zc_strides contiguous = contiguous_strides(shape);
-	return block_compress(config, tensor, shape, input, &contiguous, NULL, out, capacity);
+	return block_compress(config, tensor, shape, input, &contiguous, NULL, out, capacity,
+			      NULL, NULL);
 }
 
 int64_t zc_block_compress_scored(const zc_codec_config *config, const zc_block_shape *shape,
@@ -231,7 +273,7 @@ int64_t zc_block_compress_scored(const zc_codec_config *config, const zc_block_s
 		return ZC_EINVALID;
 	zc_strides contiguous = contiguous_strides(shape);
 	return block_compress(config, ZC_TENSOR_KEYS, shape, keys, &contiguous, scores, out,
-			      capacity);
+			      capacity, NULL, NULL);
 }
 
 int64_t zc_block_compress_scored_strided(const zc_codec_config *config,
@@ -242,7 +284,19 @@ int64_t zc_block_compress_scored_strided(const zc_codec_config *config,
 	if (!scores || !key_strides)
 		return ZC_EINVALID;
 	return block_compress(config, ZC_TENSOR_KEYS, shape, keys, key_strides, scores, out,
-			      capacity);
+			      capacity, NULL, NULL);
+}
+
+int64_t zc_block_compress_view(const zc_codec_config *config, zc_tensor tensor,
+			       const zc_block_shape *shape, const uint16_t *input,
+			       const zc_strides *input_strides, const float *scores, void *out,
+			       size_t capacity, uint16_t *view, const zc_strides *view_strides)
+{
+	if (!input_strides || !view || !view_strides ||
+	    (scores && tensor != ZC_TENSOR_KEYS))
+		return ZC_EINVALID;
+	return block_compress(config, tensor, shape, input, input_strides, scores, out,
+			      capacity, view, view_strides);
 }
 
 /* Rows handed to one group_reconstruct call at most (a stack list). */
@@ -305,8 +359,11 @@ static size_t walk_next(struct token_walk *walk, uint32_t *list, size_t max)
 static void subset_reconstruct(const struct codec_kernels *kernels, struct token_walk *walk,
 			       uint32_t n_rows, size_t dim, int bits, size_t group_size,
 			       const uint8_t *params, const uint8_t *codes, const uint8_t *read_end,
-			       uint16_t *out, size_t token_stride)
+			       uint16_t *out, size_t token_stride, bool nt)
 {
+	codec_group_reconstruct_fn *reconstruct =
+		nt && kernels->group_reconstruct_stream ? kernels->group_reconstruct_stream :
+							  kernels->group_reconstruct;
 	uint32_t list[RECONSTRUCT_CHUNK_ROWS];
 	size_t row = 0;
 
@@ -320,15 +377,15 @@ static void subset_reconstruct(const struct codec_kernels *kernels, struct token
 		if (got == 0)
 			return; /* cannot happen: the mask's count was checked */
 		const uint8_t *scales = params + group * 4 * dim;
-		kernels->group_reconstruct(codes, read_end, row * dim * (size_t)bits, got, dim,
-					   bits, scales, scales + 2 * dim, list, out, token_stride);
+		reconstruct(codes, read_end, row * dim * (size_t)bits, got, dim, bits, scales,
+			    scales + 2 * dim, list, out, token_stride);
 		row += got;
 	}
 }
 
 static void head_reconstruct(const struct codec_kernels *kernels, const zc_block_layout *layout,
 			     size_t group_size, const uint8_t *payload, const uint8_t *read_end,
-			     uint16_t *out, size_t token_stride)
+			     uint16_t *out, size_t token_stride, bool nt)
 {
 	const uint8_t *mask = payload + layout->mask_offset;
 	struct token_walk walk;
@@ -336,11 +393,11 @@ static void head_reconstruct(const struct codec_kernels *kernels, const zc_block
 	walk_init(&walk, mask, layout->mask_bytes, layout->tokens, true);
 	subset_reconstruct(kernels, &walk, layout->n_hi, layout->head_dim, layout->hi_bits,
 			   group_size, payload + layout->hi_params_offset,
-			   payload + layout->hi_codes_offset, read_end, out, token_stride);
+			   payload + layout->hi_codes_offset, read_end, out, token_stride, nt);
 	walk_init(&walk, mask, layout->mask_bytes, layout->tokens, false);
 	subset_reconstruct(kernels, &walk, layout->n_lo, layout->head_dim, layout->lo_bits,
 			   group_size, payload + layout->lo_params_offset,
-			   payload + layout->lo_codes_offset, read_end, out, token_stride);
+			   payload + layout->lo_codes_offset, read_end, out, token_stride, nt);
 }
 
 /* A mask whose population is not n_hi would index past the params. Set
@@ -382,6 +439,7 @@ int zc_block_reconstruct(const zc_codec_config *config, zc_tensor tensor,
 	const uint8_t *bytes = compressed;
 	const uint8_t *read_end = bytes + size;
 	size_t dim = layout.head_dim;
+	bool nt = layout.heads * layout.tokens * dim * 2 >= RECONSTRUCT_STREAM_BYTES;
 
 	if (!layout.exact) {
 		for (size_t h = 0; h < layout.heads; h++) {
@@ -401,7 +459,7 @@ int zc_block_reconstruct(const zc_codec_config *config, zc_tensor tensor,
 				continue;
 			}
 			head_reconstruct(kernels, &layout, (size_t)config->group_size, payload,
-					 read_end, head_out, strides->token);
+					 read_end, head_out, strides->token, nt);
 		}
 	}
 	return 0;

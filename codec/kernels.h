@@ -14,6 +14,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Where group_encode also writes the rows' reconstruction: row r of the
+ * call at at + rows[r]*token_stride. */
+struct codec_view {
+	uint16_t *at;
+	size_t token_stride;
+};
+
+typedef void codec_group_reconstruct_fn(const uint8_t *stream, const uint8_t *read_end,
+					size_t bit_offset, size_t n_rows, size_t dim, int bits,
+					const uint8_t *scales, const uint8_t *mins,
+					const uint32_t *tokens, uint16_t *out, size_t token_stride);
+
 struct codec_kernels {
 	const char *name;
 	/* ZC_ENONFINITE if any of the n values is NaN or Inf, else 0. */
@@ -38,19 +50,23 @@ struct codec_kernels {
 	 * of 8, with the scales and mins that group_params computed from the
 	 * same rows; writes exactly n_rows*dim*bits/8 bytes. On the way it
 	 * does group_params for the next group (n_next rows at next_rows, with
-	 * their scales and mins; n_next 0: none). */
+	 * their scales and mins; n_next 0: none). With a view (not NULL), it
+	 * also writes each row's reconstruction there, the halves
+	 * group_reconstruct would give from the codes it packs. */
 	void (*group_encode)(const uint16_t *head, const uint32_t *rows, size_t n_rows,
 			     size_t dim, int bits, const uint8_t *scales, const uint8_t *mins,
 			     uint8_t *codes, const uint32_t *next_rows, size_t n_next,
-			     uint8_t *next_scales, uint8_t *next_mins);
+			     uint8_t *next_scales, uint8_t *next_mins,
+			     const struct codec_view *view);
 	/* Reconstructs n_rows consecutive subset rows of one group, the first
 	 * one's codes at bit_offset (each next one dim*bits bits further): row
 	 * r lands at out + tokens[r]*token_stride. Bytes may be read (never
 	 * used) up to read_end. */
-	void (*group_reconstruct)(const uint8_t *stream, const uint8_t *read_end,
-				  size_t bit_offset, size_t n_rows, size_t dim, int bits,
-				  const uint8_t *scales, const uint8_t *mins,
-				  const uint32_t *tokens, uint16_t *out, size_t token_stride);
+	codec_group_reconstruct_fn *group_reconstruct;
+	/* Optional (NULL: group_reconstruct): the same results written with
+	 * non-temporal stores where the output's alignment allows, for blocks
+	 * too large to be read back from cache; ordered before return. */
+	codec_group_reconstruct_fn *group_reconstruct_stream;
 };
 
 extern const struct codec_kernels codec_kernels_scalar;

@@ -365,7 +365,7 @@ recon_params_load(struct recon_params *p, size_t c0, size_t dim, int bits,
  * unless the group is exact, to fp16, stored. */
 static inline __attribute__((always_inline)) void
 recon_emit16(uint16_t *dst, __m512i code, __m512 scale, __m512 min, __mmask16 mask,
-	     bool clamp)
+	     bool clamp, bool nt)
 {
 	__m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), scale, min);
 	if (clamp) {
@@ -375,7 +375,9 @@ recon_emit16(uint16_t *dst, __m512i code, __m512 scale, __m512 min, __mmask16 ma
 	__m256i half = _mm512_cvtps_ph(y, ROUND_NEAREST);
 	/* A masked VCVTPS2PH to memory is slow; store the full vector
 	 * plainly and mask only the last one of a row. */
-	if (mask == 0xffff)
+	if (mask == 0xffff && nt)
+		_mm256_stream_si256((__m256i *)dst, half);
+	else if (mask == 0xffff)
 		_mm256_storeu_si256((__m256i *)dst, half);
 	else
 		_mm256_mask_storeu_epi16(dst, mask, half);
@@ -419,7 +421,7 @@ pdep_codes16(const uint8_t *stream, const uint8_t *read_end, size_t bit, int bit
 static inline __attribute__((always_inline)) void
 pdep_rows(const struct recon_params *p, const uint8_t *stream, const uint8_t *read_end,
 	  size_t bit_offset, size_t n_rows, size_t dim, int bits, const uint32_t *tokens,
-	  uint16_t *out, size_t token_stride, bool clamp, bool full)
+	  uint16_t *out, size_t token_stride, bool clamp, bool full, bool nt)
 {
 	const uint64_t lanes = 0x0101010101010101ull * ((1u << bits) - 1u);
 	const size_t row_bits = dim * (size_t)bits;
@@ -438,7 +440,7 @@ pdep_rows(const struct recon_params *p, const uint8_t *stream, const uint8_t *re
 			__m512i code = safe ? pdep_codes16(stream, read_end, vbit, bits, lanes, true) :
 					      pdep_codes16(stream, read_end, vbit, bits, lanes, false);
 			recon_emit16(dst + 16 * v, code, p->scale[v], p->min[v],
-				     full ? (__mmask16)0xffff : p->mask[v], clamp);
+				     full ? (__mmask16)0xffff : p->mask[v], clamp, nt);
 		}
 	}
 }
@@ -488,7 +490,7 @@ stream_bits64(const uint8_t *stream, const uint8_t *read_end, size_t bit, bool s
 static inline __attribute__((always_inline)) void
 lut_rows(const struct recon_params *p, const uint8_t *stream, const uint8_t *read_end,
 	 size_t bit_offset, size_t n_rows, size_t dim, int bits, const uint32_t *tokens,
-	 uint16_t *out, size_t token_stride, bool two)
+	 uint16_t *out, size_t token_stride, bool two, bool nt)
 {
 	const uint64_t even = 0x5555555555555555ull, odd = 0xaaaaaaaaaaaaaaaaull;
 	const size_t row_bits = dim * (size_t)bits;
@@ -530,7 +532,9 @@ lut_rows(const struct recon_params *p, const uint8_t *stream, const uint8_t *rea
 					stream_bits64(stream, read_end, bit + 32 * (size_t)v, false);
 				half = _mm512_mask_blend_epi16((__mmask32)codes, y0[v], y1[v]);
 			}
-			if (mask[v] == 0xffffffffu)
+			if (mask[v] == 0xffffffffu && nt)
+				_mm512_stream_si512((void *)(dst + 32 * v), half);
+			else if (mask[v] == 0xffffffffu)
 				_mm512_storeu_si512((void *)(dst + 32 * v), half);
 			else
 				_mm512_mask_storeu_epi16(dst + 32 * v, mask[v], half);
@@ -548,7 +552,7 @@ lut_rows(const struct recon_params *p, const uint8_t *stream, const uint8_t *rea
 static inline __attribute__((always_inline)) void
 nibble_rows(const struct recon_params *p, const uint8_t *stream, size_t bit_offset,
 	    size_t n_rows, size_t dim, const uint32_t *tokens, uint16_t *out,
-	    size_t token_stride, bool clamp)
+	    size_t token_stride, bool clamp, bool nt)
 {
 	const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4,
 					      2, 0);
@@ -588,10 +592,13 @@ nibble_rows(const struct recon_params *p, const uint8_t *stream, size_t bit_offs
 			}
 			__m256i h_even = _mm512_cvtps_ph(y_even, ROUND_NEAREST);
 			__m256i h_odd = _mm512_cvtps_ph(y_odd, ROUND_NEAREST);
-			_mm512_storeu_si512((void *)(dst + 32 * w),
-					    _mm512_permutex2var_epi16(_mm512_castsi256_si512(h_even),
-								      interleave,
-								      _mm512_castsi256_si512(h_odd)));
+			__m512i halves = _mm512_permutex2var_epi16(_mm512_castsi256_si512(h_even),
+								   interleave,
+								   _mm512_castsi256_si512(h_odd));
+			if (nt)
+				_mm512_stream_si512((void *)(dst + 32 * w), halves);
+			else
+				_mm512_storeu_si512((void *)(dst + 32 * w), halves);
 		}
 	}
 }
@@ -601,26 +608,51 @@ nibble_rows(const struct recon_params *p, const uint8_t *stream, size_t bit_offs
 static inline __attribute__((always_inline)) bool
 common_pass(const struct recon_params *p, const uint8_t *stream, const uint8_t *read_end,
 	    size_t bit, size_t n_rows, size_t dim, int bits, const uint32_t *tokens,
-	    uint16_t *out, size_t token_stride)
+	    uint16_t *out, size_t token_stride, bool nt)
 {
 	if (bits == 4 && p->count == 16 * PARAMS_VECTORS && dim % 2 == 0 && bit % 8 == 0) {
 		if (p->exact)
-			nibble_rows(p, stream, bit, n_rows, dim, tokens, out, token_stride, false);
+			nibble_rows(p, stream, bit, n_rows, dim, tokens, out, token_stride, false, nt);
 		else
-			nibble_rows(p, stream, bit, n_rows, dim, tokens, out, token_stride, true);
+			nibble_rows(p, stream, bit, n_rows, dim, tokens, out, token_stride, true, nt);
 		return true;
 	}
 	if (bits == 2) {
 		lut_rows(p, stream, read_end, bit, n_rows, dim, bits, tokens, out, token_stride,
-			 true);
+			 true, nt);
 		return true;
 	}
 	if (bits == 1) {
 		lut_rows(p, stream, read_end, bit, n_rows, dim, bits, tokens, out, token_stride,
-			 false);
+			 false, nt);
 		return true;
 	}
 	return false;
+}
+
+static inline __attribute__((always_inline)) void
+group_reconstruct_with(const uint8_t *stream, const uint8_t *read_end, size_t bit_offset,
+		       size_t n_rows, size_t dim, int bits, const uint8_t *scales,
+		       const uint8_t *mins, const uint32_t *tokens, uint16_t *out,
+		       size_t token_stride, bool nt)
+{
+	for (size_t c0 = 0; c0 < dim; c0 += 16 * PARAMS_VECTORS) {
+		struct recon_params p;
+		recon_params_load(&p, c0, dim, bits, scales, mins);
+		size_t bit = bit_offset + c0 * (size_t)bits;
+		if (common_pass(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
+				token_stride, nt))
+			continue;
+		if (p.exact && p.count == 16 * PARAMS_VECTORS)
+			pdep_rows(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
+				  token_stride, false, true, nt);
+		else if (p.exact)
+			pdep_rows(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
+				  token_stride, false, false, nt);
+		else
+			pdep_rows(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
+				  token_stride, true, false, nt);
+	}
 }
 
 static void avx512_group_reconstruct(const uint8_t *stream, const uint8_t *read_end,
@@ -628,23 +660,35 @@ static void avx512_group_reconstruct(const uint8_t *stream, const uint8_t *read_
 				     const uint8_t *scales, const uint8_t *mins,
 				     const uint32_t *tokens, uint16_t *out, size_t token_stride)
 {
-	for (size_t c0 = 0; c0 < dim; c0 += 16 * PARAMS_VECTORS) {
-		struct recon_params p;
-		recon_params_load(&p, c0, dim, bits, scales, mins);
-		size_t bit = bit_offset + c0 * (size_t)bits;
-		if (common_pass(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
-				token_stride))
-			continue;
-		if (p.exact && p.count == 16 * PARAMS_VECTORS)
-			pdep_rows(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
-				  token_stride, false, true);
-		else if (p.exact)
-			pdep_rows(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
-				  token_stride, false, false);
-		else
-			pdep_rows(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
-				  token_stride, true, false);
+	group_reconstruct_with(stream, read_end, bit_offset, n_rows, dim, bits, scales, mins,
+			       tokens, out, token_stride, false);
+}
+
+/*
+ * Non-temporal stores for whole vectors: only where every row and every
+ * 128-channel pass starts on a cache line (64-byte stores there, 32-byte
+ * ones at 32-byte steps), else the plain kernel. The SFENCE orders the
+ * streamed lines before whatever the caller publishes next.
+ */
+static bool stream_aligned(const uint16_t *out, size_t token_stride)
+{
+	return (uintptr_t)out % 64 == 0 && token_stride * 2 % 64 == 0;
+}
+
+static void avx512_group_reconstruct_stream(const uint8_t *stream, const uint8_t *read_end,
+					    size_t bit_offset, size_t n_rows, size_t dim,
+					    int bits, const uint8_t *scales, const uint8_t *mins,
+					    const uint32_t *tokens, uint16_t *out,
+					    size_t token_stride)
+{
+	if (!stream_aligned(out, token_stride)) {
+		avx512_group_reconstruct(stream, read_end, bit_offset, n_rows, dim, bits, scales,
+					 mins, tokens, out, token_stride);
+		return;
 	}
+	group_reconstruct_with(stream, read_end, bit_offset, n_rows, dim, bits, scales, mins,
+			       tokens, out, token_stride, true);
+	_mm_sfence();
 }
 
 /* ---- VBMI: code unpacking and packing in vector registers -------------- */
@@ -703,7 +747,7 @@ static inline VBMI __m512i widen_quarter(int q)
 static inline __attribute__((always_inline)) VBMI void
 vbmi_rows(const struct recon_params *p, const uint8_t *stream, const uint8_t *read_end,
 	  size_t bit_offset, size_t n_rows, size_t dim, int bits, const uint32_t *tokens,
-	  uint16_t *out, size_t token_stride, bool clamp, bool full)
+	  uint16_t *out, size_t token_stride, bool clamp, bool full, bool nt)
 {
 	const size_t row_bits = dim * (size_t)bits;
 	const __m512i widths = _mm512_set1_epi16((short)bits);
@@ -730,8 +774,33 @@ vbmi_rows(const struct recon_params *p, const uint8_t *stream, const uint8_t *re
 						     gather, shifts, code_mask);
 			__m512i code = _mm512_maskz_permutexvar_epi8(LANE_BYTE0, widen[v % 4], codes);
 			recon_emit16(dst + 16 * v, code, p->scale[v], p->min[v],
-				     full ? (__mmask16)0xffff : p->mask[v], clamp);
+				     full ? (__mmask16)0xffff : p->mask[v], clamp, nt);
 		}
+	}
+}
+
+static inline __attribute__((always_inline)) VBMI void
+vbmi_reconstruct_with(const uint8_t *stream, const uint8_t *read_end, size_t bit_offset,
+		      size_t n_rows, size_t dim, int bits, const uint8_t *scales,
+		      const uint8_t *mins, const uint32_t *tokens, uint16_t *out,
+		      size_t token_stride, bool nt)
+{
+	for (size_t c0 = 0; c0 < dim; c0 += 16 * PARAMS_VECTORS) {
+		struct recon_params p;
+		recon_params_load(&p, c0, dim, bits, scales, mins);
+		size_t bit = bit_offset + c0 * (size_t)bits;
+		if (common_pass(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
+				token_stride, nt))
+			continue;
+		if (p.exact && p.count == 16 * PARAMS_VECTORS)
+			vbmi_rows(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
+				  token_stride, false, true, nt);
+		else if (p.exact)
+			vbmi_rows(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
+				  token_stride, false, false, nt);
+		else
+			vbmi_rows(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
+				  token_stride, true, false, nt);
 	}
 }
 
@@ -740,23 +809,24 @@ static VBMI void vbmi_group_reconstruct(const uint8_t *stream, const uint8_t *re
 				   const uint8_t *scales, const uint8_t *mins,
 				   const uint32_t *tokens, uint16_t *out, size_t token_stride)
 {
-	for (size_t c0 = 0; c0 < dim; c0 += 16 * PARAMS_VECTORS) {
-		struct recon_params p;
-		recon_params_load(&p, c0, dim, bits, scales, mins);
-		size_t bit = bit_offset + c0 * (size_t)bits;
-		if (common_pass(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
-				token_stride))
-			continue;
-		if (p.exact && p.count == 16 * PARAMS_VECTORS)
-			vbmi_rows(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
-				  token_stride, false, true);
-		else if (p.exact)
-			vbmi_rows(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
-				  token_stride, false, false);
-		else
-			vbmi_rows(&p, stream, read_end, bit, n_rows, dim, bits, tokens, out + c0,
-				  token_stride, true, false);
+	vbmi_reconstruct_with(stream, read_end, bit_offset, n_rows, dim, bits, scales, mins,
+			      tokens, out, token_stride, false);
+}
+
+static VBMI void vbmi_group_reconstruct_stream(const uint8_t *stream, const uint8_t *read_end,
+					  size_t bit_offset, size_t n_rows, size_t dim,
+					  int bits, const uint8_t *scales, const uint8_t *mins,
+					  const uint32_t *tokens, uint16_t *out,
+					  size_t token_stride)
+{
+	if (!stream_aligned(out, token_stride)) {
+		vbmi_group_reconstruct(stream, read_end, bit_offset, n_rows, dim, bits, scales,
+				       mins, tokens, out, token_stride);
+		return;
 	}
+	vbmi_reconstruct_with(stream, read_end, bit_offset, n_rows, dim, bits, scales, mins,
+			      tokens, out, token_stride, true);
+	_mm_sfence();
 }
 
 /*
@@ -841,7 +911,18 @@ struct encode_params {
 	__m512 scale[ENCODE_VECTORS], min[ENCODE_VECTORS];
 	__m512i cap[ENCODE_VECTORS];
 	__mmask16 mask[ENCODE_VECTORS];
+	bool exact;    /* as recon_params: no reconstruction here needs the clamp */
 };
+
+/* The row's reconstruction from its codes, as recon_emit16 would give it
+ * from the packed stream: the same params, the same FMA, the same clamp.
+ * Plain stores: non-temporal ones measured slower here than in
+ * reconstruction alone (docs/BENCHMARKS.md). */
+static inline __attribute__((always_inline)) void
+encode_view16(const struct encode_params *p, int u, __m512i q, uint16_t *dst)
+{
+	recon_emit16(dst, q, p->scale[u], p->min[u], p->mask[u], !p->exact, false);
+}
 
 /* The next group, whose params group_encode works out on the way. */
 struct next_group {
@@ -852,7 +933,8 @@ struct next_group {
 
 static inline __attribute__((always_inline)) VBMI void
 encode_row(const struct encode_params *p, const struct encode_tables *t, enum pack_kind kind,
-	   const uint16_t *row, uint8_t *dst, bool two, const __mmask64 store[2], int fixed_bits)
+	   const uint16_t *row, uint8_t *dst, bool two, const __mmask64 store[2], int fixed_bits,
+	   uint16_t *view_row)
 {
 	_Pragma("GCC unroll 2")
 	for (int h = 0; h < 2; h++) {
@@ -865,6 +947,8 @@ encode_row(const struct encode_params *p, const struct encode_tables *t, enum pa
 			__m512 x = load_fp16x16(row + 16 * u, p->mask[u]);
 			__m512 f = _mm512_div_ps(_mm512_sub_ps(x, p->min[u]), p->scale[u]);
 			q[v] = _mm512_min_epu32(_mm512_cvt_roundps_epi32(f, ROUND_NEAREST), p->cap[u]);
+			if (view_row && p->mask[u])
+				encode_view16(p, u, q[v], view_row + 16 * u);
 		}
 		__m512i packed = pack64(t, kind, q[0], q[1], q[2], q[3]);
 		uint8_t *at = dst + (size_t)h * 8 * (size_t)t->bits;
@@ -888,19 +972,22 @@ static inline __attribute__((always_inline)) VBMI void
 encode_rows(const struct encode_params *p, const struct encode_tables *t, enum pack_kind kind,
 	    const uint16_t *head, const uint32_t *rows, size_t n_rows, size_t dim, size_t c0,
 	    uint8_t *out, size_t row_bytes, bool two, const __mmask64 store[2],
-	    const struct next_group *next, int bits, int fixed_bits)
+	    const struct next_group *next, int bits, int fixed_bits, const struct codec_view *view)
 {
 	size_t r = 0;
+	uint16_t *view_at = view ? view->at + c0 : NULL;
+	size_t view_stride = view ? view->token_stride : 0;
+#define VIEW_ROW(r) (view_at ? view_at + (size_t)rows[r] * view_stride : NULL)
 	if (next->n_rows) {
 		struct key_range k;
 		size_t both = n_rows < next->n_rows ? n_rows : next->n_rows;
 		key_range_init(&k, head + (size_t)next->rows[0] * dim, dim, c0);
 		encode_row(p, t, kind, head + (size_t)rows[0] * dim + c0, out, two, store,
-			   fixed_bits);
+			   fixed_bits, VIEW_ROW(0));
 		for (r = 1; r < both; r++) {
 			key_range_add(&k, head + (size_t)next->rows[r] * dim + c0);
 			encode_row(p, t, kind, head + (size_t)rows[r] * dim + c0, out + r * row_bytes,
-				   two, store, fixed_bits);
+				   two, store, fixed_bits, VIEW_ROW(r));
 		}
 		for (size_t n = both; n < next->n_rows; n++)
 			key_range_add(&k, head + (size_t)next->rows[n] * dim + c0);
@@ -910,16 +997,19 @@ encode_rows(const struct encode_params *p, const struct encode_tables *t, enum p
 	}
 	for (; r < n_rows; r++)
 		encode_row(p, t, kind, head + (size_t)rows[r] * dim + c0, out + r * row_bytes, two,
-			   store, fixed_bits);
+			   store, fixed_bits, VIEW_ROW(r));
+#undef VIEW_ROW
 }
 
 static VBMI void vbmi_group_encode(const uint16_t *head, const uint32_t *rows, size_t n_rows,
 			      size_t dim, int bits, const uint8_t *scales, const uint8_t *mins,
 			      uint8_t *codes, const uint32_t *next_rows, size_t n_next,
-			      uint8_t *next_scales, uint8_t *next_mins)
+			      uint8_t *next_scales, uint8_t *next_mins,
+			      const struct codec_view *view)
 {
 	const __m512i max_code = _mm512_set1_epi32((1 << bits) - 1);
 	const __m512 zero = _mm512_setzero_ps();
+
 	const size_t row_bytes = dim * (size_t)bits / 8;
 	const enum pack_kind kind = bits == 8 ? PACK_BYTES : bits % 2 ? PACK_ODD : PACK_EVEN;
 	const struct next_group next = { next_rows, n_next, next_scales, next_mins };
@@ -945,23 +1035,29 @@ static VBMI void vbmi_group_encode(const uint16_t *head, const uint32_t *rows, s
 			__mmask16 flat = _mm512_cmp_ps_mask(p.scale[v], zero, _CMP_EQ_OQ);
 			p.cap[v] = _mm512_maskz_mov_epi32(p.mask[v] & ~flat, max_code);
 		}
+		p.exact = false;
+		if (view) {
+			struct recon_params r;
+			recon_params_load(&r, c0, dim, bits, scales, mins);
+			p.exact = r.exact;
+		}
 		uint8_t *out = codes + c0 * (size_t)bits / 8;
 		bool two = count > 64;
 		if (bits == 2 && two)
 			encode_rows(&p, &t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes,
-				    true, store, &next, bits, 2);
+				    true, store, &next, bits, 2, view);
 		else if (bits == 4 && two)
 			encode_rows(&p, &t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes,
-				    true, store, &next, bits, 4);
+				    true, store, &next, bits, 4, view);
 		else if (kind == PACK_EVEN)
 			encode_rows(&p, &t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes,
-				    two, store, &next, bits, 0);
+				    two, store, &next, bits, 0, view);
 		else if (kind == PACK_ODD)
 			encode_rows(&p, &t, PACK_ODD, head, rows, n_rows, dim, c0, out, row_bytes,
-				    two, store, &next, bits, 0);
+				    two, store, &next, bits, 0, view);
 		else
 			encode_rows(&p, &t, PACK_BYTES, head, rows, n_rows, dim, c0, out, row_bytes,
-				    two, store, &next, bits, 0);
+				    two, store, &next, bits, 0, view);
 	}
 }
 
@@ -974,6 +1070,7 @@ const struct codec_kernels codec_kernels_avx512 = {
 	.group_quantize = avx512_group_quantize,
 	.pack = codec_pack_bmi2,
 	.group_reconstruct = avx512_group_reconstruct,
+	.group_reconstruct_stream = avx512_group_reconstruct_stream,
 };
 
 const struct codec_kernels codec_kernels_avx512_vbmi = {
@@ -985,4 +1082,5 @@ const struct codec_kernels codec_kernels_avx512_vbmi = {
 	.pack = codec_pack_bmi2,
 	.group_encode = vbmi_group_encode,
 	.group_reconstruct = vbmi_group_reconstruct,
+	.group_reconstruct_stream = vbmi_group_reconstruct_stream,
 };

@@ -87,23 +87,23 @@ static int run_span(const zc_codec_config *config, const struct work *w, size_t 
 		return zc_block_reconstruct(config, w->tensor, &one,
 					    w->compressed + first * w->head_bytes, bytes,
 					    w->view + at, w->strides);
+	const float *scores = w->scores ? w->scores + first * w->shape.tokens : NULL;
 	int64_t rc;
-	if (w->scores)
+	if (w->view)
+		rc = zc_block_compress_view(config, w->tensor, &one, w->input + at, w->strides,
+					    scores, w->out + first * w->head_bytes, bytes,
+					    w->view + b * w->view_strides->batch +
+						    hh * w->view_strides->head,
+					    w->view_strides);
+	else if (scores)
 		rc = zc_block_compress_scored_strided(config, &one, w->input + at, w->strides,
-						      w->scores + first * w->shape.tokens,
-						      w->out + first * w->head_bytes, bytes);
+						      scores, w->out + first * w->head_bytes, bytes);
 	else
 		rc = zc_block_compress_strided(config, w->tensor, &one, w->input + at, w->strides,
 					       w->out + first * w->head_bytes, bytes);
 	if (rc >= 0 && w->sink)
 		rc = w->sink->write(w->sink->ctx, first * w->head_bytes,
 				    w->out + first * w->head_bytes, bytes);
-	if (rc >= 0 && w->view)
-		rc = zc_block_reconstruct(config, w->tensor, &one, w->out + first * w->head_bytes,
-					  bytes,
-					  w->view + b * w->view_strides->batch +
-						  hh * w->view_strides->head,
-					  w->view_strides);
 	return rc < 0 ? (int)rc : 0;
 }
 
@@ -198,19 +198,16 @@ static unsigned parts_for(const zc_codec_config *config, zc_tensor tensor,
 /* The codec's own call for one tensor, bytes then through its sink. */
 static int64_t compress_direct(const zc_codec_config *config, const struct codec_fanout_tensor *t)
 {
-	int64_t n = t->scores ? zc_block_compress_scored_strided(config, &t->shape, t->input,
+	int64_t n = t->view ? zc_block_compress_view(config, t->tensor, &t->shape, t->input,
+						     t->strides, t->scores, t->out, t->capacity,
+						     t->view, t->view_strides) :
+		    t->scores ? zc_block_compress_scored_strided(config, &t->shape, t->input,
 								  t->strides, t->scores, t->out,
 								  t->capacity) :
 				zc_block_compress_strided(config, t->tensor, &t->shape, t->input,
 							  t->strides, t->out, t->capacity);
 	if (n > 0 && t->sink) {
 		int rc = t->sink->write(t->sink->ctx, 0, t->out, (size_t)n);
-		if (rc < 0)
-			return rc;
-	}
-	if (n > 0 && t->view) {
-		int rc = zc_block_reconstruct(config, t->tensor, &t->shape, t->out, (size_t)n,
-					      t->view, t->view_strides);
 		if (rc < 0)
 			return rc;
 	}

@@ -61,11 +61,10 @@ struct codec_fanout_tensor {
 	void *out;
 	size_t capacity;
 	const struct codec_sink *sink;    /* or NULL */
-	/* Or NULL: each head's reconstruction goes here right after its
-	 * compression, while its bytes are still in cache (what
-	 * codec_fanout_reconstruct of the output would write, without a
-	 * second pass over the block). On an error, rows of the view may
-	 * hold some heads' reconstructions. */
+	/* Or NULL: each head's reconstruction goes here as it is compressed
+	 * (zc_block_compress_view: what codec_fanout_reconstruct of the
+	 * output would write, without a second pass over the block). On an
+	 * error, rows of the view may hold some heads' reconstructions. */
 	uint16_t *view;
 	const zc_strides *view_strides;
 };

@@ -30,6 +30,8 @@
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
 
+#include "../codec/kernels.h"
+
 /*
  * Like ck_assert_msg, but silent when the condition holds: Check records
  * every passing assertion, which dominates loops over many elements.
@@ -1942,6 +1944,201 @@ START_TEST(test_strided_reconstruction)
 END_TEST
 
 /*
+ * Views written by the kernels' fast paths, into the session's [S][H][D]
+ * view, one element off a cache line (shift 1) or on one (shift 0),
+ * touching nothing else, by every kernel table this CPU runs (both AVX-512
+ * ones: the VBMI one is otherwise the only one picked here):
+ * - zc_block_reconstruct of 512 KiB or more goes through non-temporal
+ *   stores where rows start on cache lines (codec/block.c);
+ * - zc_block_compress_view writes the reconstruction in the encode's pass
+ *   where rows are whole bytes, else from the payload.
+ * Either must give exactly the scalar kernels' reconstruction of the
+ * bytes zc_block_compress gives.
+ */
+static void check_view_writes(const zc_codec_config *config, zc_tensor tensor, uint32_t tokens,
+			      uint32_t head_dim, data_kind kind, uint64_t seed, bool fused)
+{
+	const uint32_t heads = 2, slack = 32; /* slack: one cache line of halves */
+	const uint16_t sentinel = 0xdead;
+	zc_block_shape shape = make_shape(1, heads, tokens, head_dim);
+	expected_layout layout = expected_block_layout(config, tensor, &shape);
+	size_t elements = (size_t)heads * tokens * head_dim;
+	size_t view_elements = elements + 2 * slack;
+	uint16_t *input = make_input(kind, heads, tokens, head_dim, seed);
+	uint8_t *compressed = malloc(layout.total_bytes + 1);
+	uint8_t *bytes = malloc(layout.total_bytes + 1);
+	uint16_t *expected = malloc(elements * sizeof *expected);
+	uint16_t *view = aligned_alloc(64, view_elements * sizeof *view);
+	zc_strides contiguous = { elements, (size_t)tokens * head_dim, head_dim };
+	zc_strides interleaved = { elements, head_dim, (size_t)heads * head_dim };
+	const struct codec_kernels *tables[3];
+	size_t n_tables = 0;
+
+	ck_assert_ptr_nonnull(compressed);
+	ck_assert_ptr_nonnull(bytes);
+	ck_assert_ptr_nonnull(expected);
+	ck_assert_ptr_nonnull(view);
+	if (zc_codec_set_isa(ZC_ISA_AVX2) == 0)
+		tables[n_tables++] = &codec_kernels_avx2;
+	if (zc_codec_set_isa(ZC_ISA_AVX512) == 0) {
+		tables[n_tables++] = &codec_kernels_avx512;
+		__builtin_cpu_init();
+		if (__builtin_cpu_supports("avx512vbmi"))
+			tables[n_tables++] = &codec_kernels_avx512_vbmi;
+	}
+	use_isa(ZC_ISA_SCALAR);
+	ck_assert_int_eq(zc_block_compress(config, tensor, &shape, input, compressed,
+					   layout.total_bytes), (int64_t)layout.total_bytes);
+	ck_assert_int_eq(zc_block_reconstruct(config, tensor, &shape, compressed,
+					      layout.total_bytes, expected, &contiguous), 0);
+	for (size_t k = 0; k < n_tables; k++) {
+		codec_kernels_override(tables[k]);
+		for (uint32_t shift = 0; shift < 2; shift++) {
+			uint16_t *out = view + slack + shift;
+			for (size_t v = 0; v < view_elements; v++)
+				view[v] = sentinel;
+			if (fused) {
+				bytes[layout.total_bytes] = 0xa5;
+				ck_assert_int_eq(zc_block_compress_view(config, tensor, &shape, input,
+									&contiguous, NULL, bytes,
+									layout.total_bytes + 1, out,
+									&interleaved),
+						 (int64_t)layout.total_bytes);
+				REQUIRE(memcmp(bytes, compressed, layout.total_bytes) == 0 &&
+						bytes[layout.total_bytes] == 0xa5,
+					"compress_view [%s]: bytes differ from zc_block_compress",
+					tables[k]->name);
+			} else {
+				ck_assert_int_eq(zc_block_reconstruct(config, tensor, &shape,
+								      compressed,
+								      layout.total_bytes, out,
+								      &interleaved), 0);
+			}
+			for (size_t v = 0; v < view_elements; v++) {
+				size_t at = v - slack - shift;
+				bool written = v >= slack + shift && at < elements;
+				size_t token = at / (heads * head_dim);
+				size_t head = at / head_dim % heads, channel = at % head_dim;
+				uint16_t want = written ?
+					expected[(head * tokens + token) * head_dim + channel] :
+					sentinel;
+				REQUIRE(view[v] == want,
+					"%s [%s] hi %d lo %d S %u D %u shift %u: token %zu head %zu "
+					"channel %zu expected 0x%04x got 0x%04x",
+					fused ? "compress_view" : "streamed", tables[k]->name,
+					config->hi_bits, config->lo_bits, tokens, head_dim, shift,
+					token, head, channel, want, view[v]);
+			}
+		}
+	}
+	codec_kernels_override(NULL);
+	free(input);
+	free(compressed);
+	free(bytes);
+	free(expected);
+	free(view);
+}
+
+/* Tokens whose two heads of D make at least the streaming size. */
+static uint32_t streamed_tokens(uint32_t head_dim)
+{
+	return (uint32_t)((512u * 1024u + 4u * head_dim - 1u) / (4u * head_dim));
+}
+
+static const int view_widths[][2] = { { 4, 2 }, { 1, 1 }, { 2, 2 }, { 3, 3 }, { 4, 4 },
+				      { 5, 5 }, { 6, 6 }, { 7, 7 }, { 8, 8 }, { 8, 3 } };
+static const uint32_t view_head_dims[] = { 128, 96, 100, 256, 20 };
+
+START_TEST(test_streamed_reconstruction)
+{
+	zc_codec_config values;
+
+	for (size_t w = 0; w < sizeof view_widths / sizeof view_widths[0]; w++) {
+		zc_codec_config config = make_config(view_widths[w][0], view_widths[w][1], 0.2, 32,
+						     true);
+		for (size_t d = 0; d < sizeof view_head_dims / sizeof view_head_dims[0]; d++) {
+			uint32_t dim = view_head_dims[d], tokens = streamed_tokens(dim);
+			check_view_writes(&config, ZC_TENSOR_KEYS, tokens, dim,
+					  DATA_OUTLIER_CHANNELS, 9700 + 10 * w + d, false);
+			check_view_writes(&config, ZC_TENSOR_KEYS, tokens, dim, DATA_EXTREMES,
+					  9800 + 10 * w + d, false);
+		}
+	}
+	zc_codec_config_default(&values);
+	check_view_writes(&values, ZC_TENSOR_VALUES, streamed_tokens(128), 128, DATA_GAUSSIAN,
+			  9900, false);
+}
+END_TEST
+
+/*
+ * zc_block_compress_view, small blocks (plain stores) and streamed ones,
+ * every width (odd ones with a D whose rows are not whole bytes take the
+ * payload path), clamped groups, values quantized and exact; and a block
+ * it refuses (NaN, or scores for values) writes neither bytes nor view.
+ */
+START_TEST(test_compress_view)
+{
+	static const uint32_t small_tokens[] = { 1, 45, 300 };
+	zc_codec_config values, exact;
+
+	for (size_t w = 0; w < sizeof view_widths / sizeof view_widths[0]; w++) {
+		zc_codec_config config = make_config(view_widths[w][0], view_widths[w][1], 0.2, 32,
+						     true);
+		for (size_t d = 0; d < sizeof view_head_dims / sizeof view_head_dims[0]; d++) {
+			uint32_t dim = view_head_dims[d];
+			for (size_t t = 0; t < sizeof small_tokens / sizeof small_tokens[0]; t++)
+				check_view_writes(&config, ZC_TENSOR_KEYS, small_tokens[t], dim,
+						  t % 2 ? DATA_EXTREMES : DATA_OUTLIER_CHANNELS,
+						  10100 + 10 * w + d, true);
+			check_view_writes(&config, ZC_TENSOR_KEYS, streamed_tokens(dim), dim,
+					  DATA_EXTREMES, 10300 + 10 * w + d, true);
+		}
+	}
+	zc_codec_config_default(&values);
+	check_view_writes(&values, ZC_TENSOR_VALUES, 300, 128, DATA_GAUSSIAN, 10400, true);
+	check_view_writes(&values, ZC_TENSOR_VALUES, streamed_tokens(128), 128, DATA_GAUSSIAN,
+			  10401, true);
+	exact = values;
+	exact.quantize_values = false;
+	check_view_writes(&exact, ZC_TENSOR_VALUES, 77, 96, DATA_ANY_FINITE, 10402, true);
+
+	/* Refusals leave both outputs as they were. */
+	zc_block_shape shape = make_shape(1, 2, 64, 128);
+	expected_layout layout = expected_block_layout(&values, ZC_TENSOR_KEYS, &shape);
+	size_t elements = 2u * 64 * 128;
+	uint16_t *input = make_input(DATA_GAUSSIAN, 2, 64, 128, 10403);
+	uint8_t *bytes = malloc(layout.total_bytes);
+	uint16_t *view = malloc(elements * sizeof *view);
+	float scores[128] = { 0 };
+	zc_strides strides = { elements, 64u * 128, 128 };
+
+	ck_assert_ptr_nonnull(bytes);
+	ck_assert_ptr_nonnull(view);
+	memset(bytes, 0x5a, layout.total_bytes);
+	memset(view, 0x5a, elements * sizeof *view);
+	input[elements - 1] = 0x7e00;
+	ck_assert_int_eq(zc_block_compress_view(&values, ZC_TENSOR_KEYS, &shape, input, &strides,
+						NULL, bytes, layout.total_bytes, view, &strides),
+			 ZC_ENONFINITE);
+	input[elements - 1] = 0x3c00;
+	ck_assert_int_eq(zc_block_compress_view(&values, ZC_TENSOR_VALUES, &shape, input,
+						&strides, scores, bytes, layout.total_bytes, view,
+						&strides),
+			 ZC_EINVALID);
+	ck_assert_int_eq(zc_block_compress_view(&values, ZC_TENSOR_KEYS, &shape, input, &strides,
+						NULL, bytes, layout.total_bytes, NULL, &strides),
+			 ZC_EINVALID);
+	for (size_t i = 0; i < layout.total_bytes; i++)
+		REQUIRE(bytes[i] == 0x5a, "refused compress_view wrote byte %zu", i);
+	for (size_t i = 0; i < elements; i++)
+		REQUIRE(view[i] == 0x5a5a, "refused compress_view wrote view element %zu", i);
+	free(input);
+	free(bytes);
+	free(view);
+}
+END_TEST
+
+/*
  * quantize_values = false: the payload is the input's fp16 bytes (2*S*D
  * per head) and reconstruction gives back every bit, including -0,
  * subnormals and ±65504. Keys are still quantized.
@@ -2920,6 +3117,8 @@ static Suite *numerics_suite(void)
 	tcase_add_test(edges, test_nonfinite_rejected);
 	suite_add_tcase(suite, edges);
 	tcase_add_test(targets, test_strided_reconstruction);
+	tcase_add_test(targets, test_streamed_reconstruction);
+	tcase_add_test(targets, test_compress_view);
 	tcase_add_test(targets, test_exact_values);
 	suite_add_tcase(suite, targets);
 	tcase_add_test(isas, test_isas_identical);

@@ -167,6 +167,17 @@ int64_t zc_block_compress_scored_strided(const zc_codec_config *config,
 					 const zc_strides *key_strides, const float *scores,
 					 void *out, size_t capacity);
 
+/* Compresses as zc_block_compress_strided (or, with scores, as
+ * zc_block_compress_scored_strided; scores need tensor KEYS) and writes
+ * the block's reconstruction to view at view_strides: exactly what
+ * zc_block_reconstruct would write there from the returned bytes, in the
+ * encode's pass where the kernels can, which saves unpacking the codes
+ * again. Nothing is written to out or view on any error. */
+int64_t zc_block_compress_view(const zc_codec_config *config, zc_tensor tensor,
+			       const zc_block_shape *shape, const uint16_t *input,
+			       const zc_strides *input_strides, const float *scores, void *out,
+			       size_t capacity, uint16_t *view, const zc_strides *view_strides);
+
 /* Reconstructs a compressed block into out, token t of head (b, h) landing
  * at out[b*strides->batch + h*strides->head + t*strides->token]. size must
  * equal the layout's total_bytes. */
