@@ -26,6 +26,11 @@
  * that follow. */
 #define RECONSTRUCT_STREAM_BYTES (512u * 1024u)
 
+static bool reconstruct_streams(const zc_block_layout *layout)
+{
+	return layout->heads * layout->tokens * layout->head_dim * 2 >= RECONSTRUCT_STREAM_BYTES;
+}
+
 struct compress_scratch {
 	float *norms;      /* B*H*S key norms, computed before anything is written */
 	uint32_t *rows;    /* S + 2 row indices: salient, a spare, the others, a spare */
@@ -152,7 +157,8 @@ static void head_compress(const struct codec_kernels *kernels, const zc_block_la
 			fused ? view : NULL);
 	if (view && !fused)
 		head_reconstruct(kernels, layout, (size_t)config->group_size, payload,
-				 payload + layout->head_bytes, view->at, view->token_stride, false);
+				 payload + layout->head_bytes, view->at, view->token_stride,
+				 reconstruct_streams(layout));
 }
 
 /* Caller-given saliency scores: the radix select orders non-negative
@@ -439,7 +445,7 @@ int zc_block_reconstruct(const zc_codec_config *config, zc_tensor tensor,
 	const uint8_t *bytes = compressed;
 	const uint8_t *read_end = bytes + size;
 	size_t dim = layout.head_dim;
-	bool nt = layout.heads * layout.tokens * dim * 2 >= RECONSTRUCT_STREAM_BYTES;
+	bool nt = reconstruct_streams(&layout);
 
 	if (!layout.exact) {
 		for (size_t h = 0; h < layout.heads; h++) {
