@@ -1968,7 +1968,8 @@ static void check_view_writes(const zc_codec_config *config, zc_tensor tensor, u
 	uint8_t *compressed = malloc(layout.total_bytes + 1);
 	uint8_t *bytes = malloc(layout.total_bytes + 1);
 	uint16_t *expected = malloc(elements * sizeof *expected);
-	uint16_t *view = aligned_alloc(64, view_elements * sizeof *view);
+	/* C11: the size a multiple of the alignment. */
+	uint16_t *view = aligned_alloc(64, (view_elements * sizeof *view + 63) & ~(size_t)63);
 	zc_strides contiguous = { elements, (size_t)tokens * head_dim, head_dim };
 	zc_strides interleaved = { elements, head_dim, (size_t)heads * head_dim };
 	const struct codec_kernels *tables[3];
