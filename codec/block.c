@@ -31,6 +31,12 @@ static bool reconstruct_streams(const zc_block_layout *layout)
 	return layout->heads * layout->tokens * layout->head_dim * 2 >= RECONSTRUCT_STREAM_BYTES;
 }
 
+/* The stream kernels' precondition: every row starts on a cache line. */
+static bool rows_on_lines(const uint16_t *out, size_t token_stride)
+{
+	return (uintptr_t)out % 64 == 0 && token_stride * 2 % 64 == 0;
+}
+
 struct compress_scratch {
 	float *norms;      /* B*H*S key norms, computed before anything is written */
 	uint32_t *rows;    /* S + 2 row indices: salient, a spare, the others, a spare */
@@ -368,8 +374,9 @@ static void subset_reconstruct(const struct codec_kernels *kernels, struct token
 			       uint16_t *out, size_t token_stride, bool nt)
 {
 	codec_group_reconstruct_fn *reconstruct =
-		nt && kernels->group_reconstruct_stream ? kernels->group_reconstruct_stream :
-							  kernels->group_reconstruct;
+		nt && kernels->group_reconstruct_stream && rows_on_lines(out, token_stride) ?
+			kernels->group_reconstruct_stream :
+			kernels->group_reconstruct;
 	uint32_t list[RECONSTRUCT_CHUNK_ROWS];
 	size_t row = 0;
 

@@ -64,8 +64,9 @@ struct codec_kernels {
 	 * used) up to read_end. */
 	codec_group_reconstruct_fn *group_reconstruct;
 	/* Optional (NULL: group_reconstruct): the same results written with
-	 * non-temporal stores where the output's alignment allows, for blocks
-	 * too large to be read back from cache; ordered before return. */
+	 * non-temporal stores, for blocks too large to be read back from
+	 * cache, ordered before return. Only called with out and
+	 * 2*token_stride multiples of 64 bytes: every row on a cache line. */
 	codec_group_reconstruct_fn *group_reconstruct_stream;
 };
 

@@ -665,27 +665,17 @@ static void avx512_group_reconstruct(const uint8_t *stream, const uint8_t *read_
 }
 
 /*
- * Non-temporal stores for whole vectors: only where every row and every
- * 128-channel pass starts on a cache line (64-byte stores there, 32-byte
- * ones at 32-byte steps), else the plain kernel. The SFENCE orders the
- * streamed lines before whatever the caller publishes next.
+ * Non-temporal stores for whole vectors (rows start on cache lines, so
+ * 64-byte stores are aligned, and 32-byte ones at 32-byte steps); the
+ * SFENCE orders the streamed lines before whatever the caller publishes
+ * next.
  */
-static bool stream_aligned(const uint16_t *out, size_t token_stride)
-{
-	return (uintptr_t)out % 64 == 0 && token_stride * 2 % 64 == 0;
-}
-
 static void avx512_group_reconstruct_stream(const uint8_t *stream, const uint8_t *read_end,
 					    size_t bit_offset, size_t n_rows, size_t dim,
 					    int bits, const uint8_t *scales, const uint8_t *mins,
 					    const uint32_t *tokens, uint16_t *out,
 					    size_t token_stride)
 {
-	if (!stream_aligned(out, token_stride)) {
-		avx512_group_reconstruct(stream, read_end, bit_offset, n_rows, dim, bits, scales,
-					 mins, tokens, out, token_stride);
-		return;
-	}
 	group_reconstruct_with(stream, read_end, bit_offset, n_rows, dim, bits, scales, mins,
 			       tokens, out, token_stride, true);
 	_mm_sfence();
@@ -819,11 +809,6 @@ static VBMI void vbmi_group_reconstruct_stream(const uint8_t *stream, const uint
 					  const uint32_t *tokens, uint16_t *out,
 					  size_t token_stride)
 {
-	if (!stream_aligned(out, token_stride)) {
-		vbmi_group_reconstruct(stream, read_end, bit_offset, n_rows, dim, bits, scales,
-				       mins, tokens, out, token_stride);
-		return;
-	}
 	vbmi_reconstruct_with(stream, read_end, bit_offset, n_rows, dim, bits, scales, mins,
 			      tokens, out, token_stride, true);
 	_mm_sfence();
