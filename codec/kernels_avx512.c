@@ -9,8 +9,9 @@
  *
  * Two tables: codec_kernels_avx512, and codec_kernels_avx512_vbmi for CPUs
  * with VBMI (VPERMB, VPMULTISHIFTQB), which unpacks codes of any width and
- * quantizes and packs a group in one pass. Both work a group at a time:
- * a group's scales and mins are widened once for all of its rows.
+ * quantizes and packs a group in one pass (writing, given a view, each
+ * row's reconstruction from the codes it packs). Both work a group at a
+ * time: a group's scales and mins are widened once for all of its rows.
  */
 #include "kernels.h"
 #include "fold_avx512.h"
@@ -994,7 +995,6 @@ static VBMI void vbmi_group_encode(const uint16_t *head, const uint32_t *rows, s
 {
 	const __m512i max_code = _mm512_set1_epi32((1 << bits) - 1);
 	const __m512 zero = _mm512_setzero_ps();
-
 	const size_t row_bytes = dim * (size_t)bits / 8;
 	const enum pack_kind kind = bits == 8 ? PACK_BYTES : bits % 2 ? PACK_ODD : PACK_EVEN;
 	const struct next_group next = { next_rows, n_next, next_scales, next_mins };
