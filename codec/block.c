@@ -133,8 +133,10 @@ static void head_compress(const struct codec_kernels *kernels, const zc_block_la
 			  const float *norms, uint8_t *payload, struct compress_scratch *scratch,
 			  const struct codec_view *view)
 {
-	bool fused = view && subset_encodes(kernels, layout->head_dim, layout->hi_bits) &&
-		     subset_encodes(kernels, layout->head_dim, layout->lo_bits);
+	/* An empty subset (values have no others) writes nothing either way. */
+	bool fused = view &&
+		     (layout->n_hi == 0 || subset_encodes(kernels, layout->head_dim, layout->hi_bits)) &&
+		     (layout->n_lo == 0 || subset_encodes(kernels, layout->head_dim, layout->lo_bits));
 	uint32_t tokens = layout->tokens, n_hi = 0, n_lo = 0;
 	uint8_t *mask = payload + layout->mask_offset;
 	uint32_t *hi_rows = scratch->rows;

@@ -1945,9 +1945,11 @@ END_TEST
 
 /*
  * Views written by the kernels' fast paths, into the session's [S][H][D]
- * view, one element off a cache line (shift 1) or on one (shift 0),
- * touching nothing else, by every kernel table this CPU runs (both AVX-512
- * ones: the VBMI one is otherwise the only one picked here):
+ * view, each head's row padded to a cache line (so a D like 100 streams
+ * with a partial last vector), the view one element off a line (shift 1)
+ * or on one (shift 0), touching nothing else (the padding included), by
+ * every kernel table this CPU runs (both AVX-512 ones: the VBMI one is
+ * otherwise the only one picked here):
  * - zc_block_reconstruct of 512 KiB or more goes through non-temporal
  *   stores where rows start on cache lines (codec/block.c);
  * - zc_block_compress_view writes the reconstruction in the encode's pass
@@ -1963,7 +1965,8 @@ static void check_view_writes(const zc_codec_config *config, zc_tensor tensor, u
 	zc_block_shape shape = make_shape(1, heads, tokens, head_dim);
 	expected_layout layout = expected_block_layout(config, tensor, &shape);
 	size_t elements = (size_t)heads * tokens * head_dim;
-	size_t view_elements = elements + 2 * slack;
+	size_t padded = (head_dim + 31u) / 32u * 32u; /* a head's row, in halves */
+	size_t view_elements = (size_t)heads * tokens * padded + 2 * slack;
 	uint16_t *input = make_input(kind, heads, tokens, head_dim, seed);
 	uint8_t *compressed = malloc(layout.total_bytes + 1);
 	uint8_t *bytes = malloc(layout.total_bytes + 1);
@@ -1971,7 +1974,7 @@ static void check_view_writes(const zc_codec_config *config, zc_tensor tensor, u
 	/* C11: the size a multiple of the alignment. */
 	uint16_t *view = aligned_alloc(64, (view_elements * sizeof *view + 63) & ~(size_t)63);
 	zc_strides contiguous = { elements, (size_t)tokens * head_dim, head_dim };
-	zc_strides interleaved = { elements, head_dim, (size_t)heads * head_dim };
+	zc_strides interleaved = { (size_t)heads * tokens * padded, padded, heads * padded };
 	const struct codec_kernels *tables[3];
 	size_t n_tables = 0;
 
@@ -2017,9 +2020,10 @@ static void check_view_writes(const zc_codec_config *config, zc_tensor tensor, u
 			}
 			for (size_t v = 0; v < view_elements; v++) {
 				size_t at = v - slack - shift;
-				bool written = v >= slack + shift && at < elements;
-				size_t token = at / (heads * head_dim);
-				size_t head = at / head_dim % heads, channel = at % head_dim;
+				size_t token = at / (heads * padded);
+				size_t head = at / padded % heads, channel = at % padded;
+				bool written = v >= slack + shift && token < tokens &&
+					       channel < head_dim;
 				uint16_t want = written ?
 					expected[(head * tokens + token) * head_dim + channel] :
 					sentinel;
@@ -2102,6 +2106,13 @@ START_TEST(test_compress_view)
 	exact = values;
 	exact.quantize_values = false;
 	check_view_writes(&exact, ZC_TENSOR_VALUES, 77, 96, DATA_ANY_FINITE, 10402, true);
+	/* One subset empty, the other's rows whole bytes where the empty
+	 * one's would not be: values (no others), keys at fractions 1 and 0. */
+	zc_codec_config wide_hi = make_config(8, 3, 1.0, 32, true);
+	zc_codec_config wide_lo = make_config(3, 8, 0.0, 32, true);
+	check_view_writes(&wide_hi, ZC_TENSOR_VALUES, 300, 100, DATA_GAUSSIAN, 10404, true);
+	check_view_writes(&wide_hi, ZC_TENSOR_KEYS, 300, 100, DATA_EXTREMES, 10405, true);
+	check_view_writes(&wide_lo, ZC_TENSOR_KEYS, 300, 100, DATA_EXTREMES, 10406, true);
 
 	/* Refusals leave both outputs as they were. */
 	zc_block_shape shape = make_shape(1, 2, 64, 128);
@@ -2129,12 +2140,101 @@ START_TEST(test_compress_view)
 	ck_assert_int_eq(zc_block_compress_view(&values, ZC_TENSOR_KEYS, &shape, input, &strides,
 						NULL, bytes, layout.total_bytes, NULL, &strides),
 			 ZC_EINVALID);
+	ck_assert_int_eq(zc_block_compress_view(&values, ZC_TENSOR_KEYS, &shape, input, &strides,
+						NULL, bytes, layout.total_bytes - 1, view, &strides),
+			 ZC_EBUFFER);
+	zc_strides gapped = { elements, 64u * 128, 129 };
+	ck_assert_int_eq(zc_block_compress_view(&values, ZC_TENSOR_KEYS, &shape, input, &gapped,
+						NULL, bytes, layout.total_bytes, view, &strides),
+			 ZC_ESHAPE);
+	scores[77] = -1.0f;
+	ck_assert_int_eq(zc_block_compress_view(&values, ZC_TENSOR_KEYS, &shape, input, &strides,
+						scores, bytes, layout.total_bytes, view, &strides),
+			 ZC_EINVALID);
 	for (size_t i = 0; i < layout.total_bytes; i++)
 		REQUIRE(bytes[i] == 0x5a, "refused compress_view wrote byte %zu", i);
 	for (size_t i = 0; i < elements; i++)
 		REQUIRE(view[i] == 0x5a5a, "refused compress_view wrote view element %zu", i);
 	free(input);
 	free(bytes);
+	free(view);
+}
+END_TEST
+
+/*
+ * zc_block_compress_view with the caller's saliency scores, two batch
+ * entries, heads that are not back to back in the input (the first 300
+ * of 310 tokens) and a padded view: the bytes of
+ * zc_block_compress_scored_strided and the scalar kernels' reconstruction
+ * of them, on every kernel table.
+ */
+START_TEST(test_compress_view_scored)
+{
+	const uint32_t batch = 2, heads = 2, tokens = 300, room = 310, dim = 128, padded = 160;
+	zc_codec_config config;
+	zc_block_shape shape = make_shape(batch, heads, tokens, dim);
+	zc_codec_config_default(&config);
+	expected_layout layout = expected_block_layout(&config, ZC_TENSOR_KEYS, &shape);
+	size_t elements = (size_t)batch * heads * tokens * dim;
+	size_t view_elements = (size_t)batch * heads * tokens * padded;
+	uint16_t *input = make_input(DATA_OUTLIER_CHANNELS, batch * heads, room, dim, 10500);
+	float *scores = malloc((size_t)batch * heads * tokens * sizeof *scores);
+	uint8_t *compressed = malloc(layout.total_bytes), *bytes = malloc(layout.total_bytes);
+	uint16_t *expected = malloc(elements * sizeof *expected);
+	uint16_t *view = malloc(view_elements * sizeof *view);
+	zc_strides input_strides = { (size_t)heads * room * dim, (size_t)room * dim, dim };
+	zc_strides contiguous = { (size_t)heads * tokens * dim, (size_t)tokens * dim, dim };
+	zc_strides view_strides = { (size_t)heads * tokens * padded, (size_t)tokens * padded,
+				    padded };
+	const struct codec_kernels *tables[4] = { &codec_kernels_scalar };
+	size_t n_tables = 1;
+	random_state generator = random_seeded(10501);
+
+	ck_assert_ptr_nonnull(scores);
+	ck_assert_ptr_nonnull(compressed);
+	ck_assert_ptr_nonnull(bytes);
+	ck_assert_ptr_nonnull(expected);
+	ck_assert_ptr_nonnull(view);
+	for (size_t i = 0; i < (size_t)batch * heads * tokens; i++)
+		scores[i] = (float)random_unit(&generator);
+	if (zc_codec_set_isa(ZC_ISA_AVX2) == 0)
+		tables[n_tables++] = &codec_kernels_avx2;
+	if (zc_codec_set_isa(ZC_ISA_AVX512) == 0) {
+		tables[n_tables++] = &codec_kernels_avx512;
+		__builtin_cpu_init();
+		if (__builtin_cpu_supports("avx512vbmi"))
+			tables[n_tables++] = &codec_kernels_avx512_vbmi;
+	}
+	use_isa(ZC_ISA_SCALAR);
+	ck_assert_int_eq(zc_block_compress_scored_strided(&config, &shape, input, &input_strides,
+							  scores, compressed, layout.total_bytes),
+			 (int64_t)layout.total_bytes);
+	ck_assert_int_eq(zc_block_reconstruct(&config, ZC_TENSOR_KEYS, &shape, compressed,
+					      layout.total_bytes, expected, &contiguous), 0);
+	for (size_t k = 0; k < n_tables; k++) {
+		codec_kernels_override(tables[k]);
+		for (size_t v = 0; v < view_elements; v++)
+			view[v] = 0xdead;
+		ck_assert_int_eq(zc_block_compress_view(&config, ZC_TENSOR_KEYS, &shape, input,
+							&input_strides, scores, bytes,
+							layout.total_bytes, view, &view_strides),
+				 (int64_t)layout.total_bytes);
+		REQUIRE(memcmp(bytes, compressed, layout.total_bytes) == 0,
+			"compress_view scored [%s]: bytes differ", tables[k]->name);
+		for (size_t v = 0; v < view_elements; v++) {
+			size_t channel = v % padded, row = v / padded; /* row: (b*H + h)*S + t */
+			uint16_t want = channel < dim ? expected[row * dim + channel] : 0xdead;
+			REQUIRE(view[v] == want,
+				"compress_view scored [%s]: row %zu channel %zu expected 0x%04x "
+				"got 0x%04x", tables[k]->name, row, channel, want, view[v]);
+		}
+	}
+	codec_kernels_override(NULL);
+	free(input);
+	free(scores);
+	free(compressed);
+	free(bytes);
+	free(expected);
 	free(view);
 }
 END_TEST
@@ -3120,6 +3220,7 @@ static Suite *numerics_suite(void)
 	tcase_add_test(targets, test_strided_reconstruction);
 	tcase_add_test(targets, test_streamed_reconstruction);
 	tcase_add_test(targets, test_compress_view);
+	tcase_add_test(targets, test_compress_view_scored);
 	tcase_add_test(targets, test_exact_values);
 	suite_add_tcase(suite, targets);
 	tcase_add_test(isas, test_isas_identical);
