@@ -1957,6 +1957,22 @@ END_TEST
  * Either must give exactly the scalar kernels' reconstruction of the
  * bytes zc_block_compress gives.
  */
+/* The SIMD kernel tables this CPU runs, both AVX-512 ones included (only
+ * the VBMI one is picked here otherwise), for codec_kernels_override. */
+static size_t simd_tables(const struct codec_kernels **tables)
+{
+	size_t n = 0;
+	if (zc_codec_set_isa(ZC_ISA_AVX2) == 0)
+		tables[n++] = &codec_kernels_avx2;
+	if (zc_codec_set_isa(ZC_ISA_AVX512) == 0) {
+		tables[n++] = &codec_kernels_avx512;
+		__builtin_cpu_init();
+		if (__builtin_cpu_supports("avx512vbmi"))
+			tables[n++] = &codec_kernels_avx512_vbmi;
+	}
+	return n;
+}
+
 static void check_view_writes(const zc_codec_config *config, zc_tensor tensor, uint32_t tokens,
 			      uint32_t head_dim, data_kind kind, uint64_t seed, bool fused)
 {
@@ -1982,14 +1998,7 @@ static void check_view_writes(const zc_codec_config *config, zc_tensor tensor, u
 	ck_assert_ptr_nonnull(bytes);
 	ck_assert_ptr_nonnull(expected);
 	ck_assert_ptr_nonnull(view);
-	if (zc_codec_set_isa(ZC_ISA_AVX2) == 0)
-		tables[n_tables++] = &codec_kernels_avx2;
-	if (zc_codec_set_isa(ZC_ISA_AVX512) == 0) {
-		tables[n_tables++] = &codec_kernels_avx512;
-		__builtin_cpu_init();
-		if (__builtin_cpu_supports("avx512vbmi"))
-			tables[n_tables++] = &codec_kernels_avx512_vbmi;
-	}
+	n_tables += simd_tables(tables + n_tables);
 	use_isa(ZC_ISA_SCALAR);
 	ck_assert_int_eq(zc_block_compress(config, tensor, &shape, input, compressed,
 					   layout.total_bytes), (int64_t)layout.total_bytes);
@@ -2197,14 +2206,7 @@ START_TEST(test_compress_view_scored)
 	ck_assert_ptr_nonnull(view);
 	for (size_t i = 0; i < (size_t)batch * heads * tokens; i++)
 		scores[i] = (float)random_unit(&generator);
-	if (zc_codec_set_isa(ZC_ISA_AVX2) == 0)
-		tables[n_tables++] = &codec_kernels_avx2;
-	if (zc_codec_set_isa(ZC_ISA_AVX512) == 0) {
-		tables[n_tables++] = &codec_kernels_avx512;
-		__builtin_cpu_init();
-		if (__builtin_cpu_supports("avx512vbmi"))
-			tables[n_tables++] = &codec_kernels_avx512_vbmi;
-	}
+	n_tables += simd_tables(tables + n_tables);
 	use_isa(ZC_ISA_SCALAR);
 	ck_assert_int_eq(zc_block_compress_scored_strided(&config, &shape, input, &input_strides,
 							  scores, compressed, layout.total_bytes),
