@@ -183,6 +183,12 @@ static int scores_take(const float *scores, size_t n, float *norms)
 	return 0;
 }
 
+/* Where flat head h (batch-major) of a block starts, in elements. */
+static size_t head_offset(const zc_strides *strides, const zc_block_shape *shape, size_t h)
+{
+	return (h / shape->heads) * strides->batch + (h % shape->heads) * strides->head;
+}
+
 static int64_t block_compress(const zc_codec_config *config, zc_tensor tensor,
 			      const zc_block_shape *shape, const uint16_t *input,
 			      const zc_strides *input_strides, const float *scores, void *out,
@@ -211,8 +217,7 @@ static int64_t block_compress(const zc_codec_config *config, zc_tensor tensor,
 	/* The whole block is checked before the first byte is written, so a
 	 * rejected block leaves the caller's buffer exactly as it was. */
 	for (size_t h = 0; h < layout.heads && rc == 0; h++) {
-		const uint16_t *head = input + (h / shape->heads) * input_strides->batch +
-				       (h % shape->heads) * input_strides->head;
+		const uint16_t *head = input + head_offset(input_strides, shape, h);
 		if (keys && !scores)
 			rc = kernels->row_norms(head, layout.tokens, layout.head_dim,
 						scratch.norms + h * layout.tokens);
@@ -225,13 +230,11 @@ static int64_t block_compress(const zc_codec_config *config, zc_tensor tensor,
 		goto out_free;
 
 	for (size_t h = 0; h < layout.heads; h++) {
-		const uint16_t *head = input + (h / shape->heads) * input_strides->batch +
-				       (h % shape->heads) * input_strides->head;
+		const uint16_t *head = input + head_offset(input_strides, shape, h);
 		uint8_t *payload = (uint8_t *)out + h * layout.head_bytes;
 		struct codec_view head_view = { 0 };
 		if (view) {
-			head_view.at = view + (h / shape->heads) * view_strides->batch +
-				       (h % shape->heads) * view_strides->head;
+			head_view.at = view + head_offset(view_strides, shape, h);
 			head_view.token_stride = view_strides->token;
 		}
 		if (layout.exact) {
@@ -375,10 +378,7 @@ static void subset_reconstruct(const struct codec_kernels *kernels, struct token
 			       const uint8_t *params, const uint8_t *codes, const uint8_t *read_end,
 			       uint16_t *out, size_t token_stride, bool nt)
 {
-	codec_group_reconstruct_fn *reconstruct =
-		nt && kernels->group_reconstruct_stream && rows_on_lines(out, token_stride) ?
-			kernels->group_reconstruct_stream :
-			kernels->group_reconstruct;
+	bool streamed = nt && rows_on_lines(out, token_stride);
 	uint32_t list[RECONSTRUCT_CHUNK_ROWS];
 	size_t row = 0;
 
@@ -392,8 +392,9 @@ static void subset_reconstruct(const struct codec_kernels *kernels, struct token
 		if (got == 0)
 			return; /* cannot happen: the mask's count was checked */
 		const uint8_t *scales = params + group * 4 * dim;
-		reconstruct(codes, read_end, row * dim * (size_t)bits, got, dim, bits, scales,
-			    scales + 2 * dim, list, out, token_stride);
+		kernels->group_reconstruct(codes, read_end, row * dim * (size_t)bits, got, dim,
+					   bits, scales, scales + 2 * dim, list, out, token_stride,
+					   streamed);
 		row += got;
 	}
 }

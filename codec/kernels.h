@@ -11,6 +11,7 @@
 #ifndef ZIPCACHE_KERNELS_H
 #define ZIPCACHE_KERNELS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -20,11 +21,6 @@ struct codec_view {
 	uint16_t *at;
 	size_t token_stride;
 };
-
-typedef void codec_group_reconstruct_fn(const uint8_t *stream, const uint8_t *read_end,
-					size_t bit_offset, size_t n_rows, size_t dim, int bits,
-					const uint8_t *scales, const uint8_t *mins,
-					const uint32_t *tokens, uint16_t *out, size_t token_stride);
 
 struct codec_kernels {
 	const char *name;
@@ -61,13 +57,16 @@ struct codec_kernels {
 	/* Reconstructs n_rows consecutive subset rows of one group, the first
 	 * one's codes at bit_offset (each next one dim*bits bits further): row
 	 * r lands at out + tokens[r]*token_stride. Bytes may be read (never
-	 * used) up to read_end. */
-	codec_group_reconstruct_fn *group_reconstruct;
-	/* Optional (NULL: group_reconstruct): the same results written with
-	 * non-temporal stores, for blocks too large to be read back from
-	 * cache, ordered before return. Only called with out and
-	 * 2*token_stride multiples of 64 bytes: every row on a cache line. */
-	codec_group_reconstruct_fn *group_reconstruct_stream;
+	 * used) up to read_end. nt (only with out and 2*token_stride multiples
+	 * of 64 bytes, every row on a cache line, for blocks too large to be
+	 * read back from cache): whole vectors may be written with
+	 * non-temporal stores, ordered before return; kernels without them
+	 * ignore it. */
+	void (*group_reconstruct)(const uint8_t *stream, const uint8_t *read_end,
+				  size_t bit_offset, size_t n_rows, size_t dim, int bits,
+				  const uint8_t *scales, const uint8_t *mins,
+				  const uint32_t *tokens, uint16_t *out, size_t token_stride,
+				  bool nt);
 };
 
 extern const struct codec_kernels codec_kernels_scalar;

@@ -170,8 +170,10 @@ static void avx2_row_reconstruct(const uint8_t *stream, const uint8_t *read_end,
 static void avx2_group_reconstruct(const uint8_t *stream, const uint8_t *read_end,
 				   size_t bit_offset, size_t n_rows, size_t dim, int bits,
 				   const uint8_t *scales, const uint8_t *mins,
-				   const uint32_t *tokens, uint16_t *out, size_t token_stride)
+				   const uint32_t *tokens, uint16_t *out, size_t token_stride,
+				   bool nt)
 {
+	(void)nt;
 	for (size_t r = 0; r < n_rows; r++)
 		avx2_row_reconstruct(stream, read_end, bit_offset + r * dim * (size_t)bits,
 				     dim, bits, scales, mins, out + (size_t)tokens[r] * token_stride);

@@ -656,27 +656,23 @@ group_reconstruct_with(const uint8_t *stream, const uint8_t *read_end, size_t bi
 	}
 }
 
-static void avx512_group_reconstruct(const uint8_t *stream, const uint8_t *read_end,
-				     size_t bit_offset, size_t n_rows, size_t dim, int bits,
-				     const uint8_t *scales, const uint8_t *mins,
-				     const uint32_t *tokens, uint16_t *out, size_t token_stride)
-{
-	group_reconstruct_with(stream, read_end, bit_offset, n_rows, dim, bits, scales, mins,
-			       tokens, out, token_stride, false);
-}
-
 /*
- * Non-temporal stores for whole vectors (rows start on cache lines, so
- * 64-byte stores are aligned, and 32-byte ones at 32-byte steps); the
+ * nt: non-temporal stores for whole vectors (rows start on cache lines,
+ * so 64-byte stores are aligned, and 32-byte ones at 32-byte steps); the
  * SFENCE orders the streamed lines before whatever the caller publishes
  * next.
  */
-static void avx512_group_reconstruct_stream(const uint8_t *stream, const uint8_t *read_end,
-					    size_t bit_offset, size_t n_rows, size_t dim,
-					    int bits, const uint8_t *scales, const uint8_t *mins,
-					    const uint32_t *tokens, uint16_t *out,
-					    size_t token_stride)
+static void avx512_group_reconstruct(const uint8_t *stream, const uint8_t *read_end,
+				     size_t bit_offset, size_t n_rows, size_t dim, int bits,
+				     const uint8_t *scales, const uint8_t *mins,
+				     const uint32_t *tokens, uint16_t *out, size_t token_stride,
+				     bool nt)
 {
+	if (!nt) {
+		group_reconstruct_with(stream, read_end, bit_offset, n_rows, dim, bits, scales,
+				       mins, tokens, out, token_stride, false);
+		return;
+	}
 	group_reconstruct_with(stream, read_end, bit_offset, n_rows, dim, bits, scales, mins,
 			       tokens, out, token_stride, true);
 	_mm_sfence();
@@ -798,18 +794,14 @@ vbmi_reconstruct_with(const uint8_t *stream, const uint8_t *read_end, size_t bit
 static VBMI void vbmi_group_reconstruct(const uint8_t *stream, const uint8_t *read_end,
 				   size_t bit_offset, size_t n_rows, size_t dim, int bits,
 				   const uint8_t *scales, const uint8_t *mins,
-				   const uint32_t *tokens, uint16_t *out, size_t token_stride)
+				   const uint32_t *tokens, uint16_t *out, size_t token_stride,
+				   bool nt)
 {
-	vbmi_reconstruct_with(stream, read_end, bit_offset, n_rows, dim, bits, scales, mins,
-			      tokens, out, token_stride, false);
-}
-
-static VBMI void vbmi_group_reconstruct_stream(const uint8_t *stream, const uint8_t *read_end,
-					  size_t bit_offset, size_t n_rows, size_t dim,
-					  int bits, const uint8_t *scales, const uint8_t *mins,
-					  const uint32_t *tokens, uint16_t *out,
-					  size_t token_stride)
-{
+	if (!nt) {
+		vbmi_reconstruct_with(stream, read_end, bit_offset, n_rows, dim, bits, scales,
+				      mins, tokens, out, token_stride, false);
+		return;
+	}
 	vbmi_reconstruct_with(stream, read_end, bit_offset, n_rows, dim, bits, scales, mins,
 			      tokens, out, token_stride, true);
 	_mm_sfence();
@@ -1055,7 +1047,6 @@ const struct codec_kernels codec_kernels_avx512 = {
 	.group_quantize = avx512_group_quantize,
 	.pack = codec_pack_bmi2,
 	.group_reconstruct = avx512_group_reconstruct,
-	.group_reconstruct_stream = avx512_group_reconstruct_stream,
 };
 
 const struct codec_kernels codec_kernels_avx512_vbmi = {
@@ -1067,5 +1058,4 @@ const struct codec_kernels codec_kernels_avx512_vbmi = {
 	.pack = codec_pack_bmi2,
 	.group_encode = vbmi_group_encode,
 	.group_reconstruct = vbmi_group_reconstruct,
-	.group_reconstruct_stream = vbmi_group_reconstruct_stream,
 };
