@@ -74,6 +74,22 @@ struct part {
 	bool started;
 };
 
+/* The codec call for a tensor: with its view written on the way, by the
+ * caller's scores (keys), or plain. */
+static int64_t compress_tensor(const zc_codec_config *config, zc_tensor tensor,
+			       const zc_block_shape *shape, const uint16_t *input,
+			       const zc_strides *strides, const float *scores, void *out,
+			       size_t capacity, uint16_t *view, const zc_strides *view_strides)
+{
+	if (view)
+		return zc_block_compress_view(config, tensor, shape, input, strides, scores, out,
+					      capacity, view, view_strides);
+	if (scores)
+		return zc_block_compress_scored_strided(config, shape, input, strides, scores, out,
+							capacity);
+	return zc_block_compress_strided(config, tensor, shape, input, strides, out, capacity);
+}
+
 /* Heads [first, last) of one batch entry of w (a run never crosses
  * one: the strides differ there). */
 static int run_span(const zc_codec_config *config, const struct work *w, size_t first,
@@ -87,20 +103,13 @@ static int run_span(const zc_codec_config *config, const struct work *w, size_t 
 		return zc_block_reconstruct(config, w->tensor, &one,
 					    w->compressed + first * w->head_bytes, bytes,
 					    w->view + at, w->strides);
-	const float *scores = w->scores ? w->scores + first * w->shape.tokens : NULL;
-	int64_t rc;
-	if (w->view)
-		rc = zc_block_compress_view(config, w->tensor, &one, w->input + at, w->strides,
-					    scores, w->out + first * w->head_bytes, bytes,
-					    w->view + b * w->view_strides->batch +
-						    hh * w->view_strides->head,
-					    w->view_strides);
-	else if (scores)
-		rc = zc_block_compress_scored_strided(config, &one, w->input + at, w->strides,
-						      scores, w->out + first * w->head_bytes, bytes);
-	else
-		rc = zc_block_compress_strided(config, w->tensor, &one, w->input + at, w->strides,
-					       w->out + first * w->head_bytes, bytes);
+	int64_t rc = compress_tensor(config, w->tensor, &one, w->input + at, w->strides,
+				     w->scores ? w->scores + first * w->shape.tokens : NULL,
+				     w->out + first * w->head_bytes, bytes,
+				     w->view ? w->view + b * w->view_strides->batch +
+						       hh * w->view_strides->head :
+					       NULL,
+				     w->view_strides);
 	if (rc >= 0 && w->sink)
 		rc = w->sink->write(w->sink->ctx, first * w->head_bytes,
 				    w->out + first * w->head_bytes, bytes);
@@ -198,14 +207,8 @@ static unsigned parts_for(const zc_codec_config *config, zc_tensor tensor,
 /* The codec's own call for one tensor, bytes then through its sink. */
 static int64_t compress_direct(const zc_codec_config *config, const struct codec_fanout_tensor *t)
 {
-	int64_t n = t->view ? zc_block_compress_view(config, t->tensor, &t->shape, t->input,
-						     t->strides, t->scores, t->out, t->capacity,
-						     t->view, t->view_strides) :
-		    t->scores ? zc_block_compress_scored_strided(config, &t->shape, t->input,
-								  t->strides, t->scores, t->out,
-								  t->capacity) :
-				zc_block_compress_strided(config, t->tensor, &t->shape, t->input,
-							  t->strides, t->out, t->capacity);
+	int64_t n = compress_tensor(config, t->tensor, &t->shape, t->input, t->strides, t->scores,
+				    t->out, t->capacity, t->view, t->view_strides);
 	if (n > 0 && t->sink) {
 		int rc = t->sink->write(t->sink->ctx, 0, t->out, (size_t)n);
 		if (rc < 0)

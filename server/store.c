@@ -1082,10 +1082,9 @@ static void map_release(void *base, uint64_t bytes)
 
 /*
  * A closed session's map, kept for the next session of its size and uid
- * (retain.h) instead of closed: its pages, their charge and the
- * daemon's mapping leave the store. Only for a session gone for good
- * (its file unlinked): a store
- * closed at shutdown or for an offload keeps nothing.
+ * (retain.h) instead of closed: its pages, their charge and the daemon's
+ * mapping leave the store. Only for a session gone for good (its file
+ * unlinked): a store closed at shutdown or for an offload keeps nothing.
  */
 static void map_retain(struct store *store)
 {

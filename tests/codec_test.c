@@ -1943,20 +1943,6 @@ START_TEST(test_strided_reconstruction)
 }
 END_TEST
 
-/*
- * Views written by the kernels' fast paths, into the session's [S][H][D]
- * view, each head's row padded to a cache line (so a D like 100 streams
- * with a partial last vector), the view one element off a line (shift 1)
- * or on one (shift 0), touching nothing else (the padding included), by
- * every kernel table this CPU runs (both AVX-512 ones: the VBMI one is
- * otherwise the only one picked here):
- * - zc_block_reconstruct of 512 KiB or more goes through non-temporal
- *   stores where rows start on cache lines (codec/block.c);
- * - zc_block_compress_view writes the reconstruction in the encode's pass
- *   where rows are whole bytes, else from the payload.
- * Either must give exactly the scalar kernels' reconstruction of the
- * bytes zc_block_compress gives.
- */
 /* The SIMD kernel tables this CPU runs, both AVX-512 ones included (only
  * the VBMI one is picked here otherwise), for codec_kernels_override. */
 static size_t simd_tables(const struct codec_kernels **tables)
@@ -1973,6 +1959,20 @@ static size_t simd_tables(const struct codec_kernels **tables)
 	return n;
 }
 
+/*
+ * Views written by the kernels' fast paths, into the session's [S][H][D]
+ * view, each head's row padded to a cache line (so a D like 100 streams
+ * with a partial last vector), the view one element off a line (shift 1)
+ * or on one (shift 0), touching nothing else (the padding included), by
+ * every kernel table this CPU runs (both AVX-512 ones: the VBMI one is
+ * otherwise the only one picked here):
+ * - zc_block_reconstruct of 512 KiB or more goes through non-temporal
+ *   stores where rows start on cache lines (codec/block.c);
+ * - zc_block_compress_view writes the reconstruction in the encode's pass
+ *   where rows are whole bytes, else from the payload.
+ * Either must give exactly the scalar kernels' reconstruction of the
+ * bytes zc_block_compress gives.
+ */
 static void check_view_writes(const zc_codec_config *config, zc_tensor tensor, uint32_t tokens,
 			      uint32_t head_dim, data_kind kind, uint64_t seed, bool fused)
 {
@@ -1992,13 +1992,13 @@ static void check_view_writes(const zc_codec_config *config, zc_tensor tensor, u
 	zc_strides contiguous = { elements, (size_t)tokens * head_dim, head_dim };
 	zc_strides interleaved = { (size_t)heads * tokens * padded, padded, heads * padded };
 	const struct codec_kernels *tables[3];
-	size_t n_tables = 0;
+	size_t n_tables;
 
 	ck_assert_ptr_nonnull(compressed);
 	ck_assert_ptr_nonnull(bytes);
 	ck_assert_ptr_nonnull(expected);
 	ck_assert_ptr_nonnull(view);
-	n_tables += simd_tables(tables + n_tables);
+	n_tables = simd_tables(tables);
 	use_isa(ZC_ISA_SCALAR);
 	ck_assert_int_eq(zc_block_compress(config, tensor, &shape, input, compressed,
 					   layout.total_bytes), (int64_t)layout.total_bytes);
@@ -2196,7 +2196,7 @@ START_TEST(test_compress_view_scored)
 	zc_strides view_strides = { (size_t)heads * tokens * padded, (size_t)tokens * padded,
 				    padded };
 	const struct codec_kernels *tables[4] = { &codec_kernels_scalar };
-	size_t n_tables = 1;
+	size_t n_tables;
 	random_state generator = random_seeded(10501);
 
 	ck_assert_ptr_nonnull(scores);
@@ -2206,7 +2206,7 @@ START_TEST(test_compress_view_scored)
 	ck_assert_ptr_nonnull(view);
 	for (size_t i = 0; i < (size_t)batch * heads * tokens; i++)
 		scores[i] = (float)random_unit(&generator);
-	n_tables += simd_tables(tables + n_tables);
+	n_tables = 1 + simd_tables(tables + 1);
 	use_isa(ZC_ISA_SCALAR);
 	ck_assert_int_eq(zc_block_compress_scored_strided(&config, &shape, input, &input_strides,
 							  scores, compressed, layout.total_bytes),
