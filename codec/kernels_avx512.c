@@ -215,12 +215,16 @@ key_range_init(struct key_range *k, const uint16_t *row, size_t dim, size_t c0)
 	}
 }
 
+/* `full`: every mask is whole, and a plain load spares the masked one's
+ * extra vector uop. */
 static inline __attribute__((always_inline)) void
-key_range_add(struct key_range *k, const uint16_t *row)
+key_range_add(struct key_range *k, const uint16_t *row, bool full)
 {
 	_Pragma("GCC unroll 4")
 	for (int v = 0; v < KEY_VECTORS; v++) {
-		__m512i key = half_order_key(_mm512_maskz_loadu_epi16(k->mask[v], row + 32 * v));
+		__m512i x = full ? _mm512_loadu_si512((const void *)(row + 32 * v)) :
+				   _mm512_maskz_loadu_epi16(k->mask[v], row + 32 * v);
+		__m512i key = half_order_key(x);
 		k->lo[v] = _mm512_min_epi16(k->lo[v], key);
 		k->hi[v] = _mm512_max_epi16(k->hi[v], key);
 	}
@@ -266,7 +270,7 @@ static void avx512_group_params(const uint16_t *head, const uint32_t *rows, size
 		struct key_range k;
 		key_range_init(&k, head + (size_t)rows[0] * dim, dim, c0);
 		for (size_t r = 1; r < n_rows; r++)
-			key_range_add(&k, head + (size_t)rows[r] * dim + c0);
+			key_range_add(&k, head + (size_t)rows[r] * dim + c0, false);
 		if (!key_range_store(&k, bits, c0, scales, mins))
 			float_params_pass(head, rows, n_rows, dim, bits, scales, mins, c0);
 	}
@@ -889,18 +893,15 @@ struct encode_params {
 	__m512 scale[ENCODE_VECTORS], min[ENCODE_VECTORS];
 	__m512i cap[ENCODE_VECTORS];
 	__mmask16 mask[ENCODE_VECTORS];
-	bool exact;    /* as recon_params: no reconstruction here needs the clamp */
 };
 
-/* The row's reconstruction from its codes, as recon_emit16 would give it
- * from the packed stream: the same params, the same FMA, the same clamp.
- * Plain stores: non-temporal ones measured slower here than in
- * reconstruction alone (docs/BENCHMARKS.md). */
-static inline __attribute__((always_inline)) void
-encode_view16(const struct encode_params *p, int u, __m512i q, uint16_t *dst)
-{
-	recon_emit16(dst, q, p->scale[u], p->min[u], p->mask[u], !p->exact, false);
-}
+/*
+ * What a pass of group_encode writes besides the codes, a constant in the
+ * hot instantiations so that their loop carries no branch per vector:
+ * no view, a view whose group is exact (recon_params: no clamp), or one
+ * that needs the clamp.
+ */
+enum view_kind { VIEW_NONE, VIEW_EXACT, VIEW_CLAMPED };
 
 /* The next group, whose params group_encode works out on the way. */
 struct next_group {
@@ -909,10 +910,15 @@ struct next_group {
 	uint8_t *scales, *mins;
 };
 
+/* `full`: the pass has all ENCODE_VECTORS vectors whole, so no load or
+ * store needs a mask. The view is written as recon_emit16 would from the
+ * packed stream: the same params, the same FMA, the same clamp. Plain
+ * stores: non-temporal ones measured slower here than in reconstruction
+ * alone (docs/BENCHMARKS.md). */
 static inline __attribute__((always_inline)) VBMI void
 encode_row(const struct encode_params *p, const struct encode_tables *t, enum pack_kind kind,
 	   const uint16_t *row, uint8_t *dst, bool two, const __mmask64 store[2], int fixed_bits,
-	   uint16_t *view_row)
+	   bool full, enum view_kind vk, uint16_t *view_row)
 {
 	_Pragma("GCC unroll 2")
 	for (int h = 0; h < 2; h++) {
@@ -922,19 +928,23 @@ encode_row(const struct encode_params *p, const struct encode_tables *t, enum pa
 		_Pragma("GCC unroll 4")
 		for (int v = 0; v < 4; v++) {
 			int u = 4 * h + v;
-			__m512 x = load_fp16x16(row + 16 * u, p->mask[u]);
+			__m512 x = full ? _mm512_cvtph_ps(_mm256_loadu_si256(
+						  (const __m256i *)(row + 16 * u))) :
+					  load_fp16x16(row + 16 * u, p->mask[u]);
 			__m512 f = _mm512_div_ps(_mm512_sub_ps(x, p->min[u]), p->scale[u]);
 			q[v] = _mm512_min_epu32(_mm512_cvt_roundps_epi32(f, ROUND_NEAREST), p->cap[u]);
-			if (view_row && p->mask[u])
-				encode_view16(p, u, q[v], view_row + 16 * u);
+			if (vk != VIEW_NONE && (full || p->mask[u]))
+				recon_emit16(view_row + 16 * u, q[v], p->scale[u], p->min[u],
+					     full ? (__mmask16)0xffff : p->mask[u],
+					     vk == VIEW_CLAMPED, false);
 		}
 		__m512i packed = pack64(t, kind, q[0], q[1], q[2], q[3]);
 		uint8_t *at = dst + (size_t)h * 8 * (size_t)t->bits;
 		/* Masked byte stores are slow: whole 64-code runs of 2 or 4
 		 * bits are exactly an xmm or a ymm. */
-		if (fixed_bits == 2 && store[h] == 0xffff)
+		if (fixed_bits == 2 && (full || store[h] == 0xffff))
 			_mm_storeu_si128((__m128i *)at, _mm512_castsi512_si128(packed));
-		else if (fixed_bits == 4 && store[h] == 0xffffffffu)
+		else if (fixed_bits == 4 && (full || store[h] == 0xffffffffu))
 			_mm256_storeu_si256((__m256i *)at, _mm512_castsi512_si256(packed));
 		else
 			_mm512_mask_storeu_epi8(at, store[h], packed);
@@ -950,34 +960,61 @@ static inline __attribute__((always_inline)) VBMI void
 encode_rows(const struct encode_params *p, const struct encode_tables *t, enum pack_kind kind,
 	    const uint16_t *head, const uint32_t *rows, size_t n_rows, size_t dim, size_t c0,
 	    uint8_t *out, size_t row_bytes, bool two, const __mmask64 store[2],
-	    const struct next_group *next, int bits, int fixed_bits, const struct codec_view *view)
+	    const struct next_group *next, int bits, int fixed_bits, bool full,
+	    enum view_kind vk, const struct codec_view *view)
 {
 	size_t r = 0;
-	uint16_t *view_at = view ? view->at + c0 : NULL;
-	size_t view_stride = view ? view->token_stride : 0;
-#define VIEW_ROW(r) (view_at ? view_at + (size_t)rows[r] * view_stride : NULL)
+	uint16_t *view_at = vk != VIEW_NONE ? view->at + c0 : NULL;
+	size_t view_stride = vk != VIEW_NONE ? view->token_stride : 0;
+	/* encode_row's arguments from `row` on, for listed row r. */
+#define ROW(r) head + (size_t)rows[r] * dim + c0, out + (r) * row_bytes, two, store, fixed_bits, \
+	full, vk, vk != VIEW_NONE ? view_at + (size_t)rows[r] * view_stride : NULL
 	if (next->n_rows) {
 		struct key_range k;
 		size_t both = n_rows < next->n_rows ? n_rows : next->n_rows;
 		key_range_init(&k, head + (size_t)next->rows[0] * dim, dim, c0);
-		encode_row(p, t, kind, head + (size_t)rows[0] * dim + c0, out, two, store,
-			   fixed_bits, VIEW_ROW(0));
+		encode_row(p, t, kind, ROW(0));
 		for (r = 1; r < both; r++) {
-			key_range_add(&k, head + (size_t)next->rows[r] * dim + c0);
-			encode_row(p, t, kind, head + (size_t)rows[r] * dim + c0, out + r * row_bytes,
-				   two, store, fixed_bits, VIEW_ROW(r));
+			key_range_add(&k, head + (size_t)next->rows[r] * dim + c0, full);
+			encode_row(p, t, kind, ROW(r));
 		}
 		for (size_t n = both; n < next->n_rows; n++)
-			key_range_add(&k, head + (size_t)next->rows[n] * dim + c0);
+			key_range_add(&k, head + (size_t)next->rows[n] * dim + c0, full);
 		if (!key_range_store(&k, bits, c0, next->scales, next->mins))
 			float_params_pass(head, next->rows, next->n_rows, dim, bits, next->scales,
 					  next->mins, c0);
 	}
 	for (; r < n_rows; r++)
-		encode_row(p, t, kind, head + (size_t)rows[r] * dim + c0, out + r * row_bytes, two,
-			   store, fixed_bits, VIEW_ROW(r));
-#undef VIEW_ROW
+		encode_row(p, t, kind, ROW(r));
+#undef ROW
 }
+
+/* The hot passes, whole 128-channel passes of 2 or 4 bits, one
+ * instantiation per view kind. */
+#define ENCODE_FULL(bits_, vk_)                                                              \
+	encode_rows(p, t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes, true, store, \
+		    next, bits_, bits_, true, vk_, view)
+
+static inline __attribute__((always_inline)) VBMI void
+encode_full(const struct encode_params *p, const struct encode_tables *t, const uint16_t *head,
+	    const uint32_t *rows, size_t n_rows, size_t dim, size_t c0, uint8_t *out,
+	    size_t row_bytes, const __mmask64 store[2], const struct next_group *next, int bits,
+	    enum view_kind vk, const struct codec_view *view)
+{
+	if (bits == 2 && vk == VIEW_NONE)
+		ENCODE_FULL(2, VIEW_NONE);
+	else if (bits == 2 && vk == VIEW_EXACT)
+		ENCODE_FULL(2, VIEW_EXACT);
+	else if (bits == 2)
+		ENCODE_FULL(2, VIEW_CLAMPED);
+	else if (vk == VIEW_NONE)
+		ENCODE_FULL(4, VIEW_NONE);
+	else if (vk == VIEW_EXACT)
+		ENCODE_FULL(4, VIEW_EXACT);
+	else
+		ENCODE_FULL(4, VIEW_CLAMPED);
+}
+#undef ENCODE_FULL
 
 static VBMI void vbmi_group_encode(const uint16_t *head, const uint32_t *rows, size_t n_rows,
 			      size_t dim, int bits, const uint8_t *scales, const uint8_t *mins,
@@ -1012,29 +1049,32 @@ static VBMI void vbmi_group_encode(const uint16_t *head, const uint32_t *rows, s
 			__mmask16 flat = _mm512_cmp_ps_mask(p.scale[v], zero, _CMP_EQ_OQ);
 			p.cap[v] = _mm512_maskz_mov_epi32(p.mask[v] & ~flat, max_code);
 		}
-		p.exact = false;
+		enum view_kind vk = VIEW_NONE;
 		if (view) {
 			struct recon_params r;
 			recon_params_load(&r, c0, dim, bits, scales, mins);
-			p.exact = r.exact;
+			vk = r.exact ? VIEW_EXACT : VIEW_CLAMPED;
 		}
 		uint8_t *out = codes + c0 * (size_t)bits / 8;
 		bool two = count > 64;
-		if (bits == 2 && two)
+		if ((bits == 2 || bits == 4) && count == 16 * ENCODE_VECTORS)
+			encode_full(&p, &t, head, rows, n_rows, dim, c0, out, row_bytes, store, &next,
+				    bits, vk, view);
+		else if (bits == 2 && two)
 			encode_rows(&p, &t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes,
-				    true, store, &next, bits, 2, view);
+				    true, store, &next, bits, 2, false, vk, view);
 		else if (bits == 4 && two)
 			encode_rows(&p, &t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes,
-				    true, store, &next, bits, 4, view);
+				    true, store, &next, bits, 4, false, vk, view);
 		else if (kind == PACK_EVEN)
 			encode_rows(&p, &t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes,
-				    two, store, &next, bits, 0, view);
+				    two, store, &next, bits, 0, false, vk, view);
 		else if (kind == PACK_ODD)
 			encode_rows(&p, &t, PACK_ODD, head, rows, n_rows, dim, c0, out, row_bytes,
-				    two, store, &next, bits, 0, view);
+				    two, store, &next, bits, 0, false, vk, view);
 		else
 			encode_rows(&p, &t, PACK_BYTES, head, rows, n_rows, dim, c0, out, row_bytes,
-				    two, store, &next, bits, 0, view);
+				    two, store, &next, bits, 0, false, vk, view);
 	}
 }
 
