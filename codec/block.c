@@ -76,34 +76,53 @@ static bool subset_encodes(const struct codec_kernels *kernels, size_t dim, int 
 	return kernels->group_encode && (dim * (size_t)bits) % 8 == 0;
 }
 
+/* Both subsets of a head encode (or are empty): its view can be written
+ * in the encode's pass, and the encode can check its rows. */
+static bool head_encodes(const struct codec_kernels *kernels, const zc_block_layout *layout)
+{
+	return (layout->n_hi == 0 || subset_encodes(kernels, layout->head_dim, layout->hi_bits)) &&
+	       (layout->n_lo == 0 || subset_encodes(kernels, layout->head_dim, layout->lo_bits));
+}
+
 /* Quantizes one subset (salient or other rows) of one head; where
- * subset_encodes, writes the rows' reconstruction to view (not NULL). */
-static void subset_compress(const struct codec_kernels *kernels, const uint16_t *head,
-			    const uint32_t *rows, uint32_t n_rows, size_t dim, int bits,
-			    size_t group_size, uint8_t *params, uint8_t *codes_stream,
-			    size_t codes_bytes, struct compress_scratch *scratch,
-			    const struct codec_view *view)
+ * subset_encodes, writes the rows' reconstruction to view (not NULL).
+ * With check (only where subset_encodes), the rows are checked on the
+ * way, the first group here and each next one by the encode: returns
+ * ZC_ENONFINITE at the first group with NaN or Inf, the groups before it
+ * written. */
+static int subset_compress(const struct codec_kernels *kernels, const uint16_t *head,
+			   const uint32_t *rows, uint32_t n_rows, size_t dim, int bits,
+			   size_t group_size, uint8_t *params, uint8_t *codes_stream,
+			   size_t codes_bytes, struct compress_scratch *scratch,
+			   const struct codec_view *view, bool check)
 {
 	uint8_t *stream_end = codes_stream + codes_bytes;
 
 	if (n_rows == 0)
-		return;
+		return 0;
 	if (subset_encodes(kernels, dim, bits)) {
-		kernels->group_params(head, rows, n_rows < group_size ? n_rows : group_size, dim,
-				      bits, params, params + 2 * dim);
+		size_t n_first = n_rows < group_size ? n_rows : group_size;
+		for (size_t r = 0; check && r < n_first; r++) {
+			int rc = kernels->check_finite(head + (size_t)rows[r] * dim, dim);
+			if (rc < 0)
+				return rc;
+		}
+		kernels->group_params(head, rows, n_first, dim, bits, params, params + 2 * dim);
 		for (size_t first = 0; first < n_rows; first += group_size) {
 			size_t n_group = n_rows - first < group_size ? n_rows - first : group_size;
 			size_t next = first + n_group;
 			size_t n_next = n_rows - next < group_size ? n_rows - next : group_size;
 			uint8_t *scales = params + (first / group_size) * 4 * dim;
 			uint8_t *next_scales = n_next ? scales + 4 * dim : NULL;
-			kernels->group_encode(head, rows + first, n_group, dim, bits, scales,
-					      scales + 2 * dim,
-					      codes_stream + first * dim * (size_t)bits / 8,
-					      rows + next, n_next, next_scales,
-					      n_next ? next_scales + 2 * dim : NULL, view);
+			int rc = kernels->group_encode(head, rows + first, n_group, dim, bits, scales,
+						       scales + 2 * dim,
+						       codes_stream + first * dim * (size_t)bits / 8,
+						       rows + next, n_next, next_scales,
+						       n_next ? next_scales + 2 * dim : NULL, view);
+			if (rc < 0 && check)
+				return rc;
 		}
-		return;
+		return 0;
 	}
 	for (size_t first = 0; first < n_rows; first += group_size) {
 		size_t n_group = n_rows - first < group_size ? n_rows - first : group_size;
@@ -119,6 +138,7 @@ static void subset_compress(const struct codec_kernels *kernels, const uint16_t 
 				      scratch->codes, n_chunk * dim, bits);
 		}
 	}
+	return 0;
 }
 
 static void head_reconstruct(const struct codec_kernels *kernels, const zc_block_layout *layout,
@@ -127,16 +147,15 @@ static void head_reconstruct(const struct codec_kernels *kernels, const zc_block
 
 /* Compresses one head into payload and, with a view, writes its
  * reconstruction there: in the encode's pass where both subsets encode,
- * else from the payload just written, while it is in cache. */
-static void head_compress(const struct codec_kernels *kernels, const zc_block_layout *layout,
-			  const zc_codec_config *config, const uint16_t *head,
-			  const float *norms, uint8_t *payload, struct compress_scratch *scratch,
-			  const struct codec_view *view)
+ * else from the payload just written, while it is in cache. check: as
+ * subset_compress (only where head_encodes). */
+static int head_compress(const struct codec_kernels *kernels, const zc_block_layout *layout,
+			 const zc_codec_config *config, const uint16_t *head,
+			 const float *norms, uint8_t *payload, struct compress_scratch *scratch,
+			 const struct codec_view *view, bool check)
 {
 	/* An empty subset (values have no others) writes nothing either way. */
-	bool fused = view &&
-		     (layout->n_hi == 0 || subset_encodes(kernels, layout->head_dim, layout->hi_bits)) &&
-		     (layout->n_lo == 0 || subset_encodes(kernels, layout->head_dim, layout->lo_bits));
+	bool fused = view && head_encodes(kernels, layout);
 	uint32_t tokens = layout->tokens, n_hi = 0, n_lo = 0;
 	uint8_t *mask = payload + layout->mask_offset;
 	uint32_t *hi_rows = scratch->rows;
@@ -155,18 +174,21 @@ static void head_compress(const struct codec_kernels *kernels, const zc_block_la
 		n_hi += salient;
 		n_lo += salient ^ 1u;
 	}
-	subset_compress(kernels, head, hi_rows, n_hi, layout->head_dim, layout->hi_bits,
-			(size_t)config->group_size, payload + layout->hi_params_offset,
-			payload + layout->hi_codes_offset, layout->hi_codes_bytes, scratch,
-			fused ? view : NULL);
-	subset_compress(kernels, head, lo_rows, n_lo, layout->head_dim, layout->lo_bits,
-			(size_t)config->group_size, payload + layout->lo_params_offset,
-			payload + layout->lo_codes_offset, layout->lo_codes_bytes, scratch,
-			fused ? view : NULL);
-	if (view && !fused)
+	int rc = subset_compress(kernels, head, hi_rows, n_hi, layout->head_dim, layout->hi_bits,
+				 (size_t)config->group_size, payload + layout->hi_params_offset,
+				 payload + layout->hi_codes_offset, layout->hi_codes_bytes, scratch,
+				 fused ? view : NULL, check);
+	if (rc == 0)
+		rc = subset_compress(kernels, head, lo_rows, n_lo, layout->head_dim,
+				     layout->lo_bits, (size_t)config->group_size,
+				     payload + layout->lo_params_offset,
+				     payload + layout->lo_codes_offset, layout->lo_codes_bytes,
+				     scratch, fused ? view : NULL, check);
+	if (rc == 0 && view && !fused)
 		head_reconstruct(kernels, layout, (size_t)config->group_size, payload,
 				 payload + layout->head_bytes, view->at, view->token_stride,
 				 reconstruct_streams(layout));
+	return rc;
 }
 
 /* Caller-given saliency scores: the radix select orders non-negative
@@ -211,17 +233,23 @@ static int64_t block_compress(const zc_codec_config *config, zc_tensor tensor,
 
 	size_t head_elements = (size_t)layout.tokens * layout.head_dim;
 	bool keys = tensor == ZC_TENSOR_KEYS && !layout.exact;
+	/* Values with a view, where the encode does the whole head: it checks
+	 * the rows itself, which spares a read of the block ahead of it (the
+	 * first, from memory), at the cost of all-or-nothing. */
+	bool encode_checks = view && tensor == ZC_TENSOR_VALUES && !layout.exact &&
+			     head_encodes(kernels, &layout);
 	rc = scratch_alloc(&scratch, &layout, keys);
 	if (rc < 0)
 		return rc;
-	/* The whole block is checked before the first byte is written, so a
-	 * rejected block leaves the caller's buffer exactly as it was. */
+	/* Otherwise the whole block is checked before the first byte is
+	 * written, so a rejected block leaves the caller's buffers as they
+	 * were. */
 	for (size_t h = 0; h < layout.heads && rc == 0; h++) {
 		const uint16_t *head = input + head_offset(input_strides, shape, h);
 		if (keys && !scores)
 			rc = kernels->row_norms(head, layout.tokens, layout.head_dim,
 						scratch.norms + h * layout.tokens);
-		else
+		else if (!encode_checks)
 			rc = kernels->check_finite(head, head_elements);
 	}
 	if (rc == 0 && keys && scores)
@@ -244,9 +272,11 @@ static int64_t block_compress(const zc_codec_config *config, zc_tensor tensor,
 				       head + t * layout.head_dim, layout.head_dim * 2);
 			continue;
 		}
-		head_compress(kernels, &layout, config, head,
-			      keys ? scratch.norms + h * layout.tokens : NULL, payload, &scratch,
-			      view ? &head_view : NULL);
+		rc = head_compress(kernels, &layout, config, head,
+				   keys ? scratch.norms + h * layout.tokens : NULL, payload,
+				   &scratch, view ? &head_view : NULL, encode_checks);
+		if (rc < 0)
+			goto out_free;
 	}
 	rc = 0;
 out_free:

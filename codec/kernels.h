@@ -46,10 +46,12 @@ struct codec_kernels {
 	 * of 8, with the scales and mins that group_params computed from the
 	 * same rows; writes exactly n_rows*dim*bits/8 bytes. On the way it
 	 * does group_params for the next group (n_next rows at next_rows, with
-	 * their scales and mins; n_next 0: none). With a view (not NULL), it
-	 * also writes each row's reconstruction there, the halves
-	 * group_reconstruct would give from the codes it packs. */
-	void (*group_encode)(const uint16_t *head, const uint32_t *rows, size_t n_rows,
+	 * their scales and mins; n_next 0: none), and returns ZC_ENONFINITE
+	 * (the next group's params then undefined) if one of those rows holds
+	 * NaN or Inf, else 0. With a view (not NULL), it also writes each
+	 * row's reconstruction there, the halves group_reconstruct would give
+	 * from the codes it packs. */
+	int (*group_encode)(const uint16_t *head, const uint32_t *rows, size_t n_rows,
 			     size_t dim, int bits, const uint8_t *scales, const uint8_t *mins,
 			     uint8_t *codes, const uint32_t *next_rows, size_t n_next,
 			     uint8_t *next_scales, uint8_t *next_mins,

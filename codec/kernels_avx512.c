@@ -230,22 +230,32 @@ key_range_add(struct key_range *k, const uint16_t *row, bool full)
 	}
 }
 
-/* Stores the pass's scales and mins; false (nothing stored) if a min or
- * max is a zero, which the fp32 path must then decide. */
-static inline __attribute__((always_inline)) bool
+/* What key_range_store did: stored the params, or left them to the fp32
+ * path (a min or max is a zero), or found NaN or Inf and stored nothing. */
+enum { KEY_RANGE_STORED = 0, KEY_RANGE_ZERO = 1 };
+
+static inline __attribute__((always_inline)) int
 key_range_store(const struct key_range *k, int bits, size_t c0, uint8_t *scales, uint8_t *mins)
 {
 	const __m512 levels = _mm512_set1_ps((float)((1 << bits) - 1));
 	const __m512i one = _mm512_set1_epi16(1);
+	/* Finite halves have keys from -31744 (0xfbff, -65504) to 0x7bff;
+	 * -Inf and negative NaNs sort below, +Inf and positive NaNs above. */
+	const __m512i lowest = _mm512_set1_epi16((short)-31744);
+	const __m512i highest = _mm512_set1_epi16(0x7bff);
 	/* Keys -1 and 0 are -0 and +0: key + 1 <= 1 unsigned. */
-	__mmask32 zero = 0;
+	__mmask32 zero = 0, nonfinite = 0;
 	_Pragma("GCC unroll 4")
 	for (int v = 0; v < KEY_VECTORS; v++) {
+		nonfinite |= _mm512_mask_cmplt_epi16_mask(k->mask[v], k->lo[v], lowest);
+		nonfinite |= _mm512_mask_cmpgt_epi16_mask(k->mask[v], k->hi[v], highest);
 		zero |= _mm512_mask_cmple_epu16_mask(k->mask[v], _mm512_add_epi16(k->lo[v], one), one);
 		zero |= _mm512_mask_cmple_epu16_mask(k->mask[v], _mm512_add_epi16(k->hi[v], one), one);
 	}
+	if (nonfinite)
+		return ZC_ENONFINITE;
 	if (zero)
-		return false;
+		return KEY_RANGE_ZERO;
 	_Pragma("GCC unroll 4")
 	for (int v = 0; v < KEY_VECTORS; v++) {
 		size_t c = c0 + 32 * (size_t)v;
@@ -260,7 +270,7 @@ key_range_store(const struct key_range *k, int bits, size_t c0, uint8_t *scales,
 			       _mm512_cvtph_ps(_mm512_extracti64x4_epi64(hi_half, 1)), levels,
 			       (__mmask16)(k->mask[v] >> 16), scales + 2 * c + 32, NULL);
 	}
-	return true;
+	return KEY_RANGE_STORED;
 }
 
 static void avx512_group_params(const uint16_t *head, const uint32_t *rows, size_t n_rows,
@@ -271,7 +281,9 @@ static void avx512_group_params(const uint16_t *head, const uint32_t *rows, size
 		key_range_init(&k, head + (size_t)rows[0] * dim, dim, c0);
 		for (size_t r = 1; r < n_rows; r++)
 			key_range_add(&k, head + (size_t)rows[r] * dim + c0, false);
-		if (!key_range_store(&k, bits, c0, scales, mins))
+		/* NaN or Inf: the fp32 path stores params of some kind; the
+		 * caller checked the rows, or checks them later. */
+		if (key_range_store(&k, bits, c0, scales, mins) != KEY_RANGE_STORED)
 			float_params_pass(head, rows, n_rows, dim, bits, scales, mins, c0);
 	}
 }
@@ -956,7 +968,7 @@ encode_row(const struct encode_params *p, const struct encode_tables *t, enum pa
  * min and max: the divisions bound the loop, and the min/max work of the
  * next group fits in their shadow.
  */
-static inline __attribute__((always_inline)) VBMI void
+static inline __attribute__((always_inline)) VBMI int
 encode_rows(const struct encode_params *p, const struct encode_tables *t, enum pack_kind kind,
 	    const uint16_t *head, const uint32_t *rows, size_t n_rows, size_t dim, size_t c0,
 	    uint8_t *out, size_t row_bytes, bool two, const __mmask64 store[2],
@@ -980,13 +992,17 @@ encode_rows(const struct encode_params *p, const struct encode_tables *t, enum p
 		}
 		for (size_t n = both; n < next->n_rows; n++)
 			key_range_add(&k, head + (size_t)next->rows[n] * dim + c0, full);
-		if (!key_range_store(&k, bits, c0, next->scales, next->mins))
+		int rc = key_range_store(&k, bits, c0, next->scales, next->mins);
+		if (rc < 0)
+			return rc;
+		if (rc == KEY_RANGE_ZERO)
 			float_params_pass(head, next->rows, next->n_rows, dim, bits, next->scales,
 					  next->mins, c0);
 	}
 	for (; r < n_rows; r++)
 		encode_row(p, t, kind, ROW(r));
 #undef ROW
+	return 0;
 }
 
 /* The hot passes, whole 128-channel passes of 2 or 4 bits, one
@@ -995,28 +1011,27 @@ encode_rows(const struct encode_params *p, const struct encode_tables *t, enum p
 	encode_rows(p, t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes, true, store, \
 		    next, bits_, bits_, true, vk_, view)
 
-static inline __attribute__((always_inline)) VBMI void
+static inline __attribute__((always_inline)) VBMI int
 encode_full(const struct encode_params *p, const struct encode_tables *t, const uint16_t *head,
 	    const uint32_t *rows, size_t n_rows, size_t dim, size_t c0, uint8_t *out,
 	    size_t row_bytes, const __mmask64 store[2], const struct next_group *next, int bits,
 	    enum view_kind vk, const struct codec_view *view)
 {
 	if (bits == 2 && vk == VIEW_NONE)
-		ENCODE_FULL(2, VIEW_NONE);
-	else if (bits == 2 && vk == VIEW_EXACT)
-		ENCODE_FULL(2, VIEW_EXACT);
-	else if (bits == 2)
-		ENCODE_FULL(2, VIEW_CLAMPED);
-	else if (vk == VIEW_NONE)
-		ENCODE_FULL(4, VIEW_NONE);
-	else if (vk == VIEW_EXACT)
-		ENCODE_FULL(4, VIEW_EXACT);
-	else
-		ENCODE_FULL(4, VIEW_CLAMPED);
+		return ENCODE_FULL(2, VIEW_NONE);
+	if (bits == 2 && vk == VIEW_EXACT)
+		return ENCODE_FULL(2, VIEW_EXACT);
+	if (bits == 2)
+		return ENCODE_FULL(2, VIEW_CLAMPED);
+	if (vk == VIEW_NONE)
+		return ENCODE_FULL(4, VIEW_NONE);
+	if (vk == VIEW_EXACT)
+		return ENCODE_FULL(4, VIEW_EXACT);
+	return ENCODE_FULL(4, VIEW_CLAMPED);
 }
 #undef ENCODE_FULL
 
-static VBMI void vbmi_group_encode(const uint16_t *head, const uint32_t *rows, size_t n_rows,
+static VBMI int vbmi_group_encode(const uint16_t *head, const uint32_t *rows, size_t n_rows,
 			      size_t dim, int bits, const uint8_t *scales, const uint8_t *mins,
 			      uint8_t *codes, const uint32_t *next_rows, size_t n_next,
 			      uint8_t *next_scales, uint8_t *next_mins,
@@ -1057,25 +1072,29 @@ static VBMI void vbmi_group_encode(const uint16_t *head, const uint32_t *rows, s
 		}
 		uint8_t *out = codes + c0 * (size_t)bits / 8;
 		bool two = count > 64;
+		int rc;
 		if ((bits == 2 || bits == 4) && count == 16 * ENCODE_VECTORS)
-			encode_full(&p, &t, head, rows, n_rows, dim, c0, out, row_bytes, store, &next,
-				    bits, vk, view);
+			rc = encode_full(&p, &t, head, rows, n_rows, dim, c0, out, row_bytes, store,
+					 &next, bits, vk, view);
 		else if (bits == 2 && two)
-			encode_rows(&p, &t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes,
-				    true, store, &next, bits, 2, false, vk, view);
+			rc = encode_rows(&p, &t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes,
+					 true, store, &next, bits, 2, false, vk, view);
 		else if (bits == 4 && two)
-			encode_rows(&p, &t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes,
-				    true, store, &next, bits, 4, false, vk, view);
+			rc = encode_rows(&p, &t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes,
+					 true, store, &next, bits, 4, false, vk, view);
 		else if (kind == PACK_EVEN)
-			encode_rows(&p, &t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes,
-				    two, store, &next, bits, 0, false, vk, view);
+			rc = encode_rows(&p, &t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes,
+					 two, store, &next, bits, 0, false, vk, view);
 		else if (kind == PACK_ODD)
-			encode_rows(&p, &t, PACK_ODD, head, rows, n_rows, dim, c0, out, row_bytes,
-				    two, store, &next, bits, 0, false, vk, view);
+			rc = encode_rows(&p, &t, PACK_ODD, head, rows, n_rows, dim, c0, out, row_bytes,
+					 two, store, &next, bits, 0, false, vk, view);
 		else
-			encode_rows(&p, &t, PACK_BYTES, head, rows, n_rows, dim, c0, out, row_bytes,
-				    two, store, &next, bits, 0, false, vk, view);
+			rc = encode_rows(&p, &t, PACK_BYTES, head, rows, n_rows, dim, c0, out, row_bytes,
+					 two, store, &next, bits, 0, false, vk, view);
+		if (rc < 0)
+			return rc;
 	}
+	return 0;
 }
 
 

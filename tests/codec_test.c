@@ -2242,6 +2242,102 @@ START_TEST(test_compress_view_scored)
 END_TEST
 
 /*
+ * NaN and Inf in values given to zc_block_compress_view: refused wherever
+ * they are (the first group, the last row of a group or the first of the
+ * next, the last partial group, a partial channel pass, a second pass of
+ * channels, a second head), by every table and width. Where the encode
+ * does the whole head, it finds them on the way and may have written the
+ * groups before; elsewhere (tables without a packing encode, rows not
+ * whole bytes, exact values) and for keys (the norms are the check)
+ * nothing is written.
+ */
+static void check_view_refuses(const zc_codec_config *config, zc_tensor tensor, uint32_t dim,
+			       const struct codec_kernels *table, bool may_write)
+{
+	static const uint16_t bad_values[] = { 0x7c00, 0xfc00, 0x7e00, 0xfe00, 0x7c01, 0xffff };
+	const uint32_t heads = 2, tokens = 300;
+	zc_block_shape shape = make_shape(1, heads, tokens, dim);
+	zc_block_layout layout;
+	ck_assert_int_eq(zc_block_layout_compute(config, tensor, &shape, &layout), 0);
+	size_t elements = (size_t)heads * tokens * dim;
+	/* Token, channel and head of the bad element. */
+	const size_t spots[][3] = {
+		{ 0, 0, 0 }, { 31, dim - 1, 0 }, { 32, 0, 0 }, { 150, dim / 2, 0 },
+		{ 299, dim - 1, 0 }, { 290, 5, 0 }, { 0, 0, 1 }, { 64, dim - 1, 1 },
+		{ 299, 0, 1 },
+	};
+	uint16_t *input = make_input(DATA_GAUSSIAN, heads, tokens, dim, 10600);
+	uint8_t *bytes = malloc(layout.total_bytes);
+	uint16_t *view = malloc(elements * sizeof *view);
+	zc_strides strides = { elements, (size_t)tokens * dim, dim };
+
+	ck_assert_ptr_nonnull(bytes);
+	ck_assert_ptr_nonnull(view);
+	codec_kernels_override(table);
+	for (size_t p = 0; p < sizeof spots / sizeof spots[0]; p++) {
+		for (size_t b = 0; b < sizeof bad_values / sizeof bad_values[0]; b++) {
+			size_t at = spots[p][2] * tokens * dim + spots[p][0] * dim + spots[p][1];
+			uint16_t was = input[at];
+			input[at] = bad_values[b];
+			memset(bytes, 0x5a, layout.total_bytes);
+			memset(view, 0x5a, elements * sizeof *view);
+			int64_t rc = zc_block_compress_view(config, tensor, &shape, input, &strides,
+							    NULL, bytes, layout.total_bytes, view,
+							    &strides);
+			input[at] = was;
+			REQUIRE(rc == ZC_ENONFINITE,
+				"compress_view [%s] %s D %u bits %d/%d: 0x%04x at token %zu "
+				"channel %zu head %zu gave %lld", table->name,
+				tensor == ZC_TENSOR_KEYS ? "keys" : "values", dim, config->hi_bits,
+				config->lo_bits, bad_values[b], spots[p][0], spots[p][1],
+				spots[p][2], (long long)rc);
+			for (size_t i = 0; !may_write && i < layout.total_bytes; i++)
+				REQUIRE(bytes[i] == 0x5a, "compress_view [%s] D %u: refused, wrote "
+					"byte %zu", table->name, dim, i);
+			for (size_t i = 0; !may_write && i < elements; i++)
+				REQUIRE(view[i] == 0x5a5a, "compress_view [%s] D %u: refused, wrote "
+					"view element %zu", table->name, dim, i);
+		}
+	}
+	/* The same block, finite, still goes through. */
+	ck_assert_int_eq(zc_block_compress_view(config, tensor, &shape, input, &strides, NULL,
+						bytes, layout.total_bytes, view, &strides),
+			 (int64_t)layout.total_bytes);
+	codec_kernels_override(NULL);
+	free(input);
+	free(bytes);
+	free(view);
+}
+
+START_TEST(test_compress_view_nonfinite)
+{
+	/* Value widths (hi_bits) and dims: whole-byte rows of one pass, a
+	 * partial pass, two passes; 3 bits at D 100 is not whole bytes. */
+	static const int widths[] = { 4, 2, 8, 3 };
+	static const uint32_t dims[] = { 128, 100, 256 };
+	const struct codec_kernels *tables[4] = { &codec_kernels_scalar };
+	size_t n_tables = 1 + simd_tables(tables + 1);
+	zc_codec_config keys;
+	zc_codec_config_default(&keys);
+
+	for (size_t k = 0; k < n_tables; k++) {
+		for (size_t w = 0; w < sizeof widths / sizeof widths[0]; w++) {
+			zc_codec_config values = make_config(widths[w], 2, 0.2, 32, true);
+			for (size_t d = 0; d < sizeof dims / sizeof dims[0]; d++) {
+				bool whole = dims[d] * (uint32_t)widths[w] % 8 == 0;
+				check_view_refuses(&values, ZC_TENSOR_VALUES, dims[d], tables[k],
+						   tables[k]->group_encode && whole);
+			}
+		}
+		check_view_refuses(&keys, ZC_TENSOR_KEYS, 128, tables[k], false);
+		zc_codec_config exact = keys;
+		exact.quantize_values = false;
+		check_view_refuses(&exact, ZC_TENSOR_VALUES, 128, tables[k], false);
+	}
+}
+END_TEST
+
+/*
  * quantize_values = false: the payload is the input's fp16 bytes (2*S*D
  * per head) and reconstruction gives back every bit, including -0,
  * subnormals and ±65504. Keys are still quantized.
@@ -3223,6 +3319,7 @@ static Suite *numerics_suite(void)
 	tcase_add_test(targets, test_streamed_reconstruction);
 	tcase_add_test(targets, test_compress_view);
 	tcase_add_test(targets, test_compress_view_scored);
+	tcase_add_test(targets, test_compress_view_nonfinite);
 	tcase_add_test(targets, test_exact_values);
 	suite_add_tcase(suite, targets);
 	tcase_add_test(isas, test_isas_identical);
