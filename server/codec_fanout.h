@@ -64,7 +64,8 @@ struct codec_fanout_tensor {
 	/* Or NULL: each head's reconstruction goes here as it is compressed
 	 * (zc_block_compress_view: what codec_fanout_reconstruct of the
 	 * output would write, without a second pass over the block). On an
-	 * error, rows of the view may hold some heads' reconstructions. */
+	 * error, rows of the view may hold some heads' reconstructions, and
+	 * part of a head's (values refused for NaN/Inf in the encode's pass). */
 	uint16_t *view;
 	const zc_strides *view_strides;
 };
