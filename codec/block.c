@@ -88,8 +88,8 @@ static bool head_encodes(const struct codec_kernels *kernels, const zc_block_lay
  * subset_encodes, writes the rows' reconstruction to view (not NULL).
  * With check (only where subset_encodes), the rows are checked on the
  * way, the first group here and each next one by the encode: returns
- * ZC_ENONFINITE at the first group with NaN or Inf, the groups before it
- * written. */
+ * ZC_ENONFINITE at the first group with NaN or Inf, the groups before
+ * the one ahead of it written, that one partly, and the head's mask. */
 static int subset_compress(const struct codec_kernels *kernels, const uint16_t *head,
 			   const uint32_t *rows, uint32_t n_rows, size_t dim, int bits,
 			   size_t group_size, uint8_t *params, uint8_t *codes_stream,
@@ -119,7 +119,7 @@ static int subset_compress(const struct codec_kernels *kernels, const uint16_t *
 						       codes_stream + first * dim * (size_t)bits / 8,
 						       rows + next, n_next, next_scales,
 						       n_next ? next_scales + 2 * dim : NULL, view);
-			if (rc < 0 && check)
+			if (rc < 0)
 				return rc;
 		}
 		return 0;

@@ -44,7 +44,8 @@ struct codec_kernels {
 	 * listed rows of one group straight into the stream, row r's codes at
 	 * byte codes + r*dim*bits/8. Only called when dim*bits is a multiple
 	 * of 8, with the scales and mins that group_params computed from the
-	 * same rows; writes exactly n_rows*dim*bits/8 bytes. On the way it
+	 * same rows; writes exactly n_rows*dim*bits/8 bytes (fewer, and part
+	 * of the view, when it returns ZC_ENONFINITE). On the way it
 	 * does group_params for the next group (n_next rows at next_rows, with
 	 * their scales and mins; n_next 0: none), and returns ZC_ENONFINITE
 	 * (the next group's params then undefined) if one of those rows holds

@@ -188,7 +188,7 @@ static inline __m512i half_order_key(__m512i h)
 /*
  * group_params finds min and max per channel as 16-bit integer keys, 32
  * channels per vector and no conversion per element. For finite halves
- * (the block was checked) the key order is the fp32 order and equal
+ * (the rows were checked, or key_range_store refuses them) the key order is the fp32 order and equal
  * values have equal bits, so the extremes and their bits are those
  * MINPS/MAXPS would find, except that fp32 keeps whichever zero came
  * first where the keys pick -0 for the min and +0 for the max. A pass
@@ -239,8 +239,9 @@ key_range_store(const struct key_range *k, int bits, size_t c0, uint8_t *scales,
 {
 	const __m512 levels = _mm512_set1_ps((float)((1 << bits) - 1));
 	const __m512i one = _mm512_set1_epi16(1);
-	/* Finite halves have keys from -31744 (0xfbff, -65504) to 0x7bff;
-	 * -Inf and negative NaNs sort below, +Inf and positive NaNs above. */
+	/* Finite halves have keys from 0x8400 = -31744 (half 0xfbff, -65504)
+	 * to 0x7bff (65504); -Inf and negative NaNs sort below, +Inf and
+	 * positive NaNs above. */
 	const __m512i lowest = _mm512_set1_epi16((short)-31744);
 	const __m512i highest = _mm512_set1_epi16(0x7bff);
 	/* Keys -1 and 0 are -0 and +0: key + 1 <= 1 unsigned. */
@@ -281,8 +282,7 @@ static void avx512_group_params(const uint16_t *head, const uint32_t *rows, size
 		key_range_init(&k, head + (size_t)rows[0] * dim, dim, c0);
 		for (size_t r = 1; r < n_rows; r++)
 			key_range_add(&k, head + (size_t)rows[r] * dim + c0, false);
-		/* NaN or Inf: the fp32 path stores params of some kind; the
-		 * caller checked the rows, or checks them later. */
+		/* The caller checked these rows; NaN or Inf cannot be here. */
 		if (key_range_store(&k, bits, c0, scales, mins) != KEY_RANGE_STORED)
 			float_params_pass(head, rows, n_rows, dim, bits, scales, mins, c0);
 	}

@@ -2653,10 +2653,12 @@ int store_append(struct store *store, uint32_t layer, uint32_t tokens, const uin
 	 * deferred flush holds it (the session's queue waits for the flush). */
 	if (NEVER(direct && store->room[layer].flush_pending))
 		return -EBUSY;
-	/* The codec refuses NaN/Inf before writing, so a block compressed
-	 * directly needs no check of its own; but the residual path copies,
-	 * and a flush ahead of a direct block must not happen for a block
-	 * that will then be refused. */
+	/* The codec refuses NaN/Inf (values with views in the encode's pass,
+	 * after writing part of the block, which block_append throws away
+	 * as any failed block's), so a block compressed directly needs no
+	 * check of its own; but the residual path copies, and a flush ahead
+	 * of a direct block must not happen for a block that will then be
+	 * refused. */
 	if (!direct || l->residual_tokens > 0) {
 		rc = zc_fp16_check_finite(keys, heads * tokens * h->head_dim_k);
 		if (rc == 0)

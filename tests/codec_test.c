@@ -2110,6 +2110,8 @@ START_TEST(test_compress_view)
 	}
 	zc_codec_config_default(&values);
 	check_view_writes(&values, ZC_TENSOR_VALUES, 300, 128, DATA_GAUSSIAN, 10400, true);
+	/* Finite extremes (±65504, ±0, subnormals) are not refused. */
+	check_view_writes(&values, ZC_TENSOR_VALUES, 300, 128, DATA_EXTREMES, 10407, true);
 	check_view_writes(&values, ZC_TENSOR_VALUES, streamed_tokens(128), 128, DATA_GAUSSIAN,
 			  10401, true);
 	exact = values;
@@ -2251,32 +2253,42 @@ END_TEST
  * whole bytes, exact values) and for keys (the norms are the check)
  * nothing is written.
  */
-static void check_view_refuses(const zc_codec_config *config, zc_tensor tensor, uint32_t dim,
-			       const struct codec_kernels *table, bool may_write)
+static void check_view_refuses(const zc_codec_config *config, zc_tensor tensor, uint32_t tokens,
+			       uint32_t dim, const struct codec_kernels *table, bool may_write)
 {
-	static const uint16_t bad_values[] = { 0x7c00, 0xfc00, 0x7e00, 0xfe00, 0x7c01, 0xffff };
-	const uint32_t heads = 2, tokens = 300;
+	/* Both ends of both NaN ranges, both infinities. */
+	static const uint16_t bad_values[] = { 0x7c00, 0xfc00, 0x7e00, 0xfe00,
+					       0x7c01, 0xffff, 0x7fff, 0xfc01 };
+	const uint32_t heads = 2;
 	zc_block_shape shape = make_shape(1, heads, tokens, dim);
 	zc_block_layout layout;
 	ck_assert_int_eq(zc_block_layout_compute(config, tensor, &shape, &layout), 0);
 	size_t elements = (size_t)heads * tokens * dim;
-	/* Token, channel and head of the bad element. */
+	/* Token (past the end: the last), channel and head of the bad
+	 * element. */
 	const size_t spots[][3] = {
-		{ 0, 0, 0 }, { 31, dim - 1, 0 }, { 32, 0, 0 }, { 150, dim / 2, 0 },
+		{ 0, 0, 0 }, { 31, dim - 1, 0 }, { 32, 0, 0 }, { tokens / 2, dim / 2, 0 },
 		{ 299, dim - 1, 0 }, { 290, 5, 0 }, { 0, 0, 1 }, { 64, dim - 1, 1 },
 		{ 299, 0, 1 },
 	};
 	uint16_t *input = make_input(DATA_GAUSSIAN, heads, tokens, dim, 10600);
-	uint8_t *bytes = malloc(layout.total_bytes);
+	uint8_t *bytes = malloc(layout.total_bytes), *clean = malloc(layout.total_bytes);
 	uint16_t *view = malloc(elements * sizeof *view);
+	uint16_t *clean_view = malloc(elements * sizeof *view);
 	zc_strides strides = { elements, (size_t)tokens * dim, dim };
 
 	ck_assert_ptr_nonnull(bytes);
+	ck_assert_ptr_nonnull(clean);
 	ck_assert_ptr_nonnull(view);
+	ck_assert_ptr_nonnull(clean_view);
 	codec_kernels_override(table);
+	ck_assert_int_eq(zc_block_compress_view(config, tensor, &shape, input, &strides, NULL,
+						clean, layout.total_bytes, clean_view, &strides),
+			 (int64_t)layout.total_bytes);
 	for (size_t p = 0; p < sizeof spots / sizeof spots[0]; p++) {
+		size_t token = spots[p][0] < tokens ? spots[p][0] : tokens - 1;
 		for (size_t b = 0; b < sizeof bad_values / sizeof bad_values[0]; b++) {
-			size_t at = spots[p][2] * tokens * dim + spots[p][0] * dim + spots[p][1];
+			size_t at = spots[p][2] * tokens * dim + token * dim + spots[p][1];
 			uint16_t was = input[at];
 			input[at] = bad_values[b];
 			memset(bytes, 0x5a, layout.total_bytes);
@@ -2289,8 +2301,16 @@ static void check_view_refuses(const zc_codec_config *config, zc_tensor tensor, 
 				"compress_view [%s] %s D %u bits %d/%d: 0x%04x at token %zu "
 				"channel %zu head %zu gave %lld", table->name,
 				tensor == ZC_TENSOR_KEYS ? "keys" : "values", dim, config->hi_bits,
-				config->lo_bits, bad_values[b], spots[p][0], spots[p][1],
+				config->lo_bits, bad_values[b], token, spots[p][1],
 				spots[p][2], (long long)rc);
+			/* A head before the bad one is as a finite block makes it. */
+			if (may_write && spots[p][2] == 1) {
+				REQUIRE(memcmp(bytes, clean, layout.head_bytes) == 0,
+					"compress_view [%s] D %u: head 0 differs", table->name, dim);
+				REQUIRE(memcmp(view, clean_view, (size_t)tokens * dim * 2) == 0,
+					"compress_view [%s] D %u: view of head 0 differs",
+					table->name, dim);
+			}
 			for (size_t i = 0; !may_write && i < layout.total_bytes; i++)
 				REQUIRE(bytes[i] == 0x5a, "compress_view [%s] D %u: refused, wrote "
 					"byte %zu", table->name, dim, i);
@@ -2299,21 +2319,31 @@ static void check_view_refuses(const zc_codec_config *config, zc_tensor tensor, 
 					"view element %zu", table->name, dim, i);
 		}
 	}
-	/* The same block, finite, still goes through. */
+	/* The same block, finite, still goes through, to the same bytes. */
 	ck_assert_int_eq(zc_block_compress_view(config, tensor, &shape, input, &strides, NULL,
 						bytes, layout.total_bytes, view, &strides),
 			 (int64_t)layout.total_bytes);
+	REQUIRE(memcmp(bytes, clean, layout.total_bytes) == 0 &&
+		memcmp(view, clean_view, elements * 2) == 0,
+		"compress_view [%s] D %u: the finite block changed after refusals", table->name,
+		dim);
 	codec_kernels_override(NULL);
 	free(input);
 	free(bytes);
+	free(clean);
 	free(view);
+	free(clean_view);
 }
 
 START_TEST(test_compress_view_nonfinite)
 {
 	/* Value widths (hi_bits) and dims: whole-byte rows of one pass, a
-	 * partial pass, two passes; 3 bits at D 100 is not whole bytes. */
-	static const int widths[] = { 4, 2, 8, 3 };
+	 * partial pass, two passes; 3 bits at D 100 is not whole bytes, 6 is
+	 * a partial pass of even width without a fixed store, 1 an odd
+	 * width of whole bytes at 128 and 256. */
+	static const int widths[] = { 4, 2, 8, 3, 6, 1 };
+	/* A last group of one row, fewer tokens than a group, one token. */
+	static const uint32_t short_tokens[] = { 289, 20, 1 };
 	static const uint32_t dims[] = { 128, 100, 256 };
 	const struct codec_kernels *tables[4] = { &codec_kernels_scalar };
 	size_t n_tables = 1 + simd_tables(tables + 1);
@@ -2325,14 +2355,17 @@ START_TEST(test_compress_view_nonfinite)
 			zc_codec_config values = make_config(widths[w], 2, 0.2, 32, true);
 			for (size_t d = 0; d < sizeof dims / sizeof dims[0]; d++) {
 				bool whole = dims[d] * (uint32_t)widths[w] % 8 == 0;
-				check_view_refuses(&values, ZC_TENSOR_VALUES, dims[d], tables[k],
-						   tables[k]->group_encode && whole);
+				check_view_refuses(&values, ZC_TENSOR_VALUES, 300, dims[d],
+						   tables[k], tables[k]->group_encode && whole);
 			}
 		}
-		check_view_refuses(&keys, ZC_TENSOR_KEYS, 128, tables[k], false);
+		for (size_t t = 0; t < sizeof short_tokens / sizeof short_tokens[0]; t++)
+			check_view_refuses(&keys, ZC_TENSOR_VALUES, short_tokens[t], 128, tables[k],
+					   tables[k]->group_encode != NULL);
+		check_view_refuses(&keys, ZC_TENSOR_KEYS, 300, 128, tables[k], false);
 		zc_codec_config exact = keys;
 		exact.quantize_values = false;
-		check_view_refuses(&exact, ZC_TENSOR_VALUES, 128, tables[k], false);
+		check_view_refuses(&exact, ZC_TENSOR_VALUES, 300, 128, tables[k], false);
 	}
 }
 END_TEST

@@ -1490,6 +1490,20 @@ static void refused_run(enum zc_views views)
 	ck_assert_uint_eq(pool_blocks(f.pool), blocks);
 	ck_assert_uint_eq(pool_file_bytes(f.pool), pool_bytes);
 	block_free(&in);
+	/* Values found bad in the encode's pass (with views), groups and
+	 * heads of the block written by then: a later group of the first
+	 * head, the last group of the last head. */
+	for (int k = 0; k < 2; k++) {
+		block_make_shape(&in, HEADS, DIM_K, DIM_V, 70, &f.rng);
+		in.values[k == 0 ? (size_t)40 * DIM_V + 1 : in.value_elements - 5] =
+			k == 0 ? 0x7e00 : 0xfc00;
+		ck_assert_int_eq(store_update(s, 1, 70, in.keys, in.values), ZC_ENONFINITE);
+		check(s, &r, k == 0 ? "a refused direct block, NaN in group 2 of head 0" :
+				      "a refused direct block, -Inf in the last head");
+		ck_assert_uint_eq(pool_blocks(f.pool), blocks);
+		ck_assert_uint_eq(pool_file_bytes(f.pool), pool_bytes);
+		block_free(&in);
+	}
 	assert_budget_exact(&f, one, 1);
 	if (views == ZC_VIEWS_FULL)
 		assert_views_valid(s);

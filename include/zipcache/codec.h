@@ -172,11 +172,12 @@ int64_t zc_block_compress_scored_strided(const zc_codec_config *config,
  * the block's reconstruction to view at view_strides: exactly what
  * zc_block_reconstruct would write there from the returned bytes, in the
  * encode's pass where the kernels can, which saves unpacking the codes
- * again. Where that pass does a whole head of values, it also checks the
- * values on the way instead of reading the block once more ahead of it:
- * NaN or Inf there gives ZC_ENONFINITE with out and view partly written.
- * On every other error (keys holding NaN or Inf included) nothing is
- * written to out or view. */
+ * again. Where that pass does a whole head of values (kernels that pack
+ * from registers, AVX-512 VBMI, and D*bits a multiple of 8), it also
+ * checks the values on the way instead of reading the block once more
+ * ahead of it: so ZC_ENONFINITE for values may come with out and view
+ * partly written. On every other error (keys holding NaN or Inf
+ * included) nothing is written to out or view. */
 int64_t zc_block_compress_view(const zc_codec_config *config, zc_tensor tensor,
 			       const zc_block_shape *shape, const uint16_t *input,
 			       const zc_strides *input_strides, const float *scores, void *out,
