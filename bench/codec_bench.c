@@ -27,7 +27,7 @@
  * measurement per line (lines starting with '{') for scripts.
  *
  * usage: codec [--isa scalar|avx2|avx512] [--runs N] [--cpu N] [--tokens S]
- *              [--quick]
+ *              [--heads H] [--quick]
  */
 #include <errno.h>
 #include <math.h>
@@ -43,7 +43,9 @@
 #include "zipcache/error.h"
 
 #define BATCH 1u
-#define HEADS 8u
+/* KV heads per block: a Llama-3-8B layer's 8, or --heads (1: one head,
+ * as the daemon hands the codec a prefill, in L2 at S = 4096). */
+static uint32_t bench_heads = 8;
 #define HEAD_DIM 128u
 
 #define DEFAULT_RUNS 11
@@ -281,7 +283,7 @@ static void print_json(const struct result *r)
 static const struct result *find_result(uint32_t tokens, const char *op, zc_isa isa)
 {
 	char shape[40];
-	snprintf(shape, sizeof shape, "B%uxH%uxS%uxD%u", BATCH, HEADS, tokens, HEAD_DIM);
+	snprintf(shape, sizeof shape, "B%uxH%uxS%uxD%u", BATCH, bench_heads, tokens, HEAD_DIM);
 	for (int i = 0; i < n_results; i++)
 		if (!strcmp(results[i].shape, shape) && !strcmp(results[i].op, op) &&
 		    results[i].isa == isa)
@@ -321,10 +323,10 @@ static int bench_tensor(const struct options *opt, uint32_t tokens, zc_tensor te
 			int which, bool note)
 {
 	zc_codec_config config;
-	zc_block_shape shape = {BATCH, HEADS, tokens, HEAD_DIM};
+	zc_block_shape shape = {BATCH, bench_heads, tokens, HEAD_DIM};
 	zc_block_layout layout;
 	const char *tname = tensor == ZC_TENSOR_KEYS ? "keys" : "values";
-	size_t n = (size_t)BATCH * HEADS * tokens * HEAD_DIM;
+	size_t n = (size_t)BATCH * bench_heads * tokens * HEAD_DIM;
 	size_t bytes = 2 * n;
 	int rc;
 
@@ -344,11 +346,11 @@ static int bench_tensor(const struct options *opt, uint32_t tokens, zc_tensor te
 		rc = -ENOMEM;
 		goto out;
 	}
-	synthetic_kv_fill(input, BATCH * HEADS, tokens, HEAD_DIM, tensor == ZC_TENSOR_KEYS,
+	synthetic_kv_fill(input, BATCH * bench_heads, tokens, HEAD_DIM, tensor == ZC_TENSOR_KEYS,
 			  0x5eed0000u + tokens * 2u + (unsigned)tensor);
 	memcpy(copy_src, input, bytes);
 
-	zc_strides strides = {(size_t)HEADS * tokens * HEAD_DIM, (size_t)tokens * HEAD_DIM,
+	zc_strides strides = {(size_t)bench_heads * tokens * HEAD_DIM, (size_t)tokens * HEAD_DIM,
 			      HEAD_DIM};
 	struct op compress = {.run = op_compress, .config = &config, .tensor = tensor,
 			      .shape = &shape, .input = input, .compressed = compressed,
@@ -374,7 +376,7 @@ static int bench_tensor(const struct options *opt, uint32_t tokens, zc_tensor te
 	}
 	if (note && n_notes < MAX_RESULTS) {
 		struct block_note *b = &notes[n_notes++];
-		snprintf(b->shape, sizeof b->shape, "B%uxH%uxS%uxD%u", BATCH, HEADS, tokens,
+		snprintf(b->shape, sizeof b->shape, "B%uxH%uxS%uxD%u", BATCH, bench_heads, tokens,
 			 HEAD_DIM);
 		b->tensor = tname;
 		b->fp16_bytes = (double)bytes;
@@ -386,7 +388,7 @@ static int bench_tensor(const struct options *opt, uint32_t tokens, zc_tensor te
 		if (!(which & (1 << k)) || n_results >= MAX_RESULTS)
 			continue;
 		struct result *r = &results[n_results];
-		snprintf(r->shape, sizeof r->shape, "B%uxH%uxS%uxD%u", BATCH, HEADS, tokens,
+		snprintf(r->shape, sizeof r->shape, "B%uxH%uxS%uxD%u", BATCH, bench_heads, tokens,
 			 HEAD_DIM);
 		snprintf(r->op, sizeof r->op, "%s_%s", op_names[k], tname);
 		r->tensor = tname;
@@ -416,11 +418,13 @@ out:
 static void usage(FILE *f)
 {
 	fprintf(f, "usage: codec [--isa scalar|avx2|avx512] [--runs N] [--cpu N] [--tokens S]\n"
-		   "             [--quick]\n"
+		   "             [--heads H] [--quick]\n"
 		   "  --isa     force a kernel set (default: the best this CPU has)\n"
 		   "  --runs    timed runs per figure, median reported (default %d)\n"
 		   "  --cpu     CPU to pin to (default: the first one allowed)\n"
 		   "  --tokens  only the block of S tokens (e.g. to profile one shape)\n"
+		   "  --heads   KV heads per block (default 8; 1: one head, as the daemon\n"
+		   "            hands the codec a prefill, in L2 at S = 4096)\n"
 		   "  --quick   smoke test: %d runs, short runs, no DRAM-sized block\n",
 		DEFAULT_RUNS, QUICK_RUNS);
 }
@@ -465,6 +469,13 @@ static int parse_args(int argc, char **argv, struct options *opt)
 			if (*end || n < 0 || n >= CPU_SETSIZE)
 				return -1;
 			opt->cpu = (int)n;
+		} else if (!strcmp(a, "--heads") && v) {
+			char *end;
+			long n = strtol(v, &end, 10);
+			i++;
+			if (*end || n < 1 || n > 64)
+				return -1;
+			bench_heads = (uint32_t)n;
 		} else if (!strcmp(a, "--tokens") && v) {
 			char *end;
 			long n = strtol(v, &end, 10);
