@@ -429,9 +429,18 @@ static void usage(FILE *f)
 		DEFAULT_RUNS, QUICK_RUNS);
 }
 
+/* A whole decimal number in [lo, hi]. */
+static int number_arg(const char *v, long lo, long hi, long *n)
+{
+	char *end;
+	*n = strtol(v, &end, 10);
+	return *end || end == v || *n < lo || *n > hi ? -1 : 0;
+}
+
 static int parse_args(int argc, char **argv, struct options *opt)
 {
 	bool runs_set = false;
+	long n;
 
 	*opt = (struct options){.runs = DEFAULT_RUNS, .min_run_s = MIN_RUN_MS * 1e-3,
 				.cpu = -1};
@@ -455,34 +464,26 @@ static int parse_args(int argc, char **argv, struct options *opt)
 				return -1;
 			opt->isa_forced = true;
 		} else if (!strcmp(a, "--runs") && v) {
-			char *end;
-			long n = strtol(v, &end, 10);
-			i++;
-			if (*end || n < 1 || n > 100000)
+			if (number_arg(v, 1, 100000, &n) < 0)
 				return -1;
 			opt->runs = (int)n;
 			runs_set = true;
-		} else if (!strcmp(a, "--cpu") && v) {
-			char *end;
-			long n = strtol(v, &end, 10);
 			i++;
-			if (*end || n < 0 || n >= CPU_SETSIZE)
+		} else if (!strcmp(a, "--cpu") && v) {
+			if (number_arg(v, 0, CPU_SETSIZE - 1, &n) < 0)
 				return -1;
 			opt->cpu = (int)n;
-		} else if (!strcmp(a, "--heads") && v) {
-			char *end;
-			long n = strtol(v, &end, 10);
 			i++;
-			if (*end || n < 1 || n > 64)
+		} else if (!strcmp(a, "--heads") && v) {
+			if (number_arg(v, 1, 64, &n) < 0)
 				return -1;
 			bench_heads = (uint32_t)n;
-		} else if (!strcmp(a, "--tokens") && v) {
-			char *end;
-			long n = strtol(v, &end, 10);
 			i++;
-			if (*end || n < 1 || n > (1L << 20))
+		} else if (!strcmp(a, "--tokens") && v) {
+			if (number_arg(v, 1, 1L << 20, &n) < 0)
 				return -1;
 			opt->tokens = (uint32_t)n;
+			i++;
 		} else {
 			return -1;
 		}
