@@ -114,10 +114,10 @@ static int subset_compress(const struct codec_kernels *kernels, const uint16_t *
 			size_t n_next = n_rows - next < group_size ? n_rows - next : group_size;
 			uint8_t *scales = params + (first / group_size) * 4 * dim;
 			uint8_t *next_scales = n_next ? scales + 4 * dim : NULL;
-			int rc = kernels->group_encode(head, rows + first, n_group, dim, bits, scales,
-						       scales + 2 * dim,
-						       codes_stream + first * dim * (size_t)bits / 8,
-						       rows + next, n_next, next_scales,
+			uint8_t *codes = codes_stream + first * dim * (size_t)bits / 8;
+			int rc = kernels->group_encode(head, rows + first, n_group, dim, bits,
+						       scales, scales + 2 * dim, codes, rows + next,
+						       n_next, next_scales,
 						       n_next ? next_scales + 2 * dim : NULL, view);
 			if (rc < 0)
 				return rc;

@@ -188,8 +188,8 @@ static inline __m512i half_order_key(__m512i h)
 /*
  * group_params finds min and max per channel as 16-bit integer keys, 32
  * channels per vector and no conversion per element. For finite halves
- * (the rows were checked, or key_range_store refuses them) the key order is the fp32 order and equal
- * values have equal bits, so the extremes and their bits are those
+ * (the rows were checked, or key_range_store refuses them) the key order
+ * is the fp32 order and equal values have equal bits, so the extremes and their bits are those
  * MINPS/MAXPS would find, except that fp32 keeps whichever zero came
  * first where the keys pick -0 for the min and +0 for the max. A pass
  * whose min or max is a zero in some channel is therefore redone in fp32
@@ -1005,32 +1005,6 @@ encode_rows(const struct encode_params *p, const struct encode_tables *t, enum p
 	return 0;
 }
 
-/* The hot passes, whole 128-channel passes of 2 or 4 bits, one
- * instantiation per view kind. */
-#define ENCODE_FULL(bits_, vk_)                                                              \
-	encode_rows(p, t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes, true, store, \
-		    next, bits_, bits_, true, vk_, view)
-
-static inline __attribute__((always_inline)) VBMI int
-encode_full(const struct encode_params *p, const struct encode_tables *t, const uint16_t *head,
-	    const uint32_t *rows, size_t n_rows, size_t dim, size_t c0, uint8_t *out,
-	    size_t row_bytes, const __mmask64 store[2], const struct next_group *next, int bits,
-	    enum view_kind vk, const struct codec_view *view)
-{
-	if (bits == 2 && vk == VIEW_NONE)
-		return ENCODE_FULL(2, VIEW_NONE);
-	if (bits == 2 && vk == VIEW_EXACT)
-		return ENCODE_FULL(2, VIEW_EXACT);
-	if (bits == 2)
-		return ENCODE_FULL(2, VIEW_CLAMPED);
-	if (vk == VIEW_NONE)
-		return ENCODE_FULL(4, VIEW_NONE);
-	if (vk == VIEW_EXACT)
-		return ENCODE_FULL(4, VIEW_EXACT);
-	return ENCODE_FULL(4, VIEW_CLAMPED);
-}
-#undef ENCODE_FULL
-
 static VBMI int vbmi_group_encode(const uint16_t *head, const uint32_t *rows, size_t n_rows,
 			      size_t dim, int bits, const uint8_t *scales, const uint8_t *mins,
 			      uint8_t *codes, const uint32_t *next_rows, size_t n_next,
@@ -1072,25 +1046,33 @@ static VBMI int vbmi_group_encode(const uint16_t *head, const uint32_t *rows, si
 		}
 		uint8_t *out = codes + c0 * (size_t)bits / 8;
 		bool two = count > 64;
+		/* Whole 128-channel passes of 2 or 4 bits (every prefill head at
+		 * D = 128) get one instantiation per view kind; the others one
+		 * per packing kind, the view kind tested per vector. */
+		bool full = (bits == 2 || bits == 4) && count == 16 * ENCODE_VECTORS;
+#define ENCODE(kind_, two_, fixed_, full_, vk_)                                            \
+	encode_rows(&p, &t, kind_, head, rows, n_rows, dim, c0, out, row_bytes, two_, store, \
+		    &next, bits, fixed_, full_, vk_, view)
 		int rc;
-		if ((bits == 2 || bits == 4) && count == 16 * ENCODE_VECTORS)
-			rc = encode_full(&p, &t, head, rows, n_rows, dim, c0, out, row_bytes, store,
-					 &next, bits, vk, view);
+		if (full && bits == 2)
+			rc = vk == VIEW_NONE  ? ENCODE(PACK_EVEN, true, 2, true, VIEW_NONE) :
+			     vk == VIEW_EXACT ? ENCODE(PACK_EVEN, true, 2, true, VIEW_EXACT) :
+						ENCODE(PACK_EVEN, true, 2, true, VIEW_CLAMPED);
+		else if (full)
+			rc = vk == VIEW_NONE  ? ENCODE(PACK_EVEN, true, 4, true, VIEW_NONE) :
+			     vk == VIEW_EXACT ? ENCODE(PACK_EVEN, true, 4, true, VIEW_EXACT) :
+						ENCODE(PACK_EVEN, true, 4, true, VIEW_CLAMPED);
 		else if (bits == 2 && two)
-			rc = encode_rows(&p, &t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes,
-					 true, store, &next, bits, 2, false, vk, view);
+			rc = ENCODE(PACK_EVEN, true, 2, false, vk);
 		else if (bits == 4 && two)
-			rc = encode_rows(&p, &t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes,
-					 true, store, &next, bits, 4, false, vk, view);
+			rc = ENCODE(PACK_EVEN, true, 4, false, vk);
 		else if (kind == PACK_EVEN)
-			rc = encode_rows(&p, &t, PACK_EVEN, head, rows, n_rows, dim, c0, out, row_bytes,
-					 two, store, &next, bits, 0, false, vk, view);
+			rc = ENCODE(PACK_EVEN, two, 0, false, vk);
 		else if (kind == PACK_ODD)
-			rc = encode_rows(&p, &t, PACK_ODD, head, rows, n_rows, dim, c0, out, row_bytes,
-					 two, store, &next, bits, 0, false, vk, view);
+			rc = ENCODE(PACK_ODD, two, 0, false, vk);
 		else
-			rc = encode_rows(&p, &t, PACK_BYTES, head, rows, n_rows, dim, c0, out, row_bytes,
-					 two, store, &next, bits, 0, false, vk, view);
+			rc = ENCODE(PACK_BYTES, two, 0, false, vk);
+#undef ENCODE
 		if (rc < 0)
 			return rc;
 	}

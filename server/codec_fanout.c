@@ -121,8 +121,9 @@ static int run_span(const zc_codec_config *config, const struct work *w, size_t 
  * check pass (key norms, or finiteness where the encode does not check
  * values itself) reads the whole head before it writes, and a prefill
  * head (1 MiB at 4096 x 128) still sits in L2 when its encode reads it
- * again; a span of several heads would be read back from L3 or memory. Tasks are handed out in order, so this thread's
- * first failure is its lowest. */
+ * again; a span of several heads would be read back from L3 or memory.
+ * Tasks are handed out in order, so this thread's first failure is its
+ * lowest. */
 static void run_heads(struct fanout *f, struct part *p)
 {
 	for (;;) {
