@@ -38,6 +38,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_args.h"
 #include "synthetic_kv.h"
 #include "zipcache/codec.h"
 #include "zipcache/error.h"
@@ -429,14 +430,6 @@ static void usage(FILE *f)
 		DEFAULT_RUNS, QUICK_RUNS);
 }
 
-/* A whole decimal number in [lo, hi]. */
-static int number_arg(const char *v, long lo, long hi, long *n)
-{
-	char *end;
-	*n = strtol(v, &end, 10);
-	return *end || end == v || *n < lo || *n > hi ? -1 : 0;
-}
-
 static int parse_args(int argc, char **argv, struct options *opt)
 {
 	bool runs_set = false;
@@ -464,23 +457,23 @@ static int parse_args(int argc, char **argv, struct options *opt)
 				return -1;
 			opt->isa_forced = true;
 		} else if (!strcmp(a, "--runs") && v) {
-			if (number_arg(v, 1, 100000, &n) < 0)
+			if (bench_parse_int(v, 1, 100000, &n) < 0)
 				return -1;
 			opt->runs = (int)n;
 			runs_set = true;
 			i++;
 		} else if (!strcmp(a, "--cpu") && v) {
-			if (number_arg(v, 0, CPU_SETSIZE - 1, &n) < 0)
+			if (bench_parse_int(v, 0, CPU_SETSIZE - 1, &n) < 0)
 				return -1;
 			opt->cpu = (int)n;
 			i++;
 		} else if (!strcmp(a, "--heads") && v) {
-			if (number_arg(v, 1, 64, &n) < 0)
+			if (bench_parse_int(v, 1, 64, &n) < 0)
 				return -1;
 			bench_heads = (uint32_t)n;
 			i++;
 		} else if (!strcmp(a, "--tokens") && v) {
-			if (number_arg(v, 1, 1L << 20, &n) < 0)
+			if (bench_parse_int(v, 1, 1L << 20, &n) < 0)
 				return -1;
 			opt->tokens = (uint32_t)n;
 			i++;

@@ -50,6 +50,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "bench_args.h"
 #include "bench_daemon.h"
 #include "synthetic_kv.h"
 #include "zipcache/client.h"
@@ -1023,17 +1024,6 @@ static void usage(FILE *f)
 		REBUILD_RUNS, DECODE_STEPS, BATCH_STEPS, QUICK_LAYERS, QUICK_TOKENS, QUICK_FORKS);
 }
 
-static int parse_int(const char *v, long lo, long hi, long *out)
-{
-	char *end;
-	errno = 0;
-	long n = strtol(v, &end, 10);
-	if (errno || end == v || *end || n < lo || n > hi)
-		return -1;
-	*out = n;
-	return 0;
-}
-
 static int parse_only(const char *v, unsigned *out)
 {
 	char buf[128];
@@ -1067,19 +1057,19 @@ static int parse_args(int argc, char **argv, struct options *opt)
 			exit(0);
 		} else if (!strcmp(a, "--quick")) {
 			opt->quick = true;
-		} else if (!strcmp(a, "--runs") && v && parse_int(v, 1, 1000, &n) == 0) {
+		} else if (!strcmp(a, "--runs") && v && bench_parse_int(v, 1, 1000, &n) == 0) {
 			opt->runs = (int)n;
 			runs_set = true;
 			i++;
-		} else if (!strcmp(a, "--steps") && v && parse_int(v, 1, 10000000, &n) == 0) {
+		} else if (!strcmp(a, "--steps") && v && bench_parse_int(v, 1, 10000000, &n) == 0) {
 			opt->steps = (unsigned)n;
 			steps_set = true;
 			i++;
-		} else if (!strcmp(a, "--cpu") && v && parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
+		} else if (!strcmp(a, "--cpu") && v && bench_parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
 			opt->cpu = (int)n;
 			i++;
 		} else if (!strcmp(a, "--daemon-cpu") && v &&
-			   parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
+			   bench_parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
 			opt->daemon_cpu = (int)n;
 			i++;
 		} else if (!strcmp(a, "--only") && v && parse_only(v, &opt->only) == 0) {

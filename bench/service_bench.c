@@ -65,6 +65,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "bench_args.h"
 #include "synthetic_kv.h"
 #include "bench_daemon.h"
 #include "redis_peer.h"
@@ -1648,17 +1649,6 @@ static void usage(FILE *f)
 		ZC_RECEIVE_SPIN_US);
 }
 
-static int parse_int(const char *v, long lo, long hi, long *out)
-{
-	char *end;
-	errno = 0;
-	long n = strtol(v, &end, 10);
-	if (errno || end == v || *end || n < lo || n > hi)
-		return -1;
-	*out = n;
-	return 0;
-}
-
 static int parse_only(const char *v, unsigned *out)
 {
 	char buf[128];
@@ -1693,47 +1683,47 @@ static int parse_args(int argc, char **argv, struct options *opt)
 			exit(0);
 		} else if (!strcmp(a, "--quick")) {
 			opt->quick = true;
-		} else if (!strcmp(a, "--steps") && v && parse_int(v, 1, 10000000, &n) == 0) {
+		} else if (!strcmp(a, "--steps") && v && bench_parse_int(v, 1, 10000000, &n) == 0) {
 			opt->steps = (unsigned)n;
 			steps_set = true;
 			i++;
-		} else if (!strcmp(a, "--runs") && v && parse_int(v, 1, 1000, &n) == 0) {
+		} else if (!strcmp(a, "--runs") && v && bench_parse_int(v, 1, 1000, &n) == 0) {
 			opt->runs = (int)n;
 			runs_set = true;
 			i++;
-		} else if (!strcmp(a, "--rounds") && v && parse_int(v, 1, 100, &n) == 0) {
+		} else if (!strcmp(a, "--rounds") && v && bench_parse_int(v, 1, 100, &n) == 0) {
 			opt->rounds = (int)n;
 			rounds_set = true;
 			i++;
-		} else if (!strcmp(a, "--cpu") && v && parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
+		} else if (!strcmp(a, "--cpu") && v && bench_parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
 			opt->cpu = (int)n;
 			i++;
 		} else if (!strcmp(a, "--daemon-cpu") && v &&
-			   parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
+			   bench_parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
 			opt->daemon_cpu = (int)n;
 			i++;
-		} else if (!strcmp(a, "--daemon-cpus") && v && parse_int(v, 1, 16, &n) == 0) {
+		} else if (!strcmp(a, "--daemon-cpus") && v && bench_parse_int(v, 1, 16, &n) == 0) {
 			opt->daemon_cpus = (int)n;
 			i++;
 		} else if (!strcmp(a, "--only") && v && parse_only(v, &opt->only) == 0) {
 			i++;
-		} else if (!strcmp(a, "--async-compute-us") && v && parse_int(v, 0, 100000, &n) == 0) {
+		} else if (!strcmp(a, "--async-compute-us") && v && bench_parse_int(v, 0, 100000, &n) == 0) {
 			opt->compute_us = (int)n;
 			i++;
-		} else if (!strcmp(a, "--receive-spin-us") && v && parse_int(v, 0, 100000, &n) == 0) {
+		} else if (!strcmp(a, "--receive-spin-us") && v && bench_parse_int(v, 0, 100000, &n) == 0) {
 			opt->spin_us = (int)n;
 			i++;
-		} else if (!strcmp(a, "--echo-cpu") && v && parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
+		} else if (!strcmp(a, "--echo-cpu") && v && bench_parse_int(v, 0, CPU_SETSIZE - 1, &n) == 0) {
 			opt->echo_cpu = (int)n;
 			i++;
 		} else if (!strcmp(a, "--no-ring")) {
 			opt->no_ring = true;
 		} else if (!strcmp(a, "--daemon-ring-poll-us") && v &&
-			   parse_int(v, 0, 100000, &n) == 0) {
+			   bench_parse_int(v, 0, 100000, &n) == 0) {
 			opt->ring_poll_us = (int)n;
 			i++;
 		} else if (!strcmp(a, "--daemon-busy-poll-us") && v &&
-			   parse_int(v, 0, 100000, &n) == 0) {
+			   bench_parse_int(v, 0, 100000, &n) == 0) {
 			opt->busy_poll_us = (int)n;
 			i++;
 		} else if (!strcmp(a, "--prefill-views") && v &&
