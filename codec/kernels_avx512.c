@@ -189,12 +189,12 @@ static inline __m512i half_order_key(__m512i h)
  * group_params finds min and max per channel as 16-bit integer keys, 32
  * channels per vector and no conversion per element. For finite halves
  * (the rows were checked, or key_range_store refuses them) the key order
- * is the fp32 order and equal values have equal bits, so the extremes and their bits are those
- * MINPS/MAXPS would find, except that fp32 keeps whichever zero came
- * first where the keys pick -0 for the min and +0 for the max. A pass
- * whose min or max is a zero in some channel is therefore redone in fp32
- * (rare: it takes a channel that never leaves one side of zero within a
- * group and touches it).
+ * is the fp32 order and equal values have equal bits, so the extremes
+ * and their bits are those MINPS/MAXPS would find, except that fp32 keeps
+ * whichever zero came first where the keys pick -0 for the min and +0 for
+ * the max. A pass whose min or max is a zero in some channel is therefore
+ * redone in fp32 (rare: it takes a channel that never leaves one side of
+ * zero within a group and touches it).
  *
  * The running key min and max of one 128-channel pass:
  */
