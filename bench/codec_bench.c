@@ -23,11 +23,20 @@
  * ran in between (both sides alike). The process is pinned to one CPU: the codec is single-threaded per block and
  * migration between cores would throw away the warm cache.
  *
+ * A prefill's memory (after the shapes, or alone with --prefill): the
+ * codec as the daemon meets a prefill, 32 layers of keys and values of H
+ * heads x 4096 tokens, one head a call (the daemon's unit), input and
+ * views 512 MiB each at H = 8, so each layer comes from and goes to
+ * memory no cache holds; with views written in the encode's pass
+ * (zc_block_compress_view) and without. Whole prefills are timed, keys
+ * and values apart, against memcpy of the same bytes from the input to
+ * the views, run by run.
+ *
  * Output: an aligned table for people, then one JSON object per
  * measurement per line (lines starting with '{') for scripts.
  *
  * usage: codec [--isa scalar|avx2|avx512] [--runs N] [--cpu N] [--tokens S]
- *              [--heads H] [--quick]
+ *              [--heads H] [--prefill] [--quick]
  */
 #include <errno.h>
 #include <math.h>
@@ -70,6 +79,7 @@ struct options {
 	zc_isa isa;
 	int cpu;          /* -1: the first CPU we are allowed on */
 	uint32_t tokens;  /* 0: the standard shapes; else only S = tokens */
+	bool prefill_only;
 };
 
 struct result {
@@ -414,18 +424,162 @@ out:
 	return rc;
 }
 
+/* ---- a prefill's memory ------------------------------------------------ */
+
+#define PREFILL_LAYERS 32u
+#define QUICK_PREFILL_LAYERS 2u
+#define PREFILL_TOKENS 4096u
+
+/* Its JSON lines, views then none, printed with the others at the end. */
+static char prefill_json[2][512];
+
+struct prefill_memory {
+	uint32_t layers;
+	size_t head_elements, tensor_elements;
+	uint16_t *input, *views;       /* [layer][keys, values][H][S][D] */
+	uint8_t *out;
+	size_t head_bytes[2];          /* payload of one head, keys and values */
+};
+
+/* One whole prefill, one head a codec call; seconds per tensor. */
+static int prefill_pass(const struct prefill_memory *m, const zc_codec_config *config,
+			bool views, double seconds[2])
+{
+	const zc_block_shape one = { 1, 1, PREFILL_TOKENS, HEAD_DIM };
+	const zc_strides strides = { m->tensor_elements, m->head_elements, HEAD_DIM };
+	uint8_t *out = m->out;
+
+	seconds[0] = seconds[1] = 0.0;
+	for (uint32_t layer = 0; layer < m->layers; layer++) {
+		for (int t = 0; t < 2; t++) {
+			size_t at = (2 * (size_t)layer + (size_t)t) * m->tensor_elements;
+			double t0 = now_s();
+			for (uint32_t h = 0; h < bench_heads; h++) {
+				size_t head = at + h * m->head_elements;
+				int64_t n = views ?
+					zc_block_compress_view(config, (zc_tensor)t, &one,
+							       m->input + head, &strides, NULL,
+							       out, m->head_bytes[t],
+							       m->views + head, &strides) :
+					zc_block_compress_strided(config, (zc_tensor)t, &one,
+								  m->input + head, &strides,
+								  out, m->head_bytes[t]);
+				if (n < 0)
+					return (int)n;
+				out += m->head_bytes[t];
+			}
+			seconds[t] += now_s() - t0;
+		}
+	}
+	return 0;
+}
+
+/* The same bytes, layer by layer, from the input to the views. */
+static double prefill_memcpy(const struct prefill_memory *m)
+{
+	double total = 0.0;
+	for (uint32_t layer = 0; layer < m->layers; layer++) {
+		size_t at = 2 * (size_t)layer * m->tensor_elements;
+		double t0 = now_s();
+		memcpy_fn(m->views + at, m->input + at, 4 * m->tensor_elements);
+		total += now_s() - t0;
+	}
+	return total;
+}
+
+static int bench_prefill_memory(const struct options *opt)
+{
+	zc_codec_config config;
+	zc_block_layout layout;
+	struct prefill_memory m = {
+		.layers = opt->quick ? QUICK_PREFILL_LAYERS : PREFILL_LAYERS,
+		.head_elements = (size_t)PREFILL_TOKENS * HEAD_DIM,
+	};
+	const zc_block_shape one = { 1, 1, PREFILL_TOKENS, HEAD_DIM };
+	int rc = -ENOMEM;
+
+	zc_codec_config_default(&config);
+	m.tensor_elements = m.head_elements * bench_heads;
+	for (int t = 0; t < 2; t++) {
+		if ((rc = zc_block_layout_compute(&config, (zc_tensor)t, &one, &layout)) < 0)
+			return rc;
+		m.head_bytes[t] = layout.total_bytes;
+	}
+	size_t elements = 2 * m.tensor_elements * m.layers;
+	m.input = alloc_touched(2 * elements);
+	m.views = alloc_touched(2 * elements);
+	m.out = alloc_touched((m.head_bytes[0] + m.head_bytes[1]) * bench_heads * m.layers);
+	double *t = calloc(5 * (size_t)opt->runs, sizeof *t);
+	if (!m.input || !m.views || !m.out || !t)
+		goto out;
+	synthetic_kv_fill(m.input, bench_heads, PREFILL_TOKENS, HEAD_DIM, true, 0x5e7e3000u);
+	synthetic_kv_fill(m.input + m.tensor_elements, bench_heads, PREFILL_TOKENS, HEAD_DIM,
+			  false, 0x5e7e3001u);
+	for (uint32_t layer = 1; layer < m.layers; layer++)
+		memcpy(m.input + 2 * (size_t)layer * m.tensor_elements, m.input,
+		       4 * m.tensor_elements);
+
+	printf("\na prefill's memory: %u layers x %u KV heads x S=%u x D=%u, keys and values, "
+	       "one head a call, %.0f MiB in, median of %d\n",
+	       m.layers, bench_heads, PREFILL_TOKENS, HEAD_DIM, 2.0 * elements / (1 << 20),
+	       opt->runs);
+	printf("  %-22s %10s %10s %10s %12s %7s\n", "op", "keys ms", "values ms", "total ms",
+	       "memcpy ms", "ratio");
+	for (int views = 1; views >= 0; views--) {
+		double *keys = t, *values = t + opt->runs, *total = t + 2 * opt->runs;
+		double *copy = t + 3 * opt->runs, pass[2];
+		/* One untimed pass: the code and the output's pages. */
+		if ((rc = prefill_pass(&m, &config, views, pass)) < 0)
+			goto out;
+		for (int r = 0; r < opt->runs; r++) {
+			if (r % 2)
+				copy[r] = prefill_memcpy(&m);
+			if ((rc = prefill_pass(&m, &config, views, pass)) < 0)
+				goto out;
+			if (r % 2 == 0)
+				copy[r] = prefill_memcpy(&m);
+			keys[r] = pass[0];
+			values[r] = pass[1];
+			total[r] = pass[0] + pass[1];
+		}
+		const char *op = views ? "prefill_compress_view" : "prefill_compress";
+		double k = median(keys, opt->runs), v = median(values, opt->runs);
+		double all = median(total, opt->runs), c = median(copy, opt->runs);
+		printf("  %-22s %10.1f %10.1f %10.1f %12.1f %7.3f\n", op, k * 1e3, v * 1e3,
+		       all * 1e3, c * 1e3, c / all);
+		snprintf(prefill_json[views], sizeof prefill_json[views],
+			 "{\"bench\":\"codec\",\"op\":\"%s\",\"shape\":\"L%uxH%uxS%uxD%u\","
+			 "\"isa\":\"%s\",\"keys_ms\":%.3f,\"values_ms\":%.3f,\"median_ms\":%.3f,"
+			 "\"memcpy_ms\":%.3f,\"ratio\":%.4f,\"runs\":%d}",
+			 op, m.layers, bench_heads, PREFILL_TOKENS, HEAD_DIM,
+			 zc_isa_name(zc_codec_isa()), k * 1e3, v * 1e3, all * 1e3, c * 1e3,
+			 c / all, opt->runs);
+	}
+	rc = 0;
+out:
+	if (rc == -ENOMEM)
+		fprintf(stderr, "codec: prefill: out of memory\n");
+	free(m.input);
+	free(m.views);
+	free(m.out);
+	free(t);
+	return rc;
+}
+
 /* ---- main -------------------------------------------------------------- */
 
 static void usage(FILE *f)
 {
 	fprintf(f, "usage: codec [--isa scalar|avx2|avx512] [--runs N] [--cpu N] [--tokens S]\n"
-		   "             [--heads H] [--quick]\n"
+		   "             [--heads H] [--prefill] [--quick]\n"
 		   "  --isa     force a kernel set (default: the best this CPU has)\n"
 		   "  --runs    timed runs per figure, median reported (default %d)\n"
 		   "  --cpu     CPU to pin to (default: the first one allowed)\n"
 		   "  --tokens  only the block of S tokens (e.g. to profile one shape)\n"
 		   "  --heads   KV heads per block (default 8; 1: one head, as the daemon\n"
 		   "            hands the codec a prefill, in L2 at S = 4096)\n"
+		   "  --prefill only a prefill's memory: 32 layers of H heads, input and\n"
+		   "            views in no cache, one head a call\n"
 		   "  --quick   smoke test: %d runs, short runs, no DRAM-sized block\n",
 		DEFAULT_RUNS, QUICK_RUNS);
 }
@@ -445,6 +599,8 @@ static int parse_args(int argc, char **argv, struct options *opt)
 			exit(0);
 		} else if (!strcmp(a, "--quick")) {
 			opt->quick = true;
+		} else if (!strcmp(a, "--prefill")) {
+			opt->prefill_only = true;
 		} else if (!strcmp(a, "--isa") && v) {
 			i++;
 			if (!strcmp(v, "scalar"))
@@ -570,6 +726,14 @@ int main(int argc, char **argv)
 	}
 	zc_isa best = zc_codec_isa();
 
+	if (opt.prefill_only) {
+		printf("codec benchmark: isa %s, cpu %d%s\n", zc_isa_name(best), cpu,
+		       opt.quick ? ", QUICK (smoke test, not a measurement)" : "");
+		if (bench_prefill_memory(&opt) < 0)
+			return 1;
+		printf("\n%s\n%s\n", prefill_json[1], prefill_json[0]);
+		return 0;
+	}
 	printf("codec benchmark: isa %s, cpu %d, %d runs per figure (median), "
 	       ">= %.1f ms per run%s\n",
 	       zc_isa_name(best), cpu, opt.runs, opt.min_run_s * 1e3,
@@ -616,9 +780,13 @@ int main(int argc, char **argv)
 		printf("\n");
 	}
 	print_targets(best);
+	if (!opt.tokens && bench_prefill_memory(&opt) < 0)
+		return 1;
 
 	printf("\n");
 	for (int i = 0; i < n_results; i++)
 		print_json(&results[i]);
+	for (int views = 1; views >= 0 && !opt.tokens; views--)
+		printf("%s\n", prefill_json[views]);
 	return 0;
 }

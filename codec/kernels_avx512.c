@@ -697,7 +697,9 @@ static void avx512_group_reconstruct(const uint8_t *stream, const uint8_t *read_
 /* ---- VBMI: code unpacking and packing in vector registers -------------- */
 
 /* Everything below needs VBMI on top of the file's flags. */
-#define VBMI __attribute__((target("avx512vbmi")))
+/* PREFETCHW came with Broadwell and Zen, before any VBMI; where it is
+ * absent its opcode is a no-op. */
+#define VBMI __attribute__((target("avx512vbmi,prfchw")))
 
 /* Byte i of each qword (0..7) and the index k of the qword. */
 static inline VBMI __m512i byte_in_qword(void)
@@ -922,11 +924,61 @@ struct next_group {
 	uint8_t *scales, *mins;
 };
 
+/*
+ * What a pass that writes a view asks for ahead of the row it encodes. A
+ * prefill's views go to lines no cache holds, so a plain store first waits
+ * for its line to be read for ownership, and the salient rows lie
+ * scattered over the head, where no hardware stream follows them: the
+ * view lines of the row VIEW_AHEAD_ROWS on are asked for with write
+ * intent. And a block of values has no pass that reads its head before
+ * the encode (keys have their norms), while the stores of the views take
+ * the memory's attention: the input row INPUT_AHEAD_TOKENS tokens on (two
+ * groups of the default 32) is asked for too, in cache already for keys.
+ * Measured on the device's host, the codec over a prefill's cold memory:
+ * 14 % less time, values 19 % (docs/BENCHMARKS.md).
+ */
+#define VIEW_AHEAD_ROWS 8
+#define INPUT_AHEAD_TOKENS 64
+
+/* The lines of `bytes` at `at`, for reading or with write intent. */
+static inline __attribute__((always_inline)) VBMI void
+lines_prefetch(uintptr_t at, size_t bytes, bool write)
+{
+	uintptr_t last = (at + bytes - 1) & ~(uintptr_t)63;
+	for (uintptr_t line = at & ~(uintptr_t)63; line <= last; line += 64) {
+		if (write)
+			_m_prefetchw((void *)line);
+		else
+			_mm_prefetch((const char *)line, _MM_HINT_T0);
+	}
+}
+
+/* The view lines of the row VIEW_AHEAD_ROWS past r (in this group, else
+ * in the next), and the input INPUT_AHEAD_TOKENS past row r's token (past
+ * the head's end it is the next head's, or nothing: a prefetch never
+ * faults, and the address is only a number here). */
+static inline __attribute__((always_inline)) VBMI void
+rows_ahead(const uint16_t *head, size_t dim, size_t c0, uint16_t *view_at, size_t view_stride,
+	   size_t pass_bytes, const uint32_t *rows, size_t n_rows, const struct next_group *next,
+	   size_t r)
+{
+	lines_prefetch((uintptr_t)(head + c0) +
+			       ((size_t)rows[r] + INPUT_AHEAD_TOKENS) * dim * sizeof(uint16_t),
+		       pass_bytes, false);
+	size_t ahead = r + VIEW_AHEAD_ROWS;
+	if (ahead < n_rows)
+		lines_prefetch((uintptr_t)(view_at + (size_t)rows[ahead] * view_stride), pass_bytes,
+			       true);
+	else if (ahead - n_rows < next->n_rows)
+		lines_prefetch((uintptr_t)(view_at + (size_t)next->rows[ahead - n_rows] * view_stride),
+			       pass_bytes, true);
+}
+
 /* `full`: the pass has all ENCODE_VECTORS vectors whole, so no load or
  * store needs a mask. The view is written as recon_emit16 would from the
  * packed stream: the same params, the same FMA, the same clamp. Plain
- * stores: non-temporal ones measured slower here than in reconstruction
- * alone (docs/BENCHMARKS.md). */
+ * stores, their lines asked for ahead (rows_ahead): non-temporal ones
+ * measured no faster here (docs/BENCHMARKS.md). */
 static inline __attribute__((always_inline)) VBMI void
 encode_row(const struct encode_params *p, const struct encode_tables *t, enum pack_kind kind,
 	   const uint16_t *row, uint8_t *dst, bool two, const __mmask64 store[2], int fixed_bits,
@@ -978,16 +1030,30 @@ encode_rows(const struct encode_params *p, const struct encode_tables *t, enum p
 	size_t r = 0;
 	uint16_t *view_at = vk != VIEW_NONE ? view->at + c0 : NULL;
 	size_t view_stride = vk != VIEW_NONE ? view->token_stride : 0;
+	size_t pass_bytes = 2 * (dim - c0 < 16 * ENCODE_VECTORS ? dim - c0 : 16 * ENCODE_VECTORS);
 	/* encode_row's arguments from `row` on, for listed row r. */
 #define ROW(r) head + (size_t)rows[r] * dim + c0, out + (r) * row_bytes, two, store, fixed_bits, \
 	full, vk, vk != VIEW_NONE ? view_at + (size_t)rows[r] * view_stride : NULL
+#define AHEAD(r)                                                                               \
+	do {                                                                                   \
+		if (vk != VIEW_NONE)                                                           \
+			rows_ahead(head, dim, c0, view_at, view_stride, pass_bytes, rows, n_rows, \
+				   next, r);                                                   \
+	} while (0)
+	/* The group's first rows' views (the previous group asked for them,
+	 * unless this is a subset's first). */
+	for (size_t w = 0; vk != VIEW_NONE && w < VIEW_AHEAD_ROWS && w < n_rows; w++)
+		lines_prefetch((uintptr_t)(view_at + (size_t)rows[w] * view_stride), pass_bytes,
+			       true);
 	if (next->n_rows) {
 		struct key_range k;
 		size_t both = n_rows < next->n_rows ? n_rows : next->n_rows;
 		key_range_init(&k, head + (size_t)next->rows[0] * dim, dim, c0);
+		AHEAD(0);
 		encode_row(p, t, kind, ROW(0));
 		for (r = 1; r < both; r++) {
 			key_range_add(&k, head + (size_t)next->rows[r] * dim + c0, full);
+			AHEAD(r);
 			encode_row(p, t, kind, ROW(r));
 		}
 		for (size_t n = both; n < next->n_rows; n++)
@@ -999,8 +1065,11 @@ encode_rows(const struct encode_params *p, const struct encode_tables *t, enum p
 			float_params_pass(head, next->rows, next->n_rows, dim, bits, next->scales,
 					  next->mins, c0);
 	}
-	for (; r < n_rows; r++)
+	for (; r < n_rows; r++) {
+		AHEAD(r);
 		encode_row(p, t, kind, ROW(r));
+	}
+#undef AHEAD
 #undef ROW
 	return 0;
 }
