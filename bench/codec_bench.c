@@ -496,7 +496,7 @@ static int bench_prefill_memory(const struct options *opt)
 		.head_elements = (size_t)PREFILL_TOKENS * HEAD_DIM,
 	};
 	const zc_block_shape one = { 1, 1, PREFILL_TOKENS, HEAD_DIM };
-	int rc = -ENOMEM;
+	int rc;
 
 	zc_codec_config_default(&config);
 	m.tensor_elements = m.head_elements * bench_heads;
@@ -509,7 +509,8 @@ static int bench_prefill_memory(const struct options *opt)
 	m.input = alloc_touched(2 * elements);
 	m.views = alloc_touched(2 * elements);
 	m.out = alloc_touched((m.head_bytes[0] + m.head_bytes[1]) * bench_heads * m.layers);
-	double *t = calloc(5 * (size_t)opt->runs, sizeof *t);
+	double *t = calloc(4 * (size_t)opt->runs, sizeof *t);
+	rc = -ENOMEM;
 	if (!m.input || !m.views || !m.out || !t)
 		goto out;
 	synthetic_kv_fill(m.input, bench_heads, PREFILL_TOKENS, HEAD_DIM, true, 0x5e7e3000u);
