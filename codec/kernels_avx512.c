@@ -956,22 +956,23 @@ lines_prefetch(uintptr_t at, size_t bytes, bool write)
 /* The view lines of the row VIEW_AHEAD_ROWS past r (in this group, else
  * in the next), and the input INPUT_AHEAD_TOKENS past row r's token (past
  * the head's end it is the next head's, or nothing: a prefetch never
- * faults, and the address is only a number here). */
+ * faults, and the address is only a number here); span_bytes is a row's
+ * fp16 bytes in this pass, in the input and in the view alike. */
 static inline __attribute__((always_inline)) VBMI void
 rows_ahead(const uint16_t *head, size_t dim, size_t c0, uint16_t *view_at, size_t view_stride,
-	   size_t pass_bytes, const uint32_t *rows, size_t n_rows, const struct next_group *next,
+	   size_t span_bytes, const uint32_t *rows, size_t n_rows, const struct next_group *next,
 	   size_t r)
 {
 	lines_prefetch((uintptr_t)(head + c0) +
 			       ((size_t)rows[r] + INPUT_AHEAD_TOKENS) * dim * sizeof(uint16_t),
-		       pass_bytes, false);
+		       span_bytes, false);
 	size_t ahead = r + VIEW_AHEAD_ROWS;
 	if (ahead < n_rows)
-		lines_prefetch((uintptr_t)(view_at + (size_t)rows[ahead] * view_stride), pass_bytes,
+		lines_prefetch((uintptr_t)(view_at + (size_t)rows[ahead] * view_stride), span_bytes,
 			       true);
 	else if (ahead - n_rows < next->n_rows)
 		lines_prefetch((uintptr_t)(view_at + (size_t)next->rows[ahead - n_rows] * view_stride),
-			       pass_bytes, true);
+			       span_bytes, true);
 }
 
 /* `full`: the pass has all ENCODE_VECTORS vectors whole, so no load or
@@ -1023,27 +1024,27 @@ encode_row(const struct encode_params *p, const struct encode_tables *t, enum pa
 static inline __attribute__((always_inline)) VBMI int
 encode_rows(const struct encode_params *p, const struct encode_tables *t, enum pack_kind kind,
 	    const uint16_t *head, const uint32_t *rows, size_t n_rows, size_t dim, size_t c0,
-	    uint8_t *out, size_t row_bytes, bool two, const __mmask64 store[2],
+	    size_t count, uint8_t *out, size_t row_bytes, bool two, const __mmask64 store[2],
 	    const struct next_group *next, int bits, int fixed_bits, bool full,
 	    enum view_kind vk, const struct codec_view *view)
 {
 	size_t r = 0;
 	uint16_t *view_at = vk != VIEW_NONE ? view->at + c0 : NULL;
 	size_t view_stride = vk != VIEW_NONE ? view->token_stride : 0;
-	size_t pass_bytes = 2 * (dim - c0 < 16 * ENCODE_VECTORS ? dim - c0 : 16 * ENCODE_VECTORS);
+	size_t span_bytes = count * sizeof(uint16_t);
 	/* encode_row's arguments from `row` on, for listed row r. */
 #define ROW(r) head + (size_t)rows[r] * dim + c0, out + (r) * row_bytes, two, store, fixed_bits, \
 	full, vk, vk != VIEW_NONE ? view_at + (size_t)rows[r] * view_stride : NULL
 #define AHEAD(r)                                                                               \
 	do {                                                                                   \
 		if (vk != VIEW_NONE)                                                           \
-			rows_ahead(head, dim, c0, view_at, view_stride, pass_bytes, rows, n_rows, \
+			rows_ahead(head, dim, c0, view_at, view_stride, span_bytes, rows, n_rows, \
 				   next, r);                                                   \
 	} while (0)
 	/* The group's first rows' views (the previous group asked for them,
 	 * unless this is a subset's first). */
 	for (size_t w = 0; vk != VIEW_NONE && w < VIEW_AHEAD_ROWS && w < n_rows; w++)
-		lines_prefetch((uintptr_t)(view_at + (size_t)rows[w] * view_stride), pass_bytes,
+		lines_prefetch((uintptr_t)(view_at + (size_t)rows[w] * view_stride), span_bytes,
 			       true);
 	if (next->n_rows) {
 		struct key_range k;
@@ -1120,8 +1121,8 @@ static VBMI int vbmi_group_encode(const uint16_t *head, const uint32_t *rows, si
 		 * per packing kind, the view kind tested per vector. */
 		bool full = (bits == 2 || bits == 4) && count == 16 * ENCODE_VECTORS;
 #define ENCODE(kind_, two_, fixed_, full_, vk_)                                            \
-	encode_rows(&p, &t, kind_, head, rows, n_rows, dim, c0, out, row_bytes, two_, store, \
-		    &next, bits, fixed_, full_, vk_, view)
+	encode_rows(&p, &t, kind_, head, rows, n_rows, dim, c0, count, out, row_bytes, two_,  \
+		    store, &next, bits, fixed_, full_, vk_, view)
 		int rc;
 		if (full && bits == 2)
 			rc = vk == VIEW_NONE  ? ENCODE(PACK_EVEN, true, 2, true, VIEW_NONE) :
