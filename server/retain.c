@@ -2,6 +2,7 @@
 #include "retain.h"
 
 #include <pthread.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include "fault.h"
@@ -14,6 +15,7 @@ struct spare_map {
 	uint64_t map_bytes, allocated;
 	uint32_t uid;
 	struct store_budget *budget;
+	void *notes;            /* the closing session's, for the next one */
 };
 
 static uint64_t limit;
@@ -92,13 +94,14 @@ static uint64_t map_free_locked(unsigned i)
 	if (m.base)
 		m.unmap(m.base, m.map_bytes);
 	close(m.fd);
+	free(m.notes);
 	store_budget_give(m.budget, m.allocated);
 	retain_give(m.allocated);
 	return m.allocated;
 }
 
 bool retain_map_put(int fd, void *base, retain_unmap_fn unmap, uint64_t map_bytes,
-		    uint64_t allocated, uint32_t uid, struct store_budget *budget)
+		    uint64_t allocated, uint32_t uid, struct store_budget *budget, void *notes)
 {
 	if (allocated < RETAIN_MIN_MAP_BYTES)
 		return false;
@@ -108,7 +111,7 @@ bool retain_map_put(int fd, void *base, retain_unmap_fn unmap, uint64_t map_byte
 		maps[n_maps++] = (struct spare_map){ .fd = fd, .base = base, .unmap = unmap,
 						     .map_bytes = map_bytes,
 						     .allocated = allocated, .uid = uid,
-						     .budget = budget };
+						     .budget = budget, .notes = notes };
 		kept = true;
 	}
 	pthread_mutex_unlock(&maps_lock);
@@ -118,10 +121,11 @@ bool retain_map_put(int fd, void *base, retain_unmap_fn unmap, uint64_t map_byte
 }
 
 int retain_map_get(uint64_t map_bytes, uint32_t uid, struct store_budget *budget,
-		   uint64_t *allocated, void **base)
+		   uint64_t *allocated, void **base, void **notes)
 {
 	int fd = -1;
 	*base = NULL;
+	*notes = NULL;
 	pthread_mutex_lock(&maps_lock);
 	/* The newest first: its pages are the likeliest still in cache. */
 	for (unsigned i = n_maps; i-- > 0;) {
@@ -141,6 +145,7 @@ int retain_map_get(uint64_t map_bytes, uint32_t uid, struct store_budget *budget
 		__atomic_fetch_add(&map_reuses, 1, __ATOMIC_RELAXED);
 		*allocated = m.allocated;
 		*base = m.base;
+		*notes = m.notes;
 		fd = m.fd;
 		break;
 	}

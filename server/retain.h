@@ -66,24 +66,28 @@ typedef void (*retain_unmap_fn)(void *base, uint64_t map_bytes);
  * bytes of pages, charged to `budget`, owned by uid) and the daemon's
  * mapping of it, `base` (or NULL), so that the next session finds the
  * page tables of its views built: mapping them afresh costs a fault or a
- * populate per page on that session's prefill. On true the descriptor,
- * the mapping and the charge are the retained set's (`unmap` lets go of
- * the mapping if the map is freed); on false (the bound, the count, or
- * too small) nothing was taken and the caller frees all three.
+ * populate per page on that session's prefill. `notes` (malloc'd, or
+ * NULL) is what the closing session knew of the map's pages, in its own
+ * format, for the next one. On true the descriptor, the mapping, the
+ * charge and the notes are the retained set's (`unmap` lets go of the
+ * mapping if the map is freed; the notes are freed with it); on false
+ * (the bound, the count, or too small) nothing was taken and the caller
+ * frees all four.
  */
 bool retain_map_put(int fd, void *base, retain_unmap_fn unmap, uint64_t map_bytes,
-		    uint64_t allocated, uint32_t uid, struct store_budget *budget);
+		    uint64_t allocated, uint32_t uid, struct store_budget *budget, void *notes);
 
 /*
  * A retained map of exactly `map_bytes` for uid, its charge moved to
  * `budget` (taken there when it is another budget: when that refuses, the
  * map is freed and none is returned). Returns the descriptor (sealed,
  * mode 0400, its pages stale bytes of the closed session) with
- * *allocated its pages and *base its mapping (the caller's now, with
- * what it was charged; NULL if it came without one), or -1.
+ * *allocated its pages, *base its mapping (the caller's now, with what
+ * it was charged; NULL if it came without one) and *notes those it was
+ * put with (the caller's to free; NULL if none), or -1.
  */
 int retain_map_get(uint64_t map_bytes, uint32_t uid, struct store_budget *budget,
-		   uint64_t *allocated, void **base);
+		   uint64_t *allocated, void **base, void **notes);
 
 /* Frees retained maps (all uids', or uid's alone) until about `wanted`
  * bytes came back; returns the bytes freed. */

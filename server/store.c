@@ -975,6 +975,70 @@ static int store_map(struct store *store, size_t bytes)
 }
 
 /*
+ * What a retained map tells the next session whose views lie where its
+ * last session's did: the view rows that session reserved in each layer
+ * (a drop punches a layer's and counts them 0; a trim keeps them). The
+ * next session does not reserve them again: a fallocate over pages that
+ * exist still walks every one of them, and on a prefill into a new
+ * session that was about half of what it cost beyond a warm one
+ * (docs/BENCHMARKS.md). Other reservations (residual rows, index pages)
+ * are made again: they are few pages.
+ */
+struct view_geometry {
+	uint64_t views_offset, view_layer_bytes, key_view_bytes;
+	uint32_t layers, batch, kv_heads, head_dim_k, head_dim_v, max_tokens, views;
+};
+
+struct map_notes {
+	struct view_geometry geometry;
+	uint64_t reserved_view_tokens[];  /* one per layer */
+};
+
+/* Zeroed first, so that two geometries compare byte for byte. */
+static void view_geometry_of(const zc_map_header *m, struct view_geometry *g)
+{
+	memset(g, 0, sizeof(*g));
+	g->views_offset = m->views_offset;
+	g->view_layer_bytes = m->view_layer_bytes;
+	g->key_view_bytes = m->key_view_bytes;
+	g->layers = m->layers;
+	g->batch = m->batch;
+	g->kv_heads = m->kv_heads;
+	g->head_dim_k = m->head_dim_k;
+	g->head_dim_v = m->head_dim_v;
+	g->max_tokens = m->max_tokens;
+	g->views = m->views;
+}
+
+/* The notes a closing store leaves with its map; NULL when it has no
+ * views or no memory for them (the next session reserves all again). */
+static struct map_notes *map_notes_make(const struct store *store)
+{
+	const zc_map_header *m = &store->layout;
+	if (!m->views_offset)
+		return NULL;
+	struct map_notes *notes =
+		malloc(sizeof(*notes) + m->layers * sizeof(notes->reserved_view_tokens[0]));
+	if (!notes)
+		return NULL;
+	view_geometry_of(m, &notes->geometry);
+	for (uint32_t i = 0; i < m->layers; i++)
+		notes->reserved_view_tokens[i] = store->room[i].reserved_view_tokens;
+	return notes;
+}
+
+/* Takes a retained map's notes where its views lie as this store's do. */
+static void map_notes_apply(struct store *store, const struct map_notes *notes)
+{
+	struct view_geometry mine;
+	view_geometry_of(&store->layout, &mine);
+	if (!notes || !mine.views_offset || memcmp(&mine, &notes->geometry, sizeof(mine)) != 0)
+		return;
+	for (uint32_t i = 0; i < mine.layers; i++)
+		store->room[i].reserved_view_tokens = notes->reserved_view_tokens[i];
+}
+
+/*
  * The readers' part: a memfd sealed so that it can never shrink or grow
  * (whoever holds a descriptor), mapped, its header pages reserved and
  * written from the private layout, every layer's readers' copy from the
@@ -990,9 +1054,9 @@ static int map_open(struct store *store)
 	 * never read (readers read what the header and tables say is there,
 	 * and the header pages are cleared below). */
 	uint64_t retained = 0;
-	void *kept = NULL;
+	void *kept = NULL, *notes = NULL;
 	store->map_fd = retain_map_get(bytes, store->header->owner_uid, store->budget, &retained,
-				       &kept);
+				       &kept, &notes);
 	if (store->map_fd >= 0) {
 		store->charged += retained;
 		kind_add(store, KIND_VIEWS, (int64_t)retained);
@@ -1007,6 +1071,7 @@ static int map_open(struct store *store)
 		if (store->map_fd >= 0)
 			close(store->map_fd);
 		store->map_fd = -1;
+		free(notes);
 		return rc;
 	}
 	if (store->map_fd < 0) {
@@ -1043,9 +1108,12 @@ static int map_open(struct store *store)
 	/* The retained pages, by what they hold now. */
 	if (retained)
 		kinds_measure(store);
+	map_notes_apply(store, notes);
+	free(notes);
 	return 0;
 
 out_close:
+	free(notes);
 	/* What its header page was charged stays in store->charged, which
 	 * the caller's failure path gives back whole. */
 	if (store->map_base)
@@ -1093,9 +1161,12 @@ static void map_retain(struct store *store)
 	uint64_t allocated = fd_allocated(store->map_fd);
 	if (allocated > store->charged)
 		return;
+	struct map_notes *notes = map_notes_make(store);
 	if (!retain_map_put(store->map_fd, store->map_base, map_release, store->layout.map_bytes,
-			    allocated, store->header->owner_uid, store->budget))
+			    allocated, store->header->owner_uid, store->budget, notes)) {
+		free(notes);
 		return;
+	}
 	store->charged -= allocated;
 	store->map_fd = -1;
 	store->map_base = NULL;

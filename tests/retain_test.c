@@ -122,6 +122,146 @@ START_TEST(a_kept_map_and_kept_extents_serve_the_next_session_bit_exact)
 }
 END_TEST
 
+/* What the client's memory figures say the daemon holds, kind by kind,
+ * against what its files hold. */
+static void memory_matches_files(zc_client *client, zc_memory_stats *st)
+{
+	ck_assert_int_eq(zc_client_memory_stats(client, st), 0);
+	ck_assert_uint_eq(st->views_bytes + st->blocks_bytes + st->residual_bytes +
+				  st->index_bytes + st->headers_bytes + st->retained_bytes,
+			  st->file_bytes);
+}
+
+/*
+ * A session of two layers whose views were dropped while idle (both
+ * layers' pages punched) and whose layer 0 was written again (its rows
+ * reserved anew), closed: its map is kept. An heir of its shape takes
+ * the map and writes layer 1, the punched one, under `budget` (0: none).
+ * Returns that update's answer; *peak, *opened and *grown are the memory
+ * in use with the first session's two layers written, when the heir
+ * opened, and after its update.
+ */
+static int heir_writes_a_punched_layer(uint64_t budget, long long *peak, long long *opened,
+				       long long *grown)
+{
+	char arg[32];
+	snprintf(arg, sizeof(arg), "%llu", (unsigned long long)budget);
+	const char *const more[] = { "--view-idle-seconds", "1", "--lease-seconds", "1",
+				     "--idle-ttl", "0", budget ? "--memory-budget" : NULL, arg, NULL };
+	struct node node;
+	struct model model, heir_model;
+	struct rng rng;
+	zc_memory_stats st;
+	rng_seed(&rng, 9);
+	node_start(&node, more);
+	zc_client *client = node.service.client;
+	zc_session_config config =
+		shaped_config("first", 2, 1, 8, 128, 128, 2048, ZC_POLICY_STREAMING, 0);
+	zc_session *s = open_session(client, &config);
+	model_init(&model, &config);
+	for (uint32_t layer = 0; layer < 2; layer++)
+		CHECK(update_checked, client, s, &model, &rng, layer, 1024);
+	*peak = metric(&node, "zipcache_memory_used_bytes");
+	bool dropped = false;
+	for (int i = 0; i < 100 && !dropped; i++) {
+		sleep_ms(100);
+		ck_assert_int_eq(zc_client_memory_stats(client, &st), 0);
+		dropped = st.views_bytes == 0;
+	}
+	ck_assert_msg(dropped, "the idle views were never dropped");
+	CHECK(update_checked, client, s, &model, &rng, 0, 768);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	ck_assert_int_gt(metric(&node, KEPT_MAPS), 1 << 20);
+
+	zc_session_config heir = shaped_config("heir", 2, 1, 8, 128, 128, 2048,
+					       ZC_POLICY_STREAMING, 0);
+	s = open_session(client, &heir);
+	ck_assert_int_eq(metric(&node, REUSED_MAPS), 1);
+	*opened = metric(&node, "zipcache_memory_used_bytes");
+	model_init(&heir_model, &heir);
+	struct block block;
+	block_make(&block, &heir_model, 1024, &rng);
+	int rc = zc_update_and_fetch(s, 1, 1024, block.keys, block.values, NULL, NULL);
+	if (rc == 0)
+		ck_assert_int_eq(model_update(&heir_model, 1, 1024, block.keys, block.values), 0);
+	block_free(&block);
+	*grown = metric(&node, "zipcache_memory_used_bytes");
+	memory_matches_files(client, &st);
+	if (budget)
+		ck_assert_int_le(*grown, (long long)budget);
+	if (rc == 0) {
+		/* Then the layer whose rows the map's notes hold reserved. */
+		CHECK(update_checked, client, s, &heir_model, &rng, 0, 1024);
+		memory_matches_files(client, &st);
+		ck_assert_uint_ge(st.views_bytes, 2u * 2u * 8u * 1024u * 128u * 2u);
+		CHECK(session_matches, s, &heir_model);
+	}
+	ck_assert_int_eq(zc_session_close(s), 0);
+	model_free(&heir_model);
+	model_free(&model);
+	service_stop(&node.service);
+	return rc;
+}
+
+/*
+ * A kept map tells the next session which of its view rows are reserved,
+ * so that it does not reserve them again: where the closed session's
+ * pages still are, and nowhere its views were dropped. Unbounded, the
+ * heir writes both kinds of layer, charged what its files hold, its views
+ * the model's bit for bit. Then under a budget between the first
+ * session's peak and what the heir's punched layer needs: that update
+ * must be refused, and the budget held. A punched layer taken as
+ * reserved would be written into holes, past the budget, and charged
+ * only afterwards.
+ */
+START_TEST(a_kept_maps_reservations_hold_only_where_its_pages_do)
+{
+	long long peak, opened, grown, again, at_open, after;
+	ck_assert_int_eq(heir_writes_a_punched_layer(0, &peak, &opened, &grown), 0);
+	/* Room for the first session's two layers, not for the heir's
+	 * punched layer beside the kept one: without its views' pages that
+	 * update would fit. */
+	ck_assert_int_gt(grown - peak, 1 << 20);
+	uint64_t budget = (uint64_t)(peak + grown) / 2;
+	int rc = heir_writes_a_punched_layer(budget, &again, &at_open, &after);
+	ck_assert_int_eq(again, peak);
+	ck_assert_int_eq(at_open, opened);
+	ck_assert_msg(rc == ZC_EEXHAUSTED, "the punched layer under a budget of %llu: %s",
+		      (unsigned long long)budget, zc_error_name(rc));
+}
+END_TEST
+
+/*
+ * A map of the same size laid out for other heads (16 of 64 channels
+ * where there were 8 of 128) is reused, but its reserved rows are not:
+ * they lie elsewhere in that layout. The heir writes its views into pages
+ * it reserved itself, charged what its files hold.
+ */
+START_TEST(a_kept_maps_reservations_serve_only_its_own_layout)
+{
+	struct node node;
+	struct model model, heir_model;
+	struct rng rng;
+	zc_memory_stats st;
+	rng_seed(&rng, 11);
+	node_start(&node, NULL);
+	zc_session_config config = big_config("first", 2048);
+	zc_session *s = filled(&node, &config, &model, &rng, 256, 1);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	ck_assert_int_gt(metric(&node, KEPT_MAPS), 1 << 20);
+	zc_session_config heir =
+		shaped_config("heir", 1, 1, 16, 64, 64, 2048, ZC_POLICY_STREAMING, 0);
+	s = filled(&node, &heir, &heir_model, &rng, 256, 1);
+	ck_assert_int_eq(metric(&node, REUSED_MAPS), 1);
+	memory_matches_files(node.service.client, &st);
+	CHECK(session_matches, s, &heir_model);
+	ck_assert_int_eq(zc_session_close(s), 0);
+	model_free(&heir_model);
+	model_free(&model);
+	service_stop(&node.service);
+}
+END_TEST
+
 START_TEST(relief_takes_kept_pages_before_any_view)
 {
 	struct node node;
@@ -373,7 +513,9 @@ static Suite *retain_suite(void)
 	const struct test_case cases[] = {
 		{ "reuse", { a_kept_map_and_kept_extents_serve_the_next_session_bit_exact,
 			     retain_bytes_zero_gives_everything_back,
-			     a_kept_mapping_gives_way_under_max_mapped_bytes, NULL } },
+			     a_kept_mapping_gives_way_under_max_mapped_bytes,
+			     a_kept_maps_reservations_hold_only_where_its_pages_do,
+			     a_kept_maps_reservations_serve_only_its_own_layout, NULL } },
 		{ "relief", { relief_takes_kept_pages_before_any_view,
 			      an_import_is_never_refused_for_kept_pages, NULL } },
 		{ "spin", { a_refused_direct_block_is_answered_not_retried_forever, NULL } },
