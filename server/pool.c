@@ -405,14 +405,25 @@ static ssize_t kept_find(const struct pool *pool, uint64_t bytes)
 	return run;
 }
 
-/* The budget `bytes` taken from kept extent i onwards needs: the punched
- * first pages of the extents it reaches (every other page is held). */
-static uint64_t kept_need(const struct pool *pool, size_t i, uint64_t bytes)
+/* Punched pages a block's fallocate refills one by one; past this many,
+ * one fallocate over the whole block. */
+#define KEPT_HOLES_MAX 8u
+
+/* What `bytes` taken from kept extent i onwards lacks: the punched first
+ * pages of the extents it reaches (every other page is held), the first
+ * KEPT_HOLES_MAX of them at holes[]. Returns how many there are. */
+static size_t kept_holes(const struct pool *pool, size_t i, uint64_t bytes,
+			 uint64_t holes[KEPT_HOLES_MAX])
 {
-	uint64_t need = 0;
-	for (uint64_t taken = 0; taken < bytes; taken += pool->kept[i++].bytes)
-		need += pool->kept[i].head_hole ? PAGE_BYTES : 0;
-	return need;
+	size_t n = 0;
+	for (uint64_t taken = 0; taken < bytes; taken += pool->kept[i++].bytes) {
+		if (!pool->kept[i].head_hole)
+			continue;
+		if (n < KEPT_HOLES_MAX)
+			holes[n] = pool->kept[i].start;
+		n++;
+	}
+	return n;
 }
 
 /* Takes `bytes` for a new block from the front of kept extent i and, when
@@ -615,6 +626,15 @@ void pool_charge_to(struct pool *pool, struct store_budget *budget)
 
 /* ---- blocks ---------------------------------------------------------------- */
 
+/* Allocates the pages at offsets[0..n) of fd. */
+static int pages_fill(int fd, const uint64_t *offsets, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		if (fallocate(fd, 0, (off_t)offsets[i], PAGE_BYTES) < 0)
+			return -errno;
+	return 0;
+}
+
 int pool_reserve(struct pool *pool, uint64_t key_bytes, uint64_t value_bytes,
 		 uint64_t *key_offset)
 {
@@ -623,8 +643,10 @@ int pool_reserve(struct pool *pool, uint64_t key_bytes, uint64_t value_bytes,
 	pthread_mutex_lock(&pool->lock);
 	for (int attempt = 0;; attempt++) {
 		/* A kept extent needs budget only for its punched page. */
+		uint64_t holes[KEPT_HOLES_MAX];
 		ssize_t k = kept_find(pool, bytes);
-		uint64_t need = k < 0 ? bytes : kept_need(pool, (size_t)k, bytes);
+		size_t n_holes = k < 0 ? 0 : kept_holes(pool, (size_t)k, bytes, holes);
+		uint64_t need = k < 0 ? bytes : n_holes * PAGE_BYTES;
 		rc = store_budget_take(pool->budget, need);
 		if (rc < 0)
 			goto out;
@@ -640,10 +662,15 @@ int pool_reserve(struct pool *pool, uint64_t key_bytes, uint64_t value_bytes,
 		}
 		/* Pages first: a full tmpfs is an error reply, and the charge is
 		 * what the file really grew (a reader may have faulted some in
-		 * already). */
+		 * already). Kept extents lack only their punched pages: a
+		 * fallocate over the whole block would walk every page it holds
+		 * (on a prefill layer's block, about a thousand). */
 		uint64_t before = fd_allocated(pool->fd);
-		if (fallocate(pool->fd, 0, (off_t)start, (off_t)bytes) < 0) {
-			rc = -errno;
+		if (k >= 0 && n_holes <= KEPT_HOLES_MAX)
+			rc = pages_fill(pool->fd, holes, n_holes);
+		else
+			rc = fallocate(pool->fd, 0, (off_t)start, (off_t)bytes) < 0 ? -errno : 0;
+		if (rc < 0) {
 			store_budget_give(pool->budget, need);
 			if (k >= 0)
 				punch_locked(pool, start, bytes);
