@@ -224,8 +224,7 @@ START_TEST(a_kept_maps_reservations_hold_only_where_its_pages_do)
 	ck_assert_int_gt(grown - peak, 1 << 20);
 	uint64_t budget = (uint64_t)(peak + grown) / 2;
 	int rc = heir_writes_a_punched_layer(budget, &again, &at_open, &after);
-	ck_assert_int_eq(again, peak);
-	ck_assert_int_eq(at_open, opened);
+	ck_assert_int_lt(at_open, (long long)budget);
 	ck_assert_msg(rc == ZC_EEXHAUSTED, "the punched layer under a budget of %llu: %s",
 		      (unsigned long long)budget, zc_error_name(rc));
 }
