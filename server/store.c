@@ -984,20 +984,21 @@ static int store_map(struct store *store, size_t bytes)
  * (docs/BENCHMARKS.md). Other reservations (residual rows, index pages)
  * are made again: they are few pages.
  */
+/* All one width: no padding, so two compare byte for byte. */
 struct view_geometry {
 	uint64_t views_offset, view_layer_bytes, key_view_bytes;
-	uint32_t layers, batch, kv_heads, head_dim_k, head_dim_v, max_tokens, views;
+	uint64_t layers, batch, kv_heads, head_dim_k, head_dim_v, max_tokens, views;
 };
+_Static_assert(sizeof(struct view_geometry) == 10 * sizeof(uint64_t),
+	       "struct view_geometry has padding");
 
 struct map_notes {
 	struct view_geometry geometry;
 	uint64_t reserved_view_tokens[];  /* one per layer */
 };
 
-/* Zeroed first, so that two geometries compare byte for byte. */
 static void view_geometry_of(const zc_map_header *m, struct view_geometry *g)
 {
-	memset(g, 0, sizeof(*g));
 	g->views_offset = m->views_offset;
 	g->view_layer_bytes = m->view_layer_bytes;
 	g->key_view_bytes = m->key_view_bytes;
@@ -1034,7 +1035,7 @@ static void map_notes_apply(struct store *store, const struct map_notes *notes)
 	view_geometry_of(&store->layout, &mine);
 	if (!notes || !mine.views_offset || memcmp(&mine, &notes->geometry, sizeof(mine)) != 0)
 		return;
-	for (uint32_t i = 0; i < mine.layers; i++)
+	for (uint64_t i = 0; i < mine.layers; i++)
 		store->room[i].reserved_view_tokens = notes->reserved_view_tokens[i];
 }
 
