@@ -8,13 +8,12 @@ static void on_spin(uv_idle_t *idle)
 	struct busy_poll *poll = idle->data;
 	/* An idle handle only makes the loop poll without a timeout; the
 	 * requests themselves arrive through the connections' polls. While
-	 * the thread pool has work of the loop's (a residual flush, a large
-	 * block, a rebuild: uv_loop_t's public count of active requests,
-	 * which for this daemon is its queued work), the loop sleeps: those
+	 * the worker threads have work of the loop's (a residual flush, a
+	 * large block, a rebuild), the loop sleeps: those
 	 * workers may share its CPU, and the request that waits for them
 	 * would wait longer behind a spinning loop (measured: the step after
 	 * a flush, 94 -> 210 us on one CPU). */
-	if (uv_hrtime() >= poll->until_ns || idle->loop->active_reqs.count > 0)
+	if (uv_hrtime() >= poll->until_ns || workers_in_flight(poll->workers) > 0)
 		uv_idle_stop(idle);
 }
 
@@ -23,9 +22,10 @@ uint32_t busy_poll_ring_default(int cpus_online)
 	return cpus_online >= 2 ? RING_POLL_DEFAULT_US : 0;
 }
 
-void busy_poll_init(struct busy_poll *poll, uv_loop_t *loop)
+void busy_poll_init(struct busy_poll *poll, uv_loop_t *loop, const struct workers *workers)
 {
 	poll->until_ns = 0;
+	poll->workers = workers;
 	uv_idle_init(loop, &poll->idle);
 	poll->idle.data = poll;
 	poll->open = true;

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "workers.h"
+
 /* The largest --busy-poll-us and --ring-poll-us: a tenth of a second of
  * spinning per request. */
 #define BUSY_POLL_MAX_US 100000u
@@ -45,9 +47,10 @@ struct busy_poll {
 	uv_idle_t idle;      /* active while spinning: the loop then polls with timeout 0 */
 	uint64_t until_ns;   /* uv_hrtime() the spin ends at */
 	bool open;           /* initialized and not yet closed */
+	const struct workers *workers;  /* whose tasks in flight stop the spin */
 };
 
-void busy_poll_init(struct busy_poll *poll, uv_loop_t *loop);
+void busy_poll_init(struct busy_poll *poll, uv_loop_t *loop, const struct workers *workers);
 
 /* A request arrived: spin for spin_us (0 .. BUSY_POLL_MAX_US, as
  * options.c admits it; 0 does nothing) from now. */

@@ -736,7 +736,8 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 		.max_frame_bytes = options->max_frame_bytes,
 		.max_reply_queue_bytes = options->max_reply_queue_bytes,
 	};
-	session_table_init(&server->sessions, loop, options->offload_elements);
+	(void)workers_start(&server->workers, loop);
+	session_table_init(&server->sessions, &server->workers, options->offload_elements);
 	store_set_map_limit(options->max_mapped_bytes ? options->max_mapped_bytes : map_limit_default());
 	retain_set_limit(options->retain_bytes);
 	(void)codec_fanout_set_threads(options->codec_threads);
@@ -823,7 +824,7 @@ int server_start(struct server *server, uv_loop_t *loop, const struct options *o
 	if (period < 10)
 		period = 10;
 	uv_timer_start(&server->ttl_timer, on_ttl, period, period);
-	busy_poll_init(&server->busy_poll, loop);
+	busy_poll_init(&server->busy_poll, loop, &server->workers);
 	ring_pump_init(&server->ring_pump, server);
 	return 0;
 }
@@ -851,6 +852,8 @@ void server_free(struct server *server)
 		connection_close(&server->clients->connection);
 	http_stop(server->http);
 	server->http = NULL;
+	/* Nothing is in flight once the loop stopped (stop_progress). */
+	workers_stop(&server->workers, on_handle_closed);
 	/* Let the close callbacks run, then release what they released. */
 	uv_run(server->loop, UV_RUN_DEFAULT);
 	session_table_free(&server->sessions);

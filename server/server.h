@@ -27,6 +27,7 @@
 #include "session.h"
 #include "pool.h"
 #include "prefix.h"
+#include "workers.h"
 
 struct server;
 
@@ -69,6 +70,7 @@ struct server {
 	uv_timer_t stop_timer;
 	int lock_fd;
 	int shm_dir_fd;            /* --shm-dir, opened once: every file in it is opened relative to it */
+	struct workers workers;        /* the threads costly jobs run on */
 	struct session_table sessions;
 	struct adoption adoption;
 	struct store_budget budget;

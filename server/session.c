@@ -5,25 +5,12 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "kv_layout.h"
 #include "log.h"
 #include "zipcache/error.h"
-
-/*
- * How much nicer than the daemon the thread pool's workers run. Their
- * jobs are bulk work (prefill blocks, residual flushes, view rebuilds);
- * the loop thread answers every client's next decode step. At the same
- * priority, a loop thread woken on the CPU a worker holds waits out the
- * worker's time slice (milliseconds: decode p99 x3-4 during a rebuild in
- * the service benchmark, daemon on one CPU); ten steps nicer it runs at
- * once, and a worker still gets all of a CPU nothing else wants (a tenth
- * of one that a busy process shares).
- */
-#define WORKER_NICE 10
 
 uint64_t session_now_ms(void)
 {
@@ -84,10 +71,11 @@ bool session_leased(const struct session *session, uint64_t now_ms)
 	return false;
 }
 
-void session_table_init(struct session_table *table, uv_loop_t *loop, uint64_t offload_elements)
+void session_table_init(struct session_table *table, struct workers *workers,
+			uint64_t offload_elements)
 {
 	memset(table, 0, sizeof(*table));
-	table->loop = loop;
+	table->workers = workers;
 	table->next_id = 1;
 	table->offload_elements = offload_elements;
 }
@@ -252,33 +240,17 @@ static bool job_complete(struct session_table *table, struct job *job)
 	return session_release_if_unused(session);
 }
 
-/* Once per worker thread (Linux: nice is per thread), on its first job. */
-static void worker_lower_priority(void)
+static void job_work(struct worker_task *task)
 {
-	static _Thread_local bool lowered;
-	if (lowered)
-		return;
-	lowered = true;
-	id_t self = (id_t)gettid();
-	errno = 0;
-	int nice = getpriority(PRIO_PROCESS, self);
-	if ((nice == -1 && errno) || setpriority(PRIO_PROCESS, self, nice + WORKER_NICE) < 0)
-		log_warn("session", "cannot lower a worker's priority", "error=%s", strerror(errno));
-}
-
-static void job_work(uv_work_t *work)
-{
-	struct job *job = (struct job *)work;
-	worker_lower_priority();
+	struct job *job = (struct job *)((char *)task - offsetof(struct job, task));
 	job->run(job);
 }
 
-static void job_after_work(uv_work_t *work, int status)
+static void job_after_work(struct worker_task *task)
 {
-	struct job *job = (struct job *)work;
+	struct job *job = (struct job *)((char *)task - offsetof(struct job, task));
 	struct session_table *table = job->table;
 	struct session *session = job->session;
-	(void)status;   /* work is never cancelled: a job always runs */
 	if (!job_complete(table, job))
 		session_start_next(table, session);
 }
@@ -300,11 +272,9 @@ static void session_start_next(struct session_table *table, struct session *sess
 		job->next = NULL;
 		session->running = true;
 		if (job->cost > table->offload_elements) {
-			int rc = uv_queue_work(table->loop, &job->work, job_work, job_after_work);
-			if (rc == 0)
+			job->task = (struct worker_task){ .work = job_work, .after = job_after_work };
+			if (workers_submit(table->workers, &job->task) == 0)
 				return;
-			log_warn("session", "thread pool refused job; running inline",
-				 "session=%llu error=%s", (unsigned long long)session->id, uv_strerror(rc));
 		}
 		job->run(job);
 		if (job_complete(table, job))
@@ -340,10 +310,9 @@ void session_submit_front(struct session_table *table, struct job *job)
 	session_start_next(table, session);
 }
 
-static void detached_after_work(uv_work_t *work, int status)
+static void detached_after_work(struct worker_task *task)
 {
-	struct job *job = (struct job *)work;
-	(void)status;   /* never cancelled */
+	struct job *job = (struct job *)((char *)task - offsetof(struct job, task));
 	job->table->jobs_in_flight--;
 	job->done(job);
 }
@@ -354,9 +323,9 @@ void session_table_run_detached(struct session_table *table, struct job *job)
 	job->table = table;
 	job->session = NULL;
 	table->jobs_in_flight++;
-	if (uv_queue_work(table->loop, &job->work, job_work, detached_after_work) == 0)
+	job->task = (struct worker_task){ .work = job_work, .after = detached_after_work };
+	if (workers_submit(table->workers, &job->task) == 0)
 		return;
-	log_warn("session", "thread pool refused job; running inline", "session=none");
 	job->run(job);
 	table->jobs_in_flight--;
 	job->done(job);
@@ -366,7 +335,7 @@ void session_table_run_detached(struct session_table *table, struct job *job)
 
 struct flush_task {
 	struct job publish;           /* first: queued as a job once compressed */
-	uv_work_t work;
+	struct worker_task compress;
 	struct store_flush flush;
 };
 
@@ -415,19 +384,19 @@ static void flush_publish_done(struct job *job)
 	/* job_complete starts the queue again (the jobs that waited for it). */
 }
 
-static void flush_compress_work(uv_work_t *work)
+static void flush_compress_work(struct worker_task *work)
 {
-	struct flush_task *task = (struct flush_task *)((char *)work - offsetof(struct flush_task, work));
-	worker_lower_priority();
+	struct flush_task *task = (struct flush_task *)((char *)work -
+							offsetof(struct flush_task, compress));
 	store_flush_compress(task->publish.session->store, &task->flush);
 }
 
-static void flush_compress_after(uv_work_t *work, int status)
+static void flush_compress_after(struct worker_task *work)
 {
-	struct flush_task *task = (struct flush_task *)((char *)work - offsetof(struct flush_task, work));
+	struct flush_task *task = (struct flush_task *)((char *)work -
+							offsetof(struct flush_task, compress));
 	struct session_table *table = task->publish.table;
 	struct session *session = task->publish.session;
-	(void)status;
 	/* The task's own hold passes to the publish job's. */
 	session->refs--;
 	table->jobs_in_flight--;
@@ -458,12 +427,12 @@ void session_flush_start(struct session_table *table, struct session *session, u
 	session->flushes++;
 	session->refs++;
 	table->jobs_in_flight++;
-	int rc = uv_queue_work(table->loop, &task->work, flush_compress_work, flush_compress_after);
-	if (rc < 0) {
-		/* Inline instead: slower for this caller's next step, never lost. */
-		log_warn("session", "thread pool refused a flush; compressing inline",
-			 "session=%llu error=%s", (unsigned long long)session->id, uv_strerror(rc));
+	task->compress = (struct worker_task){ .work = flush_compress_work,
+					       .after = flush_compress_after };
+	if (workers_submit(table->workers, &task->compress) < 0) {
+		/* Inline instead (no worker threads): slower for this caller's
+		 * next step, never lost. */
 		store_flush_compress(session->store, &task->flush);
-		flush_compress_after(&task->work, 0);
+		flush_compress_after(&task->compress);
 	}
 }

@@ -2,28 +2,29 @@
  * Sessions and their work queues. A session is one sequence's store plus
  * a FIFO of jobs; its jobs run one at a time, in order (so requests on one
  * (session, layer) can never overtake each other), either right away on
- * the loop thread or, when costly, on libuv's thread pool so a prefill or
- * a view rebuild does not stall other sessions' decode steps.
+ * the loop thread or, when costly, on the daemon's worker threads
+ * (workers.h) so a prefill or a view rebuild does not stall other
+ * sessions' decode steps.
  */
 #ifndef ZIPCACHE_SESSION_H
 #define ZIPCACHE_SESSION_H
 
 #include <stdbool.h>
 #include <stdint.h>
-#include <uv.h>
 
 #include "store.h"
+#include "workers.h"
 
 struct session;
 
 struct job {
-	uv_work_t work;
+	struct worker_task task;      /* when it runs on a worker thread */
 	struct job *next;
 	struct session *session;
 	struct session_table *table;  /* set by session_submit */
 	/* Elements the job writes: those of its new tokens plus those of the
 	 * dropped views it rebuilds. Above the table's offload_elements it runs
-	 * on the thread pool; the one rule for every kind of job. */
+	 * on a worker thread; the one rule for every kind of job. */
 	uint64_t cost;
 	bool observe_only;            /* looking is not using: idle time keeps running */
 	/* Whether the job may start while deferred flushes of the session are
@@ -77,13 +78,14 @@ struct session_table {
 	struct session **items;
 	size_t count, capacity;
 	uint64_t next_id;
-	uv_loop_t *loop;
+	struct workers *workers;      /* NULL or without threads: every job inline */
 	uint64_t jobs_in_flight;
 	uint64_t offload_elements;    /* --offload-elements */
 	struct session_totals totals;
 };
 
-void session_table_init(struct session_table *table, uv_loop_t *loop, uint64_t offload_elements);
+void session_table_init(struct session_table *table, struct workers *workers,
+			uint64_t offload_elements);
 
 /* A connection's lease on a session's views: each call on the session
  * renews it to until_ms (a call that cannot be recorded leaves the views
@@ -122,12 +124,12 @@ void session_submit_front(struct session_table *table, struct job *job);
 bool session_idle(const struct session *session);
 
 /* Runs a job that belongs to no session yet (an import: it makes one) on
- * the thread pool; done runs on the loop thread. Counted in flight, so a
+ * a worker thread; done runs on the loop thread. Counted in flight, so a
  * stopping server waits for it. job->session is NULL. */
 void session_table_run_detached(struct session_table *table, struct job *job);
 
 /*
- * After a reply: compresses the layer's full residual on the thread pool
+ * After a reply: compresses the layer's full residual on a worker thread
  * (store_flush_begin / _compress), then publishes it as a job at the head
  * of the session's queue. Meanwhile the session's jobs that may overlap a
  * flush (short appends that fit beside it) go on; the others wait for
