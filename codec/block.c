@@ -31,6 +31,15 @@ static bool reconstruct_streams(const zc_block_layout *layout)
 	return layout->heads * layout->tokens * layout->head_dim * 2 >= RECONSTRUCT_STREAM_BYTES;
 }
 
+static inline void stores_fence(void)
+{
+#if defined(__x86_64__)
+	__builtin_ia32_sfence();
+#else
+	__atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
+
 /* The stream kernels' precondition: every row starts on a cache line. */
 static bool rows_on_lines(const uint16_t *out, size_t token_stride)
 {
@@ -508,6 +517,13 @@ int zc_block_reconstruct(const zc_codec_config *config, zc_tensor tensor,
 					 read_end, head_out, strides->token, nt);
 		}
 	}
+	/* Non-temporal stores are ordered with no later store: without a
+	 * fence, the caller's next store (a layer's sequence, which tells
+	 * readers the view is whole) could be seen before the view is.
+	 * SFENCE, not the LOCK'd op a C11 fence compiles to, which the
+	 * architecture does not promise to order them by. */
+	if (nt)
+		stores_fence();
 	return 0;
 }
 
