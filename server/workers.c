@@ -2,6 +2,7 @@
 #include "workers.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -142,6 +143,12 @@ unsigned workers_start(struct workers *w, uv_loop_t *loop)
 	 * idle workers do not. */
 	uv_unref((uv_handle_t *)&w->poll);
 	unsigned wanted = threads_wanted();
+	/* Signals go to the loop thread (libuv's handlers), never to a worker,
+	 * whose fallocate or write they would cut short: the threads start
+	 * with every signal blocked (a new thread inherits the mask). */
+	sigset_t all, old;
+	sigfillset(&all);
+	pthread_sigmask(SIG_SETMASK, &all, &old);
 	for (unsigned i = 0; i < wanted; i++) {
 		int err = pthread_create(&w->thread[w->threads], NULL, worker_main, w);
 		if (err) {
@@ -151,6 +158,7 @@ unsigned workers_start(struct workers *w, uv_loop_t *loop)
 		}
 		w->threads++;
 	}
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	return w->threads;
 }
 

@@ -1,7 +1,8 @@
 /*
  * server/workers.c: tasks run on worker threads, nicer than the loop, and
  * each one's `after` runs on the loop thread once its work is done, in
- * the order they finished (submission order with one thread); tasks in
+ * the order they finished (submission order with one thread), with every
+ * signal blocked in the workers (the caller's mask untouched); tasks in
  * flight keep the loop alive and idle workers do not; an `after` may
  * submit more; UV_THREADPOOL_SIZE sizes the crew as it sized libuv's
  * pool; without threads a submit is refused (the caller runs inline); a
@@ -10,6 +11,7 @@
 #include <check.h>
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -31,6 +33,7 @@ struct probe {
 	unsigned index;
 	pid_t work_tid, after_tid;
 	int work_nice;
+	bool signals_blocked;         /* SIGTERM and SIGINT, in the worker */
 	atomic_bool worked;
 	bool worked_before_after;
 	unsigned chain;               /* more tasks to submit from after */
@@ -44,6 +47,9 @@ static void probe_work(struct worker_task *task)
 {
 	struct probe *p = (struct probe *)task;
 	p->work_tid = gettid();
+	sigset_t mask;
+	pthread_sigmask(SIG_SETMASK, NULL, &mask);
+	p->signals_blocked = sigismember(&mask, SIGTERM) == 1 && sigismember(&mask, SIGINT) == 1;
 	errno = 0;
 	p->work_nice = getpriority(PRIO_PROCESS, (id_t)p->work_tid);
 	/* Some work, so that tasks overlap and finish out of order. */
@@ -92,7 +98,11 @@ START_TEST(afters_run_on_the_loop_once_their_work_is_done)
 	struct workers w;
 	ck_assert_int_eq(uv_loop_init(&loop), 0);
 	setenv("UV_THREADPOOL_SIZE", "3", 1);
+	sigset_t before, after;
+	pthread_sigmask(SIG_SETMASK, NULL, &before);
 	ck_assert_uint_eq(workers_start(&w, &loop), 3);
+	pthread_sigmask(SIG_SETMASK, NULL, &after);
+	ck_assert_int_eq(sigismember(&after, SIGTERM), sigismember(&before, SIGTERM));
 	probes_init(probes, &w);
 	errno = 0;
 	int loop_nice = getpriority(PRIO_PROCESS, (id_t)loop_tid);
@@ -113,6 +123,7 @@ START_TEST(afters_run_on_the_loop_once_their_work_is_done)
 		ck_assert_int_eq(probes[i].after_tid, loop_tid);
 		ck_assert(probes[i].worked_before_after);
 		ck_assert_int_eq(probes[i].work_nice, expected_nice);
+		ck_assert(probes[i].signals_blocked);
 	}
 	loop_close_all(&loop, &w);
 	unsetenv("UV_THREADPOOL_SIZE");
