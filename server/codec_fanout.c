@@ -1,9 +1,11 @@
 /*
- * One block's codec work spread over threads, by heads. Threads are
- * started per block and joined before the call returns: a prefill block
- * is milliseconds of work against tens of microseconds to start a thread,
- * and nothing outlives the call (no pool to size, park or shut down). A
- * thread that cannot be started leaves its share to the caller.
+ * One block's codec work spread over threads, by heads. The helpers are
+ * kept between blocks (the crew below): a prefill's 32 layers would
+ * otherwise start and join a thread each, tens of microseconds of a
+ * layer's critical path. One call has the crew at a time; a second call
+ * meanwhile (another session's block on another worker) starts threads
+ * of its own for the call, as every call once did. A thread that cannot
+ * be started leaves its share to the caller.
  */
 #include "codec_fanout.h"
 
@@ -155,6 +157,133 @@ static void *part_main(void *arg)
 	return NULL;
 }
 
+/*
+ * The crew: helper threads kept from one call to the next, waiting on
+ * `go` for a new generation. The call that holds it (busy) posts its
+ * fanout and how many helpers it wants, runs part 0 itself, and waits on
+ * `done` until those helpers finished; only then does it let the crew
+ * go, so a generation's helpers never see the next one's work early.
+ * Helpers inherit the creating thread's priority and signal mask (a
+ * worker's: workers.c). A forked child has none of them (atfork).
+ */
+static struct {
+	pthread_mutex_t lock;
+	pthread_cond_t go, done;
+	bool busy, stopping, atfork;
+	unsigned started;             /* helpers alive */
+	unsigned wanted, finished;    /* of this generation */
+	uint64_t generation;
+	uint64_t born[CODEC_FANOUT_MAX_THREADS];  /* each helper's generation at its start */
+	struct fanout *f;
+	struct part parts[CODEC_FANOUT_MAX_THREADS];  /* helper i's is parts[i + 1] */
+	pthread_t threads[CODEC_FANOUT_MAX_THREADS];
+} crew = { .lock = PTHREAD_MUTEX_INITIALIZER, .go = PTHREAD_COND_INITIALIZER,
+	   .done = PTHREAD_COND_INITIALIZER };
+
+static void *helper_main(void *arg)
+{
+	unsigned index = (unsigned)(uintptr_t)arg;
+	pthread_mutex_lock(&crew.lock);
+	uint64_t seen = crew.born[index];
+	for (;;) {
+		while (crew.generation == seen && !crew.stopping)
+			pthread_cond_wait(&crew.go, &crew.lock);
+		if (crew.generation == seen)
+			break;   /* stopping, and no work posted that is ours */
+		seen = crew.generation;
+		if (index >= crew.wanted)
+			continue;
+		struct fanout *f = crew.f;
+		struct part *p = &crew.parts[index + 1];
+		pthread_mutex_unlock(&crew.lock);
+		run_heads(f, p);
+		pthread_mutex_lock(&crew.lock);
+		if (++crew.finished == crew.wanted)
+			pthread_cond_signal(&crew.done);
+	}
+	pthread_mutex_unlock(&crew.lock);
+	return NULL;
+}
+
+/* In a forked child the helpers do not exist; the lock may have been
+ * held by a thread that does not either. */
+static void crew_forget(void)
+{
+	pthread_mutex_init(&crew.lock, NULL);
+	pthread_cond_init(&crew.go, NULL);
+	pthread_cond_init(&crew.done, NULL);
+	crew.busy = crew.stopping = false;
+	crew.started = crew.wanted = crew.finished = 0;
+	crew.f = NULL;
+}
+
+/* Takes the crew for a call that wants `helpers` threads, starting the
+ * ones it lacks; returns the helpers it has (0: not taken). */
+static unsigned crew_take(unsigned helpers)
+{
+	unsigned have = 0;
+	pthread_mutex_lock(&crew.lock);
+	if (!crew.busy && !crew.stopping) {
+		crew.busy = true;
+		if (!crew.atfork)
+			crew.atfork = pthread_atfork(NULL, NULL, crew_forget) == 0;
+		while (crew.atfork && crew.started < helpers) {
+			unsigned i = crew.started;
+			crew.born[i] = crew.generation;
+			if (pthread_create(&crew.threads[i], NULL, helper_main, (void *)(uintptr_t)i))
+				break;
+			crew.started++;
+		}
+		have = crew.started < helpers ? crew.started : helpers;
+		if (have == 0)
+			crew.busy = false;
+	}
+	pthread_mutex_unlock(&crew.lock);
+	return have;
+}
+
+/* Parts 1..have on the crew, part 0 on the caller; parts[] gets theirs. */
+static void crew_run(struct fanout *f, unsigned have, struct part *parts)
+{
+	pthread_mutex_lock(&crew.lock);
+	crew.f = f;
+	crew.wanted = have;
+	crew.finished = 0;
+	for (unsigned i = 1; i <= have; i++)
+		crew.parts[i] = parts[i];
+	crew.generation++;
+	pthread_cond_broadcast(&crew.go);
+	pthread_mutex_unlock(&crew.lock);
+
+	run_heads(f, &parts[0]);
+
+	pthread_mutex_lock(&crew.lock);
+	while (crew.finished < crew.wanted)
+		pthread_cond_wait(&crew.done, &crew.lock);
+	for (unsigned i = 1; i <= have; i++)
+		parts[i] = crew.parts[i];
+	crew.f = NULL;
+	crew.busy = false;
+	pthread_mutex_unlock(&crew.lock);
+}
+
+void codec_fanout_stop(void)
+{
+	pthread_mutex_lock(&crew.lock);
+	crew.stopping = true;
+	pthread_cond_broadcast(&crew.go);
+	unsigned started = crew.started;
+	pthread_mutex_unlock(&crew.lock);
+	/* A call that holds the crew finishes first: its helpers are joined
+	 * only after they signalled it (stopping is seen between generations). */
+	for (unsigned i = 0; i < started; i++)
+		pthread_join(crew.threads[i], NULL);
+	pthread_mutex_lock(&crew.lock);
+	crew.started = 0;
+	crew.stopping = false;
+	pthread_mutex_unlock(&crew.lock);
+}
+
 /* The parts on threads, part 0 on the caller. The answer is the error
  * of the lowest failed task (tensor by tensor, head by head), so it does
  * not depend on which thread ran first. */
@@ -163,18 +292,25 @@ static int fanout_run(struct fanout *f)
 	struct part parts[CODEC_FANOUT_MAX_THREADS];
 	f->next = 0;
 	f->failed = SIZE_MAX;
-	for (unsigned i = 0; i < f->parts; i++) {
+	for (unsigned i = 0; i < f->parts; i++)
 		parts[i] = (struct part){ .f = f, .failed = SIZE_MAX };
-		if (i > 0)
+	unsigned have = f->parts > 1 ? crew_take(f->parts - 1) : 0;
+	if (have > 0) {
+		crew_run(f, have, parts);
+		/* Helpers the crew lacked: their share is the caller's. */
+		for (unsigned i = have + 1; i < f->parts; i++)
+			run_heads(f, &parts[i]);
+	} else {
+		for (unsigned i = 1; i < f->parts; i++)
 			parts[i].started = pthread_create(&parts[i].thread, NULL, part_main,
 							  &parts[i]) == 0;
-	}
-	run_heads(f, &parts[0]);
-	for (unsigned i = 1; i < f->parts; i++) {
-		if (parts[i].started)
-			pthread_join(parts[i].thread, NULL);
-		else
-			run_heads(f, &parts[i]);
+		run_heads(f, &parts[0]);
+		for (unsigned i = 1; i < f->parts; i++) {
+			if (parts[i].started)
+				pthread_join(parts[i].thread, NULL);
+			else
+				run_heads(f, &parts[i]);
+		}
 	}
 	int rc = 0;
 	size_t lowest = SIZE_MAX;

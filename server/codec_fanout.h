@@ -26,6 +26,10 @@
 unsigned codec_fanout_set_threads(unsigned threads);
 unsigned codec_fanout_threads(void);
 
+/* Joins the helper threads kept between calls (a later call starts them
+ * again). Call with no fanout call in flight: at the daemon's exit. */
+void codec_fanout_stop(void);
+
 /* Where compressed bytes go on from the output buffer as soon as they
  * are final: write(ctx, at, bytes, n) puts the n bytes of the payload at
  * byte `at` of the block. Called from the thread that made them, for

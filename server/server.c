@@ -854,6 +854,7 @@ void server_free(struct server *server)
 	server->http = NULL;
 	/* Nothing is in flight once the loop stopped (stop_progress). */
 	workers_stop(&server->workers, on_handle_closed);
+	codec_fanout_stop();
 	/* Let the close callbacks run, then release what they released. */
 	uv_run(server->loop, UV_RUN_DEFAULT);
 	session_table_free(&server->sessions);

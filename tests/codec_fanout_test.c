@@ -3,7 +3,9 @@
  * threads gives the bytes, the reconstruction and the error codes of one
  * call of the codec, for every thread count, batch and head count, keys
  * by norm and by caller's scores, values quantized and exact; a block's
- * keys and values in one go give what the calls in turn give.
+ * keys and values in one go give what the calls in turn give; the helper
+ * threads kept between calls give the same, call after call, with callers
+ * at once, after a stop, and in a forked child.
  */
 #include <check.h>
 #include <errno.h>
@@ -13,6 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "../server/codec_fanout.h"
 #include "suite_main.h"
@@ -488,6 +492,146 @@ START_TEST(block_errors_are_the_first_in_turn)
 }
 END_TEST
 
+/* ---- the helpers kept between calls ---- */
+
+#define CREW_CALLS 40
+
+/* One block (keys and values of [1, 8, 512, 128]: over the threshold)
+ * and what one codec call per tensor makes of it. */
+struct crew_block {
+	zc_codec_config config;
+	zc_block_shape shape;
+	zc_strides in;
+	uint16_t *keys, *values;
+	size_t key_bytes, value_bytes;
+	uint8_t *want_keys, *want_values;
+};
+
+static void crew_block_make(struct crew_block *b)
+{
+	zc_codec_config_default(&b->config);
+	b->shape = (zc_block_shape){ 1, 8, 512, 128 };
+	b->in = (zc_strides){ 8u * 512 * 128, 512u * 128, 128 };
+	size_t elements = 8u * 512 * 128;
+	b->keys = rows_make(elements, 128);
+	b->values = rows_make(elements, 128);
+	zc_byte_count k, v;
+	ck_assert_int_eq(zc_block_count_bytes(&b->config, ZC_TENSOR_KEYS, &b->shape, &k), 0);
+	ck_assert_int_eq(zc_block_count_bytes(&b->config, ZC_TENSOR_VALUES, &b->shape, &v), 0);
+	b->key_bytes = k.compressed;
+	b->value_bytes = v.compressed;
+	b->want_keys = malloc(b->key_bytes);
+	b->want_values = malloc(b->value_bytes);
+	ck_assert(b->want_keys && b->want_values);
+	ck_assert_int_eq(zc_block_compress_strided(&b->config, ZC_TENSOR_KEYS, &b->shape, b->keys,
+						   &b->in, b->want_keys, b->key_bytes),
+			 (int64_t)b->key_bytes);
+	ck_assert_int_eq(zc_block_compress_strided(&b->config, ZC_TENSOR_VALUES, &b->shape,
+						   b->values, &b->in, b->want_values,
+						   b->value_bytes),
+			 (int64_t)b->value_bytes);
+}
+
+static void crew_block_free(struct crew_block *b)
+{
+	free(b->keys);
+	free(b->values);
+	free(b->want_keys);
+	free(b->want_values);
+}
+
+/* `calls` block calls, each checked against one codec call per tensor;
+ * false at the first difference. */
+static bool crew_calls(const struct crew_block *b, unsigned calls)
+{
+	uint8_t *keys = malloc(b->key_bytes), *values = malloc(b->value_bytes);
+	bool same = keys && values;
+	for (unsigned i = 0; same && i < calls; i++) {
+		memset(keys, 0x5a, b->key_bytes);
+		memset(values, 0x5a, b->value_bytes);
+		const struct codec_fanout_tensor pair[2] = {
+			{ ZC_TENSOR_KEYS, b->shape, b->keys, &b->in, NULL, keys, b->key_bytes,
+			  NULL, NULL, NULL },
+			{ ZC_TENSOR_VALUES, b->shape, b->values, &b->in, NULL, values,
+			  b->value_bytes, NULL, NULL, NULL },
+		};
+		same = codec_fanout_compress_block(&b->config, pair, 2) == 0 &&
+		       memcmp(keys, b->want_keys, b->key_bytes) == 0 &&
+		       memcmp(values, b->want_values, b->value_bytes) == 0;
+	}
+	free(keys);
+	free(values);
+	return same;
+}
+
+static void *crew_caller(void *arg)
+{
+	return crew_calls(arg, CREW_CALLS) ? arg : NULL;
+}
+
+START_TEST(kept_helpers_give_one_calls_bytes_call_after_call)
+{
+	struct crew_block b;
+	crew_block_make(&b);
+	/* Calls in a row reuse the helpers; fewer threads than the crew has
+	 * leave the others idle; more start the missing ones. */
+	const unsigned threads[] = { 4, 2, 4, 3, 6, 2 };
+	for (size_t i = 0; i < sizeof(threads) / sizeof(threads[0]); i++) {
+		codec_fanout_set_threads(threads[i]);
+		ck_assert_msg(crew_calls(&b, CREW_CALLS), "%u threads", threads[i]);
+	}
+	/* Stopped, then started again by the next call. */
+	codec_fanout_stop();
+	ck_assert(crew_calls(&b, 3));
+	codec_fanout_stop();
+	codec_fanout_set_threads(1);
+	crew_block_free(&b);
+}
+END_TEST
+
+START_TEST(calls_at_once_share_no_helper)
+{
+	struct crew_block b;
+	crew_block_make(&b);
+	codec_fanout_set_threads(3);
+	/* One caller holds the crew at a time; the others start threads of
+	 * their own for the call. Every result must be one call's. */
+	pthread_t callers[4];
+	for (int i = 0; i < 4; i++)
+		ck_assert_int_eq(pthread_create(&callers[i], NULL, crew_caller, &b), 0);
+	for (int i = 0; i < 4; i++) {
+		void *ok;
+		pthread_join(callers[i], &ok);
+		ck_assert_msg(ok == &b, "caller %d got other bytes", i);
+	}
+	codec_fanout_stop();
+	codec_fanout_set_threads(1);
+	crew_block_free(&b);
+}
+END_TEST
+
+START_TEST(a_forked_child_starts_its_own_helpers)
+{
+	struct crew_block b;
+	crew_block_make(&b);
+	codec_fanout_set_threads(3);
+	ck_assert(crew_calls(&b, 2));   /* the parent's helpers exist now */
+	pid_t child = fork();
+	ck_assert_int_ge(child, 0);
+	if (child == 0) {
+		alarm(20);   /* a child waiting on its parent's helpers hangs: fail */
+		_exit(crew_calls(&b, 3) ? 0 : 1);
+	}
+	int status;
+	ck_assert_int_eq(waitpid(child, &status, 0), child);
+	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child status %d", status);
+	ck_assert(crew_calls(&b, 2));
+	codec_fanout_stop();
+	codec_fanout_set_threads(1);
+	crew_block_free(&b);
+}
+END_TEST
+
 START_TEST(thread_count_is_bounded)
 {
 	ck_assert_uint_ge(codec_fanout_set_threads(0), 1);
@@ -507,6 +651,9 @@ static Suite *fanout_suite(void)
 		{ "errors", { errors_are_one_calls, thread_count_is_bounded, NULL } },
 		{ "block", { block_is_its_tensors_in_turn, block_errors_are_the_first_in_turn,
 			     NULL } },
+		{ "crew", { kept_helpers_give_one_calls_bytes_call_after_call,
+			    calls_at_once_share_no_helper, a_forked_child_starts_its_own_helpers,
+			    NULL } },
 	};
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);
 	return suite;
@@ -515,5 +662,7 @@ static Suite *fanout_suite(void)
 int main(void)
 {
 	zc_codec_init();
-	return suite_main(fanout_suite(), CK_FORK_GETENV);
+	int rc = suite_main(fanout_suite(), CK_FORK_GETENV);
+	codec_fanout_stop();
+	return rc;
 }
