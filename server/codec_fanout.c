@@ -164,7 +164,8 @@ static void *part_main(void *arg)
  * `done` until those helpers finished; only then does it let the crew
  * go, so a generation's helpers never see the next one's work early.
  * Helpers inherit the creating thread's priority and signal mask (a
- * worker's: workers.c). A forked child has none of them (atfork).
+ * worker's: workers.c). A forked child has none of them (atfork): its
+ * first call starts its own.
  */
 static struct {
 	pthread_mutex_t lock;
@@ -205,16 +206,27 @@ static void *helper_main(void *arg)
 	return NULL;
 }
 
-/* In a forked child the helpers do not exist; the lock may have been
- * held by a thread that does not either. */
-static void crew_forget(void)
+/* Around a fork the forking thread holds the lock, so that the child's
+ * copy of the crew is whole; in the child the helpers do not exist (nor
+ * any waiter on the conditions), so it starts with none. */
+static void crew_fork_prepare(void)
 {
-	pthread_mutex_init(&crew.lock, NULL);
+	pthread_mutex_lock(&crew.lock);
+}
+
+static void crew_fork_parent(void)
+{
+	pthread_mutex_unlock(&crew.lock);
+}
+
+static void crew_fork_child(void)
+{
 	pthread_cond_init(&crew.go, NULL);
 	pthread_cond_init(&crew.done, NULL);
 	crew.busy = crew.stopping = false;
 	crew.started = crew.wanted = crew.finished = 0;
 	crew.f = NULL;
+	pthread_mutex_unlock(&crew.lock);
 }
 
 /* Takes the crew for a call that wants `helpers` threads, starting the
@@ -226,7 +238,8 @@ static unsigned crew_take(unsigned helpers)
 	if (!crew.busy && !crew.stopping) {
 		crew.busy = true;
 		if (!crew.atfork)
-			crew.atfork = pthread_atfork(NULL, NULL, crew_forget) == 0;
+			crew.atfork = pthread_atfork(crew_fork_prepare, crew_fork_parent,
+						     crew_fork_child) == 0;
 		while (crew.atfork && crew.started < helpers) {
 			unsigned i = crew.started;
 			crew.born[i] = crew.generation;
