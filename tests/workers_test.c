@@ -83,6 +83,19 @@ static void probes_init(struct probe *probes, struct workers *w)
 	loop_tid = gettid();
 }
 
+/* A loop and a crew sized by UV_THREADPOOL_SIZE=size (NULL: unset). */
+static unsigned crew_open(uv_loop_t *loop, struct workers *w, const char *size)
+{
+	ck_assert_int_eq(uv_loop_init(loop), 0);
+	if (size)
+		setenv("UV_THREADPOOL_SIZE", size, 1);
+	else
+		unsetenv("UV_THREADPOOL_SIZE");
+	unsigned started = workers_start(w, loop);
+	unsetenv("UV_THREADPOOL_SIZE");
+	return started;
+}
+
 static void loop_close_all(uv_loop_t *loop, struct workers *w)
 {
 	workers_stop(w, NULL);
@@ -96,11 +109,9 @@ START_TEST(afters_run_on_the_loop_once_their_work_is_done)
 	static struct probe probes[TASKS];
 	uv_loop_t loop;
 	struct workers w;
-	ck_assert_int_eq(uv_loop_init(&loop), 0);
-	setenv("UV_THREADPOOL_SIZE", "3", 1);
 	sigset_t before, after;
 	pthread_sigmask(SIG_SETMASK, NULL, &before);
-	ck_assert_uint_eq(workers_start(&w, &loop), 3);
+	ck_assert_uint_eq(crew_open(&loop, &w, "3"), 3);
 	pthread_sigmask(SIG_SETMASK, NULL, &after);
 	ck_assert_int_eq(sigismember(&after, SIGTERM), sigismember(&before, SIGTERM));
 	probes_init(probes, &w);
@@ -126,7 +137,6 @@ START_TEST(afters_run_on_the_loop_once_their_work_is_done)
 		ck_assert(probes[i].signals_blocked);
 	}
 	loop_close_all(&loop, &w);
-	unsetenv("UV_THREADPOOL_SIZE");
 }
 END_TEST
 
@@ -135,9 +145,7 @@ START_TEST(one_thread_finishes_tasks_in_the_order_given)
 	static struct probe probes[TASKS];
 	uv_loop_t loop;
 	struct workers w;
-	ck_assert_int_eq(uv_loop_init(&loop), 0);
-	setenv("UV_THREADPOOL_SIZE", "1", 1);
-	ck_assert_uint_eq(workers_start(&w, &loop), 1);
+	ck_assert_uint_eq(crew_open(&loop, &w, "1"), 1);
 	probes_init(probes, &w);
 	for (unsigned i = 0; i < TASKS; i++)
 		ck_assert_int_eq(workers_submit(&w, &probes[i].task), 0);
@@ -146,7 +154,6 @@ START_TEST(one_thread_finishes_tasks_in_the_order_given)
 	for (unsigned i = 0; i < TASKS; i++)
 		ck_assert_uint_eq(after_order[i], i);
 	loop_close_all(&loop, &w);
-	unsetenv("UV_THREADPOOL_SIZE");
 }
 END_TEST
 
@@ -155,8 +162,7 @@ START_TEST(an_after_may_submit_the_next_task)
 	static struct probe probes[TASKS];
 	uv_loop_t loop;
 	struct workers w;
-	ck_assert_int_eq(uv_loop_init(&loop), 0);
-	ck_assert_uint_eq(workers_start(&w, &loop), WORKERS_DEFAULT);
+	ck_assert_uint_eq(crew_open(&loop, &w, NULL), WORKERS_DEFAULT);
 	probes_init(probes, &w);
 	probes[0].chain = TASKS - 1;
 	ck_assert_int_eq(workers_submit(&w, &probes[0].task), 0);
@@ -174,8 +180,7 @@ START_TEST(idle_workers_do_not_keep_the_loop_alive)
 {
 	uv_loop_t loop;
 	struct workers w;
-	ck_assert_int_eq(uv_loop_init(&loop), 0);
-	ck_assert_uint_gt(workers_start(&w, &loop), 0);
+	ck_assert_uint_gt(crew_open(&loop, &w, NULL), 0);
 	/* Nothing in flight: returns at once (0: no active handle left). */
 	ck_assert_int_eq(uv_run(&loop, UV_RUN_DEFAULT), 0);
 	loop_close_all(&loop, &w);
@@ -195,17 +200,11 @@ START_TEST(the_crew_is_sized_as_libuvs_pool_was)
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
 		uv_loop_t loop;
 		struct workers w;
-		ck_assert_int_eq(uv_loop_init(&loop), 0);
-		if (cases[i].value)
-			setenv("UV_THREADPOOL_SIZE", cases[i].value, 1);
-		else
-			unsetenv("UV_THREADPOOL_SIZE");
-		unsigned started = workers_start(&w, &loop);
+		unsigned started = crew_open(&loop, &w, cases[i].value);
 		ck_assert_msg(started == cases[i].threads, "UV_THREADPOOL_SIZE=%s: %u threads",
 			      cases[i].value ? cases[i].value : "(unset)", started);
 		loop_close_all(&loop, &w);
 	}
-	unsetenv("UV_THREADPOOL_SIZE");
 }
 END_TEST
 
@@ -221,8 +220,7 @@ START_TEST(without_threads_a_submit_is_refused)
 
 	uv_loop_t loop;
 	struct workers w;
-	ck_assert_int_eq(uv_loop_init(&loop), 0);
-	ck_assert_uint_gt(workers_start(&w, &loop), 0);
+	ck_assert_uint_gt(crew_open(&loop, &w, NULL), 0);
 	loop_close_all(&loop, &w);
 	/* Stopped: refused, and stopping again does nothing. */
 	ck_assert_int_eq(workers_submit(&w, &p.task), -EAGAIN);
