@@ -2044,8 +2044,8 @@ zc_codec_config store_codec(const struct store *store)
 
 /* A worker's buffer for one block's compressed bytes: kept between jobs
  * up to SCRATCH_KEEP_BYTES, so a decode loop's flushes allocate nothing.
- * The key frees it when its thread ends (libuv joins its workers at
- * exit). */
+ * The key frees it when its thread ends (workers.c joins its workers
+ * at exit; the loop thread's stays until the process ends). */
 static _Thread_local uint8_t *scratch_kept;
 static _Thread_local uint64_t scratch_kept_bytes;
 static pthread_key_t scratch_key;
