@@ -240,15 +240,21 @@ static bool job_complete(struct session_table *table, struct job *job)
 	return session_release_if_unused(session);
 }
 
+/* The job a worker task belongs to. */
+static struct job *job_of(struct worker_task *task)
+{
+	return (struct job *)((char *)task - offsetof(struct job, task));
+}
+
 static void job_work(struct worker_task *task)
 {
-	struct job *job = (struct job *)((char *)task - offsetof(struct job, task));
+	struct job *job = job_of(task);
 	job->run(job);
 }
 
 static void job_after_work(struct worker_task *task)
 {
-	struct job *job = (struct job *)((char *)task - offsetof(struct job, task));
+	struct job *job = job_of(task);
 	struct session_table *table = job->table;
 	struct session *session = job->session;
 	if (!job_complete(table, job))
@@ -312,7 +318,7 @@ void session_submit_front(struct session_table *table, struct job *job)
 
 static void detached_after_work(struct worker_task *task)
 {
-	struct job *job = (struct job *)((char *)task - offsetof(struct job, task));
+	struct job *job = job_of(task);
 	job->table->jobs_in_flight--;
 	job->done(job);
 }
@@ -384,17 +390,21 @@ static void flush_publish_done(struct job *job)
 	/* job_complete starts the queue again (the jobs that waited for it). */
 }
 
+/* The flush a compress task belongs to. */
+static struct flush_task *flush_task_of(struct worker_task *work)
+{
+	return (struct flush_task *)((char *)work - offsetof(struct flush_task, compress));
+}
+
 static void flush_compress_work(struct worker_task *work)
 {
-	struct flush_task *task = (struct flush_task *)((char *)work -
-							offsetof(struct flush_task, compress));
+	struct flush_task *task = flush_task_of(work);
 	store_flush_compress(task->publish.session->store, &task->flush);
 }
 
 static void flush_compress_after(struct worker_task *work)
 {
-	struct flush_task *task = (struct flush_task *)((char *)work -
-							offsetof(struct flush_task, compress));
+	struct flush_task *task = flush_task_of(work);
 	struct session_table *table = task->publish.table;
 	struct session *session = task->publish.session;
 	/* The task's own hold passes to the publish job's. */
