@@ -2,12 +2,14 @@
  * statistics (bench_daemon.h). */
 #include "bench_daemon.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <limits.h>
 #include <math.h>
+#include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
@@ -595,4 +597,35 @@ int bench_update_reply_bytes(const zc_layer_stats *s, uint32_t tokens, uint64_t 
 		.blocks = s->blocks,
 	};
 	return wire_pb_response_frame_size(&resp, out);
+}
+
+double bench_daemon_metric(uint16_t port, const char *sample)
+{
+	int fd = socket(AF_INET, SOCK_STREAM, 0);
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons(port),
+				 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof(a)) < 0) {
+		if (fd >= 0)
+			close(fd);
+		return -1;
+	}
+	static const char request[] = "GET /metrics HTTP/1.0\r\n\r\n";
+	if (write(fd, request, sizeof(request) - 1) < 0) {
+		close(fd);
+		return -1;
+	}
+	size_t cap = 1 << 20, used = 0;
+	char *text = malloc(cap), needle[160];
+	ssize_t n;
+	while (text && (n = read(fd, text + used, cap - 1 - used)) > 0)
+		used += (size_t)n;
+	close(fd);
+	if (!text)
+		return -1;
+	text[used] = '\0';
+	snprintf(needle, sizeof(needle), "\n%s ", sample);
+	char *at = strstr(text, needle);
+	double v = at ? strtod(at + strlen(needle), NULL) : -1;
+	free(text);
+	return v;
 }

@@ -88,6 +88,10 @@ int bench_pin(pid_t pid, int cpu);
  * whichever of *cpu, *daemon_cpu is -1; never the same one. */
 void bench_choose_cpus(int *cpu, int *daemon_cpu);
 
+/* A sample of the daemon's /metrics on 127.0.0.1:port (its --metrics-listen),
+ * the line's name and labels as written there; -1 when absent or unread. */
+double bench_daemon_metric(uint16_t port, const char *sample);
+
 double bench_now_s(void);
 /* Nearest-rank percentile and median, sorting v in place. */
 double bench_percentile(double *v, size_t n, double p);

@@ -68,38 +68,6 @@
 
 static struct redis_tcp redis;
 
-/* A sample of /metrics on 127.0.0.1:port (-1 when absent). */
-static double metric(uint16_t port, const char *sample)
-{
-	int fd = socket(AF_INET, SOCK_STREAM, 0);
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons(port),
-				 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof(a)) < 0) {
-		if (fd >= 0)
-			close(fd);
-		return -1;
-	}
-	static const char request[] = "GET /metrics HTTP/1.0\r\n\r\n";
-	if (write(fd, request, sizeof(request) - 1) < 0) {
-		close(fd);
-		return -1;
-	}
-	size_t cap = 1 << 20, used = 0;
-	char *text = malloc(cap), needle[160];
-	ssize_t n;
-	while (text && (n = read(fd, text + used, cap - 1 - used)) > 0)
-		used += (size_t)n;
-	close(fd);
-	if (!text)
-		return -1;
-	text[used] = '\0';
-	snprintf(needle, sizeof(needle), "\n%s ", sample);
-	char *at = strstr(text, needle);
-	double v = at ? strtod(at + strlen(needle), NULL) : -1;
-	free(text);
-	return v;
-}
-
 static int session_fill(zc_client *client, zc_session *s, uint32_t layers, uint32_t tokens)
 {
 	size_t half = 2 * (size_t)tokens * HEADS * HEAD_DIM;
@@ -278,7 +246,7 @@ int main(int argc, char **argv)
 	size_t n_values = 0;
 	config.attach = true;
 	for (int run = -1; run < runs; run++) {
-		double before = metric(metrics_port, "zipcache_remote_offload_seconds_total");
+		double before = bench_daemon_metric(metrics_port, "zipcache_remote_offload_seconds_total");
 		zc_session_release_views(session);
 		zc_session_release(session);
 		double until = bench_now_s() + WAIT_S;
@@ -288,7 +256,7 @@ int main(int argc, char **argv)
 			fprintf(stderr, "remote: the session was not offloaded within %.0f s\n", WAIT_S);
 			goto out;
 		}
-		double offload_s = metric(metrics_port, "zipcache_remote_offload_seconds_total") - before;
+		double offload_s = bench_daemon_metric(metrics_port, "zipcache_remote_offload_seconds_total") - before;
 		if (!sizes) {
 			n_values = value_sizes(c, &sizes, &written);
 			size_t most = 0;

@@ -31,7 +31,10 @@
  *               fp16 GB/s in and the ratio to memcpy of the same bytes,
  *               interleaved run by run, median over runs. Each run opens
  *               a new session (cold: fresh pages) and then refills it
- *               after a trim (warm: pages already there).
+ *               after a trim (warm: pages already there). The daemon's
+ *               own share of the staged runs comes from its metrics
+ *               (on a free loopback port), the rest is the socket and
+ *               the wake-ups.
  *   4. ratio    a 128-token prompt then 2048 decode steps under per_call
  *               and under streaming: the key compression ratio the
  *               daemon reports (contract: about 0.44 and about 4.4).
@@ -832,6 +835,10 @@ out:
 struct prefill_result {
 	double bytes;       /* fp16 bytes in per run */
 	double cold_s, warm_s, memcpy_s; /* medians */
+	/* zipcached's own time for the staged runs' updates (its metrics:
+	 * request read to reply sent), and the rest of each run's time (the
+	 * socket and the wake-ups on both sides); medians, -1 unmeasured. */
+	double daemon_cold_s, daemon_warm_s, outside_cold_s, outside_warm_s;
 	/* Every layer in one zc_update_many (pipelined: no round trip per
 	 * layer); includes the client's copy into staging. */
 	double many_cold_s, many_warm_s;
@@ -840,17 +847,33 @@ struct prefill_result {
 	int runs;
 };
 
+/* The daemon's --metrics-listen port (0: none, nothing scraped). */
+static uint16_t metrics_port;
+
+/* Seconds zipcached has spent on update_and_fetch requests so far, by its
+ * request-duration histogram; -1 unknown. */
+static double daemon_update_seconds(void)
+{
+	if (!metrics_port)
+		return -1;
+	return bench_daemon_metric(metrics_port,
+				   "zipcache_request_duration_seconds_sum{op=\"update_and_fetch\"}");
+}
+
 /*
  * One prefill of every layer: the worker writes each layer's K and V into
  * the staging buffer (untimed: a worker that computes K/V straight into it
- * pays nothing extra), then the staged update is timed.
+ * pays nothing extra), then the staged update is timed. *daemon: the
+ * daemon's own time for those updates (-1 unknown), read before and after
+ * the loop.
  */
 static int prefill_layers(zc_session *s, const struct data *d, uint8_t *staging, double *seconds,
-			  double *slowest)
+			  double *daemon, double *slowest)
 {
 	size_t half = 2 * (size_t)PREFILL_TOKENS * ROW_ELEMENTS;
 	double total = 0.0;
 	zc_view view;
+	double daemon_before = daemon_update_seconds();
 
 	for (uint32_t layer = 0; layer < PREFILL_LAYERS; layer++) {
 		memcpy(staging, d->prefill_keys, half);
@@ -867,6 +890,8 @@ static int prefill_layers(zc_session *s, const struct data *d, uint8_t *staging,
 			*slowest = t1 - t0;
 	}
 	*seconds = total;
+	double daemon_after = daemon_update_seconds();
+	*daemon = daemon_before >= 0 && daemon_after >= 0 ? daemon_after - daemon_before : -1;
 	return 0;
 }
 
@@ -923,7 +948,7 @@ static int prefill_many_run(zc_client *client, const struct data *d, int run, do
 }
 
 static int prefill_run(zc_client *client, const struct data *d, uint8_t *staging, int run,
-		       double *cold, double *warm, double *slowest)
+		       double cold[2], double warm[2], double *slowest)
 {
 	char name[32];
 	zc_session *s;
@@ -933,11 +958,11 @@ static int prefill_run(zc_client *client, const struct data *d, uint8_t *staging
 	snprintf(name, sizeof name, "bench-prefill-%d", run);
 	if ((rc = open_prefill_session(client, name, &s)) < 0)
 		return rc;
-	rc = prefill_layers(s, d, staging, cold, slowest);
+	rc = prefill_layers(s, d, staging, &cold[0], &cold[1], slowest);
 	if (rc == 0)
 		rc = zc_session_trim(s, PREFILL_TOKENS, &trimmed);
 	if (rc == 0)
-		rc = prefill_layers(s, d, staging, warm, slowest);
+		rc = prefill_layers(s, d, staging, &warm[0], &warm[1], slowest);
 	if (rc < 0)
 		bench_fail_client(client, "prefill", rc);
 	int c = zc_session_close(s);
@@ -948,7 +973,7 @@ static int bench_prefill(zc_client *client, const struct data *d, const struct o
 			 struct prefill_result *r)
 {
 	size_t layer_bytes = 4 * (size_t)PREFILL_TOKENS * ROW_ELEMENTS;
-	double *t = calloc(5 * (size_t)opt->runs, sizeof(double));
+	double *t = calloc(9 * (size_t)opt->runs, sizeof(double));
 	uint8_t *src = bench_alloc_touched(layer_bytes), *dst = bench_alloc_touched(layer_bytes);
 	void *staging;
 	int rc;
@@ -962,14 +987,18 @@ static int bench_prefill(zc_client *client, const struct data *d, const struct o
 		goto out;
 	}
 	/* Warm-up: the daemon's code paths and our staging pages. */
-	double cold, warm, copy;
+	double cold[2], warm[2], copy;
 	double warm_up_slowest = 0.0;
-	if ((rc = prefill_run(client, d, staging, -1, &cold, &warm, &warm_up_slowest)) < 0)
+	if ((rc = prefill_run(client, d, staging, -1, cold, warm, &warm_up_slowest)) < 0)
 		goto out;
 	memcpy_layers(d, src, dst, &copy);
 
 	double *tc = t, *tw = t + opt->runs, *tm = t + 2 * opt->runs;
 	double *mc = t + 3 * opt->runs, *mw = t + 4 * opt->runs;
+	/* The daemon's share of each staged run, and the rest. */
+	double *dc = t + 5 * opt->runs, *dw = t + 6 * opt->runs;
+	double *oc = t + 7 * opt->runs, *ow = t + 8 * opt->runs;
+	bool daemon_known = true;
 	for (int run = 0; run < opt->runs; run++) {
 		if (run % 2)
 			memcpy_layers(d, src, dst, &tm[run]);
@@ -978,9 +1007,15 @@ static int bench_prefill(zc_client *client, const struct data *d, const struct o
 			bench_fail_client(client, "staging buffer", rc);
 			goto out;
 		}
-		if ((rc = prefill_run(client, d, staging, run, &tc[run], &tw[run],
-				       &r->slowest_call_s)) < 0)
+		if ((rc = prefill_run(client, d, staging, run, cold, warm, &r->slowest_call_s)) < 0)
 			goto out;
+		tc[run] = cold[0];
+		tw[run] = warm[0];
+		dc[run] = cold[1];
+		dw[run] = warm[1];
+		oc[run] = cold[0] - cold[1];
+		ow[run] = warm[0] - warm[1];
+		daemon_known = daemon_known && cold[1] >= 0 && warm[1] >= 0;
 		if ((rc = prefill_many_run(client, d, run, &mc[run], &mw[run])) < 0)
 			goto out;
 		if (run % 2 == 0)
@@ -995,6 +1030,10 @@ static int bench_prefill(zc_client *client, const struct data *d, const struct o
 	r->cold_max_s = tc[opt->runs - 1];
 	r->warm_s = bench_median(tw, (size_t)opt->runs);
 	r->memcpy_s = bench_median(tm, (size_t)opt->runs);
+	r->daemon_cold_s = daemon_known ? bench_median(dc, (size_t)opt->runs) : -1;
+	r->daemon_warm_s = daemon_known ? bench_median(dw, (size_t)opt->runs) : -1;
+	r->outside_cold_s = daemon_known ? bench_median(oc, (size_t)opt->runs) : -1;
+	r->outside_warm_s = daemon_known ? bench_median(ow, (size_t)opt->runs) : -1;
 	rc = 0;
 out:
 	free(t);
@@ -1548,19 +1587,36 @@ static void report_prefill(const struct prefill_result *r, int daemon_cpus)
 	printf("   %-22s %9.1f %9.3f\n", "memcpy", r->memcpy_s * 1e3, gb / r->memcpy_s);
 	printf("   (update_many: every layer in one call, no round trip per layer; the client's "
 	       "copy into staging timed too)\n");
-	printf("   (cold runs %.1f..%.1f ms; slowest single layer %.1f ms)\n\n", r->cold_min_s * 1e3,
+	printf("   (cold runs %.1f..%.1f ms; slowest single layer %.1f ms)\n", r->cold_min_s * 1e3,
 	       r->cold_max_s * 1e3, r->slowest_call_s * 1e3);
+	if (r->daemon_warm_s >= 0)
+		printf("   (of the staged runs, zipcached's own time, request read to reply sent: "
+		       "new %.1f ms, warm %.1f ms; the rest, the socket and the wake-ups on both "
+		       "sides: %.1f ms, %.1f ms)\n",
+		       r->daemon_cold_s * 1e3, r->daemon_warm_s * 1e3, r->outside_cold_s * 1e3,
+		       r->outside_warm_s * 1e3);
+	printf("\n");
 	const struct {
 		const char *op;
-		double s;
-	} rows[] = { { "prefill", r->cold_s }, { "prefill_warm", r->warm_s },
-		     { "prefill_many", r->many_cold_s }, { "prefill_many_warm", r->many_warm_s } };
-	for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
+		double s, daemon_s, outside_s;  /* -1: not measured */
+	} rows[] = { { "prefill", r->cold_s, r->daemon_cold_s, r->outside_cold_s },
+		     { "prefill_warm", r->warm_s, r->daemon_warm_s, r->outside_warm_s },
+		     { "prefill_many", r->many_cold_s, -1, -1 },
+		     { "prefill_many_warm", r->many_warm_s, -1, -1 } };
+	for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+		char daemon_ms[32] = "null", outside_ms[32] = "null";
+		if (rows[i].daemon_s >= 0) {
+			snprintf(daemon_ms, sizeof daemon_ms, "%.3f", rows[i].daemon_s * 1e3);
+			snprintf(outside_ms, sizeof outside_ms, "%.3f", rows[i].outside_s * 1e3);
+		}
 		JSON("{\"bench\":\"service\",\"shape\":\"L32xH8xS4096xD128\",\"op\":\"%s\","
 		     "\"gbps\":%.4f,\"memcpy_gbps\":%.4f,\"ratio\":%.4f,\"median_ms\":%.3f,"
+		     "\"daemon_ms\":%s,\"outside_ms\":%s,"
 		     "\"runs\":%d,\"daemon_cpus\":%d,\"views\":\"%s\"}",
 		     rows[i].op, gb / rows[i].s, gb / r->memcpy_s, r->memcpy_s / rows[i].s,
-		     rows[i].s * 1e3, r->runs, daemon_cpus, json_prefill_views);
+		     rows[i].s * 1e3, daemon_ms, outside_ms, r->runs, daemon_cpus,
+		     json_prefill_views);
+	}
 }
 
 static void report_ratio(const struct ratio_result *r)
@@ -1795,12 +1851,19 @@ int main(int argc, char **argv)
 	}
 	/* On N CPUs: started unpinned with N codec threads (it counts its
 	 * CPUs at start, before the spread), then spread. */
-	char threads[16], busy[16], ring_poll[16];
+	char threads[16], busy[16], ring_poll[16], metrics_at[32];
 	snprintf(threads, sizeof threads, "%d", opt.daemon_cpus);
 	snprintf(busy, sizeof busy, "%d", opt.busy_poll_us);
 	snprintf(ring_poll, sizeof ring_poll, "%d", opt.ring_poll_us);
-	const char *daemon_args[7] = { "--busy-poll-us", busy, NULL };
+	const char *daemon_args[9] = { "--busy-poll-us", busy, NULL };
 	size_t n_args = 2;
+	/* Its metrics on loopback, for its own share of the prefill's time;
+	 * without a free port that line is left out. */
+	if ((metrics_port = bench_free_port()) != 0) {
+		snprintf(metrics_at, sizeof metrics_at, "127.0.0.1:%u", metrics_port);
+		daemon_args[n_args++] = "--metrics-listen";
+		daemon_args[n_args++] = metrics_at;
+	}
 	bool spread = opt.daemon_cpus > 1;
 	if (spread) {
 		daemon_args[n_args++] = "--codec-threads";
