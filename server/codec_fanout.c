@@ -169,7 +169,7 @@ static void *part_main(void *arg)
  */
 static struct {
 	pthread_mutex_t lock;
-	pthread_cond_t go, done;
+	pthread_cond_t go, done, idle;   /* idle: busy went false */
 	bool busy, stopping, atfork;
 	unsigned started;             /* helpers alive */
 	unsigned wanted, finished;    /* of this generation */
@@ -179,7 +179,7 @@ static struct {
 	struct part parts[CODEC_FANOUT_MAX_THREADS];  /* helper i's is parts[i + 1] */
 	pthread_t threads[CODEC_FANOUT_MAX_THREADS];
 } crew = { .lock = PTHREAD_MUTEX_INITIALIZER, .go = PTHREAD_COND_INITIALIZER,
-	   .done = PTHREAD_COND_INITIALIZER };
+	   .done = PTHREAD_COND_INITIALIZER, .idle = PTHREAD_COND_INITIALIZER };
 
 static void *helper_main(void *arg)
 {
@@ -223,6 +223,7 @@ static void crew_fork_child(void)
 {
 	pthread_cond_init(&crew.go, NULL);
 	pthread_cond_init(&crew.done, NULL);
+	pthread_cond_init(&crew.idle, NULL);
 	crew.busy = crew.stopping = false;
 	crew.started = crew.wanted = crew.finished = 0;
 	crew.f = NULL;
@@ -277,18 +278,24 @@ static void crew_run(struct fanout *f, unsigned have, struct part *parts)
 		parts[i] = crew.parts[i];
 	crew.f = NULL;
 	crew.busy = false;
+	pthread_cond_broadcast(&crew.idle);
 	pthread_mutex_unlock(&crew.lock);
 }
 
 void codec_fanout_stop(void)
 {
 	pthread_mutex_lock(&crew.lock);
+	/* A call that holds the crew finishes first. Stopping earlier would
+	 * let its helpers leave before it posts its generation (it took the
+	 * crew and has not posted yet), and it would wait for them forever.
+	 * Calls from now on find the crew stopping and start threads of
+	 * their own. */
+	while (crew.busy)
+		pthread_cond_wait(&crew.idle, &crew.lock);
 	crew.stopping = true;
 	pthread_cond_broadcast(&crew.go);
 	unsigned started = crew.started;
 	pthread_mutex_unlock(&crew.lock);
-	/* A call that holds the crew finishes first: its helpers are joined
-	 * only after they signalled it (stopping is seen between generations). */
 	for (unsigned i = 0; i < started; i++)
 		pthread_join(crew.threads[i], NULL);
 	pthread_mutex_lock(&crew.lock);

@@ -610,6 +610,54 @@ START_TEST(calls_at_once_share_no_helper)
 }
 END_TEST
 
+/* A caller that also counts itself out when done. */
+struct stop_race {
+	struct crew_block *block;
+	int finished;   /* atomic: callers done */
+};
+
+static void *counted_caller(void *arg)
+{
+	struct stop_race *race = arg;
+	void *ok = crew_calls(race->block, CREW_CALLS) ? race->block : NULL;
+	__atomic_add_fetch(&race->finished, 1, __ATOMIC_RELEASE);
+	return ok;
+}
+
+START_TEST(a_stop_waits_for_the_call_that_holds_the_helpers)
+{
+	struct crew_block b;
+	crew_block_make(&b);
+	codec_fanout_set_threads(3);
+	/* Stops over and over while three callers run: the one holding the
+	 * crew finishes before its helpers are let go (a stop between its
+	 * taking the crew and posting its work left it waiting for helpers
+	 * that had left), the others start threads of their own, and every
+	 * result is still one call's. A hang is a failure. */
+	alarm(60);
+	struct stop_race race = { &b, 0 };
+	pthread_t callers[3];
+	for (int i = 0; i < 3; i++)
+		ck_assert_int_eq(pthread_create(&callers[i], NULL, counted_caller, &race), 0);
+	unsigned stops = 0;
+	while (__atomic_load_n(&race.finished, __ATOMIC_ACQUIRE) < 3) {
+		codec_fanout_stop();
+		stops++;
+	}
+	for (int i = 0; i < 3; i++) {
+		void *ok;
+		pthread_join(callers[i], &ok);
+		ck_assert_msg(ok == &b, "caller %d got other bytes (%u stops)", i, stops);
+	}
+	alarm(0);
+	ck_assert_uint_gt(stops, 0);
+	ck_assert(crew_calls(&b, 2));   /* and the crew comes back */
+	codec_fanout_stop();
+	codec_fanout_set_threads(1);
+	crew_block_free(&b);
+}
+END_TEST
+
 START_TEST(a_forked_child_starts_its_own_helpers)
 {
 	struct crew_block b;
@@ -652,8 +700,9 @@ static Suite *fanout_suite(void)
 		{ "block", { block_is_its_tensors_in_turn, block_errors_are_the_first_in_turn,
 			     NULL } },
 		{ "crew", { kept_helpers_give_one_calls_bytes_call_after_call,
-			    calls_at_once_share_no_helper, a_forked_child_starts_its_own_helpers,
-			    NULL } },
+			    calls_at_once_share_no_helper,
+			    a_stop_waits_for_the_call_that_holds_the_helpers,
+			    a_forked_child_starts_its_own_helpers, NULL } },
 	};
 	suite_add_cases(suite, cases, sizeof(cases) / sizeof(cases[0]), TEST_TIMEOUT_SECONDS);
 	return suite;
