@@ -347,8 +347,12 @@ int zc_client_set_timeout(zc_client *client, int timeout_ms);
  * switch on each side, and one more wake-up for nothing when the daemon
  * reads the request); polling keeps the caller's core, which waits
  * anyway, busy for at most this long per call. Set it to 0 where the
- * caller's core is better given to other threads. ZC_EINVALID above
- * ZC_RECEIVE_SPIN_US_MAX.
+ * caller's core is better given to other threads. A staged prefill
+ * layer's reply takes milliseconds, past the default: where idle cores
+ * are slow to wake (virtual machines that halt them), a caller that waits
+ * for layer after layer and has a core to spare can raise it to a few
+ * milliseconds (4000 took 2-10 % off a two-CPU prefill on the device's
+ * hosts, docs/BENCHMARKS.md). ZC_EINVALID above ZC_RECEIVE_SPIN_US_MAX.
  */
 #define ZC_RECEIVE_SPIN_US 50u
 #define ZC_RECEIVE_SPIN_US_MAX 100000u
