@@ -171,6 +171,7 @@ static struct {
 	pthread_mutex_t lock;
 	pthread_cond_t go, done, idle;   /* idle: busy went false */
 	bool busy, stopping, atfork;
+	bool closing;                 /* a stop is waiting for the holder: no new one */
 	unsigned started;             /* helpers alive */
 	unsigned wanted, finished;    /* of this generation */
 	uint64_t generation;
@@ -224,7 +225,7 @@ static void crew_fork_child(void)
 	pthread_cond_init(&crew.go, NULL);
 	pthread_cond_init(&crew.done, NULL);
 	pthread_cond_init(&crew.idle, NULL);
-	crew.busy = crew.stopping = false;
+	crew.busy = crew.stopping = crew.closing = false;
 	crew.started = crew.wanted = crew.finished = 0;
 	crew.f = NULL;
 	pthread_mutex_unlock(&crew.lock);
@@ -236,7 +237,7 @@ static unsigned crew_take(unsigned helpers)
 {
 	unsigned have = 0;
 	pthread_mutex_lock(&crew.lock);
-	if (!crew.busy && !crew.stopping) {
+	if (!crew.busy && !crew.closing) {
 		crew.busy = true;
 		if (!crew.atfork)
 			crew.atfork = pthread_atfork(crew_fork_prepare, crew_fork_parent,
@@ -288,8 +289,9 @@ void codec_fanout_stop(void)
 	/* A call that holds the crew finishes first. Stopping earlier would
 	 * let its helpers leave before it posts its generation (it took the
 	 * crew and has not posted yet), and it would wait for them forever.
-	 * Calls from now on find the crew stopping and start threads of
-	 * their own. */
+	 * Calls from now on find the crew closing and start threads of their
+	 * own, so the wait cannot be taken over by call after call. */
+	crew.closing = true;
 	while (crew.busy)
 		pthread_cond_wait(&crew.idle, &crew.lock);
 	crew.stopping = true;
@@ -300,7 +302,7 @@ void codec_fanout_stop(void)
 		pthread_join(crew.threads[i], NULL);
 	pthread_mutex_lock(&crew.lock);
 	crew.started = 0;
-	crew.stopping = false;
+	crew.stopping = crew.closing = false;
 	pthread_mutex_unlock(&crew.lock);
 }
 
