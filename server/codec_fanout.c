@@ -169,7 +169,7 @@ static void *part_main(void *arg)
  */
 static struct {
 	pthread_mutex_t lock;
-	pthread_cond_t go, done, idle;   /* idle: busy went false */
+	pthread_cond_t go, done, idle;   /* idle: busy or closing went false */
 	bool busy, stopping, atfork;
 	bool closing;                 /* a stop is waiting for the holder: no new one */
 	unsigned started;             /* helpers alive */
@@ -290,7 +290,10 @@ void codec_fanout_stop(void)
 	 * let its helpers leave before it posts its generation (it took the
 	 * crew and has not posted yet), and it would wait for them forever.
 	 * Calls from now on find the crew closing and start threads of their
-	 * own, so the wait cannot be taken over by call after call. */
+	 * own, so the wait cannot be taken over by call after call. A second
+	 * stop meanwhile waits for the first (one joins the helpers). */
+	while (crew.closing)
+		pthread_cond_wait(&crew.idle, &crew.lock);
 	crew.closing = true;
 	while (crew.busy)
 		pthread_cond_wait(&crew.idle, &crew.lock);
@@ -303,6 +306,7 @@ void codec_fanout_stop(void)
 	pthread_mutex_lock(&crew.lock);
 	crew.started = 0;
 	crew.stopping = crew.closing = false;
+	pthread_cond_broadcast(&crew.idle);
 	pthread_mutex_unlock(&crew.lock);
 }
 

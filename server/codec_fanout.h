@@ -28,7 +28,8 @@ unsigned codec_fanout_threads(void);
 
 /* Joins the helper threads kept between calls (a later call starts them
  * again), after the call that holds them, if any, has finished; calls
- * meanwhile run on threads of their own. At the daemon's exit. */
+ * meanwhile run on threads of their own, and a second stop waits for the
+ * first. At the daemon's exit. */
 void codec_fanout_stop(void);
 
 /* Where compressed bytes go on from the output buffer as soon as they

@@ -624,6 +624,15 @@ static void *counted_caller(void *arg)
 	return ok;
 }
 
+/* A second thread stopping the crew until the callers are done. */
+static void *stopper(void *arg)
+{
+	struct stop_race *race = arg;
+	while (__atomic_load_n(&race->finished, __ATOMIC_ACQUIRE) < 3)
+		codec_fanout_stop();
+	return NULL;
+}
+
 START_TEST(a_stop_waits_for_the_call_that_holds_the_helpers)
 {
 	struct crew_block b;
@@ -633,12 +642,15 @@ START_TEST(a_stop_waits_for_the_call_that_holds_the_helpers)
 	 * crew finishes before its helpers are let go (a stop between its
 	 * taking the crew and posting its work left it waiting for helpers
 	 * that had left), the others start threads of their own, and every
-	 * result is still one call's. A hang is a failure. */
+	 * result is still one call's. Two threads stop at once (one waits
+	 * for the other: a helper joined twice is undefined). A hang is a
+	 * failure. */
 	alarm(60);
 	struct stop_race race = { &b, 0 };
-	pthread_t callers[3];
+	pthread_t callers[3], second;
 	for (int i = 0; i < 3; i++)
 		ck_assert_int_eq(pthread_create(&callers[i], NULL, counted_caller, &race), 0);
+	ck_assert_int_eq(pthread_create(&second, NULL, stopper, &race), 0);
 	unsigned stops = 0;
 	while (__atomic_load_n(&race.finished, __ATOMIC_ACQUIRE) < 3) {
 		codec_fanout_stop();
@@ -649,6 +661,7 @@ START_TEST(a_stop_waits_for_the_call_that_holds_the_helpers)
 		pthread_join(callers[i], &ok);
 		ck_assert_msg(ok == &b, "caller %d got other bytes (%u stops)", i, stops);
 	}
+	pthread_join(second, NULL);
 	alarm(0);
 	ck_assert_uint_gt(stops, 0);
 	ck_assert(crew_calls(&b, 2));   /* and the crew comes back */
