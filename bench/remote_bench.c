@@ -32,17 +32,14 @@
  *
  * usage: remote [--quick] [--runs N] [--daemon PATH]
  */
-#include <arpa/inet.h>
 #include <errno.h>
 #include <limits.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -246,7 +243,8 @@ int main(int argc, char **argv)
 	size_t n_values = 0;
 	config.attach = true;
 	for (int run = -1; run < runs; run++) {
-		double before = bench_daemon_metric(metrics_port, "zipcache_remote_offload_seconds_total");
+		double before = bench_daemon_metric(metrics_port,
+						    "zipcache_remote_offload_seconds_total");
 		zc_session_release_views(session);
 		zc_session_release(session);
 		double until = bench_now_s() + WAIT_S;

@@ -860,15 +860,19 @@ static double daemon_update_seconds(void)
 				   "zipcache_request_duration_seconds_sum{op=\"update_and_fetch\"}");
 }
 
+/* One staged prefill's time, and the daemon's own for its updates (-1
+ * unknown), read from its metrics before and after. */
+struct staged_time {
+	double seconds, daemon_s;
+};
+
 /*
  * One prefill of every layer: the worker writes each layer's K and V into
  * the staging buffer (untimed: a worker that computes K/V straight into it
- * pays nothing extra), then the staged update is timed. *daemon: the
- * daemon's own time for those updates (-1 unknown), read before and after
- * the loop.
+ * pays nothing extra), then the staged update is timed.
  */
-static int prefill_layers(zc_session *s, const struct data *d, uint8_t *staging, double *seconds,
-			  double *daemon, double *slowest)
+static int prefill_layers(zc_session *s, const struct data *d, uint8_t *staging,
+			  struct staged_time *out, double *slowest)
 {
 	size_t half = 2 * (size_t)PREFILL_TOKENS * ROW_ELEMENTS;
 	double total = 0.0;
@@ -889,9 +893,9 @@ static int prefill_layers(zc_session *s, const struct data *d, uint8_t *staging,
 		if (t1 - t0 > *slowest)
 			*slowest = t1 - t0;
 	}
-	*seconds = total;
 	double daemon_after = daemon_update_seconds();
-	*daemon = daemon_before >= 0 && daemon_after >= 0 ? daemon_after - daemon_before : -1;
+	out->seconds = total;
+	out->daemon_s = daemon_before >= 0 && daemon_after >= 0 ? daemon_after - daemon_before : -1;
 	return 0;
 }
 
@@ -948,7 +952,7 @@ static int prefill_many_run(zc_client *client, const struct data *d, int run, do
 }
 
 static int prefill_run(zc_client *client, const struct data *d, uint8_t *staging, int run,
-		       double cold[2], double warm[2], double *slowest)
+		       struct staged_time *cold, struct staged_time *warm, double *slowest)
 {
 	char name[32];
 	zc_session *s;
@@ -958,11 +962,11 @@ static int prefill_run(zc_client *client, const struct data *d, uint8_t *staging
 	snprintf(name, sizeof name, "bench-prefill-%d", run);
 	if ((rc = open_prefill_session(client, name, &s)) < 0)
 		return rc;
-	rc = prefill_layers(s, d, staging, &cold[0], &cold[1], slowest);
+	rc = prefill_layers(s, d, staging, cold, slowest);
 	if (rc == 0)
 		rc = zc_session_trim(s, PREFILL_TOKENS, &trimmed);
 	if (rc == 0)
-		rc = prefill_layers(s, d, staging, &warm[0], &warm[1], slowest);
+		rc = prefill_layers(s, d, staging, warm, slowest);
 	if (rc < 0)
 		bench_fail_client(client, "prefill", rc);
 	int c = zc_session_close(s);
@@ -987,9 +991,9 @@ static int bench_prefill(zc_client *client, const struct data *d, const struct o
 		goto out;
 	}
 	/* Warm-up: the daemon's code paths and our staging pages. */
-	double cold[2], warm[2], copy;
-	double warm_up_slowest = 0.0;
-	if ((rc = prefill_run(client, d, staging, -1, cold, warm, &warm_up_slowest)) < 0)
+	struct staged_time cold, warm;
+	double copy, warm_up_slowest = 0.0;
+	if ((rc = prefill_run(client, d, staging, -1, &cold, &warm, &warm_up_slowest)) < 0)
 		goto out;
 	memcpy_layers(d, src, dst, &copy);
 
@@ -1007,15 +1011,15 @@ static int bench_prefill(zc_client *client, const struct data *d, const struct o
 			bench_fail_client(client, "staging buffer", rc);
 			goto out;
 		}
-		if ((rc = prefill_run(client, d, staging, run, cold, warm, &r->slowest_call_s)) < 0)
+		if ((rc = prefill_run(client, d, staging, run, &cold, &warm, &r->slowest_call_s)) < 0)
 			goto out;
-		tc[run] = cold[0];
-		tw[run] = warm[0];
-		dc[run] = cold[1];
-		dw[run] = warm[1];
-		oc[run] = cold[0] - cold[1];
-		ow[run] = warm[0] - warm[1];
-		daemon_known = daemon_known && cold[1] >= 0 && warm[1] >= 0;
+		tc[run] = cold.seconds;
+		tw[run] = warm.seconds;
+		dc[run] = cold.daemon_s;
+		dw[run] = warm.daemon_s;
+		oc[run] = cold.seconds - cold.daemon_s;
+		ow[run] = warm.seconds - warm.daemon_s;
+		daemon_known = daemon_known && cold.daemon_s >= 0 && warm.daemon_s >= 0;
 		if ((rc = prefill_many_run(client, d, run, &mc[run], &mw[run])) < 0)
 			goto out;
 		if (run % 2 == 0)
