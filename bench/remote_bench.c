@@ -254,7 +254,9 @@ int main(int argc, char **argv)
 			fprintf(stderr, "remote: the session was not offloaded within %.0f s\n", WAIT_S);
 			goto out;
 		}
-		double offload_s = bench_daemon_metric(metrics_port, "zipcache_remote_offload_seconds_total") - before;
+		double offload_s = bench_daemon_metric(metrics_port,
+						       "zipcache_remote_offload_seconds_total") -
+				   before;
 		if (!sizes) {
 			n_values = value_sizes(c, &sizes, &written);
 			size_t most = 0;
