@@ -31,10 +31,6 @@
  * cheaper than the staging round trip's bookkeeping. */
 #define INLINE_LIMIT_BYTES (256u << 10)
 
-/* zc_update_many stages at most this much at once: a 32-layer prefill of
- * 4096 tokens (16 MiB a layer at H 8, D 128) in batches of 16 layers. */
-#define MANY_STAGING_BYTES (256u << 20)
-
 /* A daemon's write of one layer takes microseconds to milliseconds: a
  * reader yields this many times before it starts to look at the clock and
  * the socket, then looks once per VIEW_POLL_NS. */
@@ -1508,11 +1504,12 @@ int zc_client_set_async_window(zc_client *client, unsigned window)
 	return 0;
 }
 
-/* Staged blocks of zc_update_many in flight at once: the one the daemon
- * compresses and the next. The daemon never waits for the next one, and
- * it is read while the cache still holds what the client just wrote (a
- * whole batch sent ahead is read back from memory: 2x slower on the Xeon
- * host). */
+/* Staged blocks of zc_update_many in flight at once, each in its own slot
+ * of the staging buffer: the one the daemon compresses and the next. The
+ * daemon never waits for the next one, and it reads it while the cache
+ * still holds what the client just wrote (a whole batch staged ahead is
+ * read back from memory: 2x slower on the Xeon host); the slots' pages,
+ * written again for every pair of blocks, stay mapped on both sides. */
 #define MANY_STAGED_AHEAD 2
 
 /* The reply to update i of a batch: counted in *done, or the first
@@ -1536,59 +1533,96 @@ static int many_reap(zc_session *session, const zc_update *u, uint64_t id, size_
 }
 
 /*
- * Sends n updates and waits for their replies: inline ones in one write;
- * staged ones (each copied to its own region of the staging buffer, at
- * `offsets`) each as soon as it is copied, at most MANY_STAGED_AHEAD
- * ahead of their replies. Each is applied or refused on its own: all are
- * counted, and the first refusal is the answer.
+ * Sends n inline updates in one write and waits for their replies. Each
+ * is applied or refused on its own: all are counted, and the first
+ * refusal is the answer.
  */
-static int many_batch(zc_session *session, const zc_update *updates, size_t n,
-		      const uint64_t *offsets, uint8_t *staging, size_t *done)
+static int many_inline(zc_session *session, const zc_update *updates, size_t n, size_t *done)
 {
 	zc_client *client = session->client;
-	size_t used = client->unsent, reaped = 0, queued = 0;
+	size_t used = client->unsent;
 	uint64_t ids[ZC_ASYNC_WINDOW];
 	int first = 0, rc = 0;
 	char first_error[sizeof(client->last_error)];
 	if (n == 0 || n > ZC_ASYNC_WINDOW)
 		return 0;
+	for (size_t i = 0; i < n; i++) {
+		const zc_update *u = &updates[i];
+		if ((rc = update_encode(session, u->layer, u->tokens, u->keys, u->values, false, 0, 0,
+					&used, &ids[i])) < 0)
+			return rc;
+	}
+	if ((rc = async_queue(session, 0, updates, used, ids[0], (unsigned)n, true)) < 0)
+		return rc;
+	for (size_t i = 0; i < n; i++)
+		if ((rc = many_reap(session, &updates[i], ids[i], done, &first, first_error)) < 0)
+			return rc;
+	if (first < 0)
+		memcpy(client->last_error, first_error, sizeof(first_error));
+	return first;
+}
+
+/* The staging buffer for staged updates of up to slot_bytes each: *slots
+ * slots if the daemon makes a buffer that large, else one (its
+ * --max-staging-bytes, the uid's staging quota or its memory may allow no
+ * more); *slots says which. */
+static int many_staging(zc_client *client, uint64_t slot_bytes, size_t *slots, void **buffer)
+{
+	int rc = zc_client_staging(client, *slots * slot_bytes, buffer);
+	if (rc < 0 && *slots > 1 && !client->broken) {
+		*slots = 1;
+		rc = zc_client_staging(client, slot_bytes, buffer);
+	}
+	return rc;
+}
+
+/*
+ * Sends n staged updates through `slots` slots of slot_bytes in the
+ * staging buffer: update i is copied into slot i % slots as soon as the
+ * one before it there is answered, and sent at once. Each is applied or
+ * refused on its own: all are counted, and the first refusal is the
+ * answer.
+ */
+static int many_staged(zc_session *session, const zc_update *updates, size_t n,
+		       uint8_t *staging, uint64_t slot_bytes, size_t slots, size_t *done)
+{
+	zc_client *client = session->client;
+	uint64_t ids[MANY_STAGED_AHEAD];
+	size_t reaped = 0, queued = 0;
+	int first = 0, rc = 0;
+	char first_error[sizeof(client->last_error)];
 	for (size_t i = 0; i < n && rc == 0; i++) {
 		const zc_update *u = &updates[i];
-		uint64_t key_bytes, value_bytes;
+		uint64_t key_bytes, value_bytes, at = (i % slots) * slot_bytes;
+		size_t used = client->unsent;
 		block_bytes(session, u->tokens, &key_bytes, &value_bytes);
-		if (offsets) {
-			for (; reaped + MANY_STAGED_AHEAD <= i; reaped++)
-				if ((rc = many_reap(session, &updates[reaped], ids[reaped], done,
-						    &first, first_error)) < 0)
-					return rc;
-			memcpy(staging + offsets[i], u->keys, key_bytes);
-			memcpy(staging + offsets[i] + key_bytes, u->values, value_bytes);
-		}
-		rc = update_encode(session, u->layer, u->tokens, u->keys, u->values, offsets != NULL,
-				   offsets ? offsets[i] : 0, offsets ? offsets[i] + key_bytes : 0,
-				   &used, &ids[i]);
-		if (rc == 0 && offsets) {
+		for (; reaped + slots <= i; reaped++)
+			if ((rc = many_reap(session, &updates[reaped], ids[reaped % slots], done,
+					    &first, first_error)) < 0)
+				return rc;
+		memcpy(staging + at, u->keys, key_bytes);
+		memcpy(staging + at + key_bytes, u->values, value_bytes);
+		rc = update_encode(session, u->layer, u->tokens, u->keys, u->values, true, at,
+				   at + key_bytes, &used, &ids[i % slots]);
+		if (rc == 0) {
 			queued = i + 1;
-			rc = async_queue(session, 0, u, used, ids[i], 1, true);
-			used = client->unsent;
+			rc = async_queue(session, 0, u, used, ids[i % slots], 1, true);
 		}
 	}
 	if (rc < 0) {
 		/* Blocks already sent are answered before the error goes back:
-		 * their replies are theirs, and the staging regions they name
-		 * are the next batch's. */
+		 * their replies are theirs, and the slots they name are the
+		 * next call's. */
 		char error[sizeof(client->last_error)];
 		memcpy(error, client->last_error, sizeof(error));
 		for (; reaped < queued && !client->broken; reaped++)
-			(void)many_reap(session, &updates[reaped], ids[reaped], done, &first,
+			(void)many_reap(session, &updates[reaped], ids[reaped % slots], done, &first,
 					first_error);
 		memcpy(client->last_error, error, sizeof(error));
 		return rc;
 	}
-	if (!offsets && (rc = async_queue(session, 0, updates, used, ids[0], (unsigned)n, true)) < 0)
-		return rc;
 	for (; reaped < n; reaped++)
-		if ((rc = many_reap(session, &updates[reaped], ids[reaped], done, &first,
+		if ((rc = many_reap(session, &updates[reaped], ids[reaped % slots], done, &first,
 				    first_error)) < 0)
 			return rc;
 	if (first < 0)
@@ -1601,7 +1635,6 @@ int zc_update_many(zc_session *session, const zc_update *updates, size_t n, size
 	zc_client *client = session->client;
 	uint64_t limit = client->server.max_inline_bytes < INLINE_LIMIT_BYTES ?
 				 client->server.max_inline_bytes : INLINE_LIMIT_BYTES;
-	uint64_t offsets[ZC_ASYNC_WINDOW];
 	size_t applied = 0;
 	int rc = 0;
 
@@ -1622,28 +1655,33 @@ int zc_update_many(zc_session *session, const zc_update *updates, size_t n, size
 	int first = 0;
 	char first_error[sizeof(client->last_error)];
 	for (size_t i = 0; i < n && !client->broken;) {
-		/* A batch: inline blocks, or staged ones that fit one buffer. */
-		uint64_t key_bytes, value_bytes, staged = 0;
+		/* A run of inline blocks (a window's worth), or of staged ones
+		 * (any number: only MANY_STAGED_AHEAD are in flight). */
+		uint64_t key_bytes, value_bytes, slot_bytes = 0;
 		block_bytes(session, updates[i].tokens, &key_bytes, &value_bytes);
 		bool inline_ = key_bytes + value_bytes <= limit;
 		size_t count = 0;
-		while (i + count < n && count < client->window) {
+		while (i + count < n && (!inline_ || count < client->window)) {
 			block_bytes(session, updates[i + count].tokens, &key_bytes, &value_bytes);
 			uint64_t bytes = key_bytes + value_bytes;
-			if ((bytes <= limit) != inline_ ||
-			    (!inline_ && count > 0 && staged + bytes > MANY_STAGING_BYTES))
+			if ((bytes <= limit) != inline_)
 				break;
-			if (!inline_)
-				offsets[count] = staged, staged += (bytes + 63) & ~(uint64_t)63;
+			/* Slots on cache lines: the daemon's reads of one never
+			 * share a line with the client's writes of the next. */
+			bytes = (bytes + 63) & ~(uint64_t)63;
+			slot_bytes = bytes > slot_bytes ? bytes : slot_bytes;
 			count++;
 		}
-		void *buffer = NULL;
-		if (!inline_) {
-			rc = zc_client_staging(client, staged, &buffer);
-			if (rc < 0)
-				break;
+		if (inline_) {
+			rc = many_inline(session, updates + i, count, &applied);
+		} else {
+			size_t slots = count < MANY_STAGED_AHEAD ? count : MANY_STAGED_AHEAD;
+			void *buffer = NULL;
+			rc = many_staging(client, slot_bytes, &slots, &buffer);
+			if (rc == 0)
+				rc = many_staged(session, updates + i, count, buffer, slot_bytes,
+						 slots, &applied);
 		}
-		rc = many_batch(session, updates + i, count, inline_ ? NULL : offsets, buffer, &applied);
 		if (rc < 0 && first == 0) {
 			first = rc;
 			memcpy(first_error, client->last_error, sizeof(first_error));

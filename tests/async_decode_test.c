@@ -667,6 +667,108 @@ START_TEST(update_many_prefills_through_staging)
 }
 END_TEST
 
+/* zc_update_many's staged blocks share two slots of the staging buffer,
+ * each the size of the largest block, whatever their number: the buffer
+ * stays that size, and a daemon whose --max-staging-bytes holds one slot
+ * but not two still takes every block, one at a time. */
+static void update_many_staged_run(const char *max_staging, uint64_t most_slots)
+{
+	struct service service;
+	zc_session_config config = shaped_config("slots", 4, 1, 8, 128, 128, 8192,
+						 ZC_POLICY_STREAMING, 128);
+	struct model model;
+	struct rng rng;
+	enum { BLOCKS = 12 };
+	struct block blocks[BLOCKS];
+	zc_update updates[BLOCKS];
+	size_t done = 99;
+
+	if (max_staging)
+		service_start(&service, (const char *const[]){ "--max-staging-bytes", max_staging,
+							       NULL });
+	else
+		service_start(&service, NULL);
+	/* Only the staging buffer in the uid's staging bytes. */
+	ck_assert_int_eq(zc_client_set_async_ring(service.client, 0), 0);
+	zc_session *session = open_session(service.client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 515);
+	uint64_t slot = 0;
+	for (int i = 0; i < BLOCKS; i++) {
+		/* 300 to 330 tokens: 1.2 to 1.3 MiB of K+V, over the inline limit. */
+		uint32_t layer = (uint32_t)i % 4, tokens = 300 + (uint32_t)rng_below(&rng, 31);
+		block_make(&blocks[i], &model, tokens, &rng);
+		uint64_t bytes = 2 * (blocks[i].key_elements + blocks[i].value_elements);
+		bytes = (bytes + 63) & ~(uint64_t)63;
+		slot = bytes > slot ? bytes : slot;
+		ck_assert_int_eq(model_update(&model, layer, tokens, blocks[i].keys, blocks[i].values), 0);
+		updates[i] = (zc_update){ layer, tokens, blocks[i].keys, blocks[i].values };
+	}
+	int rc = zc_update_many(session, updates, BLOCKS, &done);
+	ck_assert_msg(rc == 0, "%s (%s)", zc_error_name(rc), zc_client_last_error(service.client));
+	ck_assert_uint_eq(done, BLOCKS);
+	CHECK(session_matches, session, &model);
+	zc_uid_stats uid;
+	ck_assert_int_eq(zc_client_uid_stats(service.client, &uid, NULL, NULL), 0);
+	uint64_t bound = (most_slots * slot + 4095) & ~(uint64_t)4095;
+	ck_assert_msg(uid.staging_bytes > 0 && uid.staging_bytes <= bound,
+		      "staging buffer of %" PRIu64 " bytes, at most %" PRIu64 " slot(s) of %" PRIu64
+		      " expected", uid.staging_bytes, most_slots, slot);
+	for (int i = 0; i < BLOCKS; i++)
+		block_free(&blocks[i]);
+	model_free(&model);
+	zc_session_release(session);
+	service_stop(&service);
+}
+
+START_TEST(update_many_stages_through_two_slots)
+{
+	update_many_staged_run(NULL, 2);
+}
+END_TEST
+
+START_TEST(update_many_takes_one_slot_where_two_are_refused)
+{
+	/* 1.5 MiB: one block of up to 1.3 MiB, not two. */
+	update_many_staged_run("1572864", 1);
+}
+END_TEST
+
+/* A daemon that makes no staging buffer large enough for a block: that
+ * block is refused with the daemon's reason, and the blocks after it
+ * that go inline are still applied. */
+START_TEST(update_many_says_so_when_no_slot_fits)
+{
+	struct service service;
+	zc_session_config config = shaped_config("no-slot", 4, 1, 8, 128, 128, 2048,
+						 ZC_POLICY_STREAMING, 128);
+	struct model model;
+	struct rng rng;
+	struct block big, small;
+	size_t done = 99;
+
+	/* 1 MiB: less than the 1.2 MiB block. */
+	service_start(&service, (const char *const[]){ "--max-staging-bytes", "1048576", NULL });
+	zc_session *session = open_session(service.client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 616);
+	block_make(&big, &model, 300, &rng);
+	block_make(&small, &model, 5, &rng);
+	ck_assert_int_eq(model_update(&model, 1, 5, small.keys, small.values), 0);
+	zc_update updates[2] = { { 0, 300, big.keys, big.values }, { 1, 5, small.keys, small.values } };
+	ck_assert_int_eq(zc_update_many(session, updates, 2, &done), ZC_EEXHAUSTED);
+	ck_assert_uint_eq(done, 1);
+	ck_assert_ptr_nonnull(strstr(zc_client_last_error(service.client), "staging"));
+	barrier(session);
+	CHECK(session_matches, session, &model);
+	block_free(&big);
+	block_free(&small);
+	model_free(&model);
+	zc_session_release(session);
+	service_stop(&service);
+}
+END_TEST
+
 /* The daemon dies with updates in flight and some not yet written: the
  * wait says so, the connection is broken, and releasing the session (or
  * closing the client) does not wait out the timeout for replies that will
@@ -801,6 +903,9 @@ static Suite *async_decode_suite(void)
 	tcase_add_test(async, async_decode_equals_sync_batched_writes);
 	tcase_add_test(async, async_refusals_name_the_request);
 	tcase_add_test(async, update_many_prefills_through_staging);
+	tcase_add_test(async, update_many_stages_through_two_slots);
+	tcase_add_test(async, update_many_takes_one_slot_where_two_are_refused);
+	tcase_add_test(async, update_many_says_so_when_no_slot_fits);
 	tcase_add_test(async, async_updates_when_the_daemon_dies);
 	suite_add_tcase(s, async);
 	return s;

@@ -576,15 +576,20 @@ int zc_client_async_ring(const zc_client *client, size_t *bytes, uint64_t *doorb
  * Many blocks at once (a prefill of every layer), without a round trip
  * per block; the daemon applies them in its session's order. Inline
  * blocks are sent in one write (up to the window's worth) and their
- * replies read together. Blocks over the inline limit go through the
- * staging buffer (batches of up to 256 MiB, each block its own region):
- * each is sent as soon as it is copied there, at most two ahead of their
- * replies, so the daemon compresses one while the next is copied and
- * reads it while it is still in cache. Each block is applied or refused
- * on its own, as if sent alone: a refused one does not hold back those
- * after it. *done: how many were applied; returns the first refusal's
- * code (zc_client_last_error: its sentence), or 0. A broken connection
- * stops it (see Failures at the top).
+ * replies read together. Blocks over the inline limit go through two
+ * slots of the staging buffer, each the size of the largest of them, in
+ * turn: each is sent as soon as it is copied into its slot, once the
+ * block before it there is answered, so the daemon compresses one while
+ * the next is copied and reads it while it is still in cache, and the
+ * buffer stays two blocks large however many there are (one slot, one
+ * block at a time, where the daemon makes no buffer of two: its
+ * --max-staging-bytes, the uid's staging quota or its memory). Each
+ * block is applied or refused on its own, as if sent alone: a refused
+ * one does not hold back those after it (blocks for which no staging
+ * buffer could be had are refused with the daemon's reason). *done: how
+ * many were applied; returns the first refusal's code
+ * (zc_client_last_error: its sentence), or 0. A broken connection stops
+ * it (see Failures at the top).
  */
 typedef struct zc_update {
 	uint32_t layer;
