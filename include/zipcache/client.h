@@ -604,7 +604,10 @@ int zc_update_many(zc_session *session, const zc_update *updates, size_t n, size
  * The zero-copy way in for large blocks: a buffer shared with the daemon,
  * at least `bytes` long, that the caller fills and then names by offset
  * in zc_update_and_fetch_staged(). The pointer is valid until the next
- * zc_client_staging() that needs a larger buffer, or zc_client_close().
+ * zc_client_staging() that needs a larger buffer, a zc_update_many() of
+ * blocks over the inline limit (which uses this buffer, made larger where
+ * two of its blocks do not fit, and leaves its bytes undefined), or
+ * zc_client_close().
  */
 int zc_client_staging(zc_client *client, size_t bytes, void **buffer);
 
