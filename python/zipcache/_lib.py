@@ -377,6 +377,15 @@ class zc_layer_contents(Structure):
     ]
 
 
+class zc_update(Structure):
+    _fields_ = [
+        ("layer", c_uint32),
+        ("tokens", c_uint32),
+        ("keys", c_void_p),
+        ("values", c_void_p),
+    ]
+
+
 class zc_block(Structure):
     _fields_ = [
         ("layer", c_uint32),
@@ -509,6 +518,7 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "zc_wait": (c_int, [zc_session_p, c_uint32, c_uint64]),
     "zc_poll": (c_int, [zc_session_p, c_uint32, c_uint64]),
     "zc_wait_all": (c_int, [zc_client_p]),
+    "zc_update_many": (c_int, [zc_session_p, POINTER(zc_update), c_size_t, POINTER(c_size_t)]),
     "zc_client_set_async_window": (c_int, [zc_client_p, c_uint]),
     "zc_client_set_async_batch": (c_int, [zc_client_p, c_uint]),
     "zc_client_set_async_ring": (c_int, [zc_client_p, c_size_t]),

@@ -1052,6 +1052,59 @@ class Session:
             return int(view.tokens)
         return self._arrays(handle, layer, view, view.tokens)
 
+    def update_many(self, blocks: Any) -> int:
+        """Appends many [B, H, S, D] float16 blocks, each ``(layer, keys, values)``,
+        in order, without a round trip per block (a prefill of every layer);
+        returns how many were applied.
+
+        Every block's layer, shape and dtype (and, with ``check_finite``, its
+        values) are checked before anything is sent. Large blocks go through
+        two slots of the connection's staging buffer in turn, so the daemon
+        compresses one while the next is copied. Each block is applied or
+        refused on its own, as if sent alone: a refused one does not hold back
+        those after it, and the first refusal is raised once all were sent,
+        with ``applied`` (how many were) on the exception. The layers' contents
+        are not returned: read them with ``view`` or ``reconstruct_layer``.
+        """
+        handle = self._native()
+        i = self._info
+        checked = []
+        for n, block in enumerate(blocks):
+            try:
+                layer, keys, values = block
+            except (TypeError, ValueError):
+                raise InvalidArgument(_lib.ZC_EINVALID,
+                                      f"block {n}: expected (layer, keys, values); nothing "
+                                      "was sent", operation="update_many") from None
+            layer = self._check_layer(layer, "update_many")
+            keys = _check_block(keys, f"block {n} keys", i.batch, i.kv_heads, i.head_dim_k, None)
+            tokens = keys.shape[2]
+            values = _check_block(values, f"block {n} values", i.batch, i.kv_heads,
+                                  i.head_dim_v, tokens)
+            if self.check_finite:
+                for what, array in (("keys", keys), ("values", values)):
+                    if not np.isfinite(array).all():
+                        raise InvalidArgument(_lib.ZC_ENONFINITE,
+                                              f"block {n} {what} contain NaN or Inf; nothing "
+                                              "was sent", operation="update_many")
+            checked.append((layer, tokens, keys, values))
+        if not checked:
+            return 0
+        updates = (_lib.zc_update * len(checked))()
+        for n, (layer, tokens, keys, values) in enumerate(checked):
+            updates[n] = _lib.zc_update(layer, tokens, keys.ctypes.data, values.ctypes.data)
+        done = ctypes.c_size_t()
+        client = handle.client
+        with client.lock:
+            rc = lib.zc_update_many(handle.ptr, updates, len(checked), ctypes.byref(done))
+            for layer, _, _, _ in checked:
+                self._stats[layer] = None  # the replies carry no stats
+            if rc < 0:
+                error = error_from_code(rc, client.last_error(), "update_many")
+                error.applied = int(done.value)
+                raise error
+        return int(done.value)
+
     # -- zero-round-trip decode
 
     def update_async(self, layer: int, keys: Any, values: Any) -> int:

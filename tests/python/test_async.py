@@ -135,3 +135,67 @@ def test_receive_spin_keeps_answers_the_same(client, open_session, spin):
     with pytest.raises(zipcache.InvalidArgument):
         client.set_receive_spin(100001)
     client.set_receive_spin(50)
+
+
+def _prefill_blocks(rng, plan, heads=8, dim=128):
+    return [(layer, make_keys(rng, 1, heads, tokens, dim), make_values(rng, 1, heads, tokens, dim))
+            for layer, tokens in plan]
+
+
+# 300 tokens at H 8, D 128: 1.2 MiB of K+V, over the inline limit (staged).
+_MANY_SHAPE = dict(layers=3, kv_heads=8, head_dim=128, residual_tokens=128, max_tokens=2048)
+
+
+def test_update_many_equals_one_update_per_block(client, open_session):
+    """A prefill of every layer in one update_many, large blocks through the
+    staging slots and short ones inline, holds bit for bit what one
+    update_and_fetch per block does."""
+    rng = np.random.default_rng(515)
+    many, one = _pair(open_session, "py-many", "py-one", **_MANY_SHAPE)
+    blocks = _prefill_blocks(rng, [(0, 300), (1, 300), (2, 330), (0, 5), (1, 310), (2, 7)])
+    assert many.update_many(blocks) == len(blocks)
+    assert many.update_many([]) == 0
+    for layer, k, v in blocks:
+        one.update_and_fetch(layer, k, v)
+    for layer in range(3):
+        ka, va = many.view(layer)
+        ks, vs = one.view(layer)
+        assert ka.shape[2] == sum(k.shape[2] for l, k, _ in blocks if l == layer)
+        assert_bits_equal(ka, ks)
+        assert_bits_equal(va, vs)
+
+
+def test_update_many_checks_every_block_before_sending(client, open_session):
+    """A bad block anywhere in the list (shape, layer, form, NaN with
+    check_finite) fails the call with nothing sent."""
+    rng = np.random.default_rng(516)
+    s = open_session(name="py-many-checks", check_finite=True, **_MANY_SHAPE)
+    good = _prefill_blocks(rng, [(0, 300), (1, 5)])
+    k, v = make_keys(rng, 1, 8, 300, 128), make_values(rng, 1, 8, 300, 128)
+    nan = v.copy()
+    nan[0, 3, 17, 9] = np.nan
+    for bad, kind in [((2, k[:, :4], v[:, :4]), zipcache.InvalidArgument),
+                      ((2, k, v[:, :, :299]), zipcache.InvalidArgument),
+                      ((3, k, v), zipcache.InvalidArgument),
+                      ((2, k), zipcache.InvalidArgument),
+                      ((2, k, nan), zipcache.InvalidArgument),
+                      ((2, k.astype(np.float32), v), TypeError)]:
+        with pytest.raises(kind):
+            s.update_many(good + [bad])
+    for layer in range(3):
+        assert s.tokens(layer) == 0
+
+
+def test_update_many_refusal_holds_back_nothing_else(client, open_session):
+    """The daemon refuses one staged block (an Inf it finds itself): the
+    error names that layer and says how many were applied, and the blocks
+    before and after it are stored."""
+    rng = np.random.default_rng(517)
+    s = open_session(name="py-many-refused", **_MANY_SHAPE)
+    blocks = _prefill_blocks(rng, [(0, 300), (1, 300), (2, 300), (0, 4)])
+    blocks[1][2][0, 0, 0, 0] = np.inf
+    with pytest.raises(zipcache.InvalidArgument) as caught:
+        s.update_many(blocks)
+    assert caught.value.applied == 3
+    assert "layer 1" in str(caught.value)
+    assert [s.tokens(layer) for layer in range(3)] == [304, 0, 300]
