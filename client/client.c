@@ -1612,12 +1612,16 @@ static int many_staged(zc_session *session, const zc_update *updates, size_t n,
 	if (rc < 0) {
 		/* Blocks already sent are answered before the error goes back:
 		 * their replies are theirs, and the slots they name are the
-		 * next call's. */
+		 * next call's. A refusal among them is still the first one. */
 		char error[sizeof(client->last_error)];
 		memcpy(error, client->last_error, sizeof(error));
 		for (; reaped < queued && !client->broken; reaped++)
 			(void)many_reap(session, &updates[reaped], ids[reaped % slots], done, &first,
 					first_error);
+		if (first < 0 && !client->broken) {
+			memcpy(client->last_error, first_error, sizeof(first_error));
+			return first;
+		}
 		memcpy(client->last_error, error, sizeof(error));
 		return rc;
 	}
@@ -1625,6 +1629,36 @@ static int many_staged(zc_session *session, const zc_update *updates, size_t n,
 		if ((rc = many_reap(session, &updates[reaped], ids[reaped % slots], done, &first,
 				    first_error)) < 0)
 			return rc;
+	if (first < 0)
+		memcpy(client->last_error, first_error, sizeof(first_error));
+	return first;
+}
+
+/* Staged updates for which the daemon made no slot of the largest one's
+ * size: each through a buffer of its own size, one at a time, so that only
+ * the blocks it makes no buffer for are refused (with its reason). */
+static int many_one_by_one(zc_session *session, const zc_update *updates, size_t n,
+			   size_t *done)
+{
+	zc_client *client = session->client;
+	int first = 0;
+	char first_error[sizeof(client->last_error)];
+	for (size_t i = 0; i < n && !client->broken; i++) {
+		uint64_t key_bytes, value_bytes;
+		size_t slots = 1;
+		void *buffer = NULL;
+		block_bytes(session, updates[i].tokens, &key_bytes, &value_bytes);
+		int rc = many_staging(client, key_bytes + value_bytes, &slots, &buffer);
+		if (rc == 0)
+			rc = many_staged(session, updates + i, 1, buffer, key_bytes + value_bytes, 1,
+					 done);
+		if (rc < 0 && client->broken)
+			return rc;
+		if (rc < 0 && first == 0) {
+			first = rc;
+			memcpy(first_error, client->last_error, sizeof(first_error));
+		}
+	}
 	if (first < 0)
 		memcpy(client->last_error, first_error, sizeof(first_error));
 	return first;
@@ -1681,6 +1715,8 @@ int zc_update_many(zc_session *session, const zc_update *updates, size_t n, size
 			if (rc == 0)
 				rc = many_staged(session, updates + i, count, buffer, slot_bytes,
 						 slots, &applied);
+			else if (!client->broken)
+				rc = many_one_by_one(session, updates + i, count, &applied);
 		}
 		if (rc < 0 && first == 0) {
 			first = rc;

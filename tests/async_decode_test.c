@@ -769,6 +769,46 @@ START_TEST(update_many_says_so_when_no_slot_fits)
 }
 END_TEST
 
+/* One staged block too large for any buffer the daemon makes, among
+ * others that fit: only it is refused, and the others are applied, as if
+ * each had been sent alone. */
+START_TEST(update_many_refuses_only_the_block_no_slot_fits)
+{
+	struct service service;
+	zc_session_config config = shaped_config("one-too-big", 4, 1, 8, 128, 128, 2048,
+						 ZC_POLICY_STREAMING, 128);
+	struct model model;
+	struct rng rng;
+	struct block blocks[3];
+	static const uint32_t tokens[3] = { 300, 400, 300 };
+	zc_update updates[3];
+	size_t done = 99;
+
+	/* 1.5 MiB: a 300-token block (1.2 MiB), not a 400-token one (1.6 MiB). */
+	service_start(&service, (const char *const[]){ "--max-staging-bytes", "1572864", NULL });
+	zc_session *session = open_session(service.client, &config);
+	model_init(&model, &config);
+	rng_seed(&rng, 717);
+	for (int i = 0; i < 3; i++) {
+		block_make(&blocks[i], &model, tokens[i], &rng);
+		updates[i] = (zc_update){ (uint32_t)i, tokens[i], blocks[i].keys, blocks[i].values };
+		if (i != 1)
+			ck_assert_int_eq(model_update(&model, (uint32_t)i, tokens[i], blocks[i].keys,
+						      blocks[i].values), 0);
+	}
+	ck_assert_int_eq(zc_update_many(session, updates, 3, &done), ZC_EEXHAUSTED);
+	ck_assert_uint_eq(done, 2);
+	ck_assert_ptr_nonnull(strstr(zc_client_last_error(service.client), "staging"));
+	barrier(session);
+	CHECK(session_matches, session, &model);
+	for (int i = 0; i < 3; i++)
+		block_free(&blocks[i]);
+	model_free(&model);
+	zc_session_release(session);
+	service_stop(&service);
+}
+END_TEST
+
 /* The daemon dies with updates in flight and some not yet written: the
  * wait says so, the connection is broken, and releasing the session (or
  * closing the client) does not wait out the timeout for replies that will
@@ -906,6 +946,7 @@ static Suite *async_decode_suite(void)
 	tcase_add_test(async, update_many_stages_through_two_slots);
 	tcase_add_test(async, update_many_takes_one_slot_where_two_are_refused);
 	tcase_add_test(async, update_many_says_so_when_no_slot_fits);
+	tcase_add_test(async, update_many_refuses_only_the_block_no_slot_fits);
 	tcase_add_test(async, async_updates_when_the_daemon_dies);
 	suite_add_tcase(s, async);
 	return s;

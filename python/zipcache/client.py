@@ -48,7 +48,7 @@ import numpy as np
 from . import _lib
 from ._lib import lib
 from ._mapping import _mapped_array
-from .errors import InvalidArgument, NotFound, StaleView, error_from_code
+from .errors import InvalidArgument, NotFound, StaleView, ZipCacheError, error_from_code
 from .reader import Block, LayerRead, ReadAttempts, reconstruct_layer
 
 __all__ = [
@@ -711,7 +711,7 @@ def _session_config(*, layers: int, kv_heads: int, head_dim: int, max_tokens: in
 
 
 def _check_block(x: Any, what: str, batch: int, heads: int, head_dim: int,
-                 tokens: int | None) -> np.ndarray:
+                 tokens: int | None, operation: str = "update_and_fetch") -> np.ndarray:
     """Validates one K or V block and returns it as a C-contiguous <f2 array.
 
     Everything is checked here, before a byte is sent, so a bad call leaves
@@ -725,7 +725,7 @@ def _check_block(x: Any, what: str, batch: int, heads: int, head_dim: int,
     if array.ndim != 4:
         raise InvalidArgument(_lib.ZC_ESHAPE,
                               f"{what} must be 4-D [B, H, S, D], got shape {array.shape}",
-                              operation="update_and_fetch")
+                              operation=operation)
     b, h, s, d = array.shape
     if (b, h, d) != (batch, heads, head_dim) or s < 1 or (tokens is not None and s != tokens):
         want_s = "S>=1" if tokens is None else str(tokens)
@@ -733,11 +733,11 @@ def _check_block(x: Any, what: str, batch: int, heads: int, head_dim: int,
             _lib.ZC_ESHAPE,
             f"{what} must have shape [B, H, S, D] = [{batch}, {heads}, {want_s}, {head_dim}], "
             f"got {array.shape}",
-            operation="update_and_fetch",
+            operation=operation,
         )
     if s > _UINT32_MAX:
         raise InvalidArgument(_lib.ZC_ESHAPE, f"{what}: {s} tokens in one block is too many",
-                              operation="update_and_fetch")
+                              operation=operation)
     return np.ascontiguousarray(array, dtype="<f2")
 
 
@@ -1062,32 +1062,38 @@ class Session:
         two slots of the connection's staging buffer in turn, so the daemon
         compresses one while the next is copied. Each block is applied or
         refused on its own, as if sent alone: a refused one does not hold back
-        those after it, and the first refusal is raised once all were sent,
-        with ``applied`` (how many were) on the exception. The layers' contents
+        those after it, and the first refusal is raised once all were sent.
+        Every exception it raises carries ``applied``: how many blocks were
+        applied (0 when a check failed before sending). The layers' contents
         are not returned: read them with ``view`` or ``reconstruct_layer``.
         """
         handle = self._native()
         i = self._info
         checked = []
-        for n, block in enumerate(blocks):
-            try:
-                layer, keys, values = block
-            except (TypeError, ValueError):
-                raise InvalidArgument(_lib.ZC_EINVALID,
-                                      f"block {n}: expected (layer, keys, values); nothing "
-                                      "was sent", operation="update_many") from None
-            layer = self._check_layer(layer, "update_many")
-            keys = _check_block(keys, f"block {n} keys", i.batch, i.kv_heads, i.head_dim_k, None)
-            tokens = keys.shape[2]
-            values = _check_block(values, f"block {n} values", i.batch, i.kv_heads,
-                                  i.head_dim_v, tokens)
-            if self.check_finite:
-                for what, array in (("keys", keys), ("values", values)):
-                    if not np.isfinite(array).all():
-                        raise InvalidArgument(_lib.ZC_ENONFINITE,
-                                              f"block {n} {what} contain NaN or Inf; nothing "
-                                              "was sent", operation="update_many")
-            checked.append((layer, tokens, keys, values))
+        try:
+            for n, block in enumerate(blocks):
+                try:
+                    layer, keys, values = block
+                except (TypeError, ValueError):
+                    raise InvalidArgument(_lib.ZC_EINVALID,
+                                          f"block {n}: expected (layer, keys, values); nothing "
+                                          "was sent", operation="update_many") from None
+                layer = self._check_layer(layer, "update_many")
+                keys = _check_block(keys, f"block {n} keys", i.batch, i.kv_heads, i.head_dim_k,
+                                    None, "update_many")
+                tokens = keys.shape[2]
+                values = _check_block(values, f"block {n} values", i.batch, i.kv_heads,
+                                      i.head_dim_v, tokens, "update_many")
+                if self.check_finite:
+                    for what, array in (("keys", keys), ("values", values)):
+                        if not np.isfinite(array).all():
+                            raise InvalidArgument(_lib.ZC_ENONFINITE,
+                                                  f"block {n} {what} contain NaN or Inf; "
+                                                  "nothing was sent", operation="update_many")
+                checked.append((layer, tokens, keys, values))
+        except (ZipCacheError, TypeError) as error:
+            error.applied = 0
+            raise
         if not checked:
             return 0
         updates = (_lib.zc_update * len(checked))()
@@ -1121,9 +1127,11 @@ class Session:
         handle = self._native()
         layer = self._check_layer(layer, "update_async")
         i = self._info
-        keys = _check_block(keys, "keys", i.batch, i.kv_heads, i.head_dim_k, None)
+        keys = _check_block(keys, "keys", i.batch, i.kv_heads, i.head_dim_k, None,
+                            "update_async")
         tokens = keys.shape[2]
-        values = _check_block(values, "values", i.batch, i.kv_heads, i.head_dim_v, tokens)
+        values = _check_block(values, "values", i.batch, i.kv_heads, i.head_dim_v, tokens,
+                              "update_async")
         if self.check_finite:
             for what, block in (("keys", keys), ("values", values)):
                 if not np.isfinite(block).all():

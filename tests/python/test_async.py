@@ -180,8 +180,11 @@ def test_update_many_checks_every_block_before_sending(client, open_session):
                       ((2, k), zipcache.InvalidArgument),
                       ((2, k, nan), zipcache.InvalidArgument),
                       ((2, k.astype(np.float32), v), TypeError)]:
-        with pytest.raises(kind):
+        with pytest.raises(kind) as caught:
             s.update_many(good + [bad])
+        assert caught.value.applied == 0
+        if kind is zipcache.InvalidArgument:
+            assert caught.value.operation == "update_many"
     for layer in range(3):
         assert s.tokens(layer) == 0
 
