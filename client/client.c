@@ -12,6 +12,7 @@
 
 #include <errno.h>
 #include <float.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1634,36 +1635,6 @@ static int many_staged(zc_session *session, const zc_update *updates, size_t n,
 	return first;
 }
 
-/* Staged updates for which the daemon made no slot of the largest one's
- * size: each through a buffer of its own size, one at a time, so that only
- * the blocks it makes no buffer for are refused (with its reason). */
-static int many_one_by_one(zc_session *session, const zc_update *updates, size_t n,
-			   size_t *done)
-{
-	zc_client *client = session->client;
-	int first = 0;
-	char first_error[sizeof(client->last_error)];
-	for (size_t i = 0; i < n && !client->broken; i++) {
-		uint64_t key_bytes, value_bytes;
-		size_t slots = 1;
-		void *buffer = NULL;
-		block_bytes(session, updates[i].tokens, &key_bytes, &value_bytes);
-		int rc = many_staging(client, key_bytes + value_bytes, &slots, &buffer);
-		if (rc == 0)
-			rc = many_staged(session, updates + i, 1, buffer, key_bytes + value_bytes, 1,
-					 done);
-		if (rc < 0 && client->broken)
-			return rc;
-		if (rc < 0 && first == 0) {
-			first = rc;
-			memcpy(first_error, client->last_error, sizeof(first_error));
-		}
-	}
-	if (first < 0)
-		memcpy(client->last_error, first_error, sizeof(first_error));
-	return first;
-}
-
 int zc_update_many(zc_session *session, const zc_update *updates, size_t n, size_t *done)
 {
 	zc_client *client = session->client;
@@ -1688,14 +1659,18 @@ int zc_update_many(zc_session *session, const zc_update *updates, size_t n, size
 		}
 	int first = 0;
 	char first_error[sizeof(client->last_error)];
+	/* Staged blocks before this one go in runs of one: the daemon made no
+	 * buffer for their run's largest block, and each is refused or
+	 * applied as if sent alone. */
+	size_t alone_until = 0;
 	for (size_t i = 0; i < n && !client->broken;) {
 		/* A run of inline blocks (a window's worth), or of staged ones
 		 * (any number: only MANY_STAGED_AHEAD are in flight). */
 		uint64_t key_bytes, value_bytes, slot_bytes = 0;
 		block_bytes(session, updates[i].tokens, &key_bytes, &value_bytes);
 		bool inline_ = key_bytes + value_bytes <= limit;
-		size_t count = 0;
-		while (i + count < n && (!inline_ || count < client->window)) {
+		size_t count = 0, most = inline_ ? client->window : i < alone_until ? 1 : SIZE_MAX;
+		while (i + count < n && count < most) {
 			block_bytes(session, updates[i + count].tokens, &key_bytes, &value_bytes);
 			uint64_t bytes = key_bytes + value_bytes;
 			if ((bytes <= limit) != inline_)
@@ -1712,11 +1687,13 @@ int zc_update_many(zc_session *session, const zc_update *updates, size_t n, size
 			size_t slots = count < MANY_STAGED_AHEAD ? count : MANY_STAGED_AHEAD;
 			void *buffer = NULL;
 			rc = many_staging(client, slot_bytes, &slots, &buffer);
+			if (rc < 0 && count > 1 && !client->broken) {
+				alone_until = i + count;
+				continue;
+			}
 			if (rc == 0)
 				rc = many_staged(session, updates + i, count, buffer, slot_bytes,
 						 slots, &applied);
-			else if (!client->broken)
-				rc = many_one_by_one(session, updates + i, count, &applied);
 		}
 		if (rc < 0 && first == 0) {
 			first = rc;
