@@ -1684,7 +1684,10 @@ int zc_update_many(zc_session *session, const zc_update *updates, size_t n, size
 		if (inline_) {
 			rc = many_inline(session, updates + i, count, &applied);
 		} else {
-			size_t slots = count < MANY_STAGED_AHEAD ? count : MANY_STAGED_AHEAD;
+			/* No more in flight than the client's window either. */
+			size_t ahead = client->window < MANY_STAGED_AHEAD ? client->window :
+									    MANY_STAGED_AHEAD;
+			size_t slots = count < ahead ? count : ahead;
 			void *buffer = NULL;
 			rc = many_staging(client, slot_bytes, &slots, &buffer);
 			if (rc < 0 && count > 1 && !client->broken) {

@@ -671,7 +671,8 @@ END_TEST
  * each the size of the largest block, whatever their number: the buffer
  * stays that size, and a daemon whose --max-staging-bytes holds one slot
  * but not two still takes every block, one at a time. */
-static void update_many_staged_run(const char *max_staging, uint64_t most_slots)
+static void update_many_staged_run(const char *max_staging, uint64_t most_slots,
+				   unsigned window)
 {
 	struct service service;
 	zc_session_config config = shaped_config("slots", 4, 1, 8, 128, 128, 8192,
@@ -690,6 +691,7 @@ static void update_many_staged_run(const char *max_staging, uint64_t most_slots)
 		service_start(&service, NULL);
 	/* Only the staging buffer in the uid's staging bytes. */
 	ck_assert_int_eq(zc_client_set_async_ring(service.client, 0), 0);
+	ck_assert_int_eq(zc_client_set_async_window(service.client, window), 0);
 	zc_session *session = open_session(service.client, &config);
 	model_init(&model, &config);
 	rng_seed(&rng, 515);
@@ -723,14 +725,22 @@ static void update_many_staged_run(const char *max_staging, uint64_t most_slots)
 
 START_TEST(update_many_stages_through_two_slots)
 {
-	update_many_staged_run(NULL, 2);
+	update_many_staged_run(NULL, 2, ZC_ASYNC_WINDOW);
+}
+END_TEST
+
+/* The client's window bounds the staged blocks in flight too: with a
+ * window of one, one slot. */
+START_TEST(update_many_keeps_to_a_window_of_one)
+{
+	update_many_staged_run(NULL, 1, 1);
 }
 END_TEST
 
 START_TEST(update_many_takes_one_slot_where_two_are_refused)
 {
 	/* 1.5 MiB: one block of up to 1.3 MiB, not two. */
-	update_many_staged_run("1572864", 1);
+	update_many_staged_run("1572864", 1, ZC_ASYNC_WINDOW);
 }
 END_TEST
 
@@ -944,6 +954,7 @@ static Suite *async_decode_suite(void)
 	tcase_add_test(async, async_refusals_name_the_request);
 	tcase_add_test(async, update_many_prefills_through_staging);
 	tcase_add_test(async, update_many_stages_through_two_slots);
+	tcase_add_test(async, update_many_keeps_to_a_window_of_one);
 	tcase_add_test(async, update_many_takes_one_slot_where_two_are_refused);
 	tcase_add_test(async, update_many_says_so_when_no_slot_fits);
 	tcase_add_test(async, update_many_refuses_only_the_block_no_slot_fits);

@@ -583,7 +583,8 @@ int zc_client_async_ring(const zc_client *client, size_t *bytes, uint64_t *doorb
  * the next is copied and reads it while it is still in cache, and the
  * buffer stays two blocks large however many there are (one slot, one
  * block at a time, where the daemon makes no buffer of two: its
- * --max-staging-bytes, the uid's staging quota or its memory). Each
+ * --max-staging-bytes, the uid's staging quota or its memory; or where
+ * the client's async window is 1). Each
  * block is applied or refused on its own, as if sent alone: a refused
  * one does not hold back those after it (blocks for which no staging
  * buffer could be had are refused with the daemon's reason). *done: how
