@@ -66,7 +66,9 @@ class ZipCacheError(Exception):
         return f"{head}{detail} [{self.status}, {self.name}]"
 
     def __reduce__(self):  # keep pickling (multiprocessing) working
-        return (error_from_code, (self.code, self.message, self.operation))
+        # The instance's dict goes along: what a call added after the
+        # error was made (update_many's ``applied``) survives the trip.
+        return (error_from_code, (self.code, self.message, self.operation), dict(self.__dict__))
 
 
 class InvalidArgument(ZipCacheError, ValueError):

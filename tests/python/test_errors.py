@@ -209,3 +209,8 @@ def test_error_classes_follow_the_status():
     import pickle
     e = pickle.loads(pickle.dumps(zipcache.error_from_code(_lib.ZC_ENOTFOUND, "gone", "stats")))
     assert isinstance(e, zipcache.NotFound) and e.message == "gone"
+    refused = zipcache.error_from_code(_lib.ZC_EINVALID, "layer 1: Inf", "update_many")
+    refused.applied = 3
+    e = pickle.loads(pickle.dumps(refused))
+    assert isinstance(e, zipcache.InvalidArgument) and e.applied == 3
+    assert e.operation == "update_many" and str(e) == str(refused)
