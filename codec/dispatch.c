@@ -148,6 +148,48 @@ const struct codec_kernels *codec_kernels_active(void)
 	return kernels;
 }
 
+/* Intel's hosts write a prefill's views 7-10 % faster with non-temporal
+ * stores, AMD's Zen 4 4-13 % slower (docs/BENCHMARKS.md), and no probe
+ * at start tells them apart: a streaming probe runs them faster on both. */
+static bool cpu_is_intel(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+	unsigned eax, ebx, ecx, edx;
+	/* "GenuineIntel", in EBX, EDX, ECX. */
+	return __get_cpuid(0, &eax, &ebx, &ecx, &edx) && ebx == 0x756e6547u &&
+	       edx == 0x49656e69u && ecx == 0x6c65746eu;
+#else
+	return false;
+#endif
+}
+
+/* 0: not decided yet, 1: plain, 2: stream. */
+static _Atomic int view_stores;
+
+bool codec_views_stream(void)
+{
+	/* Two threads may both decide; they store the same answer. */
+	int c = atomic_load(&view_stores);
+	if (c == 0) {
+		const char *wanted = getenv("ZC_CODEC_VIEW_STORES");
+		bool stream = cpu_is_intel();
+		if (wanted && strcmp(wanted, "stream") == 0)
+			stream = true;
+		else if (wanted && strcmp(wanted, "plain") == 0)
+			stream = false;
+		else if (wanted && *wanted)
+			fprintf(stderr, "zipcache: ignoring unknown ZC_CODEC_VIEW_STORES=%s\n", wanted);
+		c = stream ? 2 : 1;
+		atomic_store(&view_stores, c);
+	}
+	return c == 2;
+}
+
+void codec_views_stream_override(int stream)
+{
+	atomic_store(&view_stores, stream < 0 ? 0 : stream ? 2 : 1);
+}
+
 void codec_kernels_override(const struct codec_kernels *kernels)
 {
 	if (!kernels)

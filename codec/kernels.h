@@ -16,10 +16,14 @@
 #include <stdint.h>
 
 /* Where group_encode also writes the rows' reconstruction: row r of the
- * call at at + rows[r]*token_stride. */
+ * call at at + rows[r]*token_stride. stream: whole rows may be written
+ * with non-temporal stores (every row on cache lines, a block too large
+ * to be read back from cache, codec_views_stream()); the caller fences
+ * them before the view is read. */
 struct codec_view {
 	uint16_t *at;
 	size_t token_stride;
+	bool stream;
 };
 
 struct codec_kernels {
@@ -81,6 +85,13 @@ extern const struct codec_kernels codec_kernels_avx512_vbmi;
 
 /* The table in use; chosen once by zc_codec_init(). */
 const struct codec_kernels *codec_kernels_active(void);
+
+/* Whether a large block's views, written in the encode's pass, go by
+ * non-temporal stores: ZC_CODEC_VIEW_STORES=stream|plain, else the
+ * default of this CPU's vendor (docs/CODEC.md, "Writing views"). */
+bool codec_views_stream(void);
+/* For tests only: 1 stream, 0 plain, -1 the choice above. */
+void codec_views_stream_override(int stream);
 
 /* For tests only: makes `kernels` the active table (NULL: the choice of
  * zc_codec_init()); the caller vouches that the CPU can run it. */

@@ -961,11 +961,14 @@ lines_prefetch(uintptr_t at, size_t bytes, bool write)
 static inline __attribute__((always_inline)) VBMI void
 rows_ahead(const uint16_t *head, size_t dim, size_t c0, uint16_t *view_at, size_t view_stride,
 	   size_t span_bytes, const uint32_t *rows, size_t n_rows, const struct next_group *next,
-	   size_t r)
+	   size_t r, bool stream)
 {
 	lines_prefetch((uintptr_t)(head + c0) +
 			       ((size_t)rows[r] + INPUT_AHEAD_TOKENS) * dim * sizeof(uint16_t),
 		       span_bytes, false);
+	/* Non-temporal stores read no line for ownership. */
+	if (stream)
+		return;
 	size_t ahead = r + VIEW_AHEAD_ROWS;
 	if (ahead < n_rows)
 		lines_prefetch((uintptr_t)(view_at + (size_t)rows[ahead] * view_stride), span_bytes,
@@ -978,12 +981,13 @@ rows_ahead(const uint16_t *head, size_t dim, size_t c0, uint16_t *view_at, size_
 /* `full`: the pass has all ENCODE_VECTORS vectors whole, so no load or
  * store needs a mask. The view is written as recon_emit16 would from the
  * packed stream: the same params, the same FMA, the same clamp. Plain
- * stores, their lines asked for ahead (rows_ahead): non-temporal ones
- * measured no faster here (docs/BENCHMARKS.md). */
+ * stores, their lines asked for ahead (rows_ahead), or with `stream` (a
+ * full pass: whole lines, in order) non-temporal ones, where
+ * codec_views_stream() says they are faster. */
 static inline __attribute__((always_inline)) VBMI void
 encode_row(const struct encode_params *p, const struct encode_tables *t, enum pack_kind kind,
 	   const uint16_t *row, uint8_t *dst, bool two, const __mmask64 store[2], int fixed_bits,
-	   bool full, enum view_kind vk, uint16_t *view_row)
+	   bool full, enum view_kind vk, uint16_t *view_row, bool stream)
 {
 	_Pragma("GCC unroll 2")
 	for (int h = 0; h < 2; h++) {
@@ -1001,7 +1005,7 @@ encode_row(const struct encode_params *p, const struct encode_tables *t, enum pa
 			if (vk != VIEW_NONE && (full || p->mask[u]))
 				recon_emit16(view_row + 16 * u, q[v], p->scale[u], p->min[u],
 					     full ? (__mmask16)0xffff : p->mask[u],
-					     vk == VIEW_CLAMPED, false);
+					     vk == VIEW_CLAMPED, stream);
 		}
 		__m512i packed = pack64(t, kind, q[0], q[1], q[2], q[3]);
 		uint8_t *at = dst + (size_t)h * 8 * (size_t)t->bits;
@@ -1032,18 +1036,19 @@ encode_rows(const struct encode_params *p, const struct encode_tables *t, enum p
 	uint16_t *view_at = vk != VIEW_NONE ? view->at + c0 : NULL;
 	size_t view_stride = vk != VIEW_NONE ? view->token_stride : 0;
 	size_t span_bytes = count * sizeof(uint16_t);
+	bool stream = full && vk != VIEW_NONE && view->stream;
 	/* encode_row's arguments from `row` on, for listed row r. */
 #define ROW(r) head + (size_t)rows[r] * dim + c0, out + (r) * row_bytes, two, store, fixed_bits, \
-	full, vk, vk != VIEW_NONE ? view_at + (size_t)rows[r] * view_stride : NULL
+	full, vk, vk != VIEW_NONE ? view_at + (size_t)rows[r] * view_stride : NULL, stream
 #define AHEAD(r)                                                                               \
 	do {                                                                                   \
 		if (vk != VIEW_NONE)                                                           \
 			rows_ahead(head, dim, c0, view_at, view_stride, span_bytes, rows, n_rows, \
-				   next, r);                                                   \
+				   next, r, stream);                                           \
 	} while (0)
 	/* The group's first rows' views (the previous group asked for them,
 	 * unless this is a subset's first). */
-	for (size_t w = 0; vk != VIEW_NONE && w < VIEW_AHEAD_ROWS && w < n_rows; w++)
+	for (size_t w = 0; vk != VIEW_NONE && !stream && w < VIEW_AHEAD_ROWS && w < n_rows; w++)
 		lines_prefetch((uintptr_t)(view_at + (size_t)rows[w] * view_stride), span_bytes,
 			       true);
 	if (next->n_rows) {

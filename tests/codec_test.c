@@ -1969,7 +1969,9 @@ static size_t simd_tables(const struct codec_kernels **tables)
  * - zc_block_reconstruct of 512 KiB or more goes through non-temporal
  *   stores where rows start on cache lines (codec/block.c);
  * - zc_block_compress_view writes the reconstruction in the encode's pass
- *   where rows are whole bytes, else from the payload.
+ *   where rows are whole bytes, else from the payload; by plain stores,
+ *   and by non-temporal ones where rows start on cache lines and the
+ *   block is 512 KiB or more (codec_views_stream: both are tried).
  * Either must give exactly the scalar kernels' reconstruction of the
  * bytes zc_block_compress gives.
  */
@@ -2004,8 +2006,11 @@ static void check_view_writes(const zc_codec_config *config, zc_tensor tensor, u
 					   layout.total_bytes), (int64_t)layout.total_bytes);
 	ck_assert_int_eq(zc_block_reconstruct(config, tensor, &shape, compressed,
 					      layout.total_bytes, expected, &contiguous), 0);
-	for (size_t k = 0; k < n_tables; k++) {
-		codec_kernels_override(tables[k]);
+	for (size_t k = 0; k < 2 * n_tables; k++) {
+		if (!fused && k % 2)
+			continue;   /* reconstruct's streams are its own */
+		codec_kernels_override(tables[k / 2]);
+		codec_views_stream_override((int)(k % 2));
 		for (uint32_t shift = 0; shift < 2; shift++) {
 			uint16_t *out = view + slack + shift;
 			for (size_t v = 0; v < view_elements; v++)
@@ -2019,8 +2024,9 @@ static void check_view_writes(const zc_codec_config *config, zc_tensor tensor, u
 						 (int64_t)layout.total_bytes);
 				REQUIRE(memcmp(bytes, compressed, layout.total_bytes) == 0 &&
 						bytes[layout.total_bytes] == 0xa5,
-					"compress_view [%s]: bytes differ from zc_block_compress",
-					tables[k]->name);
+					"compress_view [%s, %s stores]: bytes differ from "
+					"zc_block_compress", tables[k / 2]->name,
+					k % 2 ? "streamed" : "plain");
 			} else {
 				ck_assert_int_eq(zc_block_reconstruct(config, tensor, &shape,
 								      compressed,
@@ -2037,15 +2043,17 @@ static void check_view_writes(const zc_codec_config *config, zc_tensor tensor, u
 					expected[(head * tokens + token) * head_dim + channel] :
 					sentinel;
 				REQUIRE(view[v] == want,
-					"%s [%s] hi %d lo %d S %u D %u shift %u: token %zu head %zu "
-					"channel %zu expected 0x%04x got 0x%04x",
-					fused ? "compress_view" : "streamed", tables[k]->name,
+					"%s [%s, %s stores] hi %d lo %d S %u D %u shift %u: token %zu "
+					"head %zu channel %zu expected 0x%04x got 0x%04x",
+					fused ? "compress_view" : "streamed", tables[k / 2]->name,
+					k % 2 ? "streamed" : "plain",
 					config->hi_bits, config->lo_bits, tokens, head_dim, shift,
 					token, head, channel, want, view[v]);
 			}
 		}
 	}
 	codec_kernels_override(NULL);
+	codec_views_stream_override(-1);
 	free(input);
 	free(compressed);
 	free(bytes);
