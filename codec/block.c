@@ -228,7 +228,7 @@ static int64_t block_compress(const zc_codec_config *config, zc_tensor tensor,
 	const struct codec_kernels *kernels = codec_kernels_active();
 	zc_block_layout layout;
 	struct compress_scratch scratch;
-	bool streamed = false;
+	bool stream = false;
 	int rc = zc_block_layout_compute(config, tensor, shape, &layout);
 
 	if (rc < 0)
@@ -267,7 +267,7 @@ static int64_t block_compress(const zc_codec_config *config, zc_tensor tensor,
 	if (rc < 0)
 		goto out_free;
 
-	bool stream = view && !layout.exact && reconstruct_streams(&layout) && codec_views_stream();
+	stream = view && !layout.exact && reconstruct_streams(&layout) && codec_views_stream();
 	for (size_t h = 0; h < layout.heads; h++) {
 		const uint16_t *head = input + head_offset(input_strides, shape, h);
 		uint8_t *payload = (uint8_t *)out + h * layout.head_bytes;
@@ -276,7 +276,6 @@ static int64_t block_compress(const zc_codec_config *config, zc_tensor tensor,
 			head_view.at = view + head_offset(view_strides, shape, h);
 			head_view.token_stride = view_strides->token;
 			head_view.stream = stream && rows_on_lines(head_view.at, head_view.token_stride);
-			streamed |= head_view.stream;
 		}
 		if (layout.exact) {
 			memcpy(payload, head, layout.head_bytes);
@@ -295,7 +294,7 @@ static int64_t block_compress(const zc_codec_config *config, zc_tensor tensor,
 out_free:
 	/* A view written by non-temporal stores is in memory, in order with
 	 * what this thread stores next, only after the fence. */
-	if (streamed)
+	if (stream)
 		stores_fence();
 	scratch_free(&scratch);
 	return rc < 0 ? rc : (int64_t)layout.total_bytes;

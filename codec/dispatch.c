@@ -148,9 +148,9 @@ const struct codec_kernels *codec_kernels_active(void)
 	return kernels;
 }
 
-/* Intel's hosts write a prefill's views 7-10 % faster with non-temporal
- * stores, AMD's Zen 4 4-13 % slower (docs/BENCHMARKS.md), and no probe
- * at start tells them apart: a streaming probe runs them faster on both. */
+/* Intel's hosts write a prefill's views faster with non-temporal stores,
+ * AMD's Zen 4 slower (docs/CODEC.md, "Writing views"), and no probe at
+ * start tells them apart: a streaming probe runs them faster on both. */
 static bool cpu_is_intel(void)
 {
 #if defined(__x86_64__) || defined(__i386__)
