@@ -2071,6 +2071,50 @@ static const int view_widths[][2] = { { 4, 2 }, { 1, 1 }, { 2, 2 }, { 3, 3 }, { 
 				      { 5, 5 }, { 6, 6 }, { 7, 7 }, { 8, 8 }, { 8, 3 } };
 static const uint32_t view_head_dims[] = { 128, 96, 100, 256, 20 };
 
+/* ZC_CODEC_VIEW_STORES picks the views' stores over the CPU's vendor;
+ * an unknown value is ignored (the vendor's default stands) and said so
+ * on stderr, a known one silently taken (which tells "plain" from an
+ * ignored value where plain is the vendor's default). */
+START_TEST(test_view_stores_choice)
+{
+	unsetenv("ZC_CODEC_VIEW_STORES");
+	codec_views_stream_override(-1);
+	bool vendor = codec_views_stream();
+	static const struct {
+		const char *value;
+		int stream;   /* -1: unknown, the vendor's default */
+	} cases[] = { { "stream", 1 }, { "plain", 0 }, { "", -2 }, { "fast", -1 }, { "Stream", -1 } };
+	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+		FILE *said = tmpfile();
+		ck_assert_ptr_nonnull(said);
+		fflush(stderr);
+		int saved = dup(STDERR_FILENO);
+		ck_assert_int_ge(saved, 0);
+		ck_assert_int_ge(dup2(fileno(said), STDERR_FILENO), 0);
+		setenv("ZC_CODEC_VIEW_STORES", cases[i].value, 1);
+		codec_views_stream_override(-1);
+		bool stream = codec_views_stream();
+		fflush(stderr);
+		dup2(saved, STDERR_FILENO);
+		close(saved);
+		char text[256] = "";
+		rewind(said);
+		size_t got = fread(text, 1, sizeof text - 1, said);
+		text[got] = '\0';
+		fclose(said);
+		/* -2: empty, as if unset: the default, nothing said. */
+		bool want = cases[i].stream < 0 ? vendor : cases[i].stream == 1;
+		REQUIRE(stream == want, "ZC_CODEC_VIEW_STORES=\"%s\": %s stores", cases[i].value,
+			stream ? "streamed" : "plain");
+		bool warned = strstr(text, "ignoring unknown ZC_CODEC_VIEW_STORES") != NULL;
+		REQUIRE(warned == (cases[i].stream == -1), "ZC_CODEC_VIEW_STORES=\"%s\": stderr \"%s\"",
+			cases[i].value, text);
+	}
+	unsetenv("ZC_CODEC_VIEW_STORES");
+	codec_views_stream_override(-1);
+}
+END_TEST
+
 START_TEST(test_streamed_reconstruction)
 {
 	zc_codec_config values;
@@ -3357,6 +3401,7 @@ static Suite *numerics_suite(void)
 	tcase_add_test(edges, test_nonfinite_rejected);
 	suite_add_tcase(suite, edges);
 	tcase_add_test(targets, test_strided_reconstruction);
+	tcase_add_test(targets, test_view_stores_choice);
 	tcase_add_test(targets, test_streamed_reconstruction);
 	tcase_add_test(targets, test_compress_view);
 	tcase_add_test(targets, test_compress_view_scored);
